@@ -1,0 +1,282 @@
+"""AsyncLLMEngine: the engine's step loop on a background thread, asyncio on the outside.
+
+One ``LLMEngine`` per replica is driven by one daemon thread (the *engine
+thread*). Everything that touches the engine (``add_request``,
+``abort_request``, ``step``) runs on that thread only, so the engine needs no
+locking of its own; callers on the asyncio side post commands to a small
+queue guarded by a lock and condition variable and get their answers back
+through ``loop.call_soon_threadsafe``. The thread sleeps on the condition when
+no request is unfinished and no command is pending (0 % CPU when idle).
+
+Outputs of each step are routed to per-request ``asyncio.Queue`` objects on
+the caller's event loop. ``generate`` is an async generator: when its consumer
+stops early (client disconnect, task cancellation, ``aclose``), its
+``finally`` posts an abort, which frees the request's batch slot and KV cache
+before the next step.
+
+Every engine step also appends one row (``configs.metric_names.STEP_LOG_COLUMNS``)
+to a bounded in-memory ring buffer (``step_log``) and hands it to an optional
+``step_sink`` callback (the Serve deployment uses it for Prometheus and for
+the central step-log store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from actors.types import RequestOutput, SamplingParams, SpecStats
+from configs import metric_names as mn
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STEP_LOG_CAPACITY = 8192   # rows kept per replica (about 1 MB of dicts)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a crash); no request can be served."""
+
+
+@dataclass
+class _Command:
+    kind: str                      # "add" | "abort"
+    request_id: str
+    prompt: Any = None
+    params: SamplingParams | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Set a future's outcome unless its waiter was cancelled meanwhile (runs on the loop)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class AsyncLLMEngine:
+    """Asyncio front of one synchronous engine (``actors.engine.LLMEngine`` or any
+    object with the same API: add_request, abort_request, step,
+    has_unfinished_requests, num_waiting, num_running, on_step, max_model_len).
+
+    engine: the synchronous engine, owned by this object from now on.
+    step_log_capacity: rows kept in the ring buffer (older rows are dropped).
+    step_sink: called on the engine thread with each step row (keep it cheap;
+    exceptions are logged and swallowed).
+    """
+
+    def __init__(self, engine: Any, *, step_log_capacity: int = DEFAULT_STEP_LOG_CAPACITY,
+                 step_sink: Callable[[dict], None] | None = None):
+        self.engine = engine
+        self._cv = threading.Condition(threading.Lock())
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
+        self._stop = False
+        self._error: BaseException | None = None
+        self._step_log: collections.deque[dict] = collections.deque(maxlen=step_log_capacity)
+        self._step_seq = 0
+        self._step_sink = step_sink
+        engine.on_step = self._on_step
+        self._thread = threading.Thread(target=self._run, name="specload-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: Any, **kwargs) -> "AsyncLLMEngine":
+        """Build the real engine from an ``EngineConfig`` and wrap it.
+
+        Sets torch's intra-op threads to ``config.torch_threads`` first (when
+        given) so several replicas on one CPU box do not oversubscribe the cores.
+        """
+        import torch
+
+        from actors.engine import LLMEngine
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        return cls(LLMEngine(config), **kwargs)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self.engine.num_waiting)
+
+    @property
+    def num_running(self) -> int:
+        return int(self.engine.num_running)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._stop
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine thread is gone."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine thread stopped: {self._error!r}")
+
+    # ------------------------------------------------------------ public API
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Admit a request; return (num prompt tokens, its output queue).
+
+        Raises what the engine raises (ValueError naming the field,
+        QueueFullError) and EngineDeadError. Waits at most one engine step
+        (commands are applied between steps).
+        """
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        fut = loop.create_future()
+        self._post(_Command("add", request_id, prompt, params, loop, fut), stream)
+        try:
+            n = await fut
+        except asyncio.CancelledError:
+            # The add may already be applied: undo it (commands run in order).
+            self.abort(request_id)
+            raise
+        return n, stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); safe from any thread."""
+        self._post(_Command("abort", request_id))
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas; the last one has ``finished`` True.
+
+        The request is admitted before the first item is produced, so errors
+        of ``add_request`` surface on the first ``__anext__``. If the consumer
+        stops early the request is aborted (slot and KV cache freed).
+        """
+        _, queue = await self.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def step_log(self, since_seq: int = -1, since_ts: float | None = None,
+                 limit: int | None = None) -> list[dict]:
+        """Rows of the ring buffer with ``seq > since_seq`` and ``ts > since_ts``
+        (unix seconds), oldest first, at most ``limit`` (the newest ones)."""
+        rows = list(self._step_log)   # deque copy is atomic enough under the GIL
+        rows = [r for r in rows if r["seq"] > since_seq
+                and (since_ts is None or r.get(mn.STEP_TS, 0.0) > since_ts)]
+        if limit is not None:
+            rows = rows[-limit:] if limit > 0 else []
+        return rows
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread (unfinished requests get an EngineDeadError)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------ engine thread
+    def _post(self, cmd: _Command, stream: _Stream | None = None) -> None:
+        with self._cv:
+            if stream is not None:
+                cmd.stream = stream  # type: ignore[attr-defined]
+            self._commands.append(cmd)
+            self._cv.notify()
+
+    def _on_step(self, row: dict) -> None:
+        self._step_seq += 1
+        row = dict(row, seq=self._step_seq)
+        self._step_log.append(row)
+        if self._step_sink is not None:
+            try:
+                self._step_sink(row)
+            except Exception:  # a metrics problem must never stop decoding
+                logger.exception("step_sink failed")
+
+    def _deliver(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:   # the caller's loop is closed: nobody is listening
+            pass
+
+    def _apply(self, cmd: _Command) -> None:
+        if cmd.kind == "abort":
+            stream = self._streams.pop(cmd.request_id, None)
+            self.engine.abort_request(cmd.request_id)
+            if stream is not None:
+                self._deliver(stream, RequestOutput(
+                    cmd.request_id, [], "", True, "abort", 0, 0, SpecStats()))
+            return
+        try:
+            n = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+        except Exception as exc:  # ValueError, QueueFullError: the caller's problem
+            cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, exc)
+            return
+        self._streams[cmd.request_id] = cmd.stream  # type: ignore[attr-defined]
+        cmd.loop.call_soon_threadsafe(_resolve, cmd.future, n, None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while (not self._stop and not self._commands
+                           and not self.engine.has_unfinished_requests()):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for cmd in commands:
+                    self._apply(cmd)
+                if not self.engine.has_unfinished_requests():
+                    continue
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                    if stream is not None:
+                        self._deliver(stream, out)
+        except BaseException as exc:  # noqa: BLE001 - report to every waiter, then die
+            logger.exception("engine thread crashed")
+            self._error = exc
+        finally:
+            self._fail_all(self._error or EngineDeadError("engine shut down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"engine step failed: {exc!r}")
+        with self._cv:
+            self._stop = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for cmd in commands:
+            if cmd.kind == "add":
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, dead)
+        for stream in self._streams.values():
+            self._deliver(stream, dead)
+        self._streams.clear()
+

@@ -1,0 +1,68 @@
+"""Engine configuration (pydantic, unknown keys are errors).
+
+One ``EngineConfig`` per deployment; ``strategy`` selects the proposer and
+``strategy_options`` holds that proposer's own knobs (validated by the
+proposer's options model, see ``actors.proposers.registry``). The same dict
+drops into a Ray Serve ``user_config`` / deployment arg and into tier files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGET = REPO_ROOT / "models" / "target"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "draft"
+
+
+class EngineConfig(BaseModel):
+    """Settings of one engine (one replica).
+
+    max_num_seqs: cap on running requests (KV slots). max_num_batched_tokens:
+    per-step token budget shared by prefill chunks and verification tokens
+    (vLLM's name). max_model_len: prompt + output tokens per request.
+    num_speculative_tokens: k, the most draft tokens per request per step.
+    max_waiting: queue length beyond which ``add_request`` raises QueueFullError.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: str = "autoregressive"
+    model: str = str(DEFAULT_TARGET)
+    draft_model: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(32, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    max_model_len: int | None = Field(None, ge=16)
+    num_speculative_tokens: int = Field(4, ge=0, le=64)
+    max_waiting: int = Field(1024, ge=0)
+    torch_threads: int | None = Field(None, ge=1)
+    replica_id: str = "0"
+    strategy_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        from actors.proposers.registry import PROPOSERS
+
+        if self.strategy not in PROPOSERS:
+            raise ValueError(f"strategy {self.strategy!r} is unknown; expected one of "
+                             f"{sorted(PROPOSERS)}")
+        return self
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,299 @@
+"""The batched speculative decoding engine (one per replica).
+
+One step = { schedule -> propose (drafter, batched) -> verify (ONE target
+forward over every running request's ``[last token, drafts...]``, ragged
+draft lengths padded) -> accept (shared verifier) -> KV rollback (lower the
+cached length) -> stream accepted tokens } plus one forward for prefill
+chunks. Every step appends a row to the step log (``on_step``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from actors.config import EngineConfig
+from actors.model import CausalLM
+from actors.proposers.registry import get_proposer_class
+from actors.runner import ModelRunner, RowInput
+from actors.sampling import make_generator, process_logits, sample
+from actors.scheduler import Request, Scheduler
+from actors.types import ProposeInput, RequestOutput, SamplingParams
+from actors.verifier import verify
+from configs import metric_names as M
+
+
+class QueueFullError(RuntimeError):
+    """Raised by ``add_request`` when ``max_waiting`` requests already wait (HTTP 429)."""
+
+
+class LLMEngine:
+    """Continuous-batching engine with a pluggable proposer.
+
+    Raises ValueError (naming the field) from ``add_request`` on bad input; a
+    bad request never touches the running batch.
+    """
+
+    def __init__(self, config: EngineConfig, on_step: Callable[[dict], None] | None = None):
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.device = config.resolved_device()
+        self.model = CausalLM.from_pretrained(config.model, device=self.device,
+                                              dtype=config.resolved_dtype())
+        mc = self.model.config
+        self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
+                                 mc.max_position_embeddings)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
+            else mc.eos_token_id
+        cls = get_proposer_class(config.strategy)
+        try:
+            options = cls.Options(**config.strategy_options)
+        except Exception as e:  # pydantic ValidationError -> name the section
+            raise ValueError(f"strategy_options for {config.strategy}: {e}") from e
+        self.proposer = cls(self.model, config.num_speculative_tokens, config.max_num_seqs,
+                            self.max_model_len, config.draft_model, options)
+        self.aux_layers = tuple(self.proposer.aux_layers)
+        self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
+                                  pad_id=self.eos_token_id or 0)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.num_speculative_tokens,
+                                   config.max_waiting)
+        self.requests: dict[str, Request] = {}
+        self.on_step = on_step
+
+    # -- request lifecycle ------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> int:
+        """Queue a request; returns its prompt length in tokens.
+
+        Raises ValueError naming the field (``prompt``, ``request_id``) for an
+        empty prompt, a prompt that leaves no room to generate within
+        ``max_model_len``, token ids out of the vocabulary, or a duplicate id;
+        QueueFullError when ``max_waiting`` requests already wait.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.model.config.vocab_size
+                   for t in ids):
+                raise ValueError(f"prompt token ids must be ints in [0, "
+                                 f"{self.model.config.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting "
+                                 f"(max_waiting={self.config.max_waiting})")
+        gen = None if params.greedy else make_generator(params.seed)
+        req = Request(request_id, ids, params, gen)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request, freeing its KV slot; unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.remove(request_id)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req.slot >= 0:
+            self.runner.free_slot(req.slot)
+            self.proposer.remove_request(req.request_id)
+            req.slot = -1
+
+    # -- the step ---------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns deltas for requests that emitted or finished."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(len(self.runner.free_slots))
+        for r in sched.admitted:
+            r.slot = self.runner.alloc_slot()
+            r.first_scheduled = t0
+            r.stats.queue_ms = (t0 - r.arrival) * 1e3
+            self.proposer.add_request(r.request_id, r.prompt_ids)
+        touched: list[Request] = []
+        draft_ms = verify_ms = 0.0
+        n_draft = n_acc = n_emit = ver_tokens = 0
+        if sched.decodes:
+            td = time.perf_counter()
+            reqs = [d.request for d in sched.decodes]
+            props = self.proposer.propose([
+                ProposeInput(r.request_id, r.all_ids, d.max_draft, r.params, r.generator)
+                for r, d in zip(reqs, sched.decodes)])
+            tv = time.perf_counter()
+            rows = []
+            for r, d, p in zip(reqs, sched.decodes, props):
+                if len(p.token_ids) > d.max_draft:
+                    raise RuntimeError(f"{self.proposer.name} proposed {len(p.token_ids)} "
+                                       f"tokens; at most {d.max_draft} were allowed")
+                rows.append(RowInput(r.slot, r.num_computed, [r.output_ids[-1]] + p.token_ids))
+            logits, aux = self.runner.run(rows, aux_layers=self.aux_layers)
+            for i, (r, p) in enumerate(zip(reqs, props)):
+                res = verify(logits[i], p.token_ids, p.probs, r.params, r.generator)
+                start = r.num_computed
+                committed = rows[i].token_ids[:1 + res.num_accepted]
+                r.num_computed += len(committed)  # rejected drafts: cache length rolls back
+                self.proposer.observe_target(
+                    r.request_id, start, committed,
+                    aux[i][:len(committed)] if aux is not None else None)
+                r.stats.record(len(p.token_ids), res.num_accepted)
+                n_draft += len(p.token_ids)
+                n_acc += res.num_accepted
+                ver_tokens += len(rows[i].token_ids)
+                n_emit += self._append(r, res.emitted)
+                touched.append(r)
+            te = time.perf_counter()
+            draft_ms, verify_ms = (tv - td) * 1e3, (te - tv) * 1e3
+            for r in reqs:
+                r.stats.draft_ms += draft_ms
+                r.stats.verify_ms += verify_ms
+        prefill_tokens = 0
+        if sched.prefills:
+            rows = [RowInput(p.request.slot, p.request.num_computed, p.chunk)
+                    for p in sched.prefills]
+            logits, aux = self.runner.run(rows, last_only=True, aux_layers=self.aux_layers)
+            for i, p in enumerate(sched.prefills):
+                r = p.request
+                start = r.num_computed
+                r.num_computed += len(p.chunk)
+                prefill_tokens += len(p.chunk)
+                self.proposer.observe_target(r.request_id, start, p.chunk,
+                                             aux[i] if aux is not None else None)
+                if not r.in_prefill:  # prompt done: the first output token
+                    probs = process_logits(logits[i][-1], r.params)
+                    tok = int(probs.argmax()) if r.params.greedy else int(
+                        sample(probs, r.generator))
+                    n_emit += self._append(r, [tok])
+                    touched.append(r)
+        outputs = [self._output(r) for r in touched]
+        for r in touched:
+            if r.finish_reason is not None:
+                self.requests.pop(r.request_id, None)
+                self.scheduler.remove(r.request_id)
+                self._release(r)
+        if self.on_step is not None and (sched.decodes or sched.prefills):
+            self.on_step({
+                M.STEP_TS: time.time(), M.STEP_STRATEGY: self.config.strategy,
+                M.STEP_REPLICA: self.config.replica_id, M.STEP_BATCH_SIZE: len(sched.decodes),
+                M.STEP_PREFILL_TOKENS: prefill_tokens, M.STEP_VERIFICATION_TOKENS: ver_tokens,
+                M.STEP_DRAFT_TOKENS: n_draft, M.STEP_ACCEPTED_TOKENS: n_acc,
+                M.STEP_EMITTED_TOKENS: n_emit, M.STEP_MS: (time.perf_counter() - t0) * 1e3,
+                M.STEP_DRAFT_MS: draft_ms, M.STEP_VERIFY_MS: verify_ms,
+                M.STEP_QUEUE_DEPTH: self.num_waiting})
+        return outputs
+
+    def _append(self, r: Request, tokens: list[int]) -> int:
+        """Append emitted tokens, applying EOS / max_tokens / context / stop strings.
+        Returns how many were kept."""
+        kept = 0
+        for t in tokens:
+            r.output_ids.append(t)
+            kept += 1
+            if t == self.eos_token_id and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            if len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "length"
+                break
+            if len(r.all_ids) >= self.max_model_len:
+                r.finish_reason = "length"
+                break
+        ids = r.output_ids
+        if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop":
+            ids = ids[:-1]  # EOS is not part of the text
+        text = self.tokenizer.decode(ids)
+        if r.params.stop:
+            hit = self._find_stop(text, r.params.stop, max(0, len(r.text) - 64))
+            if hit is not None:
+                text = text[:hit]
+                # keep the shortest id prefix whose text reaches the stop string
+                for j in range(len(r.output_ids) - kept + 1, len(r.output_ids) + 1):
+                    if self._find_stop(self.tokenizer.decode(r.output_ids[:j]), r.params.stop,
+                                       0) is not None:
+                        kept -= len(r.output_ids) - j
+                        del r.output_ids[j:]
+                        break
+                r.finish_reason = "stop"
+        r.text = text
+        return kept
+
+    @staticmethod
+    def _find_stop(text: str, stops: tuple[str, ...], frm: int) -> int | None:
+        hits = [i for i in (text.find(s, frm) for s in stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _output(self, r: Request) -> RequestOutput:
+        finished = r.finish_reason is not None
+        text = r.text
+        end = len(text)
+        if not finished:
+            if text.endswith("\ufffd"):
+                end = len(text.rstrip("\ufffd"))  # hold back an incomplete UTF-8 character
+            if r.params.stop:  # hold back what may be the start of a stop string
+                end = max(0, end - max(len(s) for s in r.params.stop) + 1)
+        new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
+        r.sent_chars = max(r.sent_chars, end)
+        new_ids = r.output_ids[r.sent_tokens:]
+        r.sent_tokens = len(r.output_ids)
+        return RequestOutput(r.request_id, new_ids, new_text, finished, r.finish_reason,
+                             len(r.prompt_ids), len(r.output_ids), r.stats)
+
+
+def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],
+                 batch_size: int = 1, arrival_steps: list[int] | None = None
+                 ) -> dict[str, dict]:
+    """Drive ``engine`` to completion (offline use: CLI, bench, tests).
+
+    At most ``batch_size`` requests are in the engine at once; with
+    ``arrival_steps`` request i is not added before engine step
+    ``arrival_steps[i]`` (staggered arrivals). Returns id -> {token_ids, text,
+    finish_reason, stats (SpecStats)}.
+    """
+    pending = list(range(len(requests)))
+    results: dict[str, dict] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and len(engine.requests) < batch_size and (
+                arrival_steps is None or arrival_steps[pending[0]] <= step):
+            rid, prompt, params = requests[pending.pop(0)]
+            engine.add_request(rid, prompt, params)
+            results[rid] = {"token_ids": [], "text": "", "finish_reason": None, "stats": None}
+        for out in engine.step():
+            res = results[out.request_id]
+            res["token_ids"].extend(out.new_token_ids)
+            res["text"] += out.new_text
+            if out.finished:
+                res["finish_reason"] = out.finish_reason
+                res["stats"] = out.stats
+        step += 1
+    return results

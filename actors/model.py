@@ -1,0 +1,351 @@
+"""A Llama / Qwen2 / Qwen3 causal LM with a slot-based KV cache, in plain PyTorch.
+
+The engine runs its own implementation (rather than ``transformers``) so that a
+batched forward takes ragged per-request positions and writes K/V straight
+into a preallocated cache (gpt-fast's ``setup_caches`` idea), and so that a
+verification forward can return target hidden states for the DFlash family.
+Weights load from a local HF directory (``config.json`` + ``*.safetensors``)
+with HF parameter names; ``tests/test_model.py`` checks logits against
+``transformers`` on the same weights.
+
+Supported ``model_type``: ``llama``, ``qwen2`` (q/k/v bias), ``qwen3``
+(per-head q/k RMSNorm). Rotary embedding: default (``rope_scaling`` null).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of an HF ``config.json`` the engine needs (sizes in elements)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; expected one of "
+                f"{SUPPORTED_MODEL_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """Build from a parsed HF ``config.json``; raises ValueError on unsupported options."""
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type is {mt!r}; specload's engine runs {SUPPORTED_MODEL_TYPES}")
+        rs = d.get("rope_scaling")
+        if rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+            raise ValueError(f"rope_scaling {rs} is not supported (only the default rotary)")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0]
+        return cls(
+            model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", 10000.0),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", mt == "qwen2"),
+            eos_token_id=eos, bos_token_id=d.get("bos_token_id"), extra=d)
+
+    def to_hf_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update(
+            model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias, eos_token_id=self.eos_token_id,
+            bos_token_id=self.bos_token_id, hidden_act="silu", rope_scaling=None,
+            architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                            "qwen3": "Qwen3ForCausalLM"}[self.model_type]])
+        return d
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for rotary embedding (Su et al. 2021, HF ``rotate_half`` layout).
+
+    positions: [B, Q] int64 -> cos, sin: [B, 1, Q, head_dim].
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, Q, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, Q, D]; cos/sin: [B, 1, Q, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class KVCache:
+    """Preallocated per-slot K/V storage: ``k[layer]`` is [S, T, KVH, D].
+
+    A request owns one slot for its lifetime. Its valid length is kept by the
+    caller (the engine); positions past it hold stale values that attention
+    masks out and the next write overwrites, so rolling back rejected draft
+    tokens is just lowering the length (no copy).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype)
+                  for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype)
+                  for _ in range(cfg.num_hidden_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+
+@dataclass
+class BatchMeta:
+    """Where a padded batch sits in the cache.
+
+    slots: [B] int64 cache slot per row; starts: [B] int64 tokens already
+    cached per row (the first new token's position); kv_len: max over rows of
+    ``starts + Q`` (how much of the cache attention reads).
+    """
+
+    slots: torch.Tensor
+    starts: torch.Tensor
+    kv_len: int
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.h, self.kvh, self.d = h, kvh, d
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=b)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache_kv=None, meta: BatchMeta | None = None):
+        """x: [B, Q, H]; mask: bool [B, 1, Q, K] (True = attend) or None for causal."""
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.h, self.d)
+        k = self.k_proj(x).view(B, Q, self.kvh, self.d)
+        v = self.v_proj(x).view(B, Q, self.kvh, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if cache_kv is not None:
+            ck, cv = cache_kv
+            pos = meta.starts[:, None] + torch.arange(Q, device=x.device)  # [B, Q]
+            rows = meta.slots[:, None].expand(B, Q)
+            ck[rows, pos] = k.transpose(1, 2).to(ck.dtype)
+            cv[rows, pos] = v.transpose(1, 2).to(cv.dtype)
+            k = ck[meta.slots, :meta.kv_len].transpose(1, 2).to(q.dtype)
+            v = cv[meta.slots, :meta.kv_len].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.h != self.kvh)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache_kv=None, meta=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    """logits: [B, Q', V] (Q' = Q, or len(logits_index) rows); hidden: final-norm
+    hidden states [B, Q, H]; aux_hidden: concatenated outputs of ``aux_layers``
+    [B, Q, len(aux_layers) * H] or None."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux_hidden: torch.Tensor | None = None
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM with HF parameter names (``model.*``, ``lm_head``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- loading / saving -------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device="cpu",
+                        dtype: torch.dtype = torch.float32) -> "CausalLM":
+        """Load an HF directory. Raises FileNotFoundError / ValueError with the cause."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: --model must be a local HF model "
+                                    "directory holding config.json and *.safetensors")
+        cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        return model.to(dtype=dtype).eval()
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (HF layout) in ``dtype``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        d = self.config.to_hf_dict()
+        d["torch_dtype"] = str(dtype).replace("torch.", "")
+        (path / "config.json").write_text(json.dumps(d, indent=2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- forward ----------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, meta: BatchMeta | None = None,
+                logits_index: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run the model.
+
+        input_ids: [B, Q] int64. Without ``cache``: a plain causal forward from
+        position 0 (training). With ``cache`` + ``meta``: row b's tokens sit at
+        positions ``meta.starts[b] + j``; their K/V are written to slot
+        ``meta.slots[b]`` and attention reads that slot's first ``kv_len``
+        positions, masked causally per row (padded rows may hold garbage).
+        logits_index: optional [B, R] int64 positions (within Q) whose logits to
+        compute, saving the LM head elsewhere. aux_layers: layer indices whose
+        outputs are returned concatenated in ``aux_hidden`` (DFlash context).
+        """
+        B, Q = input_ids.shape
+        dev = input_ids.device
+        x = self.model.embed_tokens(input_ids)
+        if cache is None:
+            pos = positions if positions is not None else torch.arange(Q, device=dev).expand(B, Q)
+            mask = None
+        else:
+            pos = meta.starts[:, None] + torch.arange(Q, device=dev)
+            kpos = torch.arange(meta.kv_len, device=dev)
+            mask = (kpos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, K]
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            x = layer(x, cos, sin, mask, kv, meta)
+            if i in aux_layers:
+                aux.append(x)
+        h = self.model.norm(x)
+        hs = h if logits_index is None else torch.gather(
+            h, 1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
+        return ForwardOutput(self.lm_head(hs), h, torch.cat(aux, -1) if aux else None)

@@ -1,0 +1,19 @@
+"""``autoregressive``: the proposer that proposes nothing (the speedup baseline).
+
+Every step then verifies exactly one token per request (the bonus token), so
+the same batched loop does plain autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+from actors.proposers.base import Proposer
+from actors.types import DraftProposal, ProposeInput
+
+
+class AutoregressiveProposer(Proposer):
+    """No drafts: tau = 1 by construction."""
+
+    name = "autoregressive"
+
+    def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
+        return [DraftProposal(token_ids=[]) for _ in batch]

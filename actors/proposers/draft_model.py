@@ -1,0 +1,120 @@
+"""``draft_model``: a small LM drafts k tokens autoregressively, the target
+verifies them (speculative sampling: Leviathan et al. 2023, arXiv 2211.17192;
+Chen et al. 2023, arXiv 2302.01318).
+
+The draft model has its own KV cache (one slot per request). It remembers which
+token ids its cache holds; at each step the cache is rolled back to the
+longest prefix still in the request's sequence (rejected drafts drop out) and
+the missing tokens are fed in one catch-up forward before drafting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.model import CausalLM
+from actors.proposers.base import Proposer, ProposerOptions
+from actors.runner import ModelRunner, RowInput
+from actors.sampling import process_logits, sample
+from actors.types import DraftProposal, ProposeInput
+
+_CATCHUP_SPLIT = 8  # rows with more pending tokens (prefill) get their own forward
+
+
+class DraftModelOptions(ProposerOptions):
+    pass
+
+
+@dataclass
+class _DraftState:
+    slot: int
+    cached: list[int] = field(default_factory=list)  # token ids whose K/V is in the draft cache
+
+
+class DraftModelProposer(Proposer):
+    """Draft-model proposer; needs ``draft_model`` (a local HF dir, same tokenizer)."""
+
+    name = "draft_model"
+    Options = DraftModelOptions
+
+    def __init__(self, target, num_speculative_tokens, max_num_seqs, max_model_len,
+                 draft_model, options):
+        super().__init__(target, num_speculative_tokens, max_num_seqs, max_model_len,
+                         draft_model, options)
+        if not draft_model:
+            raise ValueError("strategy draft_model needs draft_model: a local HF model directory")
+        dtype = target.lm_head.weight.dtype
+        self.draft = CausalLM.from_pretrained(draft_model, device=target.device, dtype=dtype)
+        if self.draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft vocab {self.draft.config.vocab_size} != target vocab "
+                             f"{target.config.vocab_size}: the draft must share the tokenizer")
+        self.runner = ModelRunner(self.draft, max_num_seqs, max_model_len)
+        self.state: dict[str, _DraftState] = {}
+
+    def draft_params(self) -> int:
+        return self.draft.num_params()
+
+    def add_request(self, request_id, prompt_ids):
+        self.state[request_id] = _DraftState(slot=self.runner.alloc_slot())
+
+    def remove_request(self, request_id):
+        st = self.state.pop(request_id, None)
+        if st is not None:
+            self.runner.free_slot(st.slot)
+
+    def _pick(self, logits: torch.Tensor, r: ProposeInput):
+        """logits [V] -> (token, q [V] or None)."""
+        if r.params.greedy:
+            return int(logits.argmax()), None
+        q = process_logits(logits, r.params)
+        return int(sample(q, r.generator)), q
+
+    @torch.inference_mode()
+    def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
+        drafts: dict[int, list[int]] = {i: [] for i in range(len(batch))}
+        qs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(batch))}
+        active = [i for i, r in enumerate(batch) if r.max_draft > 0]
+        # 1) roll back to the common prefix and feed the missing tokens.
+        rows = {}
+        for i in active:
+            r, st = batch[i], self.state[batch[i].request_id]
+            n = 0
+            lim = min(len(st.cached), len(r.token_ids))
+            while n < lim and st.cached[n] == r.token_ids[n]:
+                n += 1
+            st.cached = st.cached[:n]
+            pending = r.token_ids[n:]
+            rows[i] = RowInput(st.slot, n, pending)
+            st.cached = list(r.token_ids)
+        for group in ([i for i in active if len(rows[i].token_ids) <= _CATCHUP_SPLIT],
+                      [i for i in active if len(rows[i].token_ids) > _CATCHUP_SPLIT]):
+            if not group:
+                continue
+            logits, _ = self.runner.run([rows[i] for i in group], last_only=True)
+            for i, lg in zip(group, logits):
+                tok, q = self._pick(lg[-1], batch[i])
+                drafts[i].append(tok)
+                if q is not None:
+                    qs[i].append(q)
+        # 2) draft one token at a time for requests that want more.
+        while True:
+            step = [i for i in active if len(drafts[i]) < batch[i].max_draft]
+            if not step:
+                break
+            rws = []
+            for i in step:
+                st = self.state[batch[i].request_id]
+                rws.append(RowInput(st.slot, len(st.cached), [drafts[i][-1]]))
+                st.cached.append(drafts[i][-1])
+            logits, _ = self.runner.run(rws, last_only=True)
+            for i, lg in zip(step, logits):
+                tok, q = self._pick(lg[-1], batch[i])
+                drafts[i].append(tok)
+                if q is not None:
+                    qs[i].append(q)
+        return [DraftProposal(token_ids=drafts[i],
+                              probs=torch.stack(qs[i]) if qs[i] else None)
+                for i in range(len(batch))]

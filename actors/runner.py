@@ -1,0 +1,82 @@
+"""Model runner: one model, its preallocated KV cache, slots, padded ragged forwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.model import BatchMeta, CausalLM, ForwardOutput, KVCache
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One request's slice of a batched forward: ``token_ids`` go to positions
+    ``start .. start+len-1`` of cache slot ``slot``."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+
+
+class ModelRunner:
+    """Owns a ``CausalLM`` and a ``KVCache`` of ``num_slots`` x ``max_len`` tokens.
+
+    ``run`` pads ragged rows to the longest one and returns logits for every
+    real token (or only each row's last, for prefill), so a whole batch of
+    requests with different draft lengths is verified in one forward.
+    """
+
+    def __init__(self, model: CausalLM, num_slots: int, max_len: int, pad_id: int = 0):
+        self.model = model
+        self.device = model.device
+        dtype = model.lm_head.weight.dtype
+        # + margin: padded rows write past a request's end; keep those writes in bounds.
+        self.cache = KVCache(model.config, num_slots, max_len + 72, self.device, dtype)
+        self.max_len = max_len
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.pad_id = pad_id
+
+    def alloc_slot(self) -> int:
+        """A free slot id; raises RuntimeError when none is left."""
+        if not self.free_slots:
+            raise RuntimeError("no free KV cache slot (max_num_seqs reached)")
+        return self.free_slots.pop()
+
+    def free_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    @torch.inference_mode()
+    def run(self, rows: list[RowInput], last_only: bool = False,
+            aux_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Forward ``rows`` in one padded batch.
+
+        Returns (logits, aux): logits[i] is [len_i, V] (or [1, V] with
+        ``last_only``); aux[i] is [len_i, A*H] target hidden states of
+        ``aux_layers`` or None when no aux layers were asked for.
+        """
+        B = len(rows)
+        lens = [len(r.token_ids) for r in rows]
+        Q = max(lens)
+        ids = torch.full((B, Q), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :lens[i]] = torch.tensor(r.token_ids, dtype=torch.long)
+        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
+        meta = BatchMeta(slots=torch.tensor([r.slot for r in rows], dtype=torch.long,
+                                            device=self.device),
+                         starts=starts.to(self.device),
+                         kv_len=int((starts + Q).max()))
+        idx = None
+        if last_only:
+            idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
+        out: ForwardOutput = self.model(ids.to(self.device), cache=self.cache, meta=meta,
+                                        logits_index=idx, aux_layers=aux_layers)
+        logits = out.logits.float()
+        if last_only:
+            per_row = [logits[i] for i in range(B)]
+        else:
+            per_row = [logits[i, :lens[i]] for i in range(B)]
+        aux = None
+        if out.aux_hidden is not None:
+            aux = [out.aux_hidden[i, :lens[i]] for i in range(B)]
+        return per_row, aux

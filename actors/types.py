@@ -1,0 +1,176 @@
+"""Typed contracts between the scheduler, the proposers and the verifier.
+
+DeepSpec's ``DraftProposal`` / ``VerificationResult`` idea: one decoding loop,
+strategies plug in through ``Proposer.propose``; everything crossing a
+boundary is a frozen dataclass with tensor shapes in comments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """OpenAI-style sampling parameters of one request.
+
+    temperature 0 means greedy. top_k 0 or -1 means no top-k. ``seed`` makes the
+    request's sampling reproducible whatever else is in the batch.
+    Raises ValueError naming the field on invalid values (see ``validate``).
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SpecStats:
+    """Per-request (or per-run) speculative decoding counters, DESIGN.md names."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    queue_ms: float = 0.0
+    num_steps: int = 0
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        """Add one verification step with ``num_draft`` proposed and ``num_accepted`` accepted."""
+        self.num_steps += 1
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft:
+            self.num_accepted_tokens_per_pos.extend(
+                [0] * (num_draft - len(self.num_accepted_tokens_per_pos)))
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.draft_ms += other.draft_ms
+        self.verify_ms += other.verify_ms
+        self.queue_ms += other.queue_ms
+        self.num_steps += other.num_steps
+        n = max(len(self.num_accepted_tokens_per_pos), len(other.num_accepted_tokens_per_pos))
+        a = self.num_accepted_tokens_per_pos + [0] * (n - len(self.num_accepted_tokens_per_pos))
+        for i, v in enumerate(other.num_accepted_tokens_per_pos):
+            a[i] += v
+        self.num_accepted_tokens_per_pos = a
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau = 1 + accepted / drafts (counts the bonus / correction token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def to_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "acceptance_length": round(self.acceptance_length, 4),
+                "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
+                "queue_ms": round(self.queue_ms, 3), "num_steps": self.num_steps}
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    """What a proposer sees for one running request at one step.
+
+    token_ids: the request's whole sequence so far (prompt + emitted), the
+    last of which is not yet in the target's KV cache. max_draft: the most
+    draft tokens the scheduler allows this step (0..k, ragged across requests).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    max_draft: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """A proposer's draft for one request.
+
+    token_ids: [n] proposed tokens (n <= max_draft, may be 0).
+    probs: [n, V] the distribution each token was drawn from (after the same
+    temperature / top-k / top-p processing as the target), or None for a
+    deterministic proposal (top-1, path selection, n-gram): q is then one-hot.
+    """
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VerificationResult:
+    """The verifier's verdict for one request at one step.
+
+    num_accepted: how many draft tokens were accepted (prefix length).
+    emitted: accepted drafts + the correction or bonus token, len = num_accepted + 1.
+    """
+
+    num_accepted: int
+    emitted: list[int]
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step streams for one request (a delta).
+
+    new_token_ids: tokens emitted this step; new_text: their text (may be ""
+    while a multi-byte character is incomplete); stats: the request's
+    cumulative SpecStats, final when ``finished``.
+    finish_reason: None, "stop" (EOS or stop string), "length", or "abort".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: SpecStats
+    error: str | None = None

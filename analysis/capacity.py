@@ -1,0 +1,196 @@
+"""Batch capacity from the engine step log: how verification eats the batch.
+
+- Step cost curve: step time (ms) as a function of the tokens a step runs
+  through the target (verification + prefill tokens), fitted as a continuous
+  hinge ``f(T) = max(a, b + c*T)`` written ``a + c*max(0, T - T_knee)``: flat
+  while the forward is memory-bound (weights are read once whatever the
+  batch), linear once it is compute-bound. This is the roofline model
+  (Williams, Waterman & Patterson 2009, CACM 52(4)) applied to one forward.
+  Fit: weighted least squares for (a, c >= 0) at each candidate knee, the
+  knee chosen by grid search over the observed token counts.
+- Wasted share = (verification tokens - emitted tokens) / verification tokens.
+- Capacity per emitted token = verification tokens / emitted token and engine
+  ms / emitted token.
+- Predicted crossover: the concurrency N where
+  ``tau * step_AR(N) / step_S(N * v)`` drops below 1, with ``v`` the measured
+  verification tokens per request per step, ``tau`` the measured acceptance
+  length and ``step(T) = f_target(T) + draft_ms(N) + other_ms``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from configs import metric_names as mn
+
+BATCH_TOKENS = "batch_tokens"
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """``step_ms(T) = floor_ms + slope_ms_per_token * max(0, T - knee_tokens)``.
+
+    Equivalently ``max(a, b + c*T)`` with a = floor_ms, c = slope,
+    b = floor_ms - slope * knee_tokens. Units: ms and tokens per step.
+    """
+
+    floor_ms: float
+    slope_ms_per_token: float
+    knee_tokens: float
+    r2: float = float("nan")
+    n_steps: int = 0
+
+    def __call__(self, tokens):
+        t = np.asarray(tokens, dtype=float)
+        return self.floor_ms + self.slope_ms_per_token * np.maximum(0.0, t - self.knee_tokens)
+
+    def as_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and np.isnan(v) else v)
+                for k, v in asdict(self).items()}
+
+
+def fit_cost_curve(tokens, step_ms, max_candidates: int = 256) -> CostCurve:
+    """Fit the hinge ``a + c*max(0, T - k)`` to (tokens, ms) samples.
+
+    Samples are first averaged per distinct token count (weights = counts) so
+    the fit costs O(distinct T x candidates). Candidate knees: the distinct T
+    values (subsampled to ``max_candidates``) plus one below the minimum (a
+    pure line). Raises ValueError with fewer than 2 distinct token counts.
+    """
+    df = pd.DataFrame({"t": np.asarray(tokens, float), "y": np.asarray(step_ms, float)}).dropna()
+    agg = df.groupby("t")["y"].agg(["mean", "count"]).reset_index()
+    if len(agg) < 2:
+        raise ValueError(f"cost curve fit needs >= 2 distinct batch-token counts, got "
+                         f"{len(agg)}; the step log covers too narrow a load range.")
+    t, y, w = agg["t"].to_numpy(), agg["mean"].to_numpy(), agg["count"].to_numpy(float)
+    cands = t if len(t) <= max_candidates else np.quantile(t, np.linspace(0, 1, max_candidates))
+    cands = np.concatenate([[t.min() - 1.0], cands])
+    sw = np.sqrt(w)
+    best = None
+    for k in cands:
+        x = np.maximum(0.0, t - k)
+        design = np.column_stack([np.ones_like(t), x]) * sw[:, None]
+        coef, *_ = np.linalg.lstsq(design, y * sw, rcond=None)
+        a, c = coef
+        if c < 0:  # cost never falls with more tokens: clamp to flat
+            a, c = np.average(y, weights=w), 0.0
+        sse = float(np.sum(w * (y - (a + c * x)) ** 2))
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, a, c, k)
+    sse, a, c, k = best
+    sst = float(np.sum(w * (y - np.average(y, weights=w)) ** 2))
+    knee = float(max(k, 0.0)) if c > 0 else float(t.max())
+    if c > 0 and k < t.min():  # pure line: express the knee where the line meets T=0
+        a, knee = float(a - c * (k - 0.0)) if k < 0 else float(a), float(max(k, 0.0))
+    return CostCurve(floor_ms=float(a), slope_ms_per_token=float(c), knee_tokens=knee,
+                     r2=1.0 - sse / sst if sst > 0 else 1.0, n_steps=int(w.sum()))
+
+
+def step_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """Decode steps with ``batch_tokens`` = verification + prefill tokens added."""
+    df = steps[steps[mn.STEP_BATCH_SIZE].fillna(0) > 0].copy()
+    df[BATCH_TOKENS] = df[mn.STEP_VERIFICATION_TOKENS] + df[mn.STEP_PREFILL_TOKENS].fillna(0)
+    return df
+
+
+def _target_ms(df: pd.DataFrame) -> pd.Series:
+    """The target forward's cost per step: ``verify_ms`` if logged, else step - draft."""
+    if df[mn.STEP_VERIFY_MS].notna().any():
+        return df[mn.STEP_VERIFY_MS]
+    return df[mn.STEP_MS] - df[mn.STEP_DRAFT_MS].fillna(0)
+
+
+def capacity_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per strategy: steps, mean batch, verification tokens per step and per request,
+    wasted share, verification tokens and engine ms per emitted token, and the
+    strategy's own step_ms fit (includes drafting)."""
+    df = step_table(steps)
+    rows = []
+    for strategy, g in df.groupby(mn.STEP_STRATEGY, sort=True):
+        verif, emitted = g[mn.STEP_VERIFICATION_TOKENS].sum(), g[mn.STEP_EMITTED_TOKENS].sum()
+        row = {mn.STEP_STRATEGY: strategy, "steps": len(g),
+               "batch_size_mean": g[mn.STEP_BATCH_SIZE].mean(),
+               "verification_tokens_per_step": g[mn.STEP_VERIFICATION_TOKENS].mean(),
+               "verification_tokens_per_request": verif / g[mn.STEP_BATCH_SIZE].sum(),
+               "emitted_tokens_per_request": emitted / g[mn.STEP_BATCH_SIZE].sum(),
+               "wasted_share": (verif - emitted) / verif if verif else np.nan,
+               "verification_per_emitted": verif / emitted if emitted else np.nan,
+               "ms_per_emitted_token": g[mn.STEP_MS].sum() / emitted if emitted else np.nan}
+        try:
+            fit = fit_cost_curve(g[BATCH_TOKENS], g[mn.STEP_MS])
+            row.update({f"fit_{k}": v for k, v in fit.as_dict().items() if k != "n_steps"})
+        except ValueError:
+            pass
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def draft_cost(steps: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per strategy: (intercept_ms, ms_per_request) least-squares line of draft_ms
+    against batch size, clipped at >= 0; (0, 0) where nothing was drafted."""
+    out = {}
+    for strategy, g in step_table(steps).groupby(mn.STEP_STRATEGY):
+        d = g[[mn.STEP_BATCH_SIZE, mn.STEP_DRAFT_MS]].dropna()
+        if d.empty or d[mn.STEP_DRAFT_MS].abs().sum() == 0:
+            out[strategy] = (0.0, 0.0)
+        elif d[mn.STEP_BATCH_SIZE].nunique() < 2:
+            out[strategy] = (float(d[mn.STEP_DRAFT_MS].mean()), 0.0)
+        else:
+            slope, icpt = np.polyfit(d[mn.STEP_BATCH_SIZE], d[mn.STEP_DRAFT_MS], 1)
+            out[strategy] = (max(float(icpt), 0.0), max(float(slope), 0.0))
+    return out
+
+
+def target_cost_curve(steps: pd.DataFrame) -> CostCurve:
+    """One hinge fit of the target forward's ms against batch tokens, pooled over
+    strategies (they share the target model, so they share this curve)."""
+    df = step_table(steps)
+    return fit_cost_curve(df[BATCH_TOKENS], _target_ms(df))
+
+
+def predicted_speedup(users, curve: CostCurve, tau: float, v: float,
+                      draft: tuple[float, float] = (0.0, 0.0), other_ms: float = 0.0,
+                      ar_other_ms: float = 0.0):
+    """Decode-phase speedup at concurrency ``users`` (array ok), from the fit.
+
+    tokens/s_S(N) = N * tau / (f(N*v) + draft(N) + other); the autoregressive
+    reference is N / (f(N) + other_AR). Prefill is ignored (steady-state decode).
+    """
+    n = np.asarray(users, dtype=float)
+    spec_ms = curve(n * v) + draft[0] + draft[1] * n + other_ms
+    ar_ms = curve(n) + ar_other_ms
+    return tau * ar_ms / spec_ms
+
+
+def predicted_crossover(curve: CostCurve, tau: float, v: float, draft=(0.0, 0.0),
+                        other_ms: float = 0.0, ar_other_ms: float = 0.0,
+                        max_users: float = 1e5) -> float | None:
+    """Smallest concurrency in [1, max_users] with predicted speedup < 1 (bisection
+    to 1e-6 users after a geometric scan); 1.0 if already below 1 at one user;
+    None if it never falls below 1 in range."""
+    f = lambda n: predicted_speedup(n, curve, tau, v, draft, other_ms, ar_other_ms) - 1.0  # noqa: E731
+    grid = np.geomspace(1.0, max_users, 4000)
+    vals = f(grid)
+    below = np.nonzero(vals < 0)[0]
+    if below.size == 0:
+        return None
+    i = int(below[0])
+    if i == 0:
+        return 1.0
+    lo, hi = grid[i - 1], grid[i]
+    while hi - lo > 1e-6:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if f(mid) >= 0 else (lo, mid)
+    return float(hi)
+
+
+def other_ms(steps: pd.DataFrame) -> dict[str, float]:
+    """Per strategy mean of step_ms - draft_ms - target ms (scheduling, sampling, ...)."""
+    df = step_table(steps)
+    if df.empty:
+        return {}
+    df = df.assign(_other=df[mn.STEP_MS] - df[mn.STEP_DRAFT_MS].fillna(0) - _target_ms(df))
+    return {k: max(float(v), 0.0) for k, v in df.groupby(mn.STEP_STRATEGY)["_other"].mean().items()}

@@ -1,0 +1,222 @@
+"""Per-cell request metrics: throughput, speedup, latency percentiles, goodput,
+acceptance length and per-position acceptance.
+
+A cell is (run_id, strategy, tier, output_class, users). Definitions follow
+../shared/DESIGN.md "Metric definitions":
+
+- output tokens/s = sum of ``ok`` requests' output tokens / cell wall time, the
+  wall time running from the first scheduled send to the last response end
+  (scheduled, not actual, send time: no coordinated omission).
+- speedup = strategy tokens/s / ``autoregressive`` tokens/s, same run, tier,
+  output class and users.
+- goodput = requests/s and output tokens/s of ``ok`` requests meeting every SLO
+  (DistServe, Zhong et al. 2024, section 2).
+- acceptance length tau = 1 + accepted / drafts (tokens per verification step).
+- per-position acceptance: unconditional = accepted at i / drafts (vLLM
+  ``SpecDecodingStats``); conditional = accepted at i / accepted at i-1 (DFlash 2,
+  DSpark papers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis.slo import Slo
+from configs import metric_names as mn
+
+CELL_KEYS = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+PERCENTILES = (50, 90, 99)
+# Derived column names (units in the name, as in configs/metric_names.py).
+OUTPUT_TOKENS_PER_S = "output_tokens_per_s"
+SPEEDUP = "speedup"
+GOODPUT_TOKENS_PER_S = "goodput_tokens_per_s"
+GOODPUT_RPS = "goodput_rps"
+SLO_ATTAINMENT = "slo_attainment"
+DURATION_S = "duration_s"
+GOOD = "meets_slo"
+
+
+def meets_slo(requests: pd.DataFrame, slos: dict[str, Slo]) -> pd.Series:
+    """Boolean per request: ``ok`` and TTFT <= SLO and TPOT <= SLO for its tier.
+
+    A one-token output has no TPOT (NaN); it is judged on TTFT alone.
+    """
+    ttft_slo = requests[mn.REQ_TIER].map(lambda t: slos[t].ttft_ms)
+    tpot_slo = requests[mn.REQ_TIER].map(lambda t: slos[t].tpot_ms)
+    ok = requests[mn.REQ_STATUS].eq("ok")
+    ttft_ok = requests[mn.REQ_TTFT_MS].le(ttft_slo)
+    no_tpot = requests[mn.REQ_TPOT_MS].isna() & requests[mn.REQ_OUTPUT_TOKENS].le(1)
+    tpot_ok = requests[mn.REQ_TPOT_MS].le(tpot_slo) | no_tpot
+    return (ok & ttft_ok & tpot_ok).astype(bool)
+
+
+def request_tau(requests: pd.DataFrame) -> pd.Series:
+    """Per-request acceptance length tau = 1 + accepted / drafts; NaN without stats."""
+    drafts = requests[mn.NUM_DRAFTS]
+    tau = 1.0 + requests[mn.NUM_ACCEPTED_TOKENS] / drafts.where(drafts > 0)
+    # A request that drafted nothing (autoregressive) emits one token per step.
+    return tau.where(~drafts.eq(0), 1.0)
+
+
+def pooled_tau(requests: pd.DataFrame) -> float:
+    """Token-weighted tau over requests: 1 + sum(accepted) / sum(drafts); NaN if unknown."""
+    drafts = requests[mn.NUM_DRAFTS].sum(min_count=1)
+    if pd.isna(drafts):
+        return float("nan")
+    return mn.acceptance_length(int(drafts), int(requests[mn.NUM_ACCEPTED_TOKENS].sum()))
+
+
+def with_slo_flags(requests: pd.DataFrame, slos: dict[str, Slo]) -> pd.DataFrame:
+    """Copy of the requests with ``meets_slo`` and per-request ``acceptance_length``."""
+    df = requests.copy()
+    df[GOOD] = meets_slo(df, slos)
+    df[mn.ACCEPTANCE_LENGTH] = request_tau(df)
+    return df
+
+
+def _cell_row(g: pd.DataFrame) -> dict:
+    start = g[mn.REQ_SCHEDULED_TS].min()
+    end = g[mn.REQ_END_TS].max()
+    duration = float(end - start) if pd.notna(end) and pd.notna(start) else float("nan")
+    ok = g[g[mn.REQ_STATUS].eq("ok")]
+    good = g[g[GOOD]]
+    row = {
+        "n_requests": len(g), "n_ok": len(ok), DURATION_S: duration,
+        OUTPUT_TOKENS_PER_S: ok[mn.REQ_OUTPUT_TOKENS].sum() / duration if duration > 0 else np.nan,
+        GOODPUT_TOKENS_PER_S: good[mn.REQ_OUTPUT_TOKENS].sum() / duration if duration > 0 else np.nan,
+        GOODPUT_RPS: len(good) / duration if duration > 0 else np.nan,
+        SLO_ATTAINMENT: len(good) / len(g) if len(g) else np.nan,
+        "e2e_ms_mean": ok[mn.REQ_E2E_MS].mean(),
+        "output_tokens_mean": ok[mn.REQ_OUTPUT_TOKENS].mean(),
+        "prompt_tokens_mean": ok[mn.REQ_PROMPT_TOKENS].mean(),
+        mn.ACCEPTANCE_LENGTH: pooled_tau(ok),
+    }
+    for name, col in (("ttft_ms", mn.REQ_TTFT_MS), ("tpot_ms", mn.REQ_TPOT_MS),
+                      ("e2e_ms", mn.REQ_E2E_MS)):
+        vals = ok[col].dropna().to_numpy(dtype=float)
+        for p in PERCENTILES:
+            row[f"{name}_p{p}"] = float(np.percentile(vals, p)) if vals.size else np.nan
+    # Raw inter-token gaps are not stored, only each request's ITL p50 / p99:
+    # cell p50 and p90 are taken over requests' median ITL, p99 over their p99.
+    itl50 = ok[mn.REQ_ITL_P50_MS].dropna().to_numpy(dtype=float)
+    itl99 = ok[mn.REQ_ITL_P99_MS].dropna().to_numpy(dtype=float)
+    row["itl_ms_p50"] = float(np.percentile(itl50, 50)) if itl50.size else np.nan
+    row["itl_ms_p90"] = float(np.percentile(itl50, 90)) if itl50.size else np.nan
+    row["itl_ms_p99"] = float(np.percentile(itl99, 99)) if itl99.size else np.nan
+    taus = ok[mn.ACCEPTANCE_LENGTH].dropna().to_numpy(dtype=float)
+    for p in (10, 50, 90):
+        row[f"tau_p{p}"] = float(np.percentile(taus, p)) if taus.size else np.nan
+    return row
+
+
+def cell_table(flagged: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell (``CELL_KEYS``) from ``with_slo_flags`` output, with speedup.
+
+    Speedup is NaN where the same run/tier/output class/users has no
+    ``autoregressive`` cell.
+    """
+    rows = [dict(zip(CELL_KEYS, key), **_cell_row(g))
+            for key, g in flagged.groupby(CELL_KEYS, sort=True)]
+    cells = pd.DataFrame(rows)
+    ar = cells[cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE)]
+    base_keys = [k for k in CELL_KEYS if k != mn.REQ_STRATEGY]
+    ar = ar[base_keys + [OUTPUT_TOKENS_PER_S]].rename(columns={OUTPUT_TOKENS_PER_S: "_ar_tps"})
+    cells = cells.merge(ar, on=base_keys, how="left")
+    cells[SPEEDUP] = cells[OUTPUT_TOKENS_PER_S] / cells["_ar_tps"]
+    return cells.drop(columns="_ar_tps")
+
+
+def _stack_lists(series: pd.Series) -> np.ndarray:
+    """Right-pad a column of lists to a 2-D float array [n_requests, max_len] (NaN pad)."""
+    lists = [np.asarray(v, dtype=float) for v in series if v is not None and len(v) > 0]
+    if not lists:
+        return np.empty((0, 0))
+    width = max(len(v) for v in lists)
+    out = np.full((len(lists), width), np.nan)
+    for i, v in enumerate(lists):
+        out[i, :len(v)] = v
+    return out
+
+
+def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFrame:
+    """Per-position acceptance and top-k coverage per ``by`` group.
+
+    Columns: ``by``, position (1-based draft position), accepted (count),
+    uncond (accepted_i / drafts), cond (accepted_i / accepted_{i-1}, position 1
+    divides by drafts), top1_cov, topk_cov (mean over requests; NaN if unreported).
+    """
+    rows = []
+    ok = requests[requests[mn.REQ_STATUS].eq("ok")]
+    for key, g in ok.groupby(by, sort=True):
+        counts = _stack_lists(g[mn.NUM_ACCEPTED_TOKENS_PER_POS])
+        drafts = g.loc[g[mn.NUM_ACCEPTED_TOKENS_PER_POS].notna(), mn.NUM_DRAFTS].sum()
+        top1 = _stack_lists(g["top1_cov_per_pos"])
+        topk = _stack_lists(g["topk_cov_per_pos"])
+        width = max(counts.shape[1], top1.shape[1], topk.shape[1])
+        acc = np.nansum(counts, axis=0) if counts.size else np.zeros(0)
+        prev = drafts
+        for i in range(width):
+            a = float(acc[i]) if i < acc.size else np.nan
+            rows.append({by: key, "position": i + 1, "accepted": a,
+                         "uncond": a / drafts if drafts else np.nan,
+                         "cond": a / prev if prev else np.nan,
+                         "top1_cov": np.nanmean(top1[:, i]) if i < top1.shape[1] else np.nan,
+                         "topk_cov": np.nanmean(topk[:, i]) if i < topk.shape[1] else np.nan})
+            prev = a
+    return pd.DataFrame(rows, columns=[by, "position", "accepted", "uncond", "cond",
+                                       "top1_cov", "topk_cov"])
+
+
+def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
+    """Concurrency where speedup first falls below 1, per strategy x output class.
+
+    Users levels are pooled across tiers and runs (mean speedup per level), then
+    linearly interpolated in users between the last level with speedup >= 1
+    and the first with speedup < 1. ``status``: ``crossed``, ``never`` (>= 1 at
+    every measured level) or ``below_at_min`` (< 1 already at the lowest level;
+    ``users`` is then that level).
+    """
+    rows = []
+    spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
+    for (strategy, oc), g in spec.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], sort=True):
+        curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
+        users, s = curve.index.to_numpy(dtype=float), curve.to_numpy(dtype=float)
+        status, value = "never", None
+        if s[0] < 1:
+            status, value = "below_at_min", float(users[0])
+        else:
+            for i in range(1, len(s)):
+                if s[i] < 1 <= s[i - 1]:
+                    frac = (s[i - 1] - 1.0) / (s[i - 1] - s[i])
+                    status, value = "crossed", float(users[i - 1] + frac * (users[i] - users[i - 1]))
+                    break
+        rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc,
+                     "crossover_users": value, "status": status,
+                     "levels": ", ".join(f"{int(u)}:{v:.2f}x" for u, v in zip(users, s))})
+    return pd.DataFrame(rows, columns=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS,
+                                       "crossover_users", "status", "levels"])
+
+
+def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
+    """Knee of each strategy x output class throughput-latency curve.
+
+    The knee is the users level maximising Kleinrock's power = throughput /
+    latency (Kleinrock 1979, "Power and deterministic rules of thumb"), with
+    throughput in output tokens/s and latency the p50 end-to-end ms: past it,
+    latency grows faster than throughput.
+    """
+    rows = []
+    for (strategy, oc), g in cells.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], sort=True):
+        curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
+        curve = curve.dropna()
+        if curve.empty:
+            continue
+        power = curve[OUTPUT_TOKENS_PER_S] / curve["e2e_ms_p50"]
+        knee = power.idxmax()
+        rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc,
+                     "knee_users": int(knee),
+                     "knee_tokens_per_s": float(curve.loc[knee, OUTPUT_TOKENS_PER_S]),
+                     "knee_e2e_ms_p50": float(curve.loc[knee, "e2e_ms_p50"])})
+    return pd.DataFrame(rows, columns=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, "knee_users",
+                                       "knee_tokens_per_s", "knee_e2e_ms_p50"])

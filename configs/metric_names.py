@@ -1,0 +1,105 @@
+"""Metric and column names shared by the engine, the server, the load generator
+and the analysis (llmperf's ``common_metrics`` idea: the unit is in the name).
+
+Definitions follow ../shared/DESIGN.md ("Metric definitions"):
+
+- acceptance length tau = 1 + num_accepted_tokens / num_drafts (tokens emitted
+  per verification step, counting the bonus / correction token).
+- verification tokens of a step = sum over the batch of (draft length + 1);
+  wasted verification tokens = verification tokens - emitted tokens.
+- TTFT from the scheduled send time to the first chunk with non-empty text;
+  TPOT = (e2e - TTFT) / (output_tokens - 1); ITL per token.
+"""
+
+from __future__ import annotations
+
+# --- strategies --------------------------------------------------------------
+AUTOREGRESSIVE = "autoregressive"
+DRAFT_MODEL = "draft_model"
+NGRAM = "ngram"
+DFLASH = "dflash"
+DFLASH2 = "dflash2"
+DSPARK = "dspark"
+STRATEGIES = (AUTOREGRESSIVE, DRAFT_MODEL, NGRAM, DFLASH, DFLASH2, DSPARK)
+
+# --- speculative decoding counters (vLLM SpecDecodingStats names) -------------
+NUM_DRAFTS = "num_drafts"                      # verification steps that carried >= 1 draft token
+NUM_DRAFT_TOKENS = "num_draft_tokens"          # tokens proposed
+NUM_ACCEPTED_TOKENS = "num_accepted_tokens"    # proposed tokens accepted
+NUM_ACCEPTED_TOKENS_PER_POS = "num_accepted_tokens_per_pos"  # list[int], index = draft position
+ACCEPTANCE_LENGTH = "acceptance_length"        # tau, tokens per verification step
+DRAFT_MS = "draft_ms"                          # proposer wall time, ms
+VERIFY_MS = "verify_ms"                        # target forward + acceptance, ms
+QUEUE_MS = "queue_ms"                          # arrival -> first scheduled, ms
+SPEC_DECODE_FIELD = "spec_decode"              # extension field in API responses
+
+# --- engine step log (one row per engine step) --------------------------------
+STEP_TS = "ts"                                 # unix seconds at step end
+STEP_STRATEGY = "strategy"
+STEP_REPLICA = "replica"
+STEP_BATCH_SIZE = "batch_size"                 # running requests in the decode forward
+STEP_PREFILL_TOKENS = "prefill_tokens"         # prompt tokens processed this step
+STEP_VERIFICATION_TOKENS = "verification_tokens"  # sum(draft_len + 1) over the batch
+STEP_DRAFT_TOKENS = "num_draft_tokens"
+STEP_ACCEPTED_TOKENS = "accepted_tokens"
+STEP_EMITTED_TOKENS = "emitted_tokens"
+STEP_MS = "step_ms"
+STEP_DRAFT_MS = "draft_ms"
+STEP_VERIFY_MS = "verify_ms"
+STEP_QUEUE_DEPTH = "num_waiting"               # requests waiting for a slot
+STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
+                    STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
+                    STEP_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS, STEP_VERIFY_MS,
+                    STEP_QUEUE_DEPTH)
+
+# --- load generator request rows (requests.parquet) ---------------------------
+REQ_RUN_ID = "run_id"
+REQ_STRATEGY = "strategy"
+REQ_TIER = "tier"
+REQ_OUTPUT_CLASS = "output_class"              # "short" | "long"
+REQ_DATASET = "dataset"
+REQ_PROMPT_ID = "prompt_id"
+REQ_USERS = "users"                            # requested concurrency of the cell
+REQ_SCHEDULED_TS = "scheduled_ts"              # unix seconds
+REQ_SENT_TS = "sent_ts"
+REQ_FIRST_TOKEN_TS = "first_token_ts"
+REQ_END_TS = "end_ts"
+REQ_TTFT_MS = "ttft_ms"
+REQ_TPOT_MS = "tpot_ms"
+REQ_ITL_P50_MS = "itl_ms_p50"
+REQ_ITL_P99_MS = "itl_ms_p99"
+REQ_E2E_MS = "e2e_ms"
+REQ_OUTPUT_TOKENS = "output_tokens"
+REQ_PROMPT_TOKENS = "prompt_tokens"
+REQ_STATUS = "status"                          # one of REQ_STATUSES below
+REQ_ERROR = "error"
+REQ_REQUEST_INDEX = "request_index"            # index into the cell's seeded request plan
+REQ_MAX_TOKENS = "max_tokens"                  # max_tokens sent with the request
+REQ_FINISH_REASON = "finish_reason"            # server's finish_reason ("length", "stop", ...)
+REQ_NUM_CHUNKS = "num_chunks"                  # stream chunks that carried non-empty text
+REQ_ARRIVAL = "arrival"                        # "closed" (fixed users) | "open" (Poisson)
+REQ_RATE_RPS = "request_rate_rps"              # open-loop arrival rate, requests/s (null if closed)
+
+# request status values (REQ_STATUS)
+STATUS_OK = "ok"
+STATUS_ERROR = "error"                         # HTTP error or an error object in the stream
+STATUS_TIMEOUT = "timeout"                     # client-side request timeout
+STATUS_DISCONNECTED = "disconnected"           # stream closed before [DONE] / finish_reason
+STATUS_CANCELLED = "cancelled"                 # still in flight when the cell was stopped
+REQ_STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_CANCELLED)
+
+# --- Prometheus (vLLM-like names, exported through ray.serve.metrics) ---------
+PROM_PREFIX = "specload:"
+PROM_SPEC_NUM_DRAFTS = "spec_decode_num_drafts"
+PROM_SPEC_NUM_DRAFT_TOKENS = "spec_decode_num_draft_tokens"
+PROM_SPEC_NUM_ACCEPTED_TOKENS = "spec_decode_num_accepted_tokens"
+PROM_SPEC_NUM_ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+PROM_BATCH_SIZE = "batch_size"
+PROM_VERIFICATION_TOKENS = "verification_tokens_per_step"
+PROM_STEP_TIME_MS = "step_time_ms"
+PROM_QUEUE_DEPTH = "num_requests_waiting"
+
+
+def acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:
+    """tau = 1 + accepted / drafts (tokens per verification step); 1.0 with no drafts."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts else 1.0

@@ -1,0 +1,144 @@
+"""Schema of the Serve application's ``args`` (``configs/serve.yaml``), pydantic, extra="forbid".
+
+``actors.serve_app:build_app(args)`` validates its args with ``ServeAppConfig``:
+
+```yaml
+args:
+  strategies:
+    - name: ngram                # the OpenAI `model` field; defaults to engine.strategy
+      engine: {strategy: ngram, num_speculative_tokens: 4, max_num_seqs: 32}
+      num_replicas: 1            # or autoscaling_config: {min_replicas, max_replicas, ...}
+      ray_actor_options: {num_cpus: 0.3}   # num_gpus: 1 (or 0.5) on a GPU cluster
+  ingress: {num_replicas: 1, ray_actor_options: {num_cpus: 0.1}}
+```
+
+``engine`` holds ``actors.config.EngineConfig`` fields; it is validated by
+EngineConfig itself when the app is built (unknown keys are errors there too).
+Model paths that are relative are taken relative to the repository root.
+
+max_ongoing_requests: Serve admits at most this many concurrent calls per
+replica and queues the rest in the proxy. The engine batches up to
+``max_num_seqs`` and queues up to ``max_waiting`` more, answering 429 beyond
+that, so a replica must accept ``max_num_seqs + max_waiting`` calls or Serve
+caps the batch below the engine's limit (Ray's default of 5 would). ``auto``
+(the default) sets exactly that; an explicit value below ``max_num_seqs`` is
+rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from configs import metric_names as mn
+
+# EngineConfig defaults, repeated here so this schema loads without torch.
+_ENGINE_DEFAULT_MAX_NUM_SEQS = 32
+_ENGINE_DEFAULT_MAX_WAITING = 1024
+DEFAULT_ENGINE_FACTORY = "actors.async_engine:AsyncLLMEngine.from_config"
+
+
+class AutoscalingConfig(BaseModel):
+    """Subset of Serve's autoscaling_config (same names, same meaning)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(32.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling_config.max_replicas ({self.max_replicas}) must be >= "
+                             f"min_replicas ({self.min_replicas})")
+        return self
+
+
+class RayActorOptions(BaseModel):
+    """Resources of one replica: fractional num_cpus on a CPU box, num_gpus (1 or a
+    fraction) on a GPU cluster; ``resources`` for custom node labels."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(0.3, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    memory: int | None = Field(None, ge=0, description="bytes")
+    resources: dict[str, float] = Field(default_factory=dict)
+    runtime_env: dict[str, Any] | None = None
+
+
+class StrategyEntry(BaseModel):
+    """One strategy deployment: engine settings plus Serve scaling and resources."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    engine: dict[str, Any] = Field(default_factory=dict)
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling_config: AutoscalingConfig | None = None
+    max_ongoing_requests: int | Literal["auto"] = "auto"
+    ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
+    step_log_capacity: int = Field(8192, ge=0, description="rows kept per replica")
+
+    @model_validator(mode="after")
+    def _check(self):
+        strategy = self.engine.get("strategy")
+        if not strategy:
+            raise ValueError("engine.strategy is required in every strategy entry "
+                             f"(one of {list(mn.STRATEGIES)})")
+        if self.name is None:
+            self.name = str(strategy)
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError(f"strategy {self.name!r}: give num_replicas or "
+                             "autoscaling_config, not both")
+        seqs = int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
+        if self.max_ongoing_requests != "auto" and self.max_ongoing_requests < seqs:
+            raise ValueError(
+                f"strategy {self.name!r}: max_ongoing_requests={self.max_ongoing_requests} is "
+                f"below engine.max_num_seqs={seqs}; Serve would cap the batch. Use 'auto' "
+                f"(= max_num_seqs + max_waiting) or a value >= {seqs}")
+        return self
+
+    def resolved_max_ongoing_requests(self) -> int:
+        """max_num_seqs + max_waiting when 'auto' (see the module docstring)."""
+        if self.max_ongoing_requests != "auto":
+            return int(self.max_ongoing_requests)
+        return (int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
+                + int(self.engine.get("max_waiting", _ENGINE_DEFAULT_MAX_WAITING)))
+
+
+class IngressOptions(BaseModel):
+    """The OpenAI HTTP front (one FastAPI deployment routing by ``model``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int | Literal["auto"] = "auto"
+    ray_actor_options: RayActorOptions = Field(
+        default_factory=lambda: RayActorOptions(num_cpus=0.1))
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header on 429")
+
+
+class ServeAppConfig(BaseModel):
+    """``args`` of the ``actors.serve_app:build_app`` application."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategies: list[StrategyEntry] = Field(min_length=1)
+    ingress: IngressOptions = Field(default_factory=IngressOptions)
+    skip_missing_models: bool = True
+    engine_factory: str = DEFAULT_ENGINE_FACTORY
+    step_log_store_capacity: int = Field(100_000, ge=0, description="rows kept app-wide")
+
+    @model_validator(mode="after")
+    def _unique(self):
+        names = [s.name for s in self.strategies]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"strategy names must be unique; duplicated: {sorted(dup)}")
+        return self
