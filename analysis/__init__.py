@@ -1,0 +1,12 @@
+"""Analysis and capacity planning for specload results.
+
+Data flow: ``load`` (requests.parquet, steps.parquet, manifest.json) ->
+``metrics`` (per-cell throughput, speedup, latency, goodput, acceptance) ->
+``capacity`` (step-cost fit, wasted verification, crossover) -> ``recommend``
+(per tier x output class, bootstrap confidence) -> ``report`` / ``render`` /
+``plots`` (report.md, report.html, recommendation.json); ``plan`` (replicas
+per strategy, measured or on a modelled GPU); ``degradation`` (baseline check).
+
+Entry points: ``analysis.report.build_report`` and ``analysis.plan.plan``;
+CLI ``python -m analysis report|plan``.
+"""

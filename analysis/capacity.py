@@ -42,6 +42,7 @@ class CostCurve:
     knee_tokens: float
     r2: float = float("nan")
     n_steps: int = 0
+    knee_observed: bool = True  # False: flat or linear over all the data (knee outside it)
 
     def __call__(self, tokens):
         t = np.asarray(tokens, dtype=float)
@@ -69,34 +70,52 @@ def fit_cost_curve(tokens, step_ms, max_candidates: int = 256) -> CostCurve:
     cands = t if len(t) <= max_candidates else np.quantile(t, np.linspace(0, 1, max_candidates))
     cands = np.concatenate([[t.min() - 1.0], cands])
     sw = np.sqrt(w)
-    best = None
-    for k in cands:
+
+    def solve(k: float) -> tuple[float, float, float, float]:
         x = np.maximum(0.0, t - k)
         design = np.column_stack([np.ones_like(t), x]) * sw[:, None]
-        coef, *_ = np.linalg.lstsq(design, y * sw, rcond=None)
-        a, c = coef
+        (a, c), *_ = np.linalg.lstsq(design, y * sw, rcond=None)
         if c < 0:  # cost never falls with more tokens: clamp to flat
             a, c = np.average(y, weights=w), 0.0
-        sse = float(np.sum(w * (y - (a + c * x)) ** 2))
-        if best is None or sse < best[0] - 1e-12:
-            best = (sse, a, c, k)
+        return float(np.sum(w * (y - (a + c * x)) ** 2)), float(a), float(c), float(k)
+
+    grid = [solve(k) for k in cands]
+    i = int(np.argmin([g[0] for g in grid]))
+    best = grid[i]
+    # The true knee usually falls between two observed token counts: refine it
+    # continuously between the neighbouring candidates (bounded Brent search).
+    lo, hi = cands[max(i - 1, 0)], cands[min(i + 1, len(cands) - 1)]
+    if hi > lo:
+        from scipy.optimize import minimize_scalar
+        res = minimize_scalar(lambda k: solve(k)[0], bounds=(lo, hi), method="bounded",
+                              options={"xatol": 1e-3})
+        refined = solve(float(res.x))
+        if refined[0] <= best[0]:
+            best = refined
     sse, a, c, k = best
     sst = float(np.sum(w * (y - np.average(y, weights=w)) ** 2))
-    knee = float(max(k, 0.0)) if c > 0 else float(t.max())
-    if c > 0 and k < t.min():  # pure line: express the knee where the line meets T=0
-        a, knee = float(a - c * (k - 0.0)) if k < 0 else float(a), float(max(k, 0.0))
+    # With no slope the curve is flat over the observed range: the knee lies at
+    # or beyond the largest observed batch, which is what knee_tokens then says.
+    knee = float(k) if c > 0 else float(t.max())
     return CostCurve(floor_ms=float(a), slope_ms_per_token=float(c), knee_tokens=knee,
-                     r2=1.0 - sse / sst if sst > 0 else 1.0, n_steps=int(w.sum()))
+                     r2=1.0 - sse / sst if sst > 0 else 1.0, n_steps=int(w.sum()),
+                     knee_observed=bool(c > 0 and t.min() < k <= t.max()))
 
 
-def step_table(steps: pd.DataFrame) -> pd.DataFrame:
-    """Decode steps with ``batch_tokens`` = verification + prefill tokens added."""
-    df = steps[steps[mn.STEP_BATCH_SIZE].fillna(0) > 0].copy()
-    df[BATCH_TOKENS] = df[mn.STEP_VERIFICATION_TOKENS] + df[mn.STEP_PREFILL_TOKENS].fillna(0)
-    return df
+def step_table(steps: pd.DataFrame, decode_only: bool = True) -> pd.DataFrame:
+    """Steps with ``batch_tokens`` = verification + prefill tokens added.
+
+    ``decode_only`` keeps steps with a running batch (per-request ratios need
+    it); otherwise every step that ran tokens, prefill-only ones included (the
+    cost fit wants the whole token range)."""
+    df = steps.copy()
+    df[BATCH_TOKENS] = (df[mn.STEP_VERIFICATION_TOKENS].fillna(0)
+                        + df[mn.STEP_PREFILL_TOKENS].fillna(0))
+    keep = df[mn.STEP_BATCH_SIZE].fillna(0) > 0 if decode_only else df[BATCH_TOKENS] > 0
+    return df[keep]
 
 
-def _target_ms(df: pd.DataFrame) -> pd.Series:
+def target_ms(df: pd.DataFrame) -> pd.Series:
     """The target forward's cost per step: ``verify_ms`` if logged, else step - draft."""
     if df[mn.STEP_VERIFY_MS].notna().any():
         return df[mn.STEP_VERIFY_MS]
@@ -107,7 +126,7 @@ def capacity_table(steps: pd.DataFrame) -> pd.DataFrame:
     """Per strategy: steps, mean batch, verification tokens per step and per request,
     wasted share, verification tokens and engine ms per emitted token, and the
     strategy's own step_ms fit (includes drafting)."""
-    df = step_table(steps)
+    df, every = step_table(steps), step_table(steps, decode_only=False)
     rows = []
     for strategy, g in df.groupby(mn.STEP_STRATEGY, sort=True):
         verif, emitted = g[mn.STEP_VERIFICATION_TOKENS].sum(), g[mn.STEP_EMITTED_TOKENS].sum()
@@ -120,7 +139,8 @@ def capacity_table(steps: pd.DataFrame) -> pd.DataFrame:
                "verification_per_emitted": verif / emitted if emitted else np.nan,
                "ms_per_emitted_token": g[mn.STEP_MS].sum() / emitted if emitted else np.nan}
         try:
-            fit = fit_cost_curve(g[BATCH_TOKENS], g[mn.STEP_MS])
+            mine = every[every[mn.STEP_STRATEGY].eq(strategy)]
+            fit = fit_cost_curve(mine[BATCH_TOKENS], mine[mn.STEP_MS])
             row.update({f"fit_{k}": v for k, v in fit.as_dict().items() if k != "n_steps"})
         except ValueError:
             pass
@@ -147,8 +167,8 @@ def draft_cost(steps: pd.DataFrame) -> dict[str, tuple[float, float]]:
 def target_cost_curve(steps: pd.DataFrame) -> CostCurve:
     """One hinge fit of the target forward's ms against batch tokens, pooled over
     strategies (they share the target model, so they share this curve)."""
-    df = step_table(steps)
-    return fit_cost_curve(df[BATCH_TOKENS], _target_ms(df))
+    df = step_table(steps, decode_only=False)
+    return fit_cost_curve(df[BATCH_TOKENS], target_ms(df))
 
 
 def predicted_speedup(users, curve: CostCurve, tau: float, v: float,
@@ -171,7 +191,9 @@ def predicted_crossover(curve: CostCurve, tau: float, v: float, draft=(0.0, 0.0)
     """Smallest concurrency in [1, max_users] with predicted speedup < 1 (bisection
     to 1e-6 users after a geometric scan); 1.0 if already below 1 at one user;
     None if it never falls below 1 in range."""
-    f = lambda n: predicted_speedup(n, curve, tau, v, draft, other_ms, ar_other_ms) - 1.0  # noqa: E731
+    def f(n):
+        return predicted_speedup(n, curve, tau, v, draft, other_ms, ar_other_ms) - 1.0
+
     grid = np.geomspace(1.0, max_users, 4000)
     vals = f(grid)
     below = np.nonzero(vals < 0)[0]
@@ -192,5 +214,30 @@ def other_ms(steps: pd.DataFrame) -> dict[str, float]:
     df = step_table(steps)
     if df.empty:
         return {}
-    df = df.assign(_other=df[mn.STEP_MS] - df[mn.STEP_DRAFT_MS].fillna(0) - _target_ms(df))
+    df = df.assign(_other=df[mn.STEP_MS] - df[mn.STEP_DRAFT_MS].fillna(0) - target_ms(df))
     return {k: max(float(v), 0.0) for k, v in df.groupby(mn.STEP_STRATEGY)["_other"].mean().items()}
+
+
+def verification_per_request(steps_cap: pd.DataFrame, flagged: pd.DataFrame) -> dict[str, float]:
+    """Verification tokens per request per step v, per strategy: from the step log
+    when present, else 1 + draft tokens / drafts from the request rows."""
+    v = {}
+    if not steps_cap.empty:
+        v.update(dict(zip(steps_cap[mn.STEP_STRATEGY], steps_cap["verification_tokens_per_request"])))
+    for strategy, g in flagged.groupby(mn.REQ_STRATEGY):
+        if strategy not in v:
+            drafts = g[mn.NUM_DRAFTS].sum()
+            v[strategy] = 1.0 + g[mn.NUM_DRAFT_TOKENS].sum() / drafts if drafts > 0 else 1.0
+    return v
+
+
+def draft_ratio(steps: pd.DataFrame) -> dict[str, float]:
+    """Per strategy: total draft ms / total target-forward ms over decode steps
+    (0 where nothing was drafted or the target time is unknown)."""
+    df = step_table(steps)
+    if df.empty:
+        return {}
+    df = df.assign(_target=target_ms(df), _draft=df[mn.STEP_DRAFT_MS].fillna(0))
+    sums = df.groupby(mn.STEP_STRATEGY)[["_draft", "_target"]].sum()
+    return {s: float(r["_draft"] / r["_target"]) if r["_target"] > 0 else 0.0
+            for s, r in sums.iterrows()}

@@ -129,7 +129,8 @@ def cell_table(flagged: pd.DataFrame) -> pd.DataFrame:
 
 def _stack_lists(series: pd.Series) -> np.ndarray:
     """Right-pad a column of lists to a 2-D float array [n_requests, max_len] (NaN pad)."""
-    lists = [np.asarray(v, dtype=float) for v in series if v is not None and len(v) > 0]
+    lists = [np.asarray(v, dtype=float) for v in series
+             if isinstance(v, (list, tuple, np.ndarray)) and len(v) > 0]
     if not lists:
         return np.empty((0, 0))
     width = max(len(v) for v in lists)
@@ -150,7 +151,8 @@ def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFr
     ok = requests[requests[mn.REQ_STATUS].eq("ok")]
     for key, g in ok.groupby(by, sort=True):
         counts = _stack_lists(g[mn.NUM_ACCEPTED_TOKENS_PER_POS])
-        drafts = g.loc[g[mn.NUM_ACCEPTED_TOKENS_PER_POS].notna(), mn.NUM_DRAFTS].sum()
+        has_pos = g[mn.NUM_ACCEPTED_TOKENS_PER_POS].map(lambda v: isinstance(v, (list, tuple, np.ndarray)))
+        drafts = g.loc[has_pos, mn.NUM_DRAFTS].sum()
         top1 = _stack_lists(g["top1_cov_per_pos"])
         topk = _stack_lists(g["topk_cov_per_pos"])
         width = max(counts.shape[1], top1.shape[1], topk.shape[1])

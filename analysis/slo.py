@@ -30,12 +30,16 @@ def resolve_slos(tiers: list[str], manifest_config: dict, ttft_ms: float | None 
                  tpot_ms: float | None = None) -> dict[str, Slo]:
     """One ``Slo`` per tier. A flag given alone overrides only its own field.
 
-    ``manifest_config["slo"]`` is ``{tier: {"ttft_ms": x, "tpot_ms": y}}``.
+    ``manifest_config["slo"]`` is ``{tier: {"ttft_ms": x, "tpot_ms": y}}``; a
+    ``manifest_config["tiers"][tier]["slo"]`` of the same shape is read too.
     """
-    from_manifest = (manifest_config or {}).get("slo") or {}
+    config = manifest_config or {}
+    from_manifest = config.get("slo") or {}
+    tier_configs = config.get("tiers") if isinstance(config.get("tiers"), dict) else {}
     out: dict[str, Slo] = {}
     for tier in tiers:
-        base = from_manifest.get(tier) or {}
+        # config.slo[tier], or a tier file's own section config.tiers[tier].slo
+        base = from_manifest.get(tier) or ((tier_configs.get(tier) or {}).get("slo") or {})
         source = "manifest" if base else "default"
         ttft = base.get("ttft_ms", DEFAULT_TTFT_MS)
         tpot = base.get("tpot_ms", DEFAULT_TPOT_MS)

@@ -21,8 +21,10 @@ replica and queues the rest in the proxy. The engine batches up to
 ``max_num_seqs`` and queues up to ``max_waiting`` more, answering 429 beyond
 that, so a replica must accept ``max_num_seqs + max_waiting`` calls or Serve
 caps the batch below the engine's limit (Ray's default of 5 would). ``auto``
-(the default) sets exactly that; an explicit value below ``max_num_seqs`` is
-rejected.
+(the default) sets ``max_num_seqs + max_waiting + CONTROL_HEADROOM``: the
+headroom keeps the replica's small control calls (``info``, ``step_log``)
+from queueing behind a full engine. An explicit value below ``max_num_seqs``
+is rejected.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from configs import metric_names as mn
 # EngineConfig defaults, repeated here so this schema loads without torch.
 _ENGINE_DEFAULT_MAX_NUM_SEQS = 32
 _ENGINE_DEFAULT_MAX_WAITING = 1024
-DEFAULT_ENGINE_FACTORY = "actors.async_engine:AsyncLLMEngine.from_config"
+CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
+DEFAULT_ENGINE_FACTORY = "actors.deployments:make_llm_engine"  # (engine dict) -> LLMEngine
 
 
 class AutoscalingConfig(BaseModel):
@@ -105,11 +108,12 @@ class StrategyEntry(BaseModel):
         return self
 
     def resolved_max_ongoing_requests(self) -> int:
-        """max_num_seqs + max_waiting when 'auto' (see the module docstring)."""
+        """max_num_seqs + max_waiting + CONTROL_HEADROOM when 'auto' (module docstring)."""
         if self.max_ongoing_requests != "auto":
             return int(self.max_ongoing_requests)
         return (int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
-                + int(self.engine.get("max_waiting", _ENGINE_DEFAULT_MAX_WAITING)))
+                + int(self.engine.get("max_waiting", _ENGINE_DEFAULT_MAX_WAITING))
+                + CONTROL_HEADROOM)
 
 
 class IngressOptions(BaseModel):

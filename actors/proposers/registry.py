@@ -12,6 +12,9 @@ PROPOSERS: dict[str, str] = {
     "autoregressive": "actors.proposers.autoregressive:AutoregressiveProposer",
     "draft_model": "actors.proposers.draft_model:DraftModelProposer",
     "ngram": "actors.proposers.ngram:NgramProposer",
+    "dflash": "actors.proposers.dflash:DFlashProposer",
+    "dflash2": "actors.proposers.dflash2:DFlash2Proposer",
+    "dspark": "actors.proposers.dspark:DSparkProposer",
 }
 
 

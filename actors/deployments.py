@@ -1,0 +1,295 @@
+"""Ray Serve deployments that run inside the cluster: one engine per strategy replica.
+
+- ``StrategyServer``: one class, bound once per strategy with a different
+  engine config (``actors.serve_app.build_app``). Each replica owns an
+  ``AsyncLLMEngine`` (continuous batching on a background thread) and
+  streams compact dict chunks to the HTTP ingress.
+- ``StepLogStore``: one replica holding the app-wide step log (a bounded ring
+  buffer). Every strategy replica keeps its own ring buffer too and pushes new
+  rows to the store every ``STEP_FLUSH_S`` seconds, so
+  ``GET /specload/step_log`` sees every replica with at most that lag.
+
+Prometheus metrics go through ``ray.serve.metrics`` (Ray adds the deployment,
+replica and application tags); names are ``configs.metric_names.PROM_*``
+with the ``specload_`` prefix (Ray exports them as ``ray_specload_...``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, Callable
+
+from ray import serve
+
+from actors.types import SamplingParams
+from configs import metric_names as mn
+
+logger = logging.getLogger("ray.serve")
+
+STEP_FLUSH_S = 0.5                 # step-log push period, seconds
+# Ray refuses ':' in metric names since 2.4x (FutureWarning, then dropped), so
+# the shared "specload:" prefix is exported as "specload_".
+PROM_PREFIX = mn.PROM_PREFIX.replace(":", "_")
+STEP_MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:attr.sub"``; raises ValueError saying what was wrong."""
+    mod_name, _, attr = path.partition(":")
+    if not mod_name or not attr:
+        raise ValueError(f"expected an import path 'module:attribute', got {path!r}")
+    obj: Any = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def make_llm_engine(engine_config: dict) -> Any:
+    """Default engine factory: ``EngineConfig(**engine_config)`` -> ``LLMEngine``."""
+    from actors.config import EngineConfig
+    from actors.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**engine_config))
+
+
+def is_queue_full(exc: BaseException) -> bool:
+    """True for the engine's QueueFullError (matched by name so fake engines qualify)."""
+    return any(c.__name__ == "QueueFullError" for c in type(exc).__mro__)
+
+
+def error_chunk(status: int, message: str, err_type: str, param: str | None = None,
+                code: str | None = None) -> dict:
+    """First chunk of a refused request: the ingress turns it into an HTTP error."""
+    return {"error": {"status": status, "message": message, "type": err_type,
+                      "param": param, "code": code}}
+
+
+_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                "prompt")
+
+
+def _guess_param(message: str) -> str | None:
+    """The request field an engine / SamplingParams ValueError names (they start with it)."""
+    words = message.replace(":", " ").split()
+    if words and words[0] in _PARAM_NAMES:
+        return words[0]
+    if "prompt" in message or "max_model_len" in message or words[:1] == ["request_id"]:
+        return "prompt"
+    return next((p for p in _PARAM_NAMES if p in message), None)
+
+
+class _Metrics:
+    """The replica's Prometheus instruments (created inside the replica process)."""
+
+    def __init__(self, strategy: str):
+        from ray.serve import metrics as m
+
+        # ray.serve.metrics adds deployment / replica / application tags itself
+        # (and mutates the default-tag dict it is given: one fresh dict each).
+        def make(cls, name, desc, extra_keys=(), **kw):
+            metric = cls(PROM_PREFIX + name, desc, tag_keys=("strategy",) + extra_keys, **kw)
+            metric.set_default_tags({"strategy": strategy})
+            return metric
+
+        self.num_drafts = make(m.Counter, mn.PROM_SPEC_NUM_DRAFTS,
+                               "verification steps that carried >= 1 draft token")
+        self.num_draft_tokens = make(m.Counter, mn.PROM_SPEC_NUM_DRAFT_TOKENS,
+                                     "draft tokens proposed")
+        self.num_accepted = make(m.Counter, mn.PROM_SPEC_NUM_ACCEPTED_TOKENS,
+                                 "draft tokens accepted")
+        self.per_pos = make(m.Counter, mn.PROM_SPEC_NUM_ACCEPTED_PER_POS,
+                            "draft tokens accepted at each draft position (0-based)",
+                            ("position",))
+        self.batch_size = make(m.Histogram, mn.PROM_BATCH_SIZE,
+                               "running requests per engine step", boundaries=BATCH_BUCKETS)
+        self.verif_tokens = make(m.Histogram, mn.PROM_VERIFICATION_TOKENS,
+                                 "verification tokens per step, sum(draft_len + 1)",
+                                 boundaries=TOKEN_BUCKETS)
+        self.step_ms = make(m.Histogram, mn.PROM_STEP_TIME_MS, "engine step wall time, ms",
+                            boundaries=STEP_MS_BUCKETS)
+        self.queue_depth = make(m.Gauge, mn.PROM_QUEUE_DEPTH,
+                                "requests waiting for a batch slot")
+
+    def observe_step(self, row: dict) -> None:
+        self.batch_size.observe(row.get(mn.STEP_BATCH_SIZE, 0))
+        self.verif_tokens.observe(row.get(mn.STEP_VERIFICATION_TOKENS, 0))
+        self.step_ms.observe(row.get(mn.STEP_MS, 0.0))
+        self.queue_depth.set(row.get(mn.STEP_QUEUE_DEPTH, 0))
+
+    def observe_request(self, stats: dict) -> None:
+        if stats.get(mn.NUM_DRAFTS):
+            self.num_drafts.inc(stats[mn.NUM_DRAFTS])
+        if stats.get(mn.NUM_DRAFT_TOKENS):
+            self.num_draft_tokens.inc(stats[mn.NUM_DRAFT_TOKENS])
+        if stats.get(mn.NUM_ACCEPTED_TOKENS):
+            self.num_accepted.inc(stats[mn.NUM_ACCEPTED_TOKENS])
+        for pos, n in enumerate(stats.get(mn.NUM_ACCEPTED_TOKENS_PER_POS) or []):
+            if n:
+                self.per_pos.inc(n, tags={"position": str(pos)})
+
+
+@serve.deployment
+class StepLogStore:
+    """App-wide step log: a bounded ring buffer of rows from every strategy replica."""
+
+    def __init__(self, capacity: int = 100_000):
+        self._rows: collections.deque[dict] = collections.deque(maxlen=max(capacity, 1))
+
+    def append(self, rows: list[dict]) -> int:
+        """Add rows (each carries strategy, replica, ts); returns rows held."""
+        self._rows.extend(rows)
+        return len(self._rows)
+
+    def query(self, strategy: str | None = None, since: float | None = None,
+              limit: int | None = None) -> list[dict]:
+        """Rows with ``ts > since`` (unix seconds) of ``strategy`` (all when None),
+        oldest first; with ``limit``, the newest ``limit`` of them."""
+        rows = [r for r in self._rows
+                if (strategy is None or r.get(mn.STEP_STRATEGY) == strategy)
+                and (since is None or r.get(mn.STEP_TS, 0.0) > since)]
+        return rows[-limit:] if limit else rows
+
+
+@serve.deployment
+class StrategyServer:
+    """One replica of one strategy: an AsyncLLMEngine plus its metrics and step log.
+
+    strategy: the public name (OpenAI ``model``). engine_config: EngineConfig
+    fields (dict). engine_factory: import path of ``(engine_config) -> engine``.
+    step_store: handle of the StepLogStore (None: keep the log local only).
+    """
+
+    def __init__(self, strategy: str, engine_config: dict,
+                 engine_factory: str = "actors.deployments:make_llm_engine",
+                 step_store: Any = None, step_log_capacity: int = 8192):
+        from actors.async_engine import AsyncLLMEngine
+
+        cfg = dict(engine_config)
+        try:
+            replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (unit use)
+            replica = str(os.getpid())
+        cfg.setdefault("replica_id", replica)
+        threads = cfg.get("torch_threads") or 1
+        import torch
+
+        torch.set_num_threads(int(threads))   # one replica must not take every core
+        self.strategy = strategy
+        self._metrics = _Metrics(strategy)
+        self._pending_rows: collections.deque[dict] = collections.deque(maxlen=100_000)
+        factory: Callable[[dict], Any] = import_object(engine_factory)
+        engine = factory(cfg)
+        self.engine = AsyncLLMEngine(engine, step_log_capacity=max(step_log_capacity, 1),
+                                     step_sink=self._pending_rows.append)
+        self._store = step_store
+        self._flusher = asyncio.get_event_loop().create_task(self._flush_loop())
+        logger.info("strategy %s replica %s ready (max_model_len=%d)", strategy, replica,
+                    self.engine.max_model_len)
+
+    async def _flush_loop(self) -> None:
+        """Every STEP_FLUSH_S: observe step rows in Prometheus, push them to the store."""
+        while True:
+            await asyncio.sleep(STEP_FLUSH_S)
+            rows = []
+            while self._pending_rows:
+                rows.append(self._pending_rows.popleft())
+            if not rows:
+                continue
+            for r in rows:
+                self._metrics.observe_step(r)
+            if self._store is not None:
+                try:
+                    await self._store.append.remote(rows)
+                except Exception:
+                    logger.exception("step-log push failed (%d rows dropped)", len(rows))
+
+    def check_health(self) -> None:
+        """Serve health check: fails (replica restarted) when the engine thread died."""
+        self.engine.check_health()
+
+    async def info(self) -> dict:
+        """Static and live facts: strategy, max_model_len (tokens), waiting, running."""
+        return {"strategy": self.strategy, "max_model_len": self.engine.max_model_len,
+                "num_waiting": self.engine.num_waiting, "num_running": self.engine.num_running}
+
+    async def step_log(self, since: float | None = None, limit: int | None = None) -> list[dict]:
+        """This replica's own ring buffer (rows with ts > since, unix seconds)."""
+        return self.engine.step_log(since_ts=since, limit=limit)
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: dict) -> AsyncIterator[dict]:
+        """Stream one request as dict chunks.
+
+        The first chunk is ``{"admitted": num_prompt_tokens}`` or an
+        ``error_chunk`` (then nothing follows). Then ``{"ids": [...], "text":
+        str}`` deltas; chunks that queued up while the consumer was busy are
+        merged, so one chunk may carry several tokens. The last chunk adds
+        ``finish_reason``, ``num_output_tokens`` and ``spec_decode`` (the
+        request's SpecStats dict). Cancelling the consumer aborts the request
+        (frees its batch slot and KV cache).
+        """
+        try:
+            sp = SamplingParams(**params)
+        except (TypeError, ValueError) as exc:
+            yield error_chunk(400, str(exc), "invalid_request_error", _guess_param(str(exc)))
+            return
+        try:
+            n_prompt, queue = await self.engine.add_request(request_id, prompt, sp)
+        except ValueError as exc:
+            msg = str(exc)
+            over = any(w in msg.lower() for w in ("context", "max_model_len", "too long"))
+            yield error_chunk(400, msg, "invalid_request_error", _guess_param(msg),
+                              "context_length_exceeded" if over else None)
+            return
+        except Exception as exc:
+            if is_queue_full(exc):
+                yield error_chunk(429, f"{self.strategy} is overloaded: {exc}",
+                                  "rate_limit_error", None, "queue_full")
+            else:
+                logger.exception("add_request failed")
+                yield error_chunk(503, f"{self.strategy} engine unavailable: {exc!r}",
+                                  "server_error", None, "engine_unavailable")
+            return
+        yield {"admitted": n_prompt}
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                batch = [item]
+                while not queue.empty():       # coalesce what queued up meanwhile
+                    batch.append(queue.get_nowait())
+                ids: list[int] = []
+                text = []
+                chunk: dict = {}
+                for out in batch:
+                    if isinstance(out, BaseException):
+                        chunk.update(finish_reason="error", error=str(out))
+                        finished = True
+                        break
+                    ids.extend(out.new_token_ids)
+                    text.append(out.new_text)
+                    if out.finished:
+                        finished = True
+                        stats = out.stats.to_dict()
+                        self._metrics.observe_request(stats)
+                        chunk.update(finish_reason=out.finish_reason,
+                                     num_output_tokens=out.num_output_tokens,
+                                     spec_decode=stats, error=out.error)
+                        break
+                chunk.update(ids=ids, text="".join(text))
+                yield chunk
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout_s=1.0)

@@ -1,0 +1,105 @@
+"""Heads on top of the block drafter backbone.
+
+- ``PathSelector`` (DFlash 2, "Keep Drafting Parallel", path-selection
+  section): keeps the top-k candidates per block position and scores a path
+  with a unary term per candidate plus a low-rank bilinear compatibility of
+  adjacent candidates; decoding walks greedily from the anchor.
+- ``MarkovHead`` (DSpark, arXiv 2607.05147, Sec. 3.2 "sequential head"): a
+  low-rank correction of each position's hidden state (hence of its
+  full-vocabulary logits through the shared LM head) from the previously
+  drafted token; drafting walks the block left to right.
+- ``ConfidenceHead`` (DSpark Sec. 3.3): per-position acceptance probability
+  conditioned on the prefix being accepted, Platt-calibrated after training.
+
+All heads read the backbone's hidden states; embeddings of tokens come from
+the target's (shared, frozen) embedding table via the caller's ``embed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PathSelector(nn.Module):
+    """score(i, c | prev) = a * logp_i(c) + <Wq h_i, Wc e_c> + <Wl e_prev, Wr e_c>."""
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.query = nn.Linear(hidden, rank, bias=False)
+        self.cand = nn.Linear(hidden, rank, bias=False)
+        self.left = nn.Linear(hidden, rank, bias=False)
+        self.right = nn.Linear(hidden, rank, bias=False)
+        self.logp_scale = nn.Parameter(torch.ones(()))
+        for m in (self.query, self.left):
+            nn.init.zeros_(m.weight)  # start as plain top-1 (score = log-prob)
+
+    def unary(self, h: torch.Tensor, logp: torch.Tensor, e_c: torch.Tensor) -> torch.Tensor:
+        """h: [..., H]; logp: [..., K] candidate log-probs; e_c: [..., K, H] -> [..., K]."""
+        return self.logp_scale * logp + (self.query(h)[..., None, :] * self.cand(e_c)).sum(-1)
+
+    def scores(self, h, logp, e_c, e_prev) -> torch.Tensor:
+        """Teacher-forced scores [..., K] with ``e_prev`` [..., H] the previous token."""
+        return self.unary(h, logp, e_c) + (self.left(e_prev)[..., None, :]
+                                           * self.right(e_c)).sum(-1)
+
+    @torch.no_grad()
+    def walk(self, h: torch.Tensor, logp: torch.Tensor, cand_ids: torch.Tensor,
+             anchor_ids: torch.Tensor, embed) -> torch.Tensor:
+        """Greedy path from the anchor. h: [B, n, H]; logp, cand_ids: [B, n, K];
+        anchor_ids: [B]; embed: ids -> vectors. Returns chosen ids [B, n]."""
+        e_c = embed(cand_ids)  # [B, n, K, H]
+        u = self.unary(h, logp, e_c)
+        rc = self.right(e_c)
+        prev = anchor_ids
+        out = []
+        for i in range(cand_ids.shape[1]):
+            s = u[:, i] + (self.left(embed(prev))[:, None, :] * rc[:, i]).sum(-1)
+            prev = cand_ids[:, i].gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
+            out.append(prev)
+        return torch.stack(out, dim=1)
+
+
+class MarkovHead(nn.Module):
+    """h'_i = h_i + U silu(P e_prev + C h_i); logits_i = lm_head(h'_i).
+
+    Rank ``r`` keeps it small (3 H r parameters); U starts at zero so the head
+    starts as the plain parallel drafter.
+    """
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.prev = nn.Linear(hidden, rank, bias=False)
+        self.hid = nn.Linear(hidden, rank)
+        self.out = nn.Linear(rank, hidden, bias=False)
+        nn.init.zeros_(self.out.weight)
+
+    def forward(self, h: torch.Tensor, e_prev: torch.Tensor):
+        """h, e_prev: [..., H] -> (corrected hidden [..., H], features z [..., r])."""
+        z = F.silu(self.prev(e_prev) + self.hid(h))
+        return h + self.out(z), z
+
+
+def logit_features(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [..., 3]: top-1 log-prob, top1 - top2 log-prob margin, entropy."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    top2 = logp.topk(2, dim=-1).values
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.stack([top2[..., 0], top2[..., 0] - top2[..., 1], ent], dim=-1)
+
+
+class ConfidenceHead(nn.Module):
+    """Logit of P(draft token i accepted | tokens < i accepted) from the position's
+    hidden state, the Markov features and the shape of its own distribution."""
+
+    def __init__(self, hidden: int, markov_rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden + markov_rank + 3, 1)
+
+    def forward(self, h: torch.Tensor, z: torch.Tensor | None,
+                logits: torch.Tensor) -> torch.Tensor:
+        feats = [h, logit_features(logits).to(h.dtype)]
+        if z is not None:
+            feats.insert(1, z)
+        return self.proj(torch.cat(feats, dim=-1)).squeeze(-1)

@@ -1,0 +1,238 @@
+"""Block drafter backbone shared by DFlash, DFlash 2 and DSpark.
+
+DFlash (arXiv 2602.06036, Sec. 3): a small non-causal transformer drafts a
+whole block in one forward over ``[anchor token, mask x (block-1)]``. Target
+hidden states from several target layers are fused by ``fc`` + RMSNorm and
+injected as context keys/values in every draft layer: each layer's attention
+reads ``concat(K/V(context), K/V(block))`` (the block attends to all of
+itself, and to the context strictly before the anchor). Embedding and LM head
+are the target's, frozen and shared (not stored with the drafter).
+
+DFlash 2 ("Keep Drafting Parallel", Sec. on dynamic convolution): an optional
+two-tap dynamic depthwise convolution ``y_t = k_t0 * x_t + k_t1 * x_(t-1)``
+on the normalised input of attention and of the MLP, taps predicted from
+``x_t``; ``x_(-1)`` is zero at every block start, so nothing crosses a block
+boundary. Heads (path selector, Markov head, confidence head) live in
+``actors.drafters.heads``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.drafters.config import DrafterConfig
+from actors.drafters.heads import ConfidenceHead, MarkovHead, PathSelector
+from actors.model import RMSNorm, apply_rope, rope_cos_sin
+
+
+class DynamicConv2(nn.Module):
+    """Two-tap dynamic depthwise conv within blocks of ``block_size`` positions.
+
+    Taps [2, H] per position come from a rank-``r`` bottleneck of ``x_t``; the
+    up-projection starts at zero with bias (1, 0), so the conv starts as the
+    identity and training only moves it where it helps.
+    """
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(hidden, rank, bias=False)
+        self.up = nn.Linear(rank, 2 * hidden)
+        with torch.no_grad():
+            self.up.weight.zero_()
+            self.up.bias.copy_(torch.cat([torch.ones(hidden), torch.zeros(hidden)]))
+
+    def forward(self, x: torch.Tensor, block_size: int) -> torch.Tensor:
+        """x: [B, Q, H] with Q a multiple of block_size (blocks laid end to end)."""
+        k0, k1 = self.up(F.silu(self.down(x))).chunk(2, dim=-1)
+        prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
+        first = (torch.arange(x.shape[1], device=x.device) % block_size) == 0
+        prev = prev.masked_fill(first[None, :, None], 0.0)  # never read the previous block
+        return k0 * x + k1 * prev
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer whose attention also reads the context K/V."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, h, kvh, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.h, self.kvh, self.d = h, kvh, d
+        self.q_proj = nn.Linear(H, h * d, bias=False)
+        self.k_proj = nn.Linear(H, kvh * d, bias=False)
+        self.v_proj = nn.Linear(H, kvh * d, bias=False)
+        self.o_proj = nn.Linear(h * d, H, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.conv_attn = DynamicConv2(H, cfg.conv_rank) if cfg.use_conv else None
+        self.conv_mlp = DynamicConv2(H, cfg.conv_rank) if cfg.use_conv else None
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, H] -> k, v: [B, KVH, T, D] (k normed and rotated)."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kvh, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
+        """x: [B, Q, H]; ctx_k/v: [B, KVH, C, D]; mask: bool [B, 1, Q, C + Q]."""
+        B, Q, _ = x.shape
+        hn = self.input_layernorm(x)
+        if self.conv_attn is not None:
+            hn = self.conv_attn(hn, block_size)
+        q = self.q_norm(self.q_proj(hn).view(B, Q, self.h, self.d)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(hn, cos, sin)
+        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+        v = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=self.h != self.kvh)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
+        hn = self.post_attention_layernorm(x)
+        if self.conv_mlp is not None:
+            hn = self.conv_mlp(hn, block_size)
+        return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+
+class BlockDrafter(nn.Module):
+    """The drafter: context fusion, draft layers, final norm and optional heads.
+
+    The target's embedding and LM head are bound with ``bind_target`` and kept
+    outside the module's parameters (they are neither trained nor saved).
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mask_embed = nn.Parameter(torch.randn(H) * 0.02)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.selector = PathSelector(H, cfg.selector_rank) if cfg.use_selector else None
+        self.markov = MarkovHead(H, cfg.markov_rank) if cfg.use_markov else None
+        self.confidence = (ConfidenceHead(H, cfg.markov_rank if cfg.use_markov else 0)
+                           if cfg.use_confidence else None)
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- target binding -----------------------------------------------------
+    def bind_target(self, target) -> "BlockDrafter":
+        """Share ``target``'s embedding and LM head (an ``actors.model.CausalLM``)."""
+        self.config.check_target(target.config)
+        self._shared = (target.model.embed_tokens.weight, target.lm_head.weight)
+        return self
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self._shared[0]).to(self.mask_embed.dtype)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h.to(self._shared[1].dtype), self._shared[1]).float()
+
+    def markov_vocab_proj(self) -> torch.Tensor:
+        """W_lm @ U [V, r] (float): the Markov head's rank-r update in vocabulary
+        space, cached until the head's weights change."""
+        key = (self.markov.out.weight._version, self.markov.out.weight.data_ptr())
+        if getattr(self, "_mvp_key", None) != key:
+            with torch.no_grad():
+                self._mvp = (self._shared[1].float() @ self.markov.out.weight.float())
+            self._mvp_key = key
+        return self._mvp
+
+    def num_params(self, component: str | None = None) -> int:
+        mods = {"conv": [m for l in self.layers for m in (l.conv_attn, l.conv_mlp) if m],
+                "selector": [self.selector] if self.selector else [],
+                "markov": [self.markov] if self.markov else [],
+                "confidence": [self.confidence] if self.confidence else []}
+        if component is None:
+            return sum(p.numel() for p in self.parameters())
+        return sum(p.numel() for m in mods[component] for p in m.parameters())
+
+    # -- forward pieces -------------------------------------------------------
+    def _rope(self, pos: torch.Tensor, dtype):
+        return rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
+        """aux: [B, C, A*H] target hidden states; positions: [B, C] -> per layer (k, v)
+        each [B, KVH, C, D]. Causal and draft-independent, so callers cache it."""
+        ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+        cos, sin = self._rope(positions, ctx.dtype)
+        return [layer.kv(ctx, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                     ctx_kv: list[tuple], ctx_mask: torch.Tensor) -> torch.Tensor:
+        """Hidden states of every block position after the final norm.
+
+        anchor_ids, anchor_pos: [B, NB] (NB blocks per row laid end to end);
+        ctx_kv: per layer (k, v) [B, KVH, C, D]; ctx_mask: bool [B, NB, C], True
+        where a block may read a context position. Returns [B, NB * bs, H].
+        """
+        B, NB = anchor_ids.shape
+        bs = self.config.block_size
+        x = self.mask_embed.expand(B, NB, bs, -1).clone()
+        x[:, :, 0] = self.embed(anchor_ids)
+        x = x.view(B, NB * bs, -1)
+        pos = (anchor_pos[..., None] + torch.arange(bs, device=x.device)).view(B, NB * bs)
+        cos, sin = self._rope(pos, x.dtype)
+        blk = torch.arange(NB * bs, device=x.device) // bs
+        same = blk[:, None] == blk[None, :]  # [Q, Q] each block sees only itself
+        mask = torch.cat([ctx_mask.repeat_interleave(bs, dim=1),
+                          same.expand(B, -1, -1)], dim=-1)[:, None]
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ck, cv, mask, bs)
+        return self.norm(x)
+
+    # -- persistence ------------------------------------------------------------
+    def save(self, path: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (shared weights excluded)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        tmp = path / "model.safetensors.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(path / "model.safetensors")
+        (path / "config.json").write_text(self.config.to_json())
+
+
+def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None,
+                 **overrides) -> BlockDrafter:
+    """Load a drafter directory and bind it to ``target`` (``actors.model.CausalLM``).
+
+    overrides: config switches to change at load time (e.g. ``use_selector=False``
+    for an ablation); a head switched on that the weights lack raises ValueError.
+    """
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path} must hold config.json and model.safetensors of a drafter "
+                                "(train one with `python -m train.drafters --method ...`)")
+    cfg = DrafterConfig.from_file(path / "config.json")
+    cfg = replace(cfg, **overrides)
+    state = load_file(str(path / "model.safetensors"))
+    model = BlockDrafter(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing:
+        raise ValueError(f"{path}: weights lack {missing[:4]} needed by config {overrides or ''}")
+    # Unexpected keys are heads switched off for an ablation: fine to ignore.
+    dtype = dtype or target.lm_head.weight.dtype
+    return model.to(device=target.device, dtype=dtype).eval().bind_target(target)
+
+
+def read_card(path: str | Path) -> dict:
+    """The drafter's ``training.json`` (metrics written by train.drafters), or {}."""
+    f = Path(path) / "training.json"
+    return json.loads(f.read_text()) if f.is_file() else {}

@@ -1,0 +1,176 @@
+"""``dflash``: block-diffusion drafting (DFlash, arXiv 2602.06036; z-lab/dflash).
+
+Each step one drafter forward over ``[last token, mask x (block-1)]`` per
+request, conditioned on the target's hidden states (``aux_layers``) of every
+token already in the target's KV cache, proposes ``block-1`` tokens by
+independent top-1 (Sec. 3.3). The proposal is deterministic, so the shared
+verifier treats q as one-hot and sampling stays lossless.
+
+``BlockDraftProposer`` is the machinery shared with ``dflash2`` and
+``dspark``: a slot cache of the drafter's context K/V (fused target hidden
+states projected by each draft layer; they never depend on the draft, so
+they are computed once per committed token in ``observe_target``), batched
+drafting over the live requests, and an optional trace for evaluation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from actors.config import REPO_ROOT
+from actors.drafters.decode import BlockDraft, draft_block
+from actors.drafters.model import load_drafter
+from actors.proposers.base import Proposer, ProposerOptions
+from actors.types import DraftProposal, ProposeInput
+
+
+class DFlashOptions(ProposerOptions):
+    """drafter: drafter directory (default ``models/<strategy>``); top_k:
+    candidates kept per position (reported as top-k coverage; dflash2 selects
+    among them); record_trace: keep every block's path and candidates in
+    ``proposer.trace`` (for ``actors.evaluate``)."""
+
+    drafter: str | None = None
+    top_k: int = Field(16, ge=1, le=256)
+    record_trace: bool = False
+
+
+class ContextCache:
+    """Per-request context K/V of every draft layer: ``k[l]`` is [S, KVH, T, D]."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, kvh: int, d: int,
+                 device, dtype):
+        shape = (num_slots, kvh, max_len, d)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.lengths = [0] * num_slots
+        self.slot_of: dict[str, int] = {}
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.max_len = max_len
+
+    def slot(self, rid: str) -> int:
+        if rid not in self.slot_of:
+            if not self.free:
+                raise RuntimeError(f"drafter context cache full ({len(self.slot_of)} requests); "
+                                   "max_num_seqs must bound the running requests")
+            self.slot_of[rid] = self.free.pop()
+            self.lengths[self.slot_of[rid]] = 0
+        return self.slot_of[rid]
+
+    def release(self, rid: str) -> None:
+        s = self.slot_of.pop(rid, None)
+        if s is not None:
+            self.free.append(s)
+
+    def write(self, rid: str, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        s = self.slot(rid)
+        n = kv[0][0].shape[2]
+        if start > self.lengths[s]:
+            raise ValueError(f"observe_target for {rid!r} starts at {start} but only "
+                             f"{self.lengths[s]} positions were observed: the engine must report "
+                             "every token committed to the target cache, in order")
+        if start + n > self.max_len:
+            raise ValueError(f"request {rid!r} exceeds max_model_len {self.max_len}")
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer][s, :, start:start + n] = k[0]
+            self.v[layer][s, :, start:start + n] = v[0]
+        self.lengths[s] = start + n
+
+    def gather(self, slots: list[int]) -> tuple[list[tuple], torch.Tensor]:
+        """Context K/V [B, KVH, C, D] per layer (C = longest) and lengths [B]."""
+        lens = torch.tensor([self.lengths[s] for s in slots])
+        C = max(int(lens.max()), 1)
+        idx = torch.tensor(slots, device=self.k[0].device)
+        return [(k[idx, :, :C], v[idx, :, :C]) for k, v in zip(self.k, self.v)], lens
+
+
+class BlockDraftProposer(Proposer):
+    """Shared batched drafting for the DFlash family (see module docstring)."""
+
+    name = "dflash"
+    Options = DFlashOptions
+    use_selector: bool | None = False  # None = as the drafter's config says
+
+    def __init__(self, target, num_speculative_tokens, max_num_seqs, max_model_len, draft_model,
+                 options):
+        super().__init__(target, num_speculative_tokens, max_num_seqs, max_model_len,
+                         draft_model, options)
+        path = Path(options.drafter) if options.drafter else REPO_ROOT / "models" / self.name
+        self.drafter = load_drafter(path, target, **self.load_overrides())
+        cfg = self.drafter.config
+        self.aux_layers = cfg.target_layer_ids
+        self.block_size = cfg.block_size
+        self.cache = ContextCache(cfg.num_layers, max_num_seqs, max_model_len or
+                                  target.config.max_position_embeddings, cfg.num_kv_heads,
+                                  cfg.head_dim, target.device, self.drafter.mask_embed.dtype)
+        self.trace: list[dict] | None = [] if options.record_trace else None
+
+    def load_overrides(self) -> dict:
+        return {}
+
+    def draft_params(self) -> int:
+        return self.drafter.num_params()
+
+    # -- request lifecycle ------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.cache.slot(request_id)
+
+    def remove_request(self, request_id: str) -> None:
+        self.cache.release(request_id)
+
+    @torch.no_grad()
+    def observe_target(self, request_id, start, token_ids, aux_hidden) -> None:
+        if aux_hidden is None or len(token_ids) == 0:
+            return
+        dev = self.target.device
+        pos = torch.arange(start, start + len(token_ids), device=dev)[None]
+        self.cache.write(request_id, start, self.drafter.context_kv(aux_hidden.to(dev)[None], pos))
+
+    # -- drafting -----------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self, batch: list[ProposeInput]) -> BlockDraft:
+        """One batched drafter forward + decoding for every row of ``batch``."""
+        dev = self.target.device
+        slots = [self.cache.slot(r.request_id) for r in batch]
+        kv, lens = self.cache.gather(slots)
+        pos = torch.tensor([len(r.token_ids) - 1 for r in batch], device=dev)
+        anchors = torch.tensor([r.token_ids[-1] for r in batch], device=dev)
+        C = kv[0][0].shape[2]
+        seen = torch.minimum(lens.to(dev), pos)  # context strictly before the anchor
+        ctx_mask = (torch.arange(C, device=dev)[None] < seen[:, None])[:, None]
+        h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask)
+        return draft_block(self.drafter, h, anchors, self.options.top_k, self.use_selector)
+
+    def lengths(self, batch: list[ProposeInput], d: BlockDraft) -> list[int]:
+        """Draft tokens to verify per row (fixed length: as many as allowed)."""
+        return [min(r.max_draft, d.tokens.shape[1]) for r in batch]
+
+    def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
+        out = [DraftProposal(token_ids=[]) for _ in batch]
+        rows = [i for i, r in enumerate(batch) if r.max_draft > 0]
+        if not rows:
+            return out
+        sub = [batch[i] for i in rows]
+        d = self.draft(sub)
+        toks = d.tokens.tolist()
+        for j, (i, n) in enumerate(zip(rows, self.lengths(sub, d))):
+            out[i] = DraftProposal(token_ids=toks[j][:n])
+        if self.trace is not None:
+            top1, topk = d.top1.tolist(), d.topk_ids.tolist()
+            conf = d.confidence.tolist() if d.confidence is not None else None
+            for j, i in enumerate(rows):
+                self.trace.append({"request_id": sub[j].request_id,
+                                   "pos": len(sub[j].token_ids) - 1, "path": toks[j],
+                                   "top1": top1[j], "topk": topk[j],
+                                   "n": len(out[i].token_ids),
+                                   "confidence": conf[j] if conf else None})
+        return out
+
+
+class DFlashProposer(BlockDraftProposer):
+    """``dflash``: independent top-1 per block position."""
+
+    name = "dflash"

@@ -1,0 +1,142 @@
+"""``python -m analysis {report,plan}``.
+
+Exit codes: 0 ok; 2 usage error or missing / empty results directory (the
+message names the flag or the directory); 3 (``EXIT_DEGRADED``) when
+``report --baseline`` flags a degradation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from analysis.load import ResultsError
+
+EXIT_USAGE = 2
+
+
+def _positive(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} expects a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text!r}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="report.md, report.html and recommendation.json")
+    r.add_argument("results_dir", help="a run directory or a parent of several")
+    r.add_argument("--out", help="output directory (default: RESULTS_DIR)")
+    r.add_argument("--baseline", help="baseline results (run dir or parent) for the degradation check")
+    r.add_argument("--slo-ttft-ms", type=_positive("--slo-ttft-ms"), help="TTFT SLO, ms (all tiers)")
+    r.add_argument("--slo-tpot-ms", type=_positive("--slo-tpot-ms"), help="TPOT SLO, ms (all tiers)")
+    r.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    q = sub.add_parser("plan", help="replicas per strategy for a target load under SLOs")
+    q.add_argument("results_dir")
+    q.add_argument("--qps", type=_positive("--qps"), required=True, help="target requests/s")
+    q.add_argument("--tier", required=True, help="tier whose traffic is planned")
+    q.add_argument("--slo-ttft-ms", type=_positive("--slo-ttft-ms"), required=True)
+    q.add_argument("--slo-tpot-ms", type=_positive("--slo-tpot-ms"), required=True)
+    q.add_argument("--gpu", choices=["h100", "h200"], help="model the step cost on this GPU")
+    q.add_argument("--model-params", type=_positive("--model-params"),
+                   help="target model parameters (e.g. 8e9); needed with --gpu")
+    q.add_argument("--cost-curve", help='measured curve JSON {"gpu","model","points":[...]}')
+    q.add_argument("--attainment", type=_positive("--attainment"), default=0.9,
+                   help="share of requests that must meet the SLOs (default 0.9)")
+    q.add_argument("--overhead-ms", type=float, default=1.0, help="per-step overhead on the GPU, ms")
+    q.add_argument("--max-batch", type=int, default=1024,
+                   help="largest batch (concurrent requests per replica) the GPU plan considers")
+    q.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _print_table(title: str, rows: list[dict], columns: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from analysis.render import fmt
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for row in rows:
+        table.add_row(*(fmt(row.get(c)) for c in columns))
+    Console(width=200).print(table)
+
+
+def _report(args) -> int:
+    from analysis.recommend import recommendation_rows
+    from analysis.report import build_report
+    out = build_report(args.results_dir, args.out, args.baseline, args.slo_ttft_ms,
+                       args.slo_tpot_ms, seed=args.seed)
+    _print_table("recommendation", recommendation_rows(out["recommendation"]),
+                 ["tier", "output_class", "users", "strategy", "goodput_tok_s", "speedup",
+                  "runner_up", "margin", "confidence"])
+    _print_table("crossover concurrency", out["crossover"],
+                 ["strategy", "output_class", "crossover_users", "status",
+                  "predicted_crossover_users"])
+    if out["degradation"] is not None:
+        flagged = [r for r in out["degradation"] if r["flagged"]]
+        _print_table("degradation vs baseline (flagged)", flagged,
+                     ["strategy", "dataset", "tau_base", "tau_cur", "goodput_base",
+                      "goodput_cur", "reason"])
+        if not flagged:
+            print("degradation check: nothing dropped by more than 10%")
+    print(f"report: {out['paths']['html']}\nmarkdown: {out['paths']['md']}\n"
+          f"recommendation: {out['paths']['json']}")
+    return out["exit_code"]
+
+
+def _plan(args, parser) -> int:
+    from analysis.plan import plan
+    if args.gpu and args.model_params is None and args.cost_curve is None:
+        parser.error("--gpu needs --model-params (target parameters, e.g. 8e9) or --cost-curve")
+    if args.max_batch < 1:
+        parser.error(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.model_params is not None and not args.gpu:
+        parser.error("--model-params only applies with --gpu")
+    try:
+        out = plan(args.results_dir, args.qps, args.tier, args.slo_ttft_ms, args.slo_tpot_ms,
+                   gpu=args.gpu, model_params=args.model_params, cost_curve=args.cost_curve,
+                   attainment=args.attainment, overhead_ms=args.overhead_ms,
+                   max_batch=args.max_batch)
+    except ValueError as exc:
+        if isinstance(exc, ResultsError):
+            raise
+        parser.error(f"--tier: {exc}" if "tier" in str(exc) else str(exc))
+    if args.json:
+        import json
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print("assumptions:")
+    for a in out["assumptions"]:
+        print(f"  - {a}")
+    _print_table(f"measured plan: {args.qps:g} req/s, tier {args.tier}", out["measured"],
+                 ["strategy", "output_class", "users", "e2e_s", "capacity_rps",
+                  "concurrency_needed", "replicas", "note"])
+    if out["gpu_plan"] is not None:
+        _print_table("GPU plan", out["gpu_plan"],
+                     ["strategy", "output_class", "tau", "v", "users", "tpot_ms", "ttft_ms",
+                      "capacity_rps", "tokens_per_s", "replicas", "note"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "report":
+            return _report(args)
+        return _plan(args, parser)
+    except ResultsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

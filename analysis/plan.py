@@ -1,0 +1,221 @@
+"""Capacity plan: replicas needed per strategy for a target load under SLOs.
+
+Measured plan (always). Per strategy x output class of the tier, the
+per-replica capacity is the highest measured concurrency N* (users levels of
+every tier with that output class, runs pooled) at which at least
+``attainment`` of requests met both SLOs; with W the mean end-to-end latency
+there, Little's law (L = lambda * W; Little 1961) gives the concurrency the
+target load needs, L = qps * W, and replicas = ceil(L / N*), i.e.
+ceil(qps / X) with per-replica capacity X = N* / W requests/s.
+
+GPU plan (``--gpu`` or ``--cost-curve``). The step cost on the target GPU is a
+roofline (Williams et al. 2009): ``step_ms(T) = 1000 * max(2*P*T / FLOPS,
+2*P / bandwidth) + overhead_ms`` for T batch tokens and P parameters (bf16:
+2 bytes and 2 FLOPs per parameter per token; KV-cache traffic and attention
+FLOPs ignored), or a measured curve file ``{"gpu", "model", "points":
+[{"batch_tokens", "step_ms"}]}`` interpolated piecewise-linearly. Measured
+acceptance (tau, verification tokens per request v, draft/verify time ratio)
+is combined with it: at concurrency N, step = g(N*v) * (1 + draft_ratio),
+TPOT = step / tau, TTFT = g(prompt_tokens + N*v) * (1 + draft_ratio) (the
+prefill rides in one mixed step; queueing ignored), W = TTFT + (out - 1) *
+TPOT. N* is the largest N <= max_batch meeting both SLOs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, Field
+
+from analysis import capacity, metrics
+from analysis.capacity import CostCurve
+from analysis.load import load_results
+from analysis.slo import Slo
+from configs import metric_names as mn
+
+DEFAULT_ATTAINMENT = 0.9
+DEFAULT_OVERHEAD_MS = 1.0
+DEFAULT_MAX_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet numbers: dense bf16 FLOP/s, HBM bytes/s, memory bytes."""
+
+    name: str
+    flops: float
+    bandwidth: float
+    memory_bytes: float
+
+
+GPUS = {"h100": GpuSpec("H100 SXM", 989e12, 3.35e12, 80e9),
+        "h200": GpuSpec("H200 SXM", 989e12, 4.8e12, 141e9)}
+
+
+def roofline_curve(gpu: GpuSpec, params: float, overhead_ms: float = DEFAULT_OVERHEAD_MS) -> CostCurve:
+    """Roofline step cost as a hinge: floor = weight read time + overhead, slope =
+    2*P/FLOPS per token, knee = FLOPS / bandwidth tokens (the ridge point)."""
+    read_ms = 1000.0 * 2.0 * params / gpu.bandwidth
+    per_token_ms = 1000.0 * 2.0 * params / gpu.flops
+    return CostCurve(floor_ms=read_ms + overhead_ms, slope_ms_per_token=per_token_ms,
+                     knee_tokens=read_ms / per_token_ms)
+
+
+class CurvePoint(BaseModel):
+    batch_tokens: float = Field(gt=0)
+    step_ms: float = Field(gt=0)
+
+
+class CurveFile(BaseModel):
+    """A measured step-cost curve: ``{"gpu", "model", "points": [...]}``."""
+
+    gpu: str
+    model: str
+    points: list[CurvePoint] = Field(min_length=2)
+
+
+@dataclass(frozen=True)
+class PointsCurve:
+    """Piecewise-linear step_ms(batch_tokens) through measured points; below the
+    first point the first value, above the last the last segment's slope."""
+
+    tokens: tuple[float, ...]
+    ms: tuple[float, ...]
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "PointsCurve":
+        spec = CurveFile.model_validate(json.loads(Path(path).read_text()))
+        pts = sorted((p.batch_tokens, p.step_ms) for p in spec.points)
+        return cls(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
+
+    def __call__(self, tokens):
+        t = np.asarray(tokens, dtype=float)
+        x, y = np.array(self.tokens), np.array(self.ms)
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return np.where(t > x[-1], y[-1] + slope * (t - x[-1]), np.interp(t, x, y))
+
+
+def measured_plan(flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, classes: list[str],
+                  attainment: float = DEFAULT_ATTAINMENT) -> list[dict]:
+    """Replicas per strategy x output class from measured cells (see module doc)."""
+    rows = []
+    for oc in classes:
+        for strategy, g in cells[cells[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
+            by_users = []
+            for users, gu in g.groupby(mn.REQ_USERS):
+                req = flagged[flagged[mn.REQ_STRATEGY].eq(strategy) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)
+                              & flagged[mn.REQ_USERS].eq(users)]
+                by_users.append((int(users), float(req[metrics.GOOD].mean()),
+                                 float(req.loc[req[mn.REQ_STATUS].eq("ok"), mn.REQ_E2E_MS].mean())))
+            ok = [b for b in by_users if b[1] >= attainment]
+            row = {"strategy": strategy, "output_class": oc,
+                   "attainment_by_users": {u: round(a, 3) for u, a, _ in by_users}}
+            if not ok:
+                row.update(users=None, e2e_s=None, capacity_rps=None, concurrency_needed=None,
+                           replicas=None, note=f"SLO attainment < {attainment:.0%} at every level")
+            else:
+                n_star, _, e2e_ms = max(ok)
+                w = e2e_ms / 1000.0
+                row.update(users=n_star, e2e_s=w, capacity_rps=n_star / w,
+                           concurrency_needed=qps * w, replicas=math.ceil(qps * w / n_star - 1e-9),
+                           note="")
+            rows.append(row)
+    return rows
+
+
+def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier: str,
+             slo: Slo, classes: list[str], max_batch: int = DEFAULT_MAX_BATCH) -> list[dict]:
+    """Replicas per strategy x output class on a modelled GPU (see module doc)."""
+    cap = capacity.capacity_table(steps)
+    v_by = capacity.verification_per_request(cap, flagged)
+    ratio = capacity.draft_ratio(steps)
+    ok = flagged[flagged[mn.REQ_STATUS].eq("ok") & flagged[mn.REQ_TIER].eq(tier)]
+    n = np.arange(1, max_batch + 1, dtype=float)
+    rows = []
+    for oc in classes:
+        for strategy, g in ok[ok[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
+            tau = metrics.pooled_tau(g)
+            tau = 1.0 if np.isnan(tau) else tau
+            v, r = v_by.get(strategy, 1.0), ratio.get(strategy, 0.0)
+            prompt = float(g[mn.REQ_PROMPT_TOKENS].mean()) if g[mn.REQ_PROMPT_TOKENS].notna().any() else 0.0
+            out = float(g[mn.REQ_OUTPUT_TOKENS].mean())
+            step = curve(n * v) * (1.0 + r)
+            tpot, ttft = step / tau, curve(prompt + n * v) * (1.0 + r)
+            feasible = np.nonzero((tpot <= slo.tpot_ms) & (ttft <= slo.ttft_ms))[0]
+            row = {"strategy": strategy, "output_class": oc, "tau": tau, "v": v, "draft_ratio": r,
+                   "prompt_tokens": prompt, "output_tokens": out}
+            if feasible.size == 0:
+                row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
+                           capacity_rps=None, tokens_per_s=None, replicas=None,
+                           note="SLO not met even at batch 1")
+            else:
+                i = int(feasible[-1])
+                w = (ttft[i] + max(out - 1.0, 0.0) * tpot[i]) / 1000.0
+                x = n[i] / w
+                row.update(users=int(n[i]), tpot_ms=float(tpot[i]), ttft_ms=float(ttft[i]),
+                           capacity_rps=x, tokens_per_s=float(n[i] * tau / step[i] * 1000.0),
+                           replicas=math.ceil(qps / x - 1e-9),
+                           note="capped by max_batch" if i == max_batch - 1 else "")
+            rows.append(row)
+    return rows
+
+
+def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: float,
+         gpu: str | None = None, model_params: float | None = None,
+         cost_curve: str | Path | None = None, attainment: float = DEFAULT_ATTAINMENT,
+         overhead_ms: float = DEFAULT_OVERHEAD_MS, max_batch: int = DEFAULT_MAX_BATCH) -> dict:
+    """Plan replicas for ``qps`` requests/s of ``tier`` traffic under the SLOs.
+
+    Returns {"qps", "tier", "slo", "measured": [rows], "gpu_plan": [rows] or None,
+    "assumptions": [str]}. Raises ValueError when the tier is absent or --gpu
+    lacks model_params; analysis.load.ResultsError for bad results dirs.
+    """
+    results = load_results(results_dir)
+    req = results.requests
+    tiers = sorted(req[mn.REQ_TIER].unique())
+    if tier not in tiers:
+        raise ValueError(f"tier {tier!r} is not in the results (found {tiers}); pass one of them.")
+    slo = Slo(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, source="flags")
+    flagged = metrics.with_slo_flags(req, {t: slo for t in tiers})
+    cells = metrics.cell_table(flagged)
+    classes = sorted(req.loc[req[mn.REQ_TIER].eq(tier), mn.REQ_OUTPUT_CLASS].unique())
+    assumptions = [
+        f"target load {qps:g} requests/s of tier {tier!r} ({', '.join(classes)} outputs); "
+        f"SLO TTFT <= {slo_ttft_ms:g} ms, TPOT <= {slo_tpot_ms:g} ms",
+        f"measured: per-replica capacity = highest measured users level (any tier, same output "
+        f"class, runs pooled) with >= {attainment:.0%} of requests meeting both SLOs; "
+        "replicas = ceil(qps * W / N*) by Little's law, W = mean e2e latency at N*",
+    ]
+    out = {"qps": qps, "tier": tier, "slo": slo.model_dump(), "assumptions": assumptions,
+           "measured": measured_plan(flagged, cells, qps, classes, attainment), "gpu_plan": None}
+    if gpu is None and cost_curve is None:
+        return out
+    if cost_curve is not None:
+        curve = PointsCurve.from_file(cost_curve)
+        assumptions.append(f"step cost: measured curve {cost_curve} "
+                           f"({len(curve.tokens)} points, piecewise linear, last slope extrapolated)")
+    else:
+        if model_params is None:
+            raise ValueError("--gpu needs --model-params (target parameters, e.g. 8e9)")
+        spec = GPUS[gpu]
+        curve = roofline_curve(spec, model_params, overhead_ms)
+        assumptions.append(
+            f"step cost: roofline on {spec.name} ({spec.flops / 1e12:g} TFLOP/s bf16 dense, "
+            f"{spec.bandwidth / 1e12:g} TB/s), {model_params:g} params in bf16: "
+            f"step_ms = max({curve.floor_ms - overhead_ms:.3f} ms weight read, "
+            f"{curve.slope_ms_per_token * 1000:.3f} us/token) + {overhead_ms:g} ms overhead; "
+            f"ridge at {curve.knee_tokens:.0f} batch tokens; KV-cache traffic and attention "
+            "FLOPs ignored; one GPU per replica")
+        if 2 * model_params > 0.8 * spec.memory_bytes:
+            assumptions.append(f"WARNING: bf16 weights ({2 * model_params / 1e9:.0f} GB) exceed 80% "
+                               f"of {spec.name} memory; tensor parallelism is not modelled")
+    assumptions.append("acceptance: tau and verification tokens per request (v) measured here; "
+                       "draft cost = measured draft_ms / verify_ms ratio; prefill of the mean "
+                       f"prompt rides in one mixed step; batch <= {max_batch}")
+    out["gpu_plan"] = gpu_plan(curve, flagged, results.steps, qps, tier, slo, classes, max_batch)
+    return out

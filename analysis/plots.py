@@ -1,0 +1,178 @@
+"""Report figures, rendered with matplotlib's Agg canvas to PNG bytes.
+
+``matplotlib.figure.Figure`` is used directly (no ``pyplot``), so no global
+figure state is created and no display backend is touched. Every function
+returns PNG bytes, or None when the data for that plot is absent.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from analysis.capacity import BATCH_TOKENS, CostCurve, step_table
+from analysis.metrics import OUTPUT_TOKENS_PER_S, SPEEDUP
+from configs import metric_names as mn
+
+DPI = 80
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _axes(n: int, width: float = 5.0, height: float = 3.6):
+    fig = Figure(figsize=(width * max(n, 1), height))
+    axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
+    return fig, axes
+
+
+def speedup_vs_users(cells: pd.DataFrame, crossover: pd.DataFrame) -> bytes | None:
+    """Speedup (strategy / autoregressive tokens/s) against requested users, per output class."""
+    spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
+    if spec.empty:
+        return None
+    classes = sorted(spec[mn.REQ_OUTPUT_CLASS].unique())
+    fig, axes = _axes(len(classes))
+    for ax, oc in zip(axes, classes):
+        for strategy, g in spec[spec[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
+            curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
+            line, = ax.plot(curve.index, curve.values, marker="o", label=strategy)
+            x = crossover[(crossover[mn.REQ_STRATEGY] == strategy)
+                          & (crossover[mn.REQ_OUTPUT_CLASS] == oc)]["crossover_users"]
+            if len(x) and pd.notna(x.iloc[0]):
+                ax.axvline(x.iloc[0], color=line.get_color(), ls=":", lw=1)
+        ax.axhline(1.0, color="black", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"speedup vs concurrency ({oc} outputs)", xlabel="users (requested concurrency)",
+               ylabel="speedup vs autoregressive (x)")
+        ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None:
+    """Output tokens/s against p50 end-to-end latency, one point per users level; knee starred."""
+    if cells.empty:
+        return None
+    classes = sorted(cells[mn.REQ_OUTPUT_CLASS].unique())
+    fig, axes = _axes(len(classes))
+    for ax, oc in zip(axes, classes):
+        for strategy, g in cells[cells[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
+            curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
+            line, = ax.plot(curve[OUTPUT_TOKENS_PER_S], curve["e2e_ms_p50"], marker="o", label=strategy)
+            k = knees[(knees[mn.REQ_STRATEGY] == strategy) & (knees[mn.REQ_OUTPUT_CLASS] == oc)]
+            if len(k):
+                ax.plot(k["knee_tokens_per_s"], k["knee_e2e_ms_p50"], marker="*", ms=14,
+                        color=line.get_color())
+        ax.set(title=f"throughput vs latency ({oc}); * = knee", xlabel="output tokens/s",
+               ylabel="e2e latency p50 (ms)")
+        ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def goodput_bars(rec_rows: list[dict], rec: dict) -> bytes | None:
+    """Goodput (tokens/s meeting the SLOs) per strategy for every tier x output class."""
+    if not rec_rows:
+        return None
+    fig, axes = _axes(len(rec_rows), width=3.6)
+    for ax, row in zip(axes, rec_rows):
+        by = rec[row["tier"]][row["output_class"]]["goodput_by_strategy"]
+        names = list(by)
+        ax.bar(range(len(names)), [by[n] for n in names],
+               color=["tab:green" if n == row["strategy"] else "tab:gray" for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        ax.set(title=f"{row['tier']} / {row['output_class']}", ylabel="goodput (tokens/s)")
+    return _png(fig)
+
+
+def acceptance_hist(flagged: pd.DataFrame) -> bytes | None:
+    """Distribution of per-request acceptance length tau (tokens per verification step)."""
+    taus = flagged[flagged[mn.REQ_STATUS].eq("ok") & flagged[mn.NUM_DRAFTS].gt(0)]
+    if taus.empty:
+        return None
+    fig, axes = _axes(1, width=6.0)
+    ax = axes[0]
+    for strategy, g in taus.groupby(mn.REQ_STRATEGY):
+        ax.hist(g[mn.ACCEPTANCE_LENGTH].dropna(), bins=20, alpha=0.5, label=strategy)
+    ax.set(title="acceptance length per request", xlabel="tau = 1 + accepted / drafts",
+           ylabel="requests")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def per_position_plot(pos: pd.DataFrame) -> bytes | None:
+    """Per-position acceptance, unconditional (vLLM) and conditional (DFlash 2 / DSpark)."""
+    pos = pos[pos["accepted"].notna()]
+    if pos.empty:
+        return None
+    fig, axes = _axes(2)
+    for strategy, g in pos.groupby(mn.REQ_STRATEGY):
+        axes[0].plot(g["position"], g["uncond"], marker="o", label=strategy)
+        axes[1].plot(g["position"], g["cond"], marker="o", label=strategy)
+    axes[0].set(title="UNCONDITIONAL: accepted at i / drafts", xlabel="draft position i",
+                ylabel="acceptance rate", ylim=(0, 1.05))
+    axes[1].set(title="CONDITIONAL: accepted at i / accepted at i-1", xlabel="draft position i",
+                ylabel="acceptance rate", ylim=(0, 1.05))
+    for ax in axes:
+        ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def coverage_plot(pos: pd.DataFrame) -> bytes | None:
+    """Top-1 and top-k coverage per position, where the server reports them."""
+    cov = pos[pos["top1_cov"].notna() | pos["topk_cov"].notna()]
+    if cov.empty:
+        return None
+    fig, axes = _axes(1, width=6.0)
+    ax = axes[0]
+    for strategy, g in cov.groupby(mn.REQ_STRATEGY):
+        line, = ax.plot(g["position"], g["top1_cov"], marker="o", label=f"{strategy} top-1")
+        ax.plot(g["position"], g["topk_cov"], marker="s", ls="--", color=line.get_color(),
+                label=f"{strategy} top-k")
+    ax.set(title="top-k coverage: P(target token in draft top-k at i | prefix correct)",
+           xlabel="draft position i", ylabel="coverage", ylim=(0, 1.05))
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
+    """Mean verification tokens per step against batch size, per strategy."""
+    df = step_table(steps)
+    if df.empty:
+        return None
+    fig, axes = _axes(1, width=6.0)
+    ax = axes[0]
+    for strategy, g in df.groupby(mn.STEP_STRATEGY):
+        curve = g.groupby(mn.STEP_BATCH_SIZE)[mn.STEP_VERIFICATION_TOKENS].mean()
+        ax.plot(curve.index, curve.values, marker=".", label=strategy)
+    ax.set(title="verification tokens per step vs batch size", xlabel="batch size (requests)",
+           ylabel="verification tokens / step")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def step_cost(steps: pd.DataFrame, target: CostCurve | None) -> bytes | None:
+    """Step time against batch tokens (scatter, per strategy) with the fitted hinge."""
+    df = step_table(steps, decode_only=False)
+    if df.empty:
+        return None
+    fig, axes = _axes(1, width=6.0)
+    ax = axes[0]
+    for strategy, g in df.groupby(mn.STEP_STRATEGY):
+        g = g.sample(min(len(g), 2000), random_state=0)
+        ax.scatter(g[BATCH_TOKENS], g[mn.STEP_MS], s=6, alpha=0.4, label=strategy)
+    if target is not None:
+        t = np.linspace(0, df[BATCH_TOKENS].max() * 1.05, 200)
+        ax.plot(t, target(t), color="black",
+                label=f"target-forward fit: floor {target.floor_ms:.2f} ms, knee {target.knee_tokens:.0f} tok")
+    ax.set(title="step time vs batch tokens (verification + prefill)", xlabel="batch tokens",
+           ylabel="step time (ms)")
+    ax.legend(fontsize=8)
+    return _png(fig)

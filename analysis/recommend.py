@@ -1,0 +1,123 @@
+"""Per tier x output class recommendation: the strategy with the highest goodput
+(output tokens/s of requests meeting every SLO), its margin over the runner-up
+and a bootstrap confidence.
+
+Confidence is the share of bootstrap replicates (Efron 1979, "Bootstrap
+methods: another look at the jackknife") in which the recommended strategy
+still has the highest goodput. Each replicate resamples every strategy's
+requests with replacement (same count) and divides the resampled good tokens
+by the cell's measured wall time; the generator is seeded, so a report is
+reproducible. Ties go to ``autoregressive`` (no speculation unless it wins).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis.metrics import DURATION_S, GOOD, SPEEDUP
+from configs import metric_names as mn
+
+N_BOOTSTRAP = 1000
+DEFAULT_SEED = 0
+
+
+def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: str):
+    """{strategy: (good tokens per request [n], good flags [n], total wall time s)}."""
+    sel = flagged[flagged[mn.REQ_TIER].eq(tier) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]
+    csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)]
+    out = {}
+    for strategy, g in sel.groupby(mn.REQ_STRATEGY, sort=True):
+        duration = csel.loc[csel[mn.REQ_STRATEGY].eq(strategy), DURATION_S].sum()
+        if not duration > 0:
+            continue
+        good = g[GOOD].to_numpy(dtype=bool)
+        tokens = np.where(good, g[mn.REQ_OUTPUT_TOKENS].fillna(0).to_numpy(dtype=float), 0.0)
+        out[strategy] = (tokens, good, float(duration))
+    return out
+
+
+def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict:
+    """Recommendation for one tier x output class from ``_goodput_inputs`` output.
+
+    Returns {"strategy", "goodput" (tokens/s), "goodput_rps", "runner_up",
+    "runner_up_goodput", "margin" (relative, None if the runner-up is 0),
+    "margin_abs" (tokens/s), "confidence" (0..1), "goodput_by_strategy", "note"}.
+    """
+    names = sorted(inputs)
+    point = {s: inputs[s][0].sum() / inputs[s][2] for s in names}
+    # Highest goodput first; on a tie autoregressive, then alphabetical.
+    ranked = sorted(names, key=lambda s: (-point[s], s != mn.AUTOREGRESSIVE, s))
+    best = ranked[0]
+    note = ""
+    if point[best] <= 0:
+        best = mn.AUTOREGRESSIVE if mn.AUTOREGRESSIVE in names else best
+        ranked = [best] + [s for s in ranked if s != best]
+        note = "no strategy met the SLOs; showing the baseline"
+    runner = ranked[1] if len(ranked) > 1 else None
+    rng = np.random.default_rng(seed)
+    boot = {}
+    for s in names:  # sorted order keeps the random stream reproducible
+        tokens, _, duration = inputs[s]
+        idx = rng.integers(0, tokens.size, size=(n_boot, tokens.size))
+        boot[s] = tokens[idx].sum(axis=1) / duration
+    stacked = np.column_stack([boot[s] for s in names])
+    wins = stacked[:, names.index(best)] >= stacked.max(axis=1)
+    confidence = float(wins.mean()) if runner is not None else 1.0
+    tokens, good, duration = inputs[best]
+    runner_gp = point[runner] if runner else None
+    return {
+        "strategy": best,
+        "goodput": float(point[best]),
+        "goodput_rps": float(good.sum() / duration),
+        "runner_up": runner,
+        "runner_up_goodput": float(runner_gp) if runner_gp is not None else None,
+        "margin": (float((point[best] - runner_gp) / runner_gp)
+                   if runner_gp else None),
+        "margin_abs": float(point[best] - runner_gp) if runner_gp is not None else None,
+        "confidence": confidence,
+        "goodput_by_strategy": {s: float(point[s]) for s in ranked},
+        "note": note,
+    }
+
+
+def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
+              n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict:
+    """``{tier: {output_class: {...recommend_cell..., "users", "speedup", "slo"}}}``.
+
+    Runs and users levels inside one tier x output class are pooled.
+    """
+    out: dict = {}
+    keys = flagged[[mn.REQ_TIER, mn.REQ_OUTPUT_CLASS]].drop_duplicates()
+    for tier, oc in sorted(keys.itertuples(index=False, name=None)):
+        inputs = _goodput_inputs(flagged, cells, tier, oc)
+        if not inputs:
+            continue
+        rec = recommend_cell(inputs, n_boot, seed)
+        csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)
+                     & cells[mn.REQ_STRATEGY].eq(rec["strategy"])]
+        speedup = csel[SPEEDUP].mean()
+        rec.update({
+            "users": sorted(int(u) for u in csel[mn.REQ_USERS].unique()),
+            "speedup": None if pd.isna(speedup) else float(speedup),
+            "slo": {"ttft_ms": slos[tier].ttft_ms, "tpot_ms": slos[tier].tpot_ms,
+                    "source": slos[tier].source},
+            "n_requests": int(csel["n_requests"].sum()),
+            "bootstrap": {"replicates": n_boot, "seed": seed, "over": "requests"},
+        })
+        out.setdefault(tier, {})[oc] = rec
+    return out
+
+
+def recommendation_rows(rec: dict) -> list[dict]:
+    """Flatten the recommendation for tables: one dict per tier x output class."""
+    rows = []
+    for tier, by_oc in rec.items():
+        for oc, r in by_oc.items():
+            rows.append({"tier": tier, "output_class": oc, "users": r["users"],
+                         "strategy": r["strategy"], "goodput_tok_s": r["goodput"],
+                         "goodput_rps": r["goodput_rps"], "speedup": r["speedup"],
+                         "runner_up": r["runner_up"], "margin": r["margin"],
+                         "confidence": r["confidence"], "note": r["note"]})
+    return rows
+

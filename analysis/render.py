@@ -1,0 +1,173 @@
+"""Render an ``Analysis`` to markdown and to one self-contained HTML page.
+
+The HTML has no scripts and no external resources: CSS is inline and every
+figure is a ``data:image/png;base64`` URI, so it opens offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import math
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from analysis.recommend import recommendation_rows
+from analysis.slo import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
+from configs import metric_names as mn
+
+if TYPE_CHECKING:
+    from analysis.report import Analysis
+
+CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "users", "n_requests", "n_ok",
+                "output_tokens_per_s", "speedup", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
+                "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p90",
+                "itl_ms_p99", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
+                mn.ACCEPTANCE_LENGTH, "tau_p10", "tau_p50", "tau_p90"]
+FIGURE_TITLES = {
+    "goodput": "Goodput per strategy (green = recommended)",
+    "speedup": "Speedup vs concurrency (dotted: measured crossover)",
+    "throughput_latency": "Throughput-latency curve and knee",
+    "acceptance": "Acceptance length distribution",
+    "per_position": "Per-position acceptance (unconditional and conditional, labelled)",
+    "coverage": "Top-k coverage per position",
+    "verification": "Verification tokens per step vs batch size",
+    "step_cost": "Step time vs batch tokens with the fitted cost curve",
+}
+
+
+def fmt(v) -> str:
+    """Human formatting for tables: ints as is, floats rounded by magnitude, NaN as "-"."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) >= 100):
+        return str(int(v))
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.2f}" if abs(v) >= 0.01 or v == 0 else f"{v:.2g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v)
+    return str(v)
+
+
+def records(df: pd.DataFrame | None) -> list[dict]:
+    """JSON-safe rows (NaN -> None)."""
+    if df is None:
+        return []
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else
+                 (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
+            for row in df.to_dict(orient="records")]
+
+
+def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
+    """(section title, explanation, rows) for every table of the report."""
+    slo_rows = [{"tier": t, "ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "source": s.source}
+                for t, s in a.slos.items()]
+    curve = a.target_curve
+    curve_rows = [curve.as_dict()] if curve is not None else []
+    out = [
+        ("Recommendation", "Per tier x output class: the strategy with the highest goodput "
+         "(output tokens/s of requests meeting both SLOs), margin = relative lead over the "
+         "runner-up, confidence = share of 1000 seeded bootstrap replicates over requests in "
+         "which it stays best.", recommendation_rows(a.recommendation)),
+        ("SLOs", "A request meets the SLO when TTFT <= ttft_ms and TPOT <= tpot_ms. Source: "
+         f"flags > run manifest (config.slo) > defaults (TTFT {DEFAULT_TTFT_MS:g} ms, "
+         f"TPOT {DEFAULT_TPOT_MS:g} ms).", slo_rows),
+        ("Crossover concurrency", "Measured: users level where speedup first drops below 1, "
+         "linearly interpolated between measured levels. Predicted: from the fitted target "
+         "cost curve f, acceptance length tau and verification tokens per request v: speedup(N)"
+         " = tau * step_AR(N) / (f(N*v) + draft_ms(N)).", records(a.crossover)),
+        ("Throughput-latency knee", "Users level maximising throughput / p50 e2e latency "
+         "(Kleinrock's power).", records(a.knees)),
+        ("Batch capacity (step log)", "wasted_share = (verification - emitted) / verification "
+         "tokens; verification_per_emitted = batch tokens spent per emitted token; "
+         "ms_per_emitted_token = engine time per emitted token; fit_* = this strategy's step_ms "
+         "hinge fit (drafting included).", records(a.capacity)),
+        ("Target cost curve", "step_ms(T) = floor_ms + slope_ms_per_token * max(0, T - "
+         "knee_tokens), i.e. max(a, b + c*T) (roofline-like), weighted least squares on the "
+         "target forward's ms vs verification+prefill tokens, pooled over strategies.",
+         curve_rows),
+        ("Per-cell metrics", "Per run x strategy x tier x output class x users. tokens/s over "
+         "the cell's wall time (first scheduled send to last end). ITL p50/p90 are over "
+         "requests' median ITL, p99 over requests' p99 ITL.",
+         records(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]])),
+        ("Per-position acceptance", "uncond = accepted at i / drafts (vLLM); cond = accepted at "
+         "i / accepted at i-1 (DFlash 2, DSpark); top-k coverage where reported.",
+         records(a.positions)),
+    ]
+    if a.degradation is not None:
+        out.insert(1, ("Degradation vs baseline", f"Baseline {a.baseline_root}: flagged when "
+                       "acceptance length or goodput dropped by more than 10 %.",
+                       records(a.degradation)))
+    runs = [{"run_id": r.run_id, "path": str(r.path), "started": r.manifest.get("started"),
+             "git_sha": r.manifest.get("git_sha"), "requests": len(r.requests),
+             "steps": len(r.steps), "versions": r.manifest.get("versions"),
+             "machine": r.manifest.get("machine")} for r in a.results.runs]
+    out.append(("Runs", "Run directories read.", runs))
+    return out
+
+
+def _md_table(rows: list[dict]) -> str:
+    if not rows:
+        return "_no data_\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(a: Analysis) -> str:
+    """The report as markdown (tables only; the figures are in report.html)."""
+    parts = ["# specload capacity report\n",
+             f"Results: `{a.results.root}` ({len(a.results.runs)} run(s), "
+             f"{len(a.results.requests)} requests, {len(a.results.steps)} engine steps). "
+             "Figures: see report.html.\n"]
+    for title, text, rows in _tables(a):
+        parts += [f"## {title}\n", text + "\n", _md_table(rows)]
+    return "\n".join(parts)
+
+
+def _html_table(rows: list[dict], table_id: str) -> str:
+    if not rows:
+        return "<p><em>no data</em></p>"
+    cols = list(rows[0])
+    head = "".join(f"<th>{_html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_html.escape(fmt(r.get(c)))}</td>" for c in cols)
+                   + "</tr>" for r in rows)
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+CSS = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
+       "font-size:12px;margin-bottom:1em}td,th{border:1px solid #ccc;padding:3px 6px;"
+       "text-align:right}th{background:#eee}section{overflow-x:auto}img{max-width:100%}")
+
+
+def html(a: Analysis) -> str:
+    """The report as one self-contained HTML page (inline CSS, base64 PNG figures)."""
+    parts = ["<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
+             "<title>specload capacity report</title>",
+             f"<style>{CSS}</style></head><body><h1>specload capacity report</h1>",
+             f"<p>Results: <code>{_html.escape(str(a.results.root))}</code>, "
+             f"{len(a.results.runs)} run(s), {len(a.results.requests)} requests, "
+             f"{len(a.results.steps)} engine steps.</p>"]
+    for title, text, rows in _tables(a):
+        table_id = title.split(" ")[0].lower().replace("-", "_")
+        parts.append(f"<section><h2>{_html.escape(title)}</h2><p>{_html.escape(text)}</p>"
+                     f"{_html_table(rows, table_id)}</section>")
+        if title == "Recommendation":
+            parts.append("<section><h2>Figures</h2>")
+            for key, png in a.figures.items():
+                if png:
+                    b64 = base64.b64encode(png).decode("ascii")
+                    parts.append(f"<figure><figcaption>{_html.escape(FIGURE_TITLES[key])}"
+                                 f"</figcaption><img id=\"fig-{key}\" alt=\"{key}\" "
+                                 f"src=\"data:image/png;base64,{b64}\"></figure>")
+            parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,146 @@
+"""``build_report``: results directory -> report.md, report.html, recommendation.json.
+
+Stages: load (analysis.load) -> per-request SLO flags and per-cell metrics
+(analysis.metrics) -> step-log capacity model (analysis.capacity) ->
+recommendation (analysis.recommend) -> optional baseline comparison
+(analysis.degradation) -> figures (analysis.plots) -> rendering (analysis.render).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import capacity, metrics, plots, render
+from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
+from analysis.load import Results, load_results
+from analysis.recommend import DEFAULT_SEED, N_BOOTSTRAP, recommend, recommendation_rows
+from analysis.slo import Slo, resolve_slos
+from configs import metric_names as mn
+
+
+@dataclass
+class Analysis:
+    """Everything the renderers need (tables are pandas DataFrames)."""
+
+    results: Results
+    slos: dict[str, Slo]
+    flagged: pd.DataFrame
+    cells: pd.DataFrame
+    positions: pd.DataFrame
+    crossover: pd.DataFrame       # measured (per output class) + predicted (per strategy)
+    knees: pd.DataFrame
+    capacity: pd.DataFrame
+    target_curve: capacity.CostCurve | None
+    recommendation: dict
+    degradation: pd.DataFrame | None = None
+    baseline_root: str | None = None
+    figures: dict[str, bytes | None] = field(default_factory=dict)
+
+
+def predict_crossovers(steps: pd.DataFrame, flagged: pd.DataFrame, cap: pd.DataFrame):
+    """(target CostCurve or None, DataFrame strategy/tau/v/predicted_crossover_users)."""
+    cols = [mn.REQ_STRATEGY, "tau", "verification_per_request", "draft_ms_intercept",
+            "draft_ms_per_request", "predicted_crossover_users"]
+    try:
+        curve = capacity.target_cost_curve(steps)
+    except (ValueError, KeyError):
+        return None, pd.DataFrame(columns=cols)
+    draft, other = capacity.draft_cost(steps), capacity.other_ms(steps)
+    v = capacity.verification_per_request(cap, flagged)
+    ok = flagged[flagged[mn.REQ_STATUS].eq("ok")]
+    rows = []
+    for strategy in sorted(set(cap[mn.STEP_STRATEGY]) - {mn.AUTOREGRESSIVE}):
+        tau = metrics.pooled_tau(ok[ok[mn.REQ_STRATEGY].eq(strategy)])
+        if np.isnan(tau):  # no request-side stats: emitted tokens per request-step
+            tau = float(cap.loc[cap[mn.STEP_STRATEGY].eq(strategy), "emitted_tokens_per_request"].iloc[0])
+        d = draft.get(strategy, (0.0, 0.0))
+        x = capacity.predicted_crossover(curve, tau, v[strategy], d, other.get(strategy, 0.0),
+                                         other.get(mn.AUTOREGRESSIVE, 0.0))
+        rows.append(dict(zip(cols, (strategy, tau, v[strategy], d[0], d[1], x))))
+    return curve, pd.DataFrame(rows, columns=cols)
+
+
+def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+            baseline: str | Path | None = None, seed: int = DEFAULT_SEED,
+            n_boot: int = N_BOOTSTRAP, threshold: float = DEFAULT_THRESHOLD) -> Analysis:
+    """Compute every table of the report (no files written)."""
+    tiers = sorted(results.requests[mn.REQ_TIER].unique())
+    slos = resolve_slos(tiers, results.manifest_config, slo_ttft_ms, slo_tpot_ms)
+    flagged = metrics.with_slo_flags(results.requests, slos)
+    cells = metrics.cell_table(flagged)
+    cap = capacity.capacity_table(results.steps)
+    curve, predicted = predict_crossovers(results.steps, flagged, cap)
+    crossover = metrics.crossover_measured(cells).merge(predicted, on=mn.REQ_STRATEGY, how="outer")
+    rec = recommend(flagged, cells, slos, n_boot=n_boot, seed=seed)
+    degradation = None
+    if baseline is not None:
+        base = load_results(baseline)
+        base_slos = {t: slos.get(t) or resolve_slos([t], results.manifest_config,
+                                                    slo_ttft_ms, slo_tpot_ms)[t]
+                     for t in base.requests[mn.REQ_TIER].unique()}
+        base_flagged = metrics.with_slo_flags(base.requests, base_slos)
+        degradation = compare(flagged, cells, base_flagged, metrics.cell_table(base_flagged),
+                              threshold)
+    return Analysis(results=results, slos=slos, flagged=flagged, cells=cells,
+                    positions=metrics.per_position(flagged), crossover=crossover,
+                    knees=metrics.throughput_latency_knee(cells), capacity=cap,
+                    target_curve=curve, recommendation=rec, degradation=degradation,
+                    baseline_root=str(baseline) if baseline is not None else None)
+
+
+def make_figures(a: Analysis) -> dict[str, bytes | None]:
+    """All report figures as PNG bytes (None where the data is absent)."""
+    return {
+        "goodput": plots.goodput_bars(recommendation_rows(a.recommendation), a.recommendation),
+        "speedup": plots.speedup_vs_users(a.cells, a.crossover),
+        "throughput_latency": plots.throughput_latency(a.cells, a.knees),
+        "acceptance": plots.acceptance_hist(a.flagged),
+        "per_position": plots.per_position_plot(a.positions),
+        "coverage": plots.coverage_plot(a.positions),
+        "verification": plots.verification_vs_batch(a.results.steps),
+        "step_cost": plots.step_cost(a.results.steps, a.target_curve),
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo_tpot_ms=None,
+                 seed: int = DEFAULT_SEED, n_boot: int = N_BOOTSTRAP) -> dict:
+    """Write report.md, report.html and recommendation.json; return a summary.
+
+    ``out_dir`` defaults to ``results_dir``. Returns {"recommendation": {tier:
+    {output_class: {...}}}, "paths": {"md", "html", "json"}, "crossover": [rows],
+    "degradation": [rows] or None, "degraded": bool, "exit_code": 0 or
+    EXIT_DEGRADED, "slos": {tier: {...}}}. Raises analysis.load.ResultsError
+    for a missing or empty results directory.
+    """
+    results = load_results(results_dir)
+    a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot)
+    a.figures = make_figures(a)
+    out = Path(out_dir) if out_dir is not None else Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "report.md", "html": out / "report.html",
+             "json": out / "recommendation.json"}
+    _write_atomic(paths["md"], render.markdown(a))
+    _write_atomic(paths["html"], render.html(a))
+    _write_atomic(paths["json"], json.dumps(a.recommendation, indent=2, sort_keys=True))
+    degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
+    return {
+        "recommendation": a.recommendation,
+        "paths": {k: str(v) for k, v in paths.items()},
+        "crossover": render.records(a.crossover),
+        "degradation": render.records(a.degradation) if a.degradation is not None else None,
+        "degraded": degraded,
+        "exit_code": EXIT_DEGRADED if degraded else 0,
+        "slos": {t: s.model_dump() for t, s in a.slos.items()},
+    }

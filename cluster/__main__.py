@@ -1,0 +1,40 @@
+"""``python -m cluster up|down``: local Ray + Serve bring-up (see ``cluster/local.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cluster import local
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster",
+                                description="Start or stop specload on a local Ray.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="start Ray if needed, deploy every strategy, print the URL")
+    u.add_argument("--config", type=Path, default=local.DEFAULT_CONFIG,
+                   help="Serve config (default: configs/serve.yaml)")
+    u.add_argument("--port", type=int, default=local.DEFAULT_PORT, help="HTTP port (8000)")
+    u.add_argument("--address", default=None,
+                   help="existing Ray cluster (GCS host:port); default RAY_ADDRESS, else "
+                        "start a local head")
+    u.add_argument("--dashboard", default=None,
+                   help="its dashboard URL (default RAY_DASHBOARD_ADDRESS or :8265)")
+    u.add_argument("--num-cpus", type=int, default=None,
+                   help="CPUs the local head advertises (default: all)")
+    u.add_argument("--timeout", type=float, default=600, help="seconds to wait for readiness")
+    d = sub.add_parser("down", help="stop what `up` started on this port")
+    d.add_argument("--port", type=int, default=local.DEFAULT_PORT)
+    a = p.parse_args(argv)
+    if a.cmd == "up":
+        url = local.up(a.config, a.port, a.address, a.dashboard, a.num_cpus, a.timeout)
+        print(url, flush=True)   # the last stdout line: scripts read it
+        return 0
+    local.down(a.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

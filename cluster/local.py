@@ -1,0 +1,298 @@
+"""Local bring-up: ``python -m cluster up`` / ``python -m cluster down``.
+
+``up``:
+1. If a specload service already answers on ``http://127.0.0.1:PORT/health``
+   it is reused (nothing started, nothing recorded).
+2. Otherwise it connects to a Ray cluster given by ``--address`` /
+   ``RAY_ADDRESS`` (its dashboard from ``--dashboard`` / ``RAY_DASHBOARD_ADDRESS``),
+   or starts its own head: ``ray start --head --block`` as a child process in a
+   new session, every Ray port picked free on 127.0.0.1 (no collision with
+   another Ray on the box), ``PYTHONPATH`` including the repo so replicas
+   import ``actors`` without an install.
+3. Deploys ``configs/serve.yaml`` (HTTP port overridden by ``--port``) through
+   the dashboard's Serve REST API, exactly like ``serve deploy``.
+4. Waits until every servable strategy answers a 1-token completion, records
+   what it started in a state file and prints the base URL as its last stdout
+   line.
+
+State files live in ``$XDG_RUNTIME_DIR/specload`` (or the temp dir,
+``specload-<uid>``), one per HTTP port: ``cluster-<port>.json``. ``down``
+deletes the Serve applications and, if ``up`` started the Ray head, sends it
+SIGTERM (Ray's own handler stops every process of that head), then removes
+the state file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "serve.yaml"
+DEFAULT_PORT = 8000
+HOST = "127.0.0.1"
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr so the base URL stays the last line of stdout."""
+    print(f"[cluster] {msg}", file=sys.stderr, flush=True)
+
+
+def state_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    d = Path(base) / "specload" if base else Path(tempfile.gettempdir()) / f"specload-{os.getuid()}"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def state_file(port: int) -> Path:
+    return state_dir() / f"cluster-{port}.json"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free on 127.0.0.1 now (held open together while picking)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _get(url: str, timeout_s: float = 3.0):
+    import httpx
+
+    return httpx.get(url, timeout=timeout_s)
+
+
+def service_health(base_url: str) -> dict | None:
+    """The /health body if a specload service answers there, else None."""
+    try:
+        r = _get(base_url + "/health")
+        body = r.json()
+        return body if r.status_code == 200 and "strategies" in body else None
+    except Exception:
+        return None
+
+
+def load_config(path: Path, port: int) -> dict:
+    """The Serve deploy config with ``http_options`` pointed at 127.0.0.1:port."""
+    cfg = yaml.safe_load(path.read_text())
+    if not isinstance(cfg, dict) or "applications" not in cfg:
+        raise SystemExit(f"{path}: expected a Serve config with 'applications', got "
+                         f"{type(cfg).__name__}")
+    http = dict(cfg.get("http_options") or {})
+    http.setdefault("host", HOST)
+    http["port"] = port
+    cfg["http_options"] = http
+    return cfg
+
+
+def expected_strategies(cfg: dict) -> list[str]:
+    """Strategies the app will serve (same skip rules as ``build_app``)."""
+    from actors.serve_app import missing_reason
+    from configs.serve_config import DEFAULT_ENGINE_FACTORY, ServeAppConfig
+
+    names = []
+    for app in cfg["applications"]:
+        if app.get("import_path") != "actors.serve_app:build_app":
+            continue
+        args = ServeAppConfig.model_validate(app.get("args") or {})
+        real = args.engine_factory == DEFAULT_ENGINE_FACTORY
+        for e in args.strategies:
+            reason = missing_reason(e, check_registry=real) if args.skip_missing_models else None
+            if reason:
+                log(f"strategy {e.name} will be skipped: {reason}")
+            else:
+                names.append(e.name)
+    return names
+
+
+def start_head(num_cpus: int | None) -> dict:
+    """Start ``ray start --head --block`` in its own session; return its facts."""
+    names = ("port", "dashboard-port", "ray-client-server-port", "metrics-export-port",
+             "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+             "runtime-env-agent-port", "node-manager-port", "object-manager-port")
+    ports = dict(zip(names, free_ports(len(names))))
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+           "--node-ip-address", HOST, "--dashboard-host", HOST, "--include-dashboard", "true",
+           "--disable-usage-stats"]
+    for name, p in ports.items():
+        cmd += [f"--{name}", str(p)]
+    if num_cpus is not None:
+        cmd += ["--num-cpus", str(num_cpus)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                        if p)
+    logf = state_dir() / f"ray-head-{ports['port']}.log"
+    log(f"starting a Ray head (gcs {HOST}:{ports['port']}, dashboard "
+        f"{HOST}:{ports['dashboard-port']}); log: {logf}")
+    with open(logf, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return {"ray_pid": proc.pid, "address": f"{HOST}:{ports['port']}",
+            "dashboard": f"http://{HOST}:{ports['dashboard-port']}",
+            "metrics_export_port": ports["metrics-export-port"], "log": str(logf)}
+
+
+def wait_dashboard(dashboard: str, pid: int | None, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if pid is not None and not _alive(pid):
+            raise SystemExit("the Ray head exited during start-up; see its log above")
+        try:
+            if _get(dashboard + "/api/version", 2).status_code == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"Ray dashboard {dashboard} did not come up within {timeout_s:.0f}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:   # a zombie child counts as dead
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def deploy(dashboard: str, cfg: dict, retries_s: float = 60) -> None:
+    """``serve deploy`` through the dashboard REST API (retried while it warms up)."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+    from ray.serve.schema import ServeDeploySchema
+
+    body = ServeDeploySchema.model_validate(cfg).model_dump(exclude_unset=True)
+    t0 = time.monotonic()
+    while True:
+        try:
+            ServeSubmissionClient(dashboard).deploy_applications(body)
+            return
+        except Exception as exc:
+            if time.monotonic() - t0 > retries_s:
+                raise SystemExit(f"serve deploy to {dashboard} failed: {exc}") from exc
+            time.sleep(2)
+
+
+def app_errors(dashboard: str) -> str | None:
+    """A DEPLOY_FAILED application's message, if any."""
+    try:
+        from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+        details = ServeSubmissionClient(dashboard).get_serve_details()
+    except Exception:
+        return None
+    for name, app in (details.get("applications") or {}).items():
+        if app.get("status") == "DEPLOY_FAILED":
+            return f"application {name}: {app.get('message')}"
+    return None
+
+
+def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
+               timeout_s: float) -> None:
+    """Until every strategy answers a 1-token greedy completion."""
+    import httpx
+
+    pending = list(strategies)
+    t0 = time.monotonic()
+    last = ""
+    while pending:
+        if time.monotonic() - t0 > timeout_s:
+            raise SystemExit(f"not ready after {timeout_s:.0f}s: {pending} ({last})")
+        if dashboard and (err := app_errors(dashboard)):
+            raise SystemExit(f"deploy failed: {err}")
+        for name in list(pending):
+            try:
+                r = httpx.post(base_url + "/v1/completions", timeout=30, json={
+                    "model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+                if r.status_code == 200:
+                    pending.remove(name)
+                    log(f"strategy {name} answers")
+                else:
+                    last = f"{name}: HTTP {r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{name}: {exc!r}"
+        if pending:
+            time.sleep(1)
+
+
+def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | None = None,
+       dashboard: str | None = None, num_cpus: int | None = None,
+       timeout_s: float = 600) -> str:
+    """Bring the service up (or reuse it); returns the base URL."""
+    base_url = f"http://{HOST}:{port}"
+    health = service_health(base_url)
+    if health is not None:
+        log(f"reusing the service at {base_url} (strategies {health['strategies']})")
+        return base_url
+    cfg = load_config(Path(config), port)
+    strategies = expected_strategies(cfg)
+    if not strategies:
+        raise SystemExit("no strategy in the config can be served here (see warnings above)")
+    state: dict = {"port": port, "base_url": base_url, "config": str(config),
+                   "started_ray": False}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        dashboard = dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS", f"http://{HOST}:8265")
+        state.update(address=address, dashboard=dashboard)
+        log(f"using the Ray cluster at {address} (dashboard {dashboard})")
+        wait_dashboard(dashboard, None, 60)
+    else:
+        head = start_head(num_cpus)
+        state.update(head, started_ray=True)
+        state_file(port).write_text(json.dumps(state, indent=2))   # so `down` can clean up
+        try:
+            wait_dashboard(head["dashboard"], head["ray_pid"], 120)
+        except SystemExit:
+            log(Path(head["log"]).read_text()[-3000:])
+            down(port)
+            raise
+    state_file(port).write_text(json.dumps(state, indent=2))
+    log(f"deploying {config} on port {port}: {strategies}")
+    deploy(state["dashboard"], cfg)
+    wait_ready(base_url, strategies, state["dashboard"], timeout_s)
+    return base_url
+
+
+def down(port: int = DEFAULT_PORT, timeout_s: float = 60) -> bool:
+    """Stop what ``up`` started on this port; False if it had started nothing."""
+    path = state_file(port)
+    if not path.exists():
+        log(f"nothing recorded for port {port} ({path}); nothing to stop")
+        return False
+    state = json.loads(path.read_text())
+    if state.get("dashboard"):
+        try:
+            from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+            ServeSubmissionClient(state["dashboard"]).delete_applications()
+            log("serve applications deleted")
+        except Exception as exc:
+            log(f"serve shutdown skipped: {exc}")
+    pid = state.get("ray_pid")
+    if state.get("started_ray") and pid and _alive(pid):
+        log(f"stopping the Ray head (pid {pid})")
+        os.kill(pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while _alive(pid) and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.5)
+        if _alive(pid):   # its session holds only what it started
+            log("the Ray head ignored SIGTERM; killing its process group")
+            os.killpg(pid, signal.SIGKILL)
+    path.unlink(missing_ok=True)
+    return True

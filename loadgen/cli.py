@@ -1,0 +1,237 @@
+"""``python -m loadgen``: run tier traffic against every strategy and write a run directory.
+
+    python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b]
+        [--target URL] [--model NAME] [--duration SECONDS] [--workers N] [--profile cpu|gpu]
+        [--dataset NAME|FILE.jsonl] [--results DIR] [--tiers-file FILE]
+
+Without ``--target`` the embedded local service is started or reused
+(``python -m cluster up``). Strategies default to the target's ``/v1/models``.
+Each strategy runs every selected cell in turn (strategy-major order), with the
+same prompts, max_tokens and seeds. Output: ``RESULTS_DIR/<run_id>/`` with
+``requests.parquet``, ``steps.parquet`` (specload targets) and ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from configs import metric_names as M
+from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
+from loadgen import service
+from loadgen.plan import CellPlan, shuffled_prompts
+from loadgen.prompts import DEFAULT_DATASET, DatasetError, load_dataset
+
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tier", required=True, choices=TIER_NAMES + ("all",))
+    ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
+    ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
+    ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
+                                                 "default: start/reuse the local service")
+    ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
+    ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
+    ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
+    ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
+    ap.add_argument("--dataset", default=DEFAULT_DATASET, help="humaneval|docs|stdlib|mixed or FILE.jsonl")
+    ap.add_argument("--max-prompt-chars", type=int, default=None, help="override the profile's prompt cut")
+    ap.add_argument("--results", default="results", help="results directory (a run_id folder goes inside)")
+    ap.add_argument("--tiers-file", default="", help="default configs/tiers.yaml")
+    ap.add_argument("--run-id", default="", help="default: <date>-<time>-<tier>-<random>")
+    return ap
+
+
+def _strategies(args: argparse.Namespace, target: str) -> list[str]:
+    if args.strategies:
+        return [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.model:
+        return [args.model]
+    models = service.list_models(target)
+    if not models:
+        raise service.ServiceError(f"{target}/v1/models lists no models; pass --strategies")
+    known = [s for s in M.STRATEGIES if s in models]  # canonical order, baseline first
+    return known + [m for m in models if m not in known]
+
+
+class _Progress:
+    """Rich live progress, refreshed from the driver loop (no refresh thread under gevent)."""
+
+    def __init__(self, console: Any) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.p = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                          TextColumn("{task.fields[stats]}"), console=console, auto_refresh=False)
+        self.task = None
+        self.start = 0.0
+        self.duration = 1.0
+        self._last = 0.0
+
+    def __enter__(self) -> "_Progress":
+        self.p.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.p.stop()
+
+    def new_cell(self, label: str, plan: CellPlan) -> None:
+        self.start, self.duration = plan.start_ts, plan.deadline_ts - plan.start_ts
+        self.task = self.p.add_task(label, total=self.duration, stats="")
+
+    def tick(self, now: float, runner: Any) -> None:
+        if self.task is None or now - self._last < 0.5:
+            return
+        self._last = now
+        rows = runner._cell_rows
+        ok = sum(1 for r in rows if r[M.REQ_STATUS] == M.STATUS_OK)
+        self.p.update(self.task, completed=min(max(0.0, now - self.start), self.duration),
+                      stats=f"ok {ok} | failed {len(rows) - ok} | in flight {runner.in_flight()}")
+        self.p.refresh()
+
+    def done(self) -> None:
+        if self.task is not None:
+            self.p.update(self.task, completed=self.duration)
+            self.p.refresh()
+
+
+def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
+    """Add run_id, tier and output_class (by step time inside a cell window) to step rows."""
+    for r in rows:
+        r[M.REQ_RUN_ID] = run_id
+        ts = r.get(M.STEP_TS)
+        for c in cells:
+            if c["strategy"] == r.get(M.STEP_STRATEGY) and ts is not None and c["t0"] <= ts <= c["t1"]:
+                r[M.REQ_TIER], r[M.REQ_OUTPUT_CLASS] = c["tier"], c["output_class"]
+                break
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole run; returns the exit code. Locust is imported here (gevent already patched)."""
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    try:
+        profile = load_tiers(args.tiers_file or None).profile(args.profile or None)
+        max_chars = args.max_prompt_chars or profile.max_prompt_chars
+        prompts = shuffled_prompts(load_dataset(args.dataset, max_chars), profile.seed)
+    except (TierConfigError, DatasetError, KeyError) as err:
+        console.print(f"[red]config error:[/] {err}", markup=True, highlight=False)
+        return EXIT_CONFIG
+    tiers = list(TIER_NAMES) if args.tier == "all" else [args.tier]
+    outputs = list(OUTPUT_CLASSES) if args.output == "all" else [args.output]
+    try:
+        target = (args.target or service.start_local_service()).rstrip("/")
+        strategies = _strategies(args, target)
+    except service.ServiceError as err:
+        console.print(f"[red]target error:[/] {err}", highlight=False)
+        return EXIT_CONFIG
+
+    from loadgen.runner import LoadRunner
+    from loadgen.summary import add_speedups, render_table, summarize_cell
+    from loadgen.writer import RequestWriter, environment_info, write_manifest, write_steps
+
+    run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{args.tier}-{uuid.uuid4().hex[:6]}"
+    run_dir = Path(args.results) / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    console.print(f"specload run [bold]{run_id}[/]: {len(strategies)} strategies x {len(tiers) * len(outputs)} "
+                  f"cells against {target}; results in {run_dir}", highlight=False)
+    writer = RequestWriter(run_dir / "requests.parquet")
+    manifest: dict[str, Any] = {
+        "run_id": run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
+        "target": target, "strategies": strategies, "tiers": tiers, "outputs": outputs,
+        "args": vars(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
+        "dataset": args.dataset, "num_prompts": len(prompts), "cells": [], **environment_info()}
+    write_manifest(run_dir / "manifest.json", manifest)
+
+    stop_flag = {"stop": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop_flag.__setitem__("stop", True))
+    summaries = []
+    steps: list[dict] = []
+    cell_windows: list[dict] = []
+    runner = None
+    status = "finished"
+    try:
+        runner = LoadRunner(args.workers, on_row=writer.add)
+        lead_s = 0.2 if args.workers <= 0 else 1.0
+        with _Progress(console) as progress:
+            def tick(now: float, r: Any) -> None:
+                writer.maybe_flush()
+                progress.tick(now, r)
+                if stop_flag["stop"]:
+                    raise KeyboardInterrupt("SIGTERM")
+
+            for strategy in strategies:
+                strategy_t0 = time.time()
+                for tier in tiers:
+                    for oc in outputs:
+                        cell = profile.cell(tier, oc)
+                        duration = args.duration if args.duration else cell.duration_s
+                        t0 = time.time() + lead_s
+                        plan = CellPlan(
+                            run_id=run_id, strategy=strategy, model=args.model or strategy, tier=tier,
+                            output_class=oc, dataset=args.dataset, base_url=target, arrival=cell.arrival,
+                            users=cell.users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
+                            prompts=[[p.prompt_id, p.text, p.max_tokens] for p in prompts],
+                            max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
+                            sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
+                            request_timeout_s=profile.request_timeout_s,
+                            cell_id=f"{strategy}/{tier}/{oc}/{uuid.uuid4().hex[:6]}")
+                        progress.new_cell(f"{strategy:>14} {tier:>4} {oc:<5}", plan)
+                        cell_t0 = time.time()
+                        cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, tick)
+                        progress.done()
+                        writer.flush()
+                        cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc,
+                                             "t0": cell_t0, "t1": time.time()})
+                        s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
+                                           arrival=cell.arrival, users=cell.users, rate_rps=cell.rate_rps,
+                                           slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
+                        summaries.append(s)
+                        for w in s.warnings:
+                            console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
+                        manifest["cells"] = [dataclasses.asdict(x) for x in summaries]
+                        write_manifest(run_dir / "manifest.json", manifest)
+                steps.extend(_label_steps(service.fetch_step_log(target, strategy, strategy_t0 - 1.0),
+                                          run_id, cell_windows))
+    except KeyboardInterrupt:
+        status = "interrupted"
+        console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
+    finally:
+        if runner is not None:
+            runner.close()
+        writer.close()
+        n_steps = 0
+        try:
+            n_steps = write_steps(run_dir / "steps.parquet", steps)
+        except Exception as err:  # noqa: BLE001  (step rows of an unexpected shape must not lose the run)
+            console.print(f"[yellow]warning[/] could not write steps.parquet: {err}")
+        add_speedups(summaries)
+        manifest.update(status=status, finished_ts=time.time(), requests=writer.rows_written, steps=n_steps,
+                        cells=[dataclasses.asdict(x) for x in summaries])
+        write_manifest(run_dir / "manifest.json", manifest)
+    if summaries:
+        console.print(render_table(summaries))
+    console.print(f"requests: {writer.rows_written}, steps: {n_steps}")
+    print(f"results: {run_dir}", flush=True)
+    return EXIT_INTERRUPTED if status == "interrupted" else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The request plan of one cell: which prompt, max_tokens, seed and (open loop) send time
+request i gets. Pure Python; no gevent.
+
+The plan is a function of (profile seed, request index), never of the strategy,
+so every strategy sees the same prompts in the same order with the same
+max_tokens and seeds. ``CellPlan`` is a plain dict-serialisable dataclass so the
+Locust master can ship it to workers; ``Dispenser`` hands out request indices
+inside one load-generator process (worker w of n takes i = w, w + n, w + 2n ...).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from configs.tiers import MaxTokens
+
+
+@dataclass
+class CellPlan:
+    """Everything a load-generator process needs to run one cell (JSON/msgpack-safe)."""
+
+    run_id: str
+    strategy: str
+    model: str                     # the request's "model" field
+    tier: str
+    output_class: str
+    dataset: str
+    base_url: str                  # e.g. http://127.0.0.1:8000
+    arrival: str                   # "closed" | "open"
+    users: int
+    rate_rps: float | None
+    start_ts: float                # unix s: open-loop t=0 and closed-loop start
+    deadline_ts: float             # unix s: no request is sent after this
+    prompts: list[list[Any]]       # [prompt_id, text, max_tokens | None], already shuffled
+    max_tokens: dict[str, Any]     # MaxTokens model dump
+    seed: int                      # profile seed: max_tokens draws and arrival times
+    sampling: dict[str, Any]       # temperature, top_p, top_k, seed, stop
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    request_timeout_s: float = 120.0
+    cell_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CellPlan":
+        return cls(**d)
+
+
+def shuffled_prompts(prompts: list, seed: int) -> list:
+    """The run's prompt order: one seeded shuffle, identical for every strategy."""
+    order = list(prompts)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def poisson_schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival offsets in seconds from cell start, Poisson at ``rate_rps`` over ``duration_s``."""
+    rng = random.Random(f"arrivals-{seed}")
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate_rps)
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request to send: its index, scheduled unix time (None: now), body and prompt id."""
+
+    index: int
+    scheduled_ts: float | None
+    prompt_id: str
+    body: dict[str, Any]
+
+
+class Dispenser:
+    """Hands request indices of a ``CellPlan`` to this process's users.
+
+    ``worker_index`` / ``n_workers`` split the index space between Locust
+    workers. Closed loop: indices until the deadline. Open loop: the Poisson
+    schedule's slots, each with its scheduled send time (unix s).
+    """
+
+    def __init__(self, plan: CellPlan, worker_index: int = 0, n_workers: int = 1) -> None:
+        self.plan = plan
+        self.worker_index = worker_index
+        self.n_workers = max(1, n_workers)
+        self._k = 0
+        self._lock = threading.Lock()  # cheap; users are greenlets, but keep it correct anywhere
+        self._mt = MaxTokens.model_validate(plan.max_tokens)
+        self.in_flight = 0
+        self.schedule: list[float] | None = None
+        if plan.arrival == "open":
+            dur = plan.deadline_ts - plan.start_ts
+            self.schedule = [plan.start_ts + s for s in
+                             poisson_schedule(float(plan.rate_rps or 0), dur, plan.seed)]
+
+    def job(self, index: int, scheduled_ts: float | None) -> Job:
+        p = self.plan
+        pid, text, ds_max = p.prompts[index % len(p.prompts)]
+        max_tokens = ds_max or self._mt.sample(random.Random(f"max-tokens-{p.seed}-{index}"))
+        body: dict[str, Any] = {
+            "model": p.model, "prompt": text, "max_tokens": int(max_tokens),
+            "temperature": p.sampling.get("temperature", 0.0),
+            "top_p": p.sampling.get("top_p", 1.0), "top_k": p.sampling.get("top_k", 0),
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if p.sampling.get("seed") is not None:
+            body["seed"] = int(p.sampling["seed"]) + index
+        if p.sampling.get("stop"):
+            body["stop"] = p.sampling["stop"]
+        body.update(p.extra_body)
+        return Job(index, scheduled_ts, pid, body)
+
+    def next(self, now: float | None = None) -> Job | None:
+        """The next request for this process, or None when the cell has no more to send."""
+        now = time.time() if now is None else now
+        with self._lock:
+            i = self.worker_index + self._k * self.n_workers
+            if self.schedule is None:
+                if now >= self.plan.deadline_ts:
+                    return None
+                self._k += 1
+                return self.job(i, None)
+            if i >= len(self.schedule):
+                return None
+            self._k += 1
+            return self.job(i, self.schedule[i])

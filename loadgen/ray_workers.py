@@ -1,0 +1,103 @@
+"""Locust workers as Ray actors: each actor runs ``locust --worker`` as a subprocess.
+
+Why a subprocess (../shared/DESIGN.md): importing Locust inside a Ray actor
+hangs (gevent monkey-patching in a Ray worker process). And why this module runs
+in its *own* process, started by the driver: the driver has imported Locust
+(monkey-patched), so Ray is kept out of it entirely.
+
+    python -m loadgen.ray_workers --n 4 --master-port 5557 [--address auto]
+
+Starts Ray (or connects to the cluster at ``--address`` / RAY_ADDRESS), places
+N actors with ``num_cpus`` 0.1 each, prints ``READY <n>`` and waits until
+stdin closes or SIGTERM/SIGINT, then stops the workers and shuts Ray down if
+it started it. Each actor's process connects back to the master at the
+driver node's IP. Remote nodes need the repository importable (same path or
+an installed package): this process passes ``PYTHONPATH`` for local runs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+
+
+def worker_command(master_host: str, master_port: int) -> list[str]:
+    """The ``locust --worker`` command line one actor runs."""
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", master_host,
+            "--master-port", str(master_port), "--loglevel", "WARNING"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, required=True, help="number of Locust workers (actors)")
+    ap.add_argument("--master-host", default="", help="default: this node's IP as Ray sees it")
+    ap.add_argument("--master-port", type=int, required=True)
+    ap.add_argument("--address", default=os.environ.get("RAY_ADDRESS", ""),
+                    help="Ray cluster address; empty = start a local Ray instance")
+    ap.add_argument("--num-cpus", type=float, default=0.1, help="Ray CPUs reserved per worker actor")
+    a = ap.parse_args(argv)
+
+    import ray  # only here: never in a process that imported locust
+
+    started = not ray.is_initialized()
+    ray.init(address=a.address or None, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}} if not a.address else None)
+    master_host = a.master_host or ray.util.get_node_ip_address()
+
+    @ray.remote(num_cpus=a.num_cpus, max_restarts=0)
+    class LocustWorker:
+        """Owns one ``locust --worker`` subprocess."""
+
+        def __init__(self, cmd: list[str], extra_env: dict[str, str]) -> None:
+            env = dict(os.environ)
+            env.update(extra_env)
+            self.proc = subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT) if REPO_ROOT.is_dir() else None)
+
+        def pid(self) -> int:
+            return self.proc.pid
+
+        def stop(self) -> int | None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(5)
+            return self.proc.returncode
+
+    extra_env = {"SPECLOAD_WORKER": "1", "PYTHONPATH": str(REPO_ROOT)}
+    actors = [LocustWorker.remote(worker_command(master_host, a.master_port), extra_env) for _ in range(a.n)]
+    try:
+        ray.get([w.pid.remote() for w in actors], timeout=300)
+    except Exception as err:  # noqa: BLE001
+        print(f"ERROR could not place {a.n} worker actors ({err}); the cluster may lack "
+              f"{a.n * a.num_cpus:g} free CPUs", flush=True)
+        ray.shutdown()
+        return 1
+    print(f"READY {a.n} {master_host}", flush=True)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    stop.wait()
+    try:
+        ray.get([w.stop.remote() for w in actors], timeout=30)
+    except Exception:  # noqa: BLE001  (best effort: actors die with the job anyway)
+        pass
+    if started:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

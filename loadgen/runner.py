@@ -1,0 +1,202 @@
+"""Drive Locust from Python: one Environment for the run, one cell at a time.
+
+``--workers 0``: a LocalRunner; users live in this process. ``--workers N``: a
+MasterRunner here, N ``locust --worker`` processes hosted by Ray actors (started
+through ``loadgen.ray_workers`` in a separate process, so Ray never shares a
+process with gevent's monkey-patching). Workers receive each cell's plan as a
+custom message and stream rows back; the master drains on their in-flight
+counts before stopping the cell.
+
+Imports locust: only the ``python -m loadgen`` process imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gevent
+import psutil
+from locust.env import Environment
+
+from configs import metric_names as M
+from loadgen.plan import CellPlan
+from loadgen.users import CELL_MESSAGE, ROWS_MESSAGE, CellContext, CompletionUser
+
+log = logging.getLogger("loadgen")
+
+
+def free_port() -> int:
+    """An ephemeral TCP port (bind to 0); the master binds it right after."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class CellRun:
+    """What one cell produced: its rows, the measurement window and CPU samples (% of one core)."""
+
+    rows: list[dict[str, Any]]
+    window: tuple[float, float]        # unix s: spawn complete (or start) .. deadline
+    cpu_samples: list[float] = field(default_factory=list)
+    interrupted: bool = False
+
+
+class LoadRunner:
+    """Owns the Locust environment (and the Ray worker helper) for a whole run."""
+
+    def __init__(self, n_workers: int = 0, on_row: Callable[[dict[str, Any]], None] | None = None,
+                 worker_start_timeout_s: float = 300.0) -> None:
+        self.n_workers = n_workers
+        self.on_row = on_row or (lambda r: None)
+        self.env = Environment(user_classes=[CompletionUser], events=None)
+        self._cell_rows: list[dict[str, Any]] = []
+        self._cell_id = ""
+        self._worker_inflight: dict[int, tuple[float, int]] = {}
+        self._helper: subprocess.Popen | None = None
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)
+        if n_workers <= 0:
+            self.runner = self.env.create_local_runner()
+        else:
+            port = free_port()
+            self.runner = self.env.create_master_runner(master_bind_host="*", master_bind_port=port)
+            self.runner.register_message(ROWS_MESSAGE, self._on_rows)
+            self._start_workers(port, worker_start_timeout_s)
+        self._spawned_at: float | None = None
+        self.env.events.spawning_complete.add_listener(lambda user_count, **_: self._mark_spawned())
+
+    def _mark_spawned(self) -> None:
+        self._spawned_at = time.time()
+
+    # --- distributed ---------------------------------------------------------
+    def _start_workers(self, port: int, timeout_s: float) -> None:
+        cmd = [sys.executable, "-m", "loadgen.ray_workers", "--n", str(self.n_workers), "--master-port", str(port)]
+        self._helper = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        deadline = time.time() + timeout_s
+        while self.runner.worker_count < self.n_workers:
+            if self._helper.poll() is not None:
+                out = self._helper.stdout.read() if self._helper.stdout else ""
+                raise RuntimeError(f"Ray worker helper exited ({self._helper.returncode}) with "
+                                   f"{self.runner.worker_count}/{self.n_workers} workers connected: {out[-500:]}")
+            if time.time() > deadline:
+                raise RuntimeError(f"only {self.runner.worker_count}/{self.n_workers} Locust workers connected "
+                                   f"within {timeout_s:g} s (Ray could not place the actors, or the master port "
+                                   f"{port} is unreachable from the worker nodes)")
+            gevent.sleep(0.5)
+
+    def _on_rows(self, environment: Any, msg: Any, **_: Any) -> None:
+        data = msg.data
+        if data.get("cell_id") != self._cell_id:
+            log.warning("dropping %d late rows of cell %s", len(data.get("rows", [])), data.get("cell_id"))
+            return
+        for row in data.get("rows", []):
+            self._sink(row)
+        self._worker_inflight[int(data.get("worker", -1))] = (float(data.get("ts", 0)), int(data.get("in_flight", 0)))
+
+    # --- one cell --------------------------------------------------------------
+    def _sink(self, row: dict[str, Any]) -> None:
+        self._cell_rows.append(row)
+        self.on_row(row)
+
+    def in_flight(self) -> int:
+        """Requests in flight right now (workers: as of their latest report)."""
+        if self.n_workers <= 0:
+            ctx = getattr(self.env, "specload", None)
+            return ctx.in_flight if ctx else 0
+        return sum(n for _, n in self._worker_inflight.values())
+
+    def _cpu_sample(self) -> float:
+        own = self._proc.cpu_percent(None)
+        if self.n_workers > 0:
+            workers = [c.cpu_usage for c in self.runner.clients.values()]
+            return max([own] + workers)
+        return own
+
+    def run_cell(self, plan: CellPlan, spawn_rate: float, drain_timeout_s: float,
+                 tick: Callable[[float, "LoadRunner"], None] | None = None) -> CellRun:
+        """Run one cell: spawn ``plan.users``, offer load until ``plan.deadline_ts``, drain, stop.
+
+        ``tick(now, self)`` is called about twice a second (progress display).
+        Rows reach ``on_row`` as they complete. KeyboardInterrupt stops the cell
+        (in-flight requests become ``cancelled`` rows) and is re-raised.
+        """
+        self._cell_rows = []
+        self._cell_id = plan.cell_id
+        self._worker_inflight = {}
+        self._spawned_at = None
+        cpu: list[float] = []
+        if self.n_workers <= 0:
+            self.env.specload = CellContext(plan, self._sink)
+        else:
+            self.runner.send_message(CELL_MESSAGE, {"plan": plan.to_dict(), "n_workers": self.n_workers})
+        self.env.host = plan.base_url
+        start = time.time()
+        self._proc.cpu_percent(None)
+        interrupted = False
+        try:
+            self.runner.start(plan.users, spawn_rate=spawn_rate)
+            while (now := time.time()) < plan.deadline_ts:
+                gevent.sleep(min(0.5, max(0.0, plan.deadline_ts - now)))
+                cpu.append(self._cpu_sample())
+                if tick:
+                    tick(time.time(), self)
+            drain_end = time.time() + drain_timeout_s
+            while time.time() < drain_end:
+                if self.n_workers <= 0:
+                    if self.in_flight() == 0:
+                        break
+                elif len(self._worker_inflight) >= self.n_workers and all(
+                        ts >= plan.deadline_ts and n == 0 for ts, n in self._worker_inflight.values()):
+                    break
+                gevent.sleep(0.1)
+                if tick:
+                    tick(time.time(), self)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            self._stop_cell()
+        # measure concurrency once every user is up (ramp excluded) and the cell has started
+        window_start = max(self._spawned_at or start, plan.start_ts)
+        if window_start >= plan.deadline_ts:
+            window_start = max(start, plan.start_ts)
+        run = CellRun(list(self._cell_rows), (window_start, plan.deadline_ts), cpu, interrupted)
+        if interrupted:
+            raise KeyboardInterrupt(run)
+        return run
+
+    def _stop_cell(self) -> None:
+        self.runner.stop()
+        if self.n_workers <= 0:
+            gevent.sleep(0.05)  # killed users run their cancel handlers
+            ctx = getattr(self.env, "specload", None)
+            if ctx is not None:
+                ctx.unsent_rows()
+            self.env.specload = None
+        else:
+            # rows are flushed before each worker's "client_stopped"; allow for late frames
+            t_end = time.time() + 2.0
+            while time.time() < t_end and any(n for _, n in self._worker_inflight.values()):
+                gevent.sleep(0.1)
+            gevent.sleep(0.3)
+
+    def close(self) -> None:
+        """Stop runners and workers; shut down the Ray helper (which shuts Ray down if it started it)."""
+        try:
+            self.runner.quit()
+        except Exception:  # noqa: BLE001  (closing after an interrupt)
+            pass
+        if self._helper is not None:
+            try:
+                if self._helper.stdin:
+                    self._helper.stdin.close()
+                self._helper.wait(60)
+            except (subprocess.TimeoutExpired, OSError):
+                self._helper.terminate()
+            self._helper = None

@@ -1,0 +1,207 @@
+"""Per-request streaming timing: SSE parsing and the metrics of one request row.
+
+Pure Python (no gevent, no locust) so it is unit-testable and reusable.
+Definitions (../shared/DESIGN.md, "Metric definitions"):
+
+- TTFT: from the request's *scheduled* send time (= the actual send time in
+  closed-loop mode) to the first chunk whose text is non-empty. An empty
+  role/heartbeat chunk does not count.
+- e2e: scheduled send time -> end of the stream ([DONE] or EOF), ms.
+- TPOT = (e2e - TTFT) / (output_tokens - 1), ms per token.
+- output tokens: ``usage.completion_tokens`` from the server, never counted
+  from the text (re-tokenising chunks over-counts).
+- ITL, per token: each gap between consecutive content chunks is spread over
+  the tokens the later chunk carries (a speculative step emits several). The
+  tokens per chunk come, in order of preference, from a per-chunk
+  ``spec_decode.num_tokens`` extension, ``choices[0].token_ids``, or a
+  per-chunk cumulative ``usage.completion_tokens`` (vLLM continuous usage).
+  When the server gives none of these, the tokens after the first chunk
+  (``completion_tokens - 1``: the first content chunk is assumed to carry one
+  token, which holds for prefill) are spread evenly over the later chunks; the
+  p50/p99 are then token-weighted percentiles of gap/tokens. ITL never
+  includes TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from configs import metric_names as M
+
+# speculative stats copied from the final chunk's "spec_decode" object into the row
+SPEC_INT_FIELDS = (M.NUM_DRAFTS, M.NUM_DRAFT_TOKENS, M.NUM_ACCEPTED_TOKENS)
+SPEC_FLOAT_FIELDS = (M.ACCEPTANCE_LENGTH, M.DRAFT_MS, M.VERIFY_MS, M.QUEUE_MS)
+SPEC_LIST_FIELDS = (M.NUM_ACCEPTED_TOKENS_PER_POS,)
+PER_CHUNK_TOKENS_FIELD = "num_tokens"  # optional per-chunk extension: spec_decode.num_tokens
+
+
+class SSEParser:
+    """Incremental Server-Sent-Events parser: feed raw lines, get ``data`` payloads.
+
+    Handles ``\\r\\n`` and ``\\n`` line ends, comment lines (``:``), multi-line
+    ``data:`` fields (joined with ``\\n``) and events without a trailing blank line
+    (call ``flush`` at EOF).
+    """
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed_line(self, raw: bytes | str) -> list[str]:
+        """One line (with or without its line end); returns the events it completed."""
+        line = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+        line = line.rstrip("\r\n")
+        if not line:
+            return self.flush()
+        if line.startswith(":"):
+            return []
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return []
+
+    def flush(self) -> list[str]:
+        if not self._data:
+            return []
+        data, self._data = "\n".join(self._data), []
+        return [data]
+
+
+def weighted_percentile(values: Iterable[float], weights: Iterable[float], q: float) -> float:
+    """Percentile ``q`` in [0, 100] of ``values`` where value i counts ``weights[i]`` times.
+
+    Lower-value convention (the smallest value whose cumulative weight reaches
+    q% of the total); NaN for no data.
+    """
+    pairs = sorted((v, w) for v, w in zip(values, weights) if w > 0)
+    if not pairs:
+        return math.nan
+    total = sum(w for _, w in pairs)
+    target = q / 100.0 * total
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= target - 1e-12:
+            return v
+    return pairs[-1][0]
+
+
+@dataclass
+class StreamRecorder:
+    """Collects one streamed completion; ``row()`` turns it into request-row fields.
+
+    Timestamps are unix seconds (``time.time()``); ``scheduled_ts`` is the
+    open-loop schedule slot (or the send time in closed-loop mode).
+    """
+
+    scheduled_ts: float
+    sent_ts: float | None = None
+    chunk_ts: list[float] = field(default_factory=list)        # content chunks only
+    chunk_tokens: list[int | None] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+    done: bool = False                                          # saw data: [DONE]
+    error: str | None = None
+    _usage_completion_seen: int = 0
+
+    def on_data(self, data: str, ts: float) -> None:
+        """Handle one SSE ``data`` payload that arrived at ``ts`` (unix s)."""
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError:
+            self.error = f"bad JSON in stream: {data[:200]!r}"
+            return
+        if not isinstance(obj, dict):
+            return
+        if obj.get("error"):
+            err = obj["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:500]
+            return
+        text = ""
+        token_ids = None
+        for choice in obj.get("choices") or []:
+            piece = choice.get("text")
+            if piece is None:  # chat-completions shape, tolerated
+                piece = (choice.get("delta") or {}).get("content")
+            text += piece or ""
+            if choice.get("token_ids") is not None:
+                token_ids = choice["token_ids"]
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        spec = obj.get(M.SPEC_DECODE_FIELD) or {}
+        usage = obj.get("usage")
+        if text:
+            n: int | None = None
+            if isinstance(spec.get(PER_CHUNK_TOKENS_FIELD), int):
+                n = spec[PER_CHUNK_TOKENS_FIELD]
+            elif isinstance(token_ids, list):
+                n = len(token_ids)
+            elif isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                n = usage["completion_tokens"] - self._usage_completion_seen
+            self.chunk_ts.append(ts)
+            self.chunk_tokens.append(n)
+        if isinstance(usage, dict):
+            self.usage = usage
+            if isinstance(usage.get("completion_tokens"), int):
+                self._usage_completion_seen = usage["completion_tokens"]
+        for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS:
+            if k in spec:
+                self.spec[k] = spec[k]
+
+    @property
+    def complete(self) -> bool:
+        """The server said the stream is over ([DONE], or a finish_reason plus usage)."""
+        return self.done or (self.finish_reason is not None and self.usage is not None)
+
+    def itl_samples(self, output_tokens: int | None) -> tuple[list[float], list[float]]:
+        """(per-token ITL values in ms, token weights) over content chunks after the first."""
+        gaps = [(b - a) * 1000.0 for a, b in zip(self.chunk_ts, self.chunk_ts[1:])]
+        if not gaps:
+            return [], []
+        later = self.chunk_tokens[1:]
+        if all(isinstance(n, int) and n > 0 for n in later):
+            tokens = [float(n) for n in later]  # exact per-chunk counts
+        elif output_tokens is not None and output_tokens > 1:
+            per_chunk = (output_tokens - 1) / len(gaps)
+            tokens = [per_chunk] * len(gaps)
+        else:
+            tokens = [1.0] * len(gaps)
+        return [g / n for g, n in zip(gaps, tokens)], tokens
+
+    def row(self, end_ts: float, status: str, error: str | None = None) -> dict[str, Any]:
+        """Request-row timing fields (metric_names REQ_* and spec stats); times in ms."""
+        out_tokens = self.usage.get("completion_tokens") if self.usage else None
+        prompt_tokens = self.usage.get("prompt_tokens") if self.usage else None
+        first = self.chunk_ts[0] if self.chunk_ts else None
+        ttft = (first - self.scheduled_ts) * 1000.0 if first is not None else None
+        e2e = (end_ts - self.scheduled_ts) * 1000.0
+        tpot = None
+        if status == M.STATUS_OK and ttft is not None and isinstance(out_tokens, int) and out_tokens > 1:
+            tpot = (e2e - ttft) / (out_tokens - 1)
+        vals, wts = self.itl_samples(out_tokens if isinstance(out_tokens, int) else None)
+        row: dict[str, Any] = {
+            M.REQ_SCHEDULED_TS: self.scheduled_ts,
+            M.REQ_SENT_TS: self.sent_ts,
+            M.REQ_FIRST_TOKEN_TS: first,
+            M.REQ_END_TS: end_ts,
+            M.REQ_TTFT_MS: ttft,
+            M.REQ_TPOT_MS: tpot,
+            M.REQ_ITL_P50_MS: weighted_percentile(vals, wts, 50) if vals else None,
+            M.REQ_ITL_P99_MS: weighted_percentile(vals, wts, 99) if vals else None,
+            M.REQ_E2E_MS: e2e,
+            M.REQ_OUTPUT_TOKENS: out_tokens,
+            M.REQ_PROMPT_TOKENS: prompt_tokens,
+            M.REQ_NUM_CHUNKS: len(self.chunk_ts),
+            M.REQ_FINISH_REASON: self.finish_reason,
+            M.REQ_STATUS: status,
+            M.REQ_ERROR: error if error is not None else self.error,
+        }
+        for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS:
+            row[k] = self.spec.get(k)
+        return row

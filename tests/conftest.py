@@ -1,0 +1,41 @@
+"""Shared fixtures: held-out prompts and engines on the embedded models."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = REPO / "data" / "prompts" / "heldout_eval.jsonl"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts() -> list[dict]:
+    """48 held-out prompts (24 code, 24 prose) from ``data/prompts/heldout_eval.jsonl``."""
+    return [json.loads(l) for l in PROMPTS.read_text().splitlines() if l.strip()]
+
+
+@pytest.fixture(scope="session")
+def make_engine():
+    """Factory: ``make_engine(strategy, **engine_config)`` -> LLMEngine (cached per args)."""
+    from actors.config import DEFAULT_DRAFT, EngineConfig
+    from actors.engine import LLMEngine
+
+    cache = {}
+
+    def make(strategy: str, **kw) -> LLMEngine:
+        key = (strategy, tuple(sorted(kw.items(), key=lambda x: x[0])).__repr__())
+        if key not in cache:
+            if strategy == "draft_model":
+                kw.setdefault("draft_model", str(DEFAULT_DRAFT))
+            cache[key] = LLMEngine(EngineConfig(strategy=strategy, **kw))
+        return cache[key]
+
+    return make

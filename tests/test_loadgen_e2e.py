@@ -1,0 +1,198 @@
+"""``python -m loadgen`` end to end against the fake streaming server (127.0.0.1, ephemeral ports).
+
+The fake server runs in its own process and records the true timings of every
+request, so the client's measurements are checked against ground truth. The
+load generator runs as a subprocess too: locust monkey-patches gevent on import
+and must not do that to the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from configs import metric_names as M
+from loadgen import fake_server
+
+REPO = Path(__file__).resolve().parent.parent
+SLO = {"ttft_ms": 1000, "tpot_ms": 100}
+
+
+def _tiers(tmp_path: Path, low_short: dict, low_long: dict | None = None, **profile) -> Path:
+    cell = {"users": 2, "spawn_rate": 100, "duration_s": 2, "max_tokens": 8, "slo": SLO}
+    tier = {"short": cell, "long": cell}
+    doc = {"default_profile": "test", "profiles": {"test": {
+        "request_timeout_s": 10, "drain_timeout_s": 3, **profile,
+        "tiers": {"low": {"short": {**cell, **low_short}, "long": {**cell, **(low_long or {})}},
+                  "mid": tier, "high": tier}}}}
+    f = tmp_path / "tiers.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    return f
+
+
+def _cmd(url: str, tiers: Path, results: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "loadgen", "--tier", "low", "--target", url, "--tiers-file", str(tiers),
+            "--results", str(results), "--strategies", "autoregressive", *extra]
+
+
+def _run(cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def _run_dir(results: Path) -> Path:
+    (d,) = list(results.iterdir())
+    return d
+
+
+def _truth(url: str) -> dict:
+    return fake_server.get_json(f"{url}/fake/timings")
+
+
+def test_closed_loop_timing_matches_server_truth(tmp_path):
+    """TTFT skips the empty first chunk, TPOT/ITL per token, tokens from usage; no waves."""
+    with fake_server.running("--ttft-ms", "150", "--gap-ms", "30", "--tokens-per-chunk", "3") as url:
+        tiers = _tiers(tmp_path, {"users": 4, "duration_s": 3, "max_tokens": 16},
+                       {"users": 4, "duration_s": 3, "max_tokens": {"dist": "uniform", "min": 4, "max": 40}})
+        _run(_cmd(url, tiers, tmp_path / "res"))
+        truth = _truth(url)
+    d = _run_dir(tmp_path / "res")
+    df = pd.read_parquet(d / "requests.parquet")
+    ok = df[df[M.REQ_STATUS] == M.STATUS_OK]
+    assert len(ok) == len(df) > 20
+    assert (ok[M.REQ_OUTPUT_TOKENS] == ok[M.REQ_MAX_TOKENS]).all()      # from usage (text has 2x words)
+    short = ok[ok[M.REQ_OUTPUT_CLASS] == "short"]
+    # configured: TTFT 150 ms after an immediate empty chunk; 3 tokens / 30 ms -> 10 ms/token
+    # (never below 150: stamping the empty chunk would give ~1 ms; cold connections add a little)
+    assert short[M.REQ_TTFT_MS].min() >= 148 and short[M.REQ_TTFT_MS].median() < 175
+    assert short[M.REQ_TPOT_MS].median() == pytest.approx(10.0, abs=2.0)
+    assert short[M.REQ_ITL_P50_MS].median() == pytest.approx(10.0, abs=2.0)
+    assert short[M.REQ_NUM_CHUNKS].eq(6).all()
+    # against the server's own clock: client TTFT/e2e minus the server's, per request
+    errs_ttft, errs_e2e = [], []
+    for _, r in ok.iterrows():
+        t = truth[f"autoregressive:{int(r['request_index'])}"]
+        errs_ttft.append((r[M.REQ_FIRST_TOKEN_TS] - r[M.REQ_SENT_TS]) - (t["first_content_ts"] - t["recv_ts"]))
+        errs_e2e.append((r[M.REQ_END_TS] - r[M.REQ_SENT_TS]) - (t["end_ts"] - t["recv_ts"]))
+    assert abs(pd.Series(errs_ttft).median()) < 0.010 and abs(pd.Series(errs_e2e).median()) < 0.010
+    # closed loop without waves: most requests go out within a few ms of some request ending
+    longc = ok[ok[M.REQ_OUTPUT_CLASS] == "long"].sort_values(M.REQ_SENT_TS)
+    ends = sorted(longc[M.REQ_END_TS])
+    later = longc[longc[M.REQ_SENT_TS] > longc[M.REQ_SENT_TS].min() + 0.01]
+    gaps = [min(abs(s - e) for e in ends if e <= s + 1e-3) for s in later[M.REQ_SENT_TS]]
+    assert sum(g < 0.02 for g in gaps) >= 0.9 * len(gaps)
+    # the run directory
+    man = json.loads((d / "manifest.json").read_text())
+    assert man["status"] == "finished" and man["requests"] == len(df) and man["versions"]["locust"]
+    cell = man["cells"][0]
+    assert cell["achieved_concurrency"] > 3.6 and not cell["warnings"], cell
+    steps = pd.read_parquet(d / "steps.parquet")
+    assert set(M.STEP_LOG_COLUMNS) <= set(steps.columns) and steps[M.REQ_TIER].eq("low").any()
+    assert ok[M.NUM_ACCEPTED_TOKENS_PER_POS].iloc[0].tolist() == [5, 5]
+
+
+def test_failures_are_rows_and_do_not_distort_ok_rows(tmp_path):
+    with fake_server.running("--ttft-ms", "100", "--gap-ms", "20", "--fail-every", "3",
+                             "--disconnect-every", "5") as url:
+        tiers = _tiers(tmp_path, {"users": 3, "duration_s": 3, "max_tokens": 12})
+        _run(_cmd(url, tiers, tmp_path / "res", "--output", "short"))
+        truth = _truth(url)
+    df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
+    counts = df[M.REQ_STATUS].value_counts().to_dict()
+    server = pd.Series([t["status"] for t in truth.values()]).value_counts().to_dict()
+    assert counts.get(M.STATUS_ERROR) == server["error"] > 0
+    assert counts.get(M.STATUS_DISCONNECTED) == server["disconnected"] > 0
+    assert df[df[M.REQ_STATUS] == M.STATUS_ERROR][M.REQ_ERROR].str.contains("HTTP 500").all()
+    ok = df[df[M.REQ_STATUS] == M.STATUS_OK]
+    assert counts[M.STATUS_OK] == server["ok"]
+    assert ok[M.REQ_TTFT_MS].min() >= 98 and ok[M.REQ_TTFT_MS].median() < 130
+    assert (ok[M.REQ_OUTPUT_TOKENS] == 12).all()
+    assert df[df[M.REQ_STATUS] != M.STATUS_OK][M.REQ_TPOT_MS].isna().all()
+
+
+def test_open_loop_stall_shows_in_latency(tmp_path):
+    """Poisson arrivals; the server stalls 1 s; requests scheduled in the stall count from their slot.
+
+    With only 3 users, a closed-loop-style measurement would show ~3 slow requests;
+    counting from the scheduled time, every request scheduled in the stall is slow.
+    """
+    with fake_server.running("--ttft-ms", "20", "--gap-ms", "10") as url:
+        tiers = _tiers(tmp_path, {"arrival": "open", "rate_rps": 25, "users": 3, "duration_s": 4,
+                                  "max_tokens": 4})
+        proc = subprocess.Popen(_cmd(url, tiers, tmp_path / "res", "--output", "short"), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while not _truth(url) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        stall_end = fake_server.get_json(f"{url}/fake/stall?s=1.0", method="POST")["stall_until"]
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out[-3000:]
+    df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
+    ok = df[df[M.REQ_STATUS] == M.STATUS_OK]
+    in_stall = ok[(ok[M.REQ_SCHEDULED_TS] > stall_end - 1.0) & (ok[M.REQ_SCHEDULED_TS] < stall_end - 0.1)]
+    assert len(in_stall) > 3 * 3            # more slow requests than users: no coordinated omission
+    expected = (stall_end - in_stall[M.REQ_SCHEDULED_TS]) * 1000
+    assert (in_stall[M.REQ_TTFT_MS] >= expected - 30).all()
+    assert ((in_stall[M.REQ_SENT_TS] - in_stall[M.REQ_SCHEDULED_TS]) > 0.05).sum() > 3  # waited for a user
+    calm = ok[ok[M.REQ_SCHEDULED_TS] < stall_end - 1.2]
+    assert calm[M.REQ_TTFT_MS].median() < 100
+    assert "send lag" in out                # the open-loop warning fired
+
+
+@pytest.mark.parametrize("sig, name", [(signal.SIGINT, "ctrl-c"), (signal.SIGTERM, "timeout")])
+def test_interrupt_leaves_readable_parquet(tmp_path, sig, name):
+    with fake_server.running("--ttft-ms", "50", "--gap-ms", "50") as url:
+        tiers = _tiers(tmp_path, {"users": 3, "duration_s": 120, "max_tokens": 30})
+        proc = subprocess.Popen(_cmd(url, tiers, tmp_path / "res"), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while len(_truth(url)) < 6 and time.time() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    d = _run_dir(tmp_path / "res")
+    df = pd.read_parquet(d / "requests.parquet")
+    assert (df[M.REQ_STATUS] == M.STATUS_OK).sum() >= 3
+    assert (df[M.REQ_STATUS] == M.STATUS_CANCELLED).sum() >= 1      # in flight when stopped: kept
+    assert json.loads((d / "manifest.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_ray_distributed_workers(tmp_path):
+    """--workers 2: Locust workers as Ray actors (subprocesses), rows streamed to the master."""
+    with fake_server.running("--ttft-ms", "50", "--gap-ms", "20") as url:
+        tiers = _tiers(tmp_path, {"users": 4, "duration_s": 4, "max_tokens": 8})
+        p = _run(_cmd(url, tiers, tmp_path / "res", "--output", "short", "--workers", "2"), timeout=300)
+        truth = _truth(url)
+    df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
+    assert len(df) == len(truth) and (df[M.REQ_STATUS] == M.STATUS_OK).all(), p.stdout[-2000:]
+    idx = set(df[M.REQ_REQUEST_INDEX])
+    assert any(i % 2 == 0 for i in idx) and any(i % 2 == 1 for i in idx)   # both workers sent
+    assert df[M.REQ_TTFT_MS].between(48, 250).all()
+
+
+@pytest.mark.slow
+def test_smoke_against_real_service(tmp_path):
+    """End-to-end smoke against a running specload service: SPECLOAD_TEST_URL=http://host:port."""
+    url = os.environ.get("SPECLOAD_TEST_URL")
+    if not url:
+        pytest.skip("set SPECLOAD_TEST_URL to a running specload service")
+    _run([sys.executable, "-m", "loadgen", "--tier", "low", "--target", url, "--duration", "4",
+          "--results", str(tmp_path / "res")], timeout=900)
+    d = _run_dir(tmp_path / "res")
+    df = pd.read_parquet(d / "requests.parquet")
+    assert (df[M.REQ_STATUS] == M.STATUS_OK).mean() > 0.9
+    assert df[M.REQ_OUTPUT_TOKENS].gt(0).all() and df[M.REQ_TTFT_MS].gt(0).all()
+    assert set(df[M.REQ_STRATEGY]) >= {M.AUTOREGRESSIVE}

@@ -1,0 +1,365 @@
+"""HTTP end to end through Ray Serve on a local Ray (one module-scoped app).
+
+Metrics are checked on Ray's Prometheus export port (the node's
+``metrics_export_port``, reporting every second here): the spec-decode
+counters must appear there as ``ray_specload_spec_decode_*``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+from configs import metric_names as mn  # noqa: E402
+from tests.serve_fixtures import ONE_SLOT, app_args, free_port, parse_sse, use_real_engine  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import os\nimport sys\n"]
+
+
+@pytest.fixture(scope="module")
+def service():
+    """(base_url, metrics_url, args, real): a Serve app on a free 127.0.0.1 port."""
+    from actors.serve_app import build_app
+
+    real = use_real_engine()
+    args = app_args(real)
+    metrics_port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name="specload", route_prefix="/")
+        yield (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics",
+               args, real)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    with httpx.Client(base_url=service[0], timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def strategies(service) -> list[str]:
+    return [s.get("name") or s["engine"]["strategy"] for s in service[2]["strategies"]
+            if s.get("name") != ONE_SLOT]
+
+
+def complete(client, model, prompt, **kw) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(client, model, prompt, **kw) -> list:
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **kw}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return parse_sse(r.iter_lines())
+
+
+def assert_alive(client, model="autoregressive"):
+    out = complete(client, model, "hello", max_tokens=2)
+    assert out["usage"]["completion_tokens"] >= 1
+
+
+# ------------------------------------------------------------------ basics
+def test_models_and_health(client, strategies):
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/health", params={"deep": 1}).status_code == 200
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert set(strategies) | {ONE_SLOT} == set(ids)
+    assert all(isinstance(m["max_model_len"], int) for m in client.get("/v1/models").json()["data"])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_stream_equals_non_stream(client, strategies, prompt):
+    for model in strategies:
+        full = complete(client, model, prompt)
+        events = stream(client, model, prompt)
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        assert text == full["choices"][0]["text"]
+        assert ids == full["choices"][0]["token_ids"]
+        usage = events[-2]["usage"]           # usage chunk: no choices, before [DONE]
+        assert events[-2]["choices"] == []
+        assert usage == full["usage"]
+        assert usage["completion_tokens"] == len(ids)
+        final = chunks[-1]
+        assert final["choices"][0]["finish_reason"] in ("stop", "length")
+        spec = final[mn.SPEC_DECODE_FIELD]
+        for key in (mn.NUM_DRAFTS, mn.NUM_DRAFT_TOKENS, mn.NUM_ACCEPTED_TOKENS,
+                    mn.NUM_ACCEPTED_TOKENS_PER_POS, mn.ACCEPTANCE_LENGTH, mn.DRAFT_MS,
+                    mn.VERIFY_MS, mn.QUEUE_MS):
+            assert key in spec and key in full[mn.SPEC_DECODE_FIELD]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def _direct(args, real, strategy, prompt, max_tokens):
+    """Greedy text of the engine itself, same engine config, no Serve."""
+    from actors.types import SamplingParams
+
+    entry = next(s for s in args["strategies"] if s["engine"]["strategy"] == strategy)
+    cfg = dict(entry["engine"])
+    if real:
+        from actors.config import EngineConfig
+        from actors.engine import LLMEngine, run_requests
+        from actors.serve_app import resolve_engine_config
+
+        eng = LLMEngine(EngineConfig(**resolve_engine_config(cfg)))
+        res = run_requests(eng, [("x", prompt, SamplingParams(max_tokens=max_tokens))])
+        return res["x"]["text"], res["x"]["token_ids"]
+    from tests.fake_engine import FakeEngine
+
+    eng = FakeEngine(cfg)
+    eng.add_request("x", prompt, SamplingParams(max_tokens=max_tokens))
+    text, ids = "", []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            text += o.new_text
+            ids += o.new_token_ids
+    return text, ids
+
+
+def test_greedy_equals_engine_and_across_strategies(service, client, strategies):
+    _, _, args, real = service
+    for prompt in PROMPTS:
+        texts = {m: complete(client, m, prompt, max_tokens=32)["choices"][0]
+                 for m in strategies}
+        ref = texts["autoregressive"]
+        for m, choice in texts.items():
+            assert choice["text"] == ref["text"], m
+            assert choice["token_ids"] == ref["token_ids"], m
+        direct_text, direct_ids = _direct(args, real, "autoregressive", prompt, 32)
+        assert ref["text"] == direct_text
+        assert ref["token_ids"] == direct_ids
+
+
+def test_chat_completions(client):
+    body = {"model": "ngram", "temperature": 0, "max_tokens": 8,
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Say hello"}]}
+    full = client.post("/v1/chat/completions", json=body).json()
+    assert full["object"] == "chat.completion"
+    msg = full["choices"][0]["message"]
+    assert msg["role"] == "assistant" and full[mn.SPEC_DECODE_FIELD] is not None
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = parse_sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1])
+    assert text == msg["content"]
+
+
+def test_sampling_with_seed_is_reproducible(client):
+    kw = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7, "max_tokens": 16}
+    a = complete(client, "ngram", PROMPTS[1], **kw)["choices"][0]["text"]
+    b = complete(client, "ngram", PROMPTS[1], **kw)["choices"][0]["text"]
+    assert a == b
+
+
+def test_stop_and_token_id_prompt(client):
+    out = complete(client, "autoregressive", PROMPTS[0], max_tokens=32)
+    text = out["choices"][0]["text"]
+    if len(text) > 6:
+        stop = text[3:6]
+        cut = complete(client, "autoregressive", PROMPTS[0], max_tokens=32, stop=[stop])
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert stop not in cut["choices"][0]["text"]
+        assert text.startswith(cut["choices"][0]["text"])
+    ids = complete(client, "autoregressive", [1, 2, 3, 4], max_tokens=4)
+    assert ids["usage"]["prompt_tokens"] == 4
+
+
+# ------------------------------------------------------------------ bad input
+BAD = [
+    ("{not json", 400, None, None),
+    ("[1, 2]", 400, None, None),
+    (json.dumps({"model": "nope", "prompt": "hi"}), 404, "model", "model_not_found"),
+    (json.dumps({"prompt": "hi"}), 400, "model", None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "temperature": -1}), 400, "temperature", None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "top_p": 0}), 400, "top_p", None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "max_tokens": 0}), 400, "max_tokens", None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "max_tokens": "many"}), 400, "max_tokens",
+     None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "top_k": -5}), 400, "top_k", None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "n": 2}), 400, "n", None),
+    (json.dumps({"model": "ngram", "prompt": ""}), 400, "prompt", None),
+    (json.dumps({"model": "ngram", "prompt": ["a", "b"]}), 400, "prompt", None),
+    (json.dumps({"model": "ngram", "prompt": "word " * 5000}), 400, "prompt",
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", BAD)
+@pytest.mark.parametrize("stream_flag", [False, True])
+def test_bad_input(client, body, status, param, code, stream_flag):
+    if stream_flag and body.startswith("{\"model\""):
+        body = json.dumps({**json.loads(body), "stream": True})
+    r = client.post("/v1/completions", content=body,
+                    headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code
+    assert_alive(client, "ngram")
+
+
+def test_bad_chat(client):
+    r = client.post("/v1/chat/completions", json={"model": "ngram", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert_alive(client, "ngram")
+
+
+# ------------------------------------------------------------------ overload, disconnect
+def _open_stream(base, body, first_content: bool):
+    """Open a streaming request; return (client, response, lines iterator) after the
+    headers (and after the first content chunk when ``first_content``)."""
+    c = httpx.Client(base_url=base, timeout=120)
+    req = c.build_request("POST", "/v1/completions", json={**body, "stream": True})
+    r = c.send(req, stream=True)
+    assert r.status_code == 200, r.read()
+    lines = r.iter_lines()
+    if first_content:
+        for line in lines:
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["token_ids"]:
+                break
+    return c, r, lines
+
+
+def _info(client, name=ONE_SLOT):
+    return client.get("/specload/info").json()[name]
+
+
+def _wait(pred, timeout_s):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    return None
+
+
+def test_queue_full_429_then_disconnect_frees_slot(service, client):
+    """ONE_SLOT: max_num_seqs=1, max_waiting=1. A runs, B waits, C gets 429. A's client
+    disconnects: B is admitted at once (long before A could have finished)."""
+    base = service[0]
+    long = {"model": ONE_SLOT, "prompt": PROMPTS[0], "temperature": 0, "ignore_eos": True,
+            "max_tokens": 900}
+    ca, ra, _ = _open_stream(base, long, first_content=True)
+    cb = rb = None
+    try:
+        assert _wait(lambda: _info(client)["num_running"] == 1, 10) is not None
+        cb, rb, lines_b = _open_stream(base, long, first_content=False)
+        assert _wait(lambda: _info(client)["num_waiting"] == 1, 10) is not None
+        r = client.post("/v1/completions", json={**long, "max_tokens": 2})
+        assert r.status_code == 429, r.text
+        assert int(r.headers["Retry-After"]) >= 0
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        t_close = time.monotonic()
+        ra.close()
+        ca.close()
+        # B leaves the waiting queue and gets the slot: A was aborted.
+        admitted = _wait(lambda: _info(client)["num_waiting"] == 0, 5)
+        assert admitted is not None, "B was not admitted after A disconnected"
+        for line in lines_b:   # B streams tokens now
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["token_ids"]:
+                break
+        gap = time.monotonic() - t_close
+        assert gap < 5, f"B's first token came {gap:.1f}s after A disconnected"
+        rows = client.get("/specload/step_log", params={"strategy": "autoregressive"}).json()
+        assert rows["rows"]
+    finally:
+        for x in (rb, cb):
+            if x is not None:
+                x.close()
+    assert _wait(lambda: _info(client)["num_running"] == 0, 10) is not None
+    assert complete(client, ONE_SLOT, "hi", max_tokens=2)["usage"]["completion_tokens"] >= 1
+
+
+def test_non_stream_disconnect_frees_slot(service, client):
+    base = service[0]
+    body = {"model": ONE_SLOT, "prompt": PROMPTS[1], "temperature": 0, "ignore_eos": True,
+            "max_tokens": 900}
+
+    def fire():
+        try:
+            httpx.post(base + "/v1/completions", json=body, timeout=0.8)
+        except httpx.TimeoutException:
+            pass
+
+    t = threading.Thread(target=fire)
+    t.start()
+    assert _wait(lambda: _info(client)["num_running"] == 1, 10) is not None
+    t.join()
+    assert _wait(lambda: _info(client)["num_running"] == 0, 5) is not None
+
+
+# ------------------------------------------------------------------ step log, metrics
+def test_step_log_route(client):
+    complete(client, "ngram", PROMPTS[2], max_tokens=8)
+    since = time.time() - 3600
+    rows = []
+    for _ in range(50):
+        rows = client.get("/specload/step_log",
+                          params={"strategy": "ngram", "since": since}).json()["rows"]
+        if rows:
+            break
+        time.sleep(0.1)
+    assert rows
+    for col in mn.STEP_LOG_COLUMNS:
+        assert col in rows[0]
+    assert {r[mn.STEP_STRATEGY] for r in rows} == {"ngram"}
+    later = client.get("/specload/step_log",
+                       params={"since": rows[-1][mn.STEP_TS]}).json()["rows"]
+    assert all(r[mn.STEP_TS] > rows[-1][mn.STEP_TS] for r in later)
+    assert client.get("/specload/step_log", params={"strategy": "nope"}).status_code == 404
+
+
+def test_prometheus_spec_decode_counters(service, client):
+    metrics_url = service[1]
+    for p in PROMPTS:
+        complete(client, "ngram", p, max_tokens=16)
+    want = ["ray_specload_" + mn.PROM_SPEC_NUM_DRAFTS,
+            "ray_specload_" + mn.PROM_SPEC_NUM_DRAFT_TOKENS,
+            "ray_specload_" + mn.PROM_SPEC_NUM_ACCEPTED_TOKENS,
+            "ray_specload_" + mn.PROM_BATCH_SIZE,
+            "ray_specload_" + mn.PROM_STEP_TIME_MS,
+            "ray_specload_" + mn.PROM_VERIFICATION_TOKENS,
+            "ray_specload_" + mn.PROM_QUEUE_DEPTH]
+    text = ""
+    for _ in range(60):
+        try:
+            text = httpx.get(metrics_url, timeout=5).text
+        except httpx.HTTPError:
+            text = ""
+        if all(w in text for w in want):
+            break
+        time.sleep(1)
+    missing = [w for w in want if w not in text]
+    assert not missing, f"not exported: {missing}"
+    drafts = [line for line in text.splitlines()
+              if line.startswith("ray_specload_" + mn.PROM_SPEC_NUM_DRAFTS)
+              and 'strategy="ngram"' in line]
+    assert drafts and any(float(line.rsplit(" ", 1)[1]) > 0 for line in drafts)
