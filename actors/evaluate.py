@@ -105,6 +105,7 @@ def _trace_metrics(trace: list[dict], prompts, outs, n_pos: int) -> dict:
     top16 = np.zeros(n_pos)
     conf_p, conf_y = [], []
     for rec in trace:
+        rec = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in rec.items()}
         i = int(rec["request_id"][1:])
         full = prompts[i] + outs[i]
         truth = full[rec["pos"] + 1: rec["pos"] + 1 + n_pos]

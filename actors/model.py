@@ -106,9 +106,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * x.to(dtype)
 
 
@@ -181,16 +182,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """Inference only: one GEMM for q, k and v (fewer kernel launches per step)."""
+        self._qkv_w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        self._qkv_b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+                       if self.q_proj.bias is not None else None)
+
     def forward(self, x, cos, sin, mask, cache_kv=None, meta: BatchMeta | None = None):
         """x: [B, Q, H]; mask: bool [B, 1, Q, K] (True = attend) or None for causal."""
         B, Q, _ = x.shape
-        q = self.q_proj(x).view(B, Q, self.h, self.d)
-        k = self.k_proj(x).view(B, Q, self.kvh, self.d)
-        v = self.v_proj(x).view(B, Q, self.kvh, self.d)
+        h, kvh, d = self.h, self.kvh, self.d
+        if not self.training and getattr(self, "_qkv_w", None) is not None:
+            qkv = F.linear(x, self._qkv_w, self._qkv_b).view(B, Q, h + 2 * kvh, d)
+            q, k, v = qkv.split([h, kvh, kvh], dim=2)
+        else:
+            q = self.q_proj(x).view(B, Q, h, d)
+            k = self.k_proj(x).view(B, Q, kvh, d)
+            v = self.v_proj(x).view(B, Q, kvh, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # one rope call
+        q, k = qk[:, :h], qk[:, h:]
         v = v.transpose(1, 2)
         if cache_kv is not None:
             ck, cv = cache_kv
@@ -212,7 +224,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """Inference only: one GEMM for gate and up projections."""
+        self._gate_up_w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+
     def forward(self, x):
+        if not self.training and getattr(self, "_gate_up_w", None) is not None:
+            gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -289,7 +308,21 @@ class CausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-        return model.to(dtype=dtype).eval()
+        model = model.to(dtype=dtype).eval()
+        model.fuse()
+        return model
+
+    def fuse(self, enabled: bool = True) -> None:
+        """Build fused inference weights (qkv, gate|up) used in eval mode. Call
+        again after changing weights, or ``fuse(False)`` before training."""
+        with torch.no_grad():
+            for layer in self.model.layers:
+                if enabled:
+                    layer.self_attn.fuse()
+                    layer.mlp.fuse()
+                else:
+                    layer.self_attn._qkv_w = layer.self_attn._qkv_b = None
+                    layer.mlp._gate_up_w = None
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write ``config.json`` + ``model.safetensors`` (HF layout) in ``dtype``."""
@@ -336,8 +369,11 @@ class CausalLM(nn.Module):
             mask = None
         else:
             pos = meta.starts[:, None] + torch.arange(Q, device=dev)
-            kpos = torch.arange(meta.kv_len, device=dev)
-            mask = (kpos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, K]
+            if B == 1 and Q == 1:
+                mask = torch.ones(1, 1, 1, meta.kv_len, dtype=torch.bool, device=dev)
+            else:
+                kpos = torch.arange(meta.kv_len, device=dev)
+                mask = (kpos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, K]
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         aux = []
         for i, layer in enumerate(self.model.layers):

@@ -20,7 +20,7 @@ from typing import Any
 
 from configs.serve_config import DEFAULT_ENGINE_FACTORY, ServeAppConfig, StrategyEntry
 
-logger = logging.getLogger("ray.serve")
+logger = logging.getLogger(__name__)   # ray.serve's logger does not propagate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_FILES = ("model.safetensors", "config.json", "pytorch_model.bin")

@@ -146,16 +146,38 @@ def start_head(num_cpus: int | None) -> dict:
             "metrics_export_port": ports["metrics-export-port"], "log": str(logf)}
 
 
+def use_ray_auth_token() -> None:
+    """Talk to the dashboard with Ray's auth token when one exists (~/.ray/auth_token).
+
+    Ray >= 2.5x enables token auth for a new head whenever a token file exists;
+    this process must then send it too. Same rule Ray's own CLI applies
+    (RAY_AUTH_MODE, when set, wins)."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:   # older Ray: no token auth
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _dashboard_up(dashboard: str) -> bool:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    try:
+        ServeSubmissionClient(dashboard).get_serve_details()
+        return True
+    except Exception:
+        return False
+
+
 def wait_dashboard(dashboard: str, pid: int | None, timeout_s: float) -> None:
+    use_ray_auth_token()
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if pid is not None and not _alive(pid):
             raise SystemExit("the Ray head exited during start-up; see its log above")
-        try:
-            if _get(dashboard + "/api/version", 2).status_code == 200:
-                return
-        except Exception:
-            pass
+        if _dashboard_up(dashboard):
+            return
         time.sleep(1)
     raise SystemExit(f"Ray dashboard {dashboard} did not come up within {timeout_s:.0f}s")
 
@@ -277,6 +299,7 @@ def down(port: int = DEFAULT_PORT, timeout_s: float = 60) -> bool:
         return False
     state = json.loads(path.read_text())
     if state.get("dashboard"):
+        use_ray_auth_token()
         try:
             from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
     ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
     ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
+    ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
+                    "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
     ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET, help="humaneval|docs|stdlib|mixed or FILE.jsonl")
     ap.add_argument("--max-prompt-chars", type=int, default=None, help="override the profile's prompt cut")
@@ -92,10 +95,9 @@ class _Progress:
         if self.task is None or now - self._last < 0.5:
             return
         self._last = now
-        rows = runner._cell_rows
-        ok = sum(1 for r in rows if r[M.REQ_STATUS] == M.STATUS_OK)
+        ok = runner.cell_ok
         self.p.update(self.task, completed=min(max(0.0, now - self.start), self.duration),
-                      stats=f"ok {ok} | failed {len(rows) - ok} | in flight {runner.in_flight()}")
+                      stats=f"ok {ok} | failed {runner.cell_rows - ok} | in flight {runner.in_flight()}")
         self.p.refresh()
 
     def done(self) -> None:
@@ -154,22 +156,32 @@ def run(args: argparse.Namespace) -> int:
         "dataset": args.dataset, "num_prompts": len(prompts), "cells": [], **environment_info()}
     write_manifest(run_dir / "manifest.json", manifest)
 
+    # Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
+    # a raw KeyboardInterrupt can land in a user greenlet and never reach this frame. A second
+    # Ctrl-C exits at once (the Parquet footer is then lost).
     stop_flag = {"stop": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop_flag.__setitem__("stop", True))
+
+    def _on_signal(*_: Any) -> None:
+        if stop_flag["stop"]:
+            os._exit(EXIT_INTERRUPTED)
+        stop_flag["stop"] = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     summaries = []
     steps: list[dict] = []
     cell_windows: list[dict] = []
     runner = None
     status = "finished"
     try:
-        runner = LoadRunner(args.workers, on_row=writer.add)
+        runner = LoadRunner(args.workers, on_row=writer.add, should_stop=lambda: stop_flag["stop"],
+                            ray_address=args.ray_address)
         lead_s = 0.2 if args.workers <= 0 else 1.0
         with _Progress(console) as progress:
             def tick(now: float, r: Any) -> None:
-                writer.maybe_flush()
+                # no Parquet flush while load is offered: converting thousands of rows blocks the
+                # gevent loop for 100+ ms and would delay every in-flight chunk's timestamp
                 progress.tick(now, r)
-                if stop_flag["stop"]:
-                    raise KeyboardInterrupt("SIGTERM")
 
             for strategy in strategies:
                 strategy_t0 = time.time()

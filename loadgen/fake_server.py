@@ -127,6 +127,8 @@ class FakeServer:
                                "completion_tokens": sent, "status": "ok"}
             await resp.write_eof()
             return resp
+        except (ConnectionResetError, asyncio.CancelledError):  # the client went away (cancelled)
+            return resp
         finally:
             self.in_flight -= 1
 

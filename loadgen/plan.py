@@ -95,6 +95,7 @@ class Dispenser:
         self._lock = threading.Lock()  # cheap; users are greenlets, but keep it correct anywhere
         self._mt = MaxTokens.model_validate(plan.max_tokens)
         self.in_flight = 0
+        self.closed = False
         self.schedule: list[float] | None = None
         if plan.arrival == "open":
             dur = plan.deadline_ts - plan.start_ts
@@ -122,6 +123,8 @@ class Dispenser:
         """The next request for this process, or None when the cell has no more to send."""
         now = time.time() if now is None else now
         with self._lock:
+            if self.closed:
+                return None
             i = self.worker_index + self._k * self.n_workers
             if self.schedule is None:
                 if now >= self.plan.deadline_ts:
@@ -132,3 +135,17 @@ class Dispenser:
                 return None
             self._k += 1
             return self.job(i, self.schedule[i])
+
+    def close(self, now: float | None = None) -> list[Job]:
+        """Stop handing out requests; returns the open-loop slots due by ``now`` never handed out."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self.closed = True
+            if self.schedule is None:
+                return []
+            out = []
+            i = self.worker_index + self._k * self.n_workers
+            while i < len(self.schedule) and self.schedule[i] <= now:
+                out.append(self.job(i, self.schedule[i]))
+                i += self.n_workers
+            return out

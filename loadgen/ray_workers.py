@@ -7,7 +7,8 @@ in its *own* process, started by the driver: the driver has imported Locust
 
     python -m loadgen.ray_workers --n 4 --master-port 5557 [--address auto]
 
-Starts Ray (or connects to the cluster at ``--address`` / RAY_ADDRESS), places
+Starts a private local Ray instance, or connects to the cluster at ``--address``
+/ RAY_ADDRESS (``auto``: the cluster this node belongs to), places
 N actors with ``num_cpus`` 0.1 each, prints ``READY <n>`` and waits until
 stdin closes or SIGTERM/SIGINT, then stops the workers and shuts Ray down if
 it started it. Each actor's process connects back to the master at the
@@ -41,14 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-host", default="", help="default: this node's IP as Ray sees it")
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--address", default=os.environ.get("RAY_ADDRESS", ""),
-                    help="Ray cluster address; empty = start a local Ray instance")
+                    help="Ray cluster address (or 'auto'); empty = start a private local Ray instance")
     ap.add_argument("--num-cpus", type=float, default=0.1, help="Ray CPUs reserved per worker actor")
     a = ap.parse_args(argv)
 
     import ray  # only here: never in a process that imported locust
 
     started = not ray.is_initialized()
-    ray.init(address=a.address or None, include_dashboard=False, log_to_driver=False,
+    # "local" rather than None: None silently joins whatever cluster /tmp/ray last recorded,
+    # which may be stale (seen here: a dead GCS from another process made ray.init hang).
+    ray.init(address=a.address or "local", include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}} if not a.address else None)
     master_host = a.master_host or ray.util.get_node_ip_address()
 

@@ -52,11 +52,15 @@ class LoadRunner:
     """Owns the Locust environment (and the Ray worker helper) for a whole run."""
 
     def __init__(self, n_workers: int = 0, on_row: Callable[[dict[str, Any]], None] | None = None,
-                 worker_start_timeout_s: float = 300.0) -> None:
+                 worker_start_timeout_s: float = 300.0, should_stop: Callable[[], bool] = lambda: False,
+                 ray_address: str = "") -> None:
         self.n_workers = n_workers
+        self.should_stop = should_stop
+        self.ray_address = ray_address
         self.on_row = on_row or (lambda r: None)
         self.env = Environment(user_classes=[CompletionUser], events=None)
         self._cell_rows: list[dict[str, Any]] = []
+        self.cell_ok = 0
         self._cell_id = ""
         self._worker_inflight: dict[int, tuple[float, int]] = {}
         self._helper: subprocess.Popen | None = None
@@ -78,6 +82,8 @@ class LoadRunner:
     # --- distributed ---------------------------------------------------------
     def _start_workers(self, port: int, timeout_s: float) -> None:
         cmd = [sys.executable, "-m", "loadgen.ray_workers", "--n", str(self.n_workers), "--master-port", str(port)]
+        if self.ray_address:
+            cmd += ["--address", self.ray_address]
         self._helper = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         deadline = time.time() + timeout_s
         while self.runner.worker_count < self.n_workers:
@@ -89,7 +95,13 @@ class LoadRunner:
                 raise RuntimeError(f"only {self.runner.worker_count}/{self.n_workers} Locust workers connected "
                                    f"within {timeout_s:g} s (Ray could not place the actors, or the master port "
                                    f"{port} is unreachable from the worker nodes)")
+            if self.should_stop():
+                raise KeyboardInterrupt("stopped while waiting for workers")
             gevent.sleep(0.5)
+
+    def _check_stop(self) -> None:
+        if self.should_stop():
+            raise KeyboardInterrupt("stop requested")
 
     def _on_rows(self, environment: Any, msg: Any, **_: Any) -> None:
         data = msg.data
@@ -103,7 +115,14 @@ class LoadRunner:
     # --- one cell --------------------------------------------------------------
     def _sink(self, row: dict[str, Any]) -> None:
         self._cell_rows.append(row)
+        if row.get(M.REQ_STATUS) == M.STATUS_OK:
+            self.cell_ok += 1
         self.on_row(row)
+
+    @property
+    def cell_rows(self) -> int:
+        """Rows received so far in the current cell (all statuses)."""
+        return len(self._cell_rows)
 
     def in_flight(self) -> int:
         """Requests in flight right now (workers: as of their latest report)."""
@@ -125,9 +144,11 @@ class LoadRunner:
 
         ``tick(now, self)`` is called about twice a second (progress display).
         Rows reach ``on_row`` as they complete. KeyboardInterrupt stops the cell
-        (in-flight requests become ``cancelled`` rows) and is re-raised.
+        (in-flight requests become ``cancelled`` rows) and is re-raised, as is a
+        ``should_stop()`` that turned True (the CLI's SIGINT/SIGTERM flag).
         """
         self._cell_rows = []
+        self.cell_ok = 0
         self._cell_id = plan.cell_id
         self._worker_inflight = {}
         self._spawned_at = None
@@ -145,6 +166,7 @@ class LoadRunner:
             while (now := time.time()) < plan.deadline_ts:
                 gevent.sleep(min(0.5, max(0.0, plan.deadline_ts - now)))
                 cpu.append(self._cpu_sample())
+                self._check_stop()
                 if tick:
                     tick(time.time(), self)
             drain_end = time.time() + drain_timeout_s
@@ -156,6 +178,7 @@ class LoadRunner:
                         ts >= plan.deadline_ts and n == 0 for ts, n in self._worker_inflight.values()):
                     break
                 gevent.sleep(0.1)
+                self._check_stop()
                 if tick:
                     tick(time.time(), self)
         except KeyboardInterrupt:

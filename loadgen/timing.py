@@ -106,6 +106,7 @@ class StreamRecorder:
     done: bool = False                                          # saw data: [DONE]
     error: str | None = None
     _usage_completion_seen: int = 0
+    _pending_tokens: int = 0      # tokens of empty-text chunks (token_ids), credited to the next content chunk
 
     def on_data(self, data: str, ts: float) -> None:
         """Handle one SSE ``data`` payload that arrived at ``ts`` (unix s)."""
@@ -136,16 +137,19 @@ class StreamRecorder:
                 self.finish_reason = choice["finish_reason"]
         spec = obj.get(M.SPEC_DECODE_FIELD) or {}
         usage = obj.get("usage")
+        n: int | None = None
+        if isinstance(spec.get(PER_CHUNK_TOKENS_FIELD), int):
+            n = spec[PER_CHUNK_TOKENS_FIELD]
+        elif isinstance(token_ids, list):
+            n = len(token_ids)
+        elif text and isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            n = usage["completion_tokens"] - self._usage_completion_seen
         if text:
-            n: int | None = None
-            if isinstance(spec.get(PER_CHUNK_TOKENS_FIELD), int):
-                n = spec[PER_CHUNK_TOKENS_FIELD]
-            elif isinstance(token_ids, list):
-                n = len(token_ids)
-            elif isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                n = usage["completion_tokens"] - self._usage_completion_seen
             self.chunk_ts.append(ts)
-            self.chunk_tokens.append(n)
+            self.chunk_tokens.append(None if n is None else n + self._pending_tokens)
+            self._pending_tokens = 0
+        elif n:  # tokens whose text is not out yet (e.g. half a UTF-8 character): count them later
+            self._pending_tokens += n
         if isinstance(usage, dict):
             self.usage = usage
             if isinstance(usage.get("completion_tokens"), int):

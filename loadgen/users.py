@@ -53,10 +53,14 @@ class CellContext:
         return row
 
     def unsent_rows(self) -> list[dict[str, Any]]:
-        """Open loop: ``cancelled`` rows for scheduled slots never sent (every user was busy)."""
-        out = []
-        while (job := self.dispenser.next()) is not None:
-            t = job.scheduled_ts or time.time()
+        """Open loop: ``cancelled`` rows for past slots never sent (every user was busy).
+
+        Closes the dispenser: nothing is handed out afterwards. Closed loop: none.
+        """
+        out: list[dict[str, Any]] = []
+        now = time.time()
+        for job in self.dispenser.close(now):
+            t = job.scheduled_ts or now
             out.append(self.emit(job, {M.REQ_SCHEDULED_TS: t, M.REQ_END_TS: time.time(),
                                        M.REQ_STATUS: M.STATUS_CANCELLED,
                                        M.REQ_ERROR: "never sent: every user was busy (raise users)"}))

@@ -1,10 +1,12 @@
 """Run directory output: ``requests.parquet`` (incremental), ``steps.parquet``, ``manifest.json``.
 
-``requests.parquet`` is written by a pyarrow ParquetWriter; buffered rows are
-flushed as a row group every ``flush_every_s`` seconds or ``flush_rows`` rows
-and at every cell end, and the writer is closed (footer written) on normal
-exit, Ctrl-C and timeouts, so the file is always readable after the process
-ends. Rows are never dropped: failures carry a status.
+``requests.parquet`` is written by a pyarrow ParquetWriter; the driver flushes
+buffered rows as a row group at every cell end (not while load is offered:
+converting rows blocks the gevent loop and would skew in-flight timestamps),
+and the writer is closed (footer written) on normal exit, Ctrl-C and SIGTERM,
+so the file is always readable after the process ends and holds every
+finished request. Only a hard kill (SIGKILL) loses the current cell's rows.
+Rows are never dropped: failures carry a status.
 """
 
 from __future__ import annotations

@@ -50,6 +50,11 @@ def app_args(real: bool) -> dict:
                               "ray_actor_options": {"num_cpus": 0.3}})
     args: dict = {"strategies": strategies,
                   "ingress": {"ray_actor_options": {"num_cpus": 0.1}}}
+    # As configs/serve.yaml's runtime_env: gRPC handles, user code on the replica loop.
+    for opts in [s["ray_actor_options"] for s in strategies] + [
+            args["ingress"]["ray_actor_options"]]:
+        opts["runtime_env"] = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+                                            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
     if not real:
         args["engine_factory"] = "tests.fake_engine:make_fake_engine"
     return args

@@ -92,6 +92,9 @@ def test_token_ids_and_continuous_usage_give_per_chunk_counts():
     rec.on_data(json.dumps({"choices": [{"text": "a", "token_ids": [1]}]}), 0.1)
     rec.on_data(json.dumps({"choices": [{"text": "bc", "token_ids": [2, 3]}]}), 0.3)
     assert rec.chunk_tokens == [1, 2]
+    rec.on_data(json.dumps({"choices": [{"text": "", "token_ids": [4]}]}), 0.4)   # half a character
+    rec.on_data(json.dumps({"choices": [{"text": "d", "token_ids": [5]}]}), 0.5)
+    assert rec.chunk_tokens == [1, 2, 2] and len(rec.chunk_ts) == 3
     rec2 = StreamRecorder(scheduled_ts=0.0)
     rec2.on_data(json.dumps({"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}), 0.1)
     rec2.on_data(json.dumps({"choices": [{"text": "bcd"}], "usage": {"completion_tokens": 4}}), 0.3)
@@ -205,3 +208,18 @@ def test_user_jsonl_and_errors(tmp_path):
         load_dataset(str(f))
     with pytest.raises(DatasetError, match="unknown dataset"):
         load_dataset("nope")
+
+
+def test_local_service_bring_up_is_stubbable(monkeypatch):
+    """`python -m cluster up` prints the URL last; failures name the command and the way out."""
+    import loadgen.service as svc
+
+    def fake_run(out, rc=0):
+        return lambda *a, **k: subprocess.CompletedProcess(a, rc, stdout=out, stderr="boom")
+
+    monkeypatch.setattr(svc.subprocess, "run", fake_run("starting...\nhttp://127.0.0.1:8000/\n"))
+    assert svc.start_local_service() == "http://127.0.0.1:8000"
+    monkeypatch.setattr(svc.subprocess, "run", fake_run("", rc=1))
+    with pytest.raises(svc.ServiceError, match="--target"):
+        svc.start_local_service()
+    assert svc.fetch_step_log("http://127.0.0.1:9", "x", 0.0, timeout_s=2) == []   # nothing listening

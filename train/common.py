@@ -82,3 +82,22 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     frac = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1.0, frac))))
+
+
+def write_card(out_dir: Path, title: str, command: str, card: dict, notes: str = "") -> None:
+    """Write ``README.md`` (model card) from the training summary ``card``."""
+    held = card.get("heldout", {})
+    lines = [f"# {title}", "", notes, "", "## Reproduce", "", "```bash", command, "```", "",
+             "## Figures (measured by the training command)", "",
+             f"- parameters: {card['params']:,}",
+             f"- tokens seen: {card['tokens_seen']:,}",
+             f"- wall time: {card['wall_time_s'] / 60:.1f} min on this 2-core CPU (shared machine)",
+             f"- seed: {card['seed']}", ""]
+    if held:
+        keys = sorted({k for v in held.values() for k in v if k != "tokens"})
+        lines += ["| held-out split | " + " | ".join(keys) + " | tokens |",
+                  "|---" * (len(keys) + 2) + "|"]
+        for d, v in held.items():
+            lines.append(f"| {d} | " + " | ".join(f"{v[k]:.4f}" for k in keys) +
+                         f" | {v.get('tokens', '')} |")
+    (out_dir / "README.md").write_text("\n".join(lines) + "\n")

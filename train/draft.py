@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from actors.model import CausalLM
 from train.common import (DOMAINS, Timer, cosine_lr, eval_windows, load_tokenizer, sample_batch,
-                          token_array)
+                          token_array, write_card)
 from train.target import make_config
 
 DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
@@ -99,6 +99,11 @@ def main() -> None:
             "command": f"python -m train.draft --steps {a.steps} --seed {a.seed}",
             "heldout": {d: agreement(target, draft, held[d]) for d in DOMAINS}}
     (a.out / "training.json").write_text(json.dumps(card, indent=2))
+    write_card(a.out, "specload draft model (for the draft_model strategy)", card["command"], card,
+               "1-layer Qwen3-architecture LM distilled from models/target (KL to the target's "
+               "next-token distribution), same tokenizer. argmax_agreement = share of held-out "
+               "positions where the draft's argmax equals the target's; top1 = the draft's own "
+               "next-token accuracy.")
     print(json.dumps(card, indent=2))
 
 

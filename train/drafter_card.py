@@ -139,6 +139,14 @@ def write_card(out: Path, card: dict) -> None:
              f"- layers {cfg['num_layers']}, hidden {cfg['hidden_size']}, block size "
              f"{cfg['block_size']}, target layers {cfg['target_layer_ids']}",
              f"- weights: model.safetensors (bf16) {card['weights_bytes'] / 1e6:.2f} MB", ""]
+    if cfg["method"] == "dflash" and cfg["use_selector"]:
+        lines += ["The `dflash` strategy drafts by independent top-1 and ignores the path "
+                  "selector stored here; the selector was trained on detached backbone features "
+                  "(the backbone is pure DFlash) and serves the `dflash2_selector_only` ablation "
+                  "of `actors.evaluate`.", ""]
+    if cfg["method"] == "dflash" and cfg["num_layers"] > 1:
+        lines += [f"A {cfg['num_layers']}-layer DFlash for the depth ablation (`dflash_deep` in "
+                  "`actors.evaluate`, the scaled-down \"5 vs 15 layers\" comparison).", ""]
     if card.get("calibration"):
         c = card["calibration"]
         lines += [f"- confidence calibration (Platt) on {c['positions']} positions of {c['split']}: "

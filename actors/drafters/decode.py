@@ -70,6 +70,11 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
             conf = calibrated(model, model.confidence(hd, torch.stack(zs, 1), logits))
         return BlockDraft(tokens, tokens, topk_ids, conf)
     logits = model.lm_logits(hd)  # [B, n, V]
+    if top_k <= 1 and not use_sel:  # plain top-1 drafting: skip the top-k sort
+        top1 = logits.argmax(-1)
+        conf = (calibrated(model, model.confidence(hd, None, logits))
+                if model.confidence is not None else None)
+        return BlockDraft(top1, top1, top1[..., None], conf)
     top = logits.topk(top_k, dim=-1)
     top1 = top.indices[..., 0]
     if use_sel:

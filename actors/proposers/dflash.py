@@ -29,9 +29,10 @@ from actors.types import DraftProposal, ProposeInput
 
 class DFlashOptions(ProposerOptions):
     """drafter: drafter directory (default ``models/<strategy>``); top_k:
-    candidates kept per position (reported as top-k coverage; dflash2 selects
-    among them); record_trace: keep every block's path and candidates in
-    ``proposer.trace`` (for ``actors.evaluate``)."""
+    candidates kept per position (dflash2 selects among them; with a trace
+    they give the top-k coverage); record_trace: keep every block's path,
+    top-1, top-k candidates and confidences (tensors) in ``proposer.trace``
+    (for ``actors.evaluate``)."""
 
     drafter: str | None = None
     top_k: int = Field(16, ge=1, le=256)
@@ -142,7 +143,10 @@ class BlockDraftProposer(Proposer):
         seen = torch.minimum(lens.to(dev), pos)  # context strictly before the anchor
         ctx_mask = (torch.arange(C, device=dev)[None] < seen[:, None])[:, None]
         h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask)
-        return draft_block(self.drafter, h, anchors, self.options.top_k, self.use_selector)
+        # Without a trace, candidates beyond the top-1 are only needed by the selector.
+        selects = self.use_selector is not False and self.drafter.selector is not None
+        top_k = self.options.top_k if self.trace is not None or selects else 1
+        return draft_block(self.drafter, h, anchors, top_k, self.use_selector)
 
     def lengths(self, batch: list[ProposeInput], d: BlockDraft) -> list[int]:
         """Draft tokens to verify per row (fixed length: as many as allowed)."""
@@ -158,15 +162,14 @@ class BlockDraftProposer(Proposer):
         toks = d.tokens.tolist()
         for j, (i, n) in enumerate(zip(rows, self.lengths(sub, d))):
             out[i] = DraftProposal(token_ids=toks[j][:n])
-        if self.trace is not None:
-            top1, topk = d.top1.tolist(), d.topk_ids.tolist()
-            conf = d.confidence.tolist() if d.confidence is not None else None
+        if self.trace is not None:  # tensors now, lists at read time: keeps draft_ms honest
             for j, i in enumerate(rows):
                 self.trace.append({"request_id": sub[j].request_id,
-                                   "pos": len(sub[j].token_ids) - 1, "path": toks[j],
-                                   "top1": top1[j], "topk": topk[j],
+                                   "pos": len(sub[j].token_ids) - 1, "path": d.tokens[j],
+                                   "top1": d.top1[j], "topk": d.topk_ids[j],
                                    "n": len(out[i].token_ids),
-                                   "confidence": conf[j] if conf else None})
+                                   "confidence": None if d.confidence is None
+                                   else d.confidence[j]})
         return out
 
 

@@ -1,0 +1,140 @@
+"""Engine benchmark: output tokens/s ratios measured side by side in one run.
+
+    python -m actors.bench [--out bench.json] [--max-tokens 64] [--threads 2]
+
+Same held-out code prompts for every row, greedy, EOS ignored so every run
+emits the same number of tokens. Ratios (not absolute times) are the result:
+the machine is shared and absolute speed drifts. Keys:
+
+- engine_ar_vs_hf_generate_b1 / _b8: engine ``autoregressive`` vs
+  ``transformers`` ``generate()`` (same weights, fp32, batch 1 / left-padded batch 8)
+- draft_model_vs_hf_assisted_b1: engine ``draft_model`` vs HF assisted
+  generation (``assistant_model=`` the same draft)
+- {strategy}_vs_engine_ar_b{1,8,32}: each strategy vs engine ``autoregressive``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from actors.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+from actors.engine import LLMEngine, run_requests
+from actors.proposers.registry import PROPOSERS
+from actors.types import SamplingParams
+
+PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts" / "heldout_eval.jsonl"
+
+
+def load_prompts(n: int, domain: str = "code") -> list[str]:
+    rows = [json.loads(l) for l in PROMPTS.read_text().splitlines() if l.strip()]
+    ps = [r["prompt"] for r in rows if r.get("domain") == domain]
+    return (ps * (n // len(ps) + 1))[:n]
+
+
+def engine_tps(engine: LLMEngine, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    reqs = [(f"b{batch}-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
+    t = time.perf_counter()
+    res = run_requests(engine, reqs, batch_size=batch)
+    dt = time.perf_counter() - t
+    toks = sum(len(r["token_ids"]) for r in res.values())
+    acc = sum(r["stats"].num_accepted_tokens for r in res.values())
+    drafts = sum(r["stats"].num_drafts for r in res.values())
+    return {"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
+            "acceptance_length": 1 + acc / drafts if drafts else 1.0}
+
+
+def hf_tps(model, tok, prompts: list[str], batch: int, max_tokens: int, assistant=None) -> dict:
+    tok.padding_side = "left"
+    toks, t = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True)
+        kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                  pad_token_id=tok.pad_token_id)
+        if assistant is not None:
+            kw["assistant_model"] = assistant
+        with torch.inference_mode():
+            out = model.generate(**enc, **kw)
+        toks += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    dt = time.perf_counter() - t
+    return {"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m actors.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts-b1", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--strategies", default=",".join(PROPOSERS))
+    ap.add_argument("--batches", default="1,8,32")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    batches = [int(b) for b in a.batches.split(",")]
+    strategies = [s for s in a.strategies.split(",") if s]
+    for s in strategies:
+        if s not in PROPOSERS:
+            ap.error(f"--strategies: unknown strategy {s!r}; known: {sorted(PROPOSERS)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
+    hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_TARGET), torch_dtype=torch.float32).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(str(DEFAULT_DRAFT),
+                                                    torch_dtype=torch.float32).eval()
+    raw: dict[str, dict] = {}
+    p1 = load_prompts(a.prompts_b1)
+    pb = {b: load_prompts(max(b * 2, a.prompts_b1)) for b in batches}
+    engines = {}
+    for s in strategies:
+        engines[s] = LLMEngine(EngineConfig(
+            strategy=s, max_num_seqs=max(batches), max_num_batched_tokens=8192,
+            draft_model=str(DEFAULT_DRAFT) if s == "draft_model" else None))
+        engine_tps(engines[s], p1[:1], 1, 8)  # warm-up
+    hf_tps(hf, tok, p1[:1], 1, 8)
+    raw["hf_generate_b1"] = hf_tps(hf, tok, p1, 1, a.max_tokens)
+    raw["hf_generate_b8"] = hf_tps(hf, tok, pb.get(8, load_prompts(16)), 8, a.max_tokens)
+    raw["hf_assisted_b1"] = hf_tps(hf, tok, p1, 1, a.max_tokens, assistant=hf_draft)
+    for b in batches:
+        for s in strategies:
+            raw[f"{s}_b{b}"] = engine_tps(engines[s], p1 if b == 1 else pb[b], b, a.max_tokens)
+    if 8 not in batches:
+        raw["autoregressive_b8"] = engine_tps(engines["autoregressive"], load_prompts(16), 8,
+                                              a.max_tokens)
+    r = lambda x, y: round(raw[x]["tokens_per_s"] / raw[y]["tokens_per_s"], 3)
+    ratios = {"engine_ar_vs_hf_generate_b1": r("autoregressive_b1", "hf_generate_b1"),
+              "engine_ar_vs_hf_generate_b8": r("autoregressive_b8", "hf_generate_b8")}
+    if "draft_model" in strategies:
+        ratios["draft_model_vs_hf_assisted_b1"] = r("draft_model_b1", "hf_assisted_b1")
+    for s in strategies:
+        for b in batches:
+            ratios[f"{s}_vs_engine_ar_b{b}"] = r(f"{s}_b{b}", f"autoregressive_b{b}")
+    result = {"ratios": ratios, "raw": raw, "max_tokens": a.max_tokens, "threads": a.threads,
+              "torch": torch.__version__, "device": "cpu"}
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title="specload engine benchmark (output tokens/s ratios, one run)")
+        t.add_column("ratio"); t.add_column("value", justify="right")
+        for k, v in ratios.items():
+            t.add_row(k, f"{v:.3f}")
+        t2 = Table(title="raw")
+        for c in ("run", "tokens/s", "tau"):
+            t2.add_column(c)
+        for k, v in raw.items():
+            t2.add_row(k, f"{v['tokens_per_s']:.1f}", f"{v.get('acceptance_length', float('nan')):.2f}")
+        Console().print(t); Console().print(t2)
+    except ImportError:
+        print(json.dumps(ratios, indent=2))
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""DFlash / DFlash 2 / DSpark: block boundaries, the non-anticipating scheduler,
+greedy equivalence with autoregressive decoding and lossless sampling."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from actors.drafters.config import DrafterConfig
+from actors.drafters.model import BlockDrafter, DynamicConv2
+from actors.drafters.scheduler import StepCostCurve, schedule_lengths
+from actors.engine import run_requests
+from actors.model import CausalLM, ModelConfig
+from actors.types import ProposeInput, SamplingParams
+
+from tests.test_engine import _exact_joint
+
+MAX_TOKENS = 24
+SCHEDULED = ("dspark", {"scheduler": True})
+STRATEGIES = [("dflash", {}), ("dflash2", {}), ("dspark", {}), SCHEDULED]
+
+
+def _tiny_target(seed=0) -> CausalLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    return CausalLM(cfg).eval()
+
+
+def _random_drafter(target, **switches) -> BlockDrafter:
+    torch.manual_seed(1)
+    d = BlockDrafter(DrafterConfig.for_target(target.config, "dspark", **switches))
+    with torch.no_grad():  # move the zero-initialised heads off their identity start
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return d.bind_target(target).eval()
+
+
+# -- the convolution never crosses a block boundary ---------------------------------
+def test_conv_never_crosses_block_boundary():
+    torch.manual_seed(0)
+    conv = DynamicConv2(16, 4)
+    with torch.no_grad():
+        conv.up.weight.normal_()
+    x = torch.randn(2, 3 * 8, 16)
+    y = conv(x, 8)
+    x2 = x.clone()
+    x2[:, :8] += torch.randn(2, 8, 16)  # change every input of block 0
+    y2 = conv(x2, 8)
+    assert torch.equal(y[:, 8:], y2[:, 8:])  # blocks 1, 2 (incl. their position 0) unchanged
+    x3 = x.clone()
+    x3[:, 8] += 1.0  # block 1 position 0 does reach block 1 position 1 (the conv is live)
+    assert not torch.allclose(conv(x3, 8)[:, 9], y[:, 9])
+
+
+def test_block_drafter_blocks_are_independent():
+    """Two blocks laid end to end (training layout): changing block 0's anchor
+    and context leaves block 1 bit-identical, conv included."""
+    target = _tiny_target()
+    d = _random_drafter(target, use_conv=True)
+    C = 20
+    aux = torch.randn(1, C, len(d.config.target_layer_ids) * 32)
+    kv = d.context_kv(aux, torch.arange(C)[None])
+    anchors = torch.tensor([[5, 12]])
+    ids = torch.tensor([[3, 4]])
+    mask = torch.arange(C)[None, None] < anchors[..., None]
+    h = d.block_hidden(ids, anchors, kv, mask)
+    h2 = d.block_hidden(torch.tensor([[50, 4]]), anchors, kv, mask)
+    bs = d.config.block_size
+    assert torch.equal(h[:, bs:], h2[:, bs:])
+    assert not torch.allclose(h[:, :bs], h2[:, :bs])
+
+
+def test_conv_params_within_5_percent():
+    target = CausalLM.from_pretrained("models/target")
+    d = BlockDrafter(DrafterConfig.for_target(target.config, "dflash2", use_conv=True,
+                                              use_selector=True))
+    assert d.num_params("conv") <= 0.05 * d.num_params()
+
+
+# -- the scheduler ------------------------------------------------------------------
+def test_schedule_lengths_respond_to_cost_and_stay_in_bounds():
+    surv = [np.cumprod([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])[:m] for m in (7, 3, 0)]
+    flat = StepCostCurve([1, 1000], [5.0, 5.0])
+    assert schedule_lengths(surv, flat) == [7, 3, 0]  # free tokens: verify all allowed
+    linear = StepCostCurve([1, 1000], [1.0, 1000.0])
+    assert schedule_lengths(surv, linear) == [0, 0, 0]  # each token costs a whole step
+    knee = StepCostCurve([1, 8, 64, 512], [10.0, 12.0, 30.0, 200.0])
+    one = schedule_lengths([surv[0]], knee)[0]
+    many = schedule_lengths([surv[0]] * 64, knee)
+    assert 0 < one <= 7 and max(many) <= one and sum(many) < 64 * one
+
+
+def _scheduled_proposer(tmp_path, target):
+    from actors.proposers.dspark import DSparkOptions, DSparkProposer
+
+    d = _random_drafter(target, use_markov=True, use_confidence=True)
+    d.save(tmp_path / "dspark")
+    opts = DSparkOptions(drafter=str(tmp_path / "dspark"), scheduler=True,
+                         step_cost_ms=[(1, 10.0), (8, 12.0), (16, 20.0), (64, 60.0)])
+    return DSparkProposer(target, 7, 4, 256, None, opts)
+
+
+def test_scheduler_is_non_anticipating(tmp_path):
+    """The verification lengths chosen at a step do not change when the target's
+    logits for the drafted tokens change (here: the target's final norm, which
+    the drafter never reads, is perturbed after the context was observed), and
+    ``propose`` never runs the target."""
+    target = _tiny_target()
+    prop = _scheduled_proposer(tmp_path, target)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (30, 41, 17)]
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            aux = target(torch.tensor([s[:-1]]), aux_layers=prop.aux_layers).aux_hidden[0]
+        prop.observe_target(f"r{i}", 0, s[:-1], aux)
+    batch = [ProposeInput(f"r{i}", s, m, SamplingParams(), None)
+             for i, (s, m) in enumerate(zip(seqs, (7, 7, 3)))]
+    calls = []
+    hook = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    first = prop.propose(batch)
+    hook.remove()
+    assert not calls, "propose ran the target: the schedule could see its verdict"
+
+    def verify_logits(model, s, draft):
+        with torch.no_grad():
+            return model(torch.tensor([s + draft])).logits[0, len(s) - 1:]
+
+    changed = copy.deepcopy(target)
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(torch.rand_like(changed.model.norm.weight) * 3)
+    prop.target = changed
+    second = prop.propose(batch)
+    assert [p.token_ids for p in first] == [p.token_ids for p in second]
+    assert any(not torch.allclose(verify_logits(target, s, p.token_ids),
+                                  verify_logits(changed, s, p.token_ids))
+               for s, p in zip(seqs, first) if p.token_ids)
+    for p, b in zip(first, batch):
+        assert len(p.token_ids) <= min(b.max_draft, prop.block_size - 1)
+
+
+# -- greedy equivalence and lossless sampling on the committed drafters -------------
+def _greedy(engine, prompts, **kw):
+    reqs = [(p["id"], p["prompt"], SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
+    return run_requests(engine, reqs, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts24(heldout_prompts):
+    return heldout_prompts[:12] + heldout_prompts[24:36]  # 12 code + 12 prose
+
+
+@pytest.fixture(scope="module")
+def ar_reference(make_engine, prompts24):
+    return _greedy(make_engine("autoregressive", max_num_seqs=8), prompts24)
+
+
+@pytest.mark.parametrize("strategy,opts", STRATEGIES, ids=["dflash", "dflash2", "dspark",
+                                                           "dspark_scheduled"])
+def test_greedy_identical_to_autoregressive(strategy, opts, make_engine, prompts24,
+                                            ar_reference):
+    eng = make_engine(strategy, max_num_seqs=8, num_speculative_tokens=7,
+                      strategy_options=opts)
+    b1 = _greedy(eng, prompts24)
+    arrivals = [(i % 8) * 3 + (i // 8) * 30 for i in range(len(prompts24))]
+    b8 = _greedy(eng, prompts24, batch_size=8, arrival_steps=arrivals)
+    for p in prompts24:
+        ref = ar_reference[p["id"]]["token_ids"]
+        assert b1[p["id"]]["token_ids"] == ref, p["id"]
+        assert b8[p["id"]]["token_ids"] == ref, p["id"]
+    accepted = sum(b1[p["id"]]["stats"].num_accepted_tokens for p in prompts24)
+    assert accepted > 0, "the drafter never had a token accepted"
+
+
+def test_dflash2_sampling_lossless_chi_square(make_engine):
+    """2,000 seeded trials: the joint of the first three emitted tokens (prefill
+    token, then the first two speculative positions) matches the target's."""
+    engine = make_engine("dflash2", max_num_seqs=64, num_speculative_tokens=2)
+    prompt = "for i in range(10):\n    x = x + i\nfor i in range(10):\n    x ="
+    ids = engine.tokenizer(prompt)["input_ids"]
+    params = dict(temperature=0.9, top_k=3, max_tokens=4, ignore_eos=True)
+    n = 2000
+    out = run_requests(engine, [(f"s{i}", ids, SamplingParams(seed=5000 + i, **params))
+                                for i in range(n)], batch_size=64)
+    drafted = sum(o["stats"].num_draft_tokens for o in out.values())
+    accepted = sum(o["stats"].num_accepted_tokens for o in out.values())
+    assert accepted >= 200 and drafted - accepted >= 200, (drafted, accepted)
+    exact = _exact_joint(engine, ids, SamplingParams(**params), 3)
+    counts = {k: 0 for k in exact}
+    for o in out.values():
+        counts[tuple(o["token_ids"][:3])] += 1  # KeyError = a token outside the support
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for k, pr in exact.items():
+        if pr * n >= 5:
+            obs.append(counts[k])
+            exp.append(pr * n)
+        else:
+            rest_o += counts[k]
+            rest_e += pr * n
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    scale = sum(obs) / sum(exp)
+    stat, pval = chisquare(obs, [e * scale for e in exp])
+    assert len(obs) >= 6
+    assert pval > 0.001, (stat, pval)

@@ -1,0 +1,99 @@
+"""configs/serve.yaml and its schema (configs/serve_config.py), build_app's skip rules."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from configs.serve_config import CONTROL_HEADROOM, ServeAppConfig, StrategyEntry
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_YAML = REPO / "configs" / "serve.yaml"
+
+
+def _args() -> dict:
+    return yaml.safe_load(SERVE_YAML.read_text())["applications"][0]["args"]
+
+
+def test_serve_yaml_is_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load(SERVE_YAML.read_text())
+    ServeDeploySchema.model_validate(doc)
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    app = doc["applications"][0]
+    assert app["import_path"] == "actors.serve_app:build_app"
+    cfg = ServeAppConfig.model_validate(app["args"])
+    names = [s.name for s in cfg.strategies]
+    assert names[:3] == ["autoregressive", "draft_model", "ngram"]
+    assert all(0 < s.ray_actor_options.num_cpus < 1 for s in cfg.strategies)
+    assert all(s.engine.get("torch_threads") == 1 for s in cfg.strategies)
+
+
+def test_engine_sections_are_valid_engine_configs():
+    from actors.config import EngineConfig
+    from actors.proposers.registry import PROPOSERS
+    from actors.serve_app import resolve_engine_config
+
+    for s in ServeAppConfig.model_validate(_args()).strategies:
+        if s.engine["strategy"] in PROPOSERS:
+            cfg = EngineConfig(**resolve_engine_config(s.engine))
+            assert Path(cfg.model).is_absolute()
+
+
+@pytest.mark.parametrize("where", ["top", "strategy", "actor", "ingress", "autoscaling"])
+def test_unknown_keys_are_errors(where):
+    args = _args()
+    if where == "top":
+        args["bogus"] = 1
+    elif where == "strategy":
+        args["strategies"][0]["replicas"] = 2
+    elif where == "actor":
+        args["strategies"][0]["ray_actor_options"]["gpus"] = 1
+    elif where == "ingress":
+        args["ingress"]["port"] = 1
+    else:
+        args["strategies"][2]["autoscaling_config"]["max"] = 3
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        ServeAppConfig.model_validate(args)
+
+
+def test_max_ongoing_requests_never_caps_the_batch():
+    e = StrategyEntry(engine={"strategy": "ngram", "max_num_seqs": 48, "max_waiting": 100})
+    assert e.resolved_max_ongoing_requests() == 48 + 100 + CONTROL_HEADROOM
+    assert StrategyEntry(engine={"strategy": "ngram"}).resolved_max_ongoing_requests() >= 32
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        StrategyEntry(engine={"strategy": "ngram", "max_num_seqs": 48}, max_ongoing_requests=5)
+    with pytest.raises(ValidationError, match="not both"):
+        StrategyEntry(engine={"strategy": "ngram"}, num_replicas=2,
+                      autoscaling_config={"min_replicas": 1, "max_replicas": 2})
+    with pytest.raises(ValidationError, match="engine.strategy"):
+        StrategyEntry(engine={})
+    with pytest.raises(ValidationError, match="unique"):
+        ServeAppConfig(strategies=[{"engine": {"strategy": "ngram"}},
+                                   {"engine": {"strategy": "ngram"}}])
+
+
+def test_build_app_skips_missing_models(caplog, tmp_path):
+    pytest.importorskip("ray.serve")
+    from actors.serve_app import build_app, missing_reason
+
+    if not (REPO / "models" / "target" / "model.safetensors").exists():
+        pytest.skip("target model weights missing")
+    args = {"strategies": [
+        {"engine": {"strategy": "ngram", "max_num_seqs": 4}},
+        {"engine": {"strategy": "draft_model", "draft_model": str(tmp_path / "none")}},
+        {"name": "x", "engine": {"strategy": "no_such_strategy"}},
+    ]}
+    with caplog.at_level(logging.WARNING, logger="actors.serve_app"):
+        app = build_app(args)
+    assert app is not None
+    msgs = " ".join(r.getMessage() for r in caplog.records)
+    assert "skipping strategy draft_model" in msgs and "skipping strategy x" in msgs
+    assert "registry" in missing_reason(StrategyEntry(engine={"strategy": "no_such_strategy"}))
+    with pytest.raises(ValueError, match="no strategy can be served"):
+        build_app({"strategies": args["strategies"][1:]})
