@@ -89,7 +89,7 @@ STATUS_CANCELLED = "cancelled"                 # still in flight when the cell w
 REQ_STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_CANCELLED)
 
 # --- Prometheus (vLLM-like names, exported through ray.serve.metrics) ---------
-PROM_PREFIX = "specload:"
+PROM_PREFIX = "specload_"
 PROM_SPEC_NUM_DRAFTS = "spec_decode_num_drafts"
 PROM_SPEC_NUM_DRAFT_TOKENS = "spec_decode_num_draft_tokens"
 PROM_SPEC_NUM_ACCEPTED_TOKENS = "spec_decode_num_accepted_tokens"

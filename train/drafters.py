@@ -62,7 +62,8 @@ def block_batch(data: dict, idx: np.ndarray, nb: int, bs: int, rng: np.random.Ge
     return (data["feats"][idx].float(), a, toks.gather(1, a), labels.view(-1, bs - 1))
 
 
-def train_step(model: BlockDrafter, batch, gamma: float, top_k: int):
+def train_step(model: BlockDrafter, batch, gamma: float, top_k: int,
+               joint_selector: bool = False):
     aux, a, anchor_ids, labels = batch
     b, nb = a.shape
     bs = model.config.block_size
@@ -96,7 +97,10 @@ def train_step(model: BlockDrafter, batch, gamma: float, top_k: int):
         logits = base
         loss = wce(base)
     if model.selector is not None:
-        sl = selector_loss(model, hd.detach(), base.detach(), safe, prev, valid, top_k)
+        # dflash: detached, so its backbone stays pure DFlash; dflash2: trained jointly.
+        joint = model.config.method == "dflash2" and joint_selector
+        sl = selector_loss(model, hd if joint else hd.detach(), base if joint else base.detach(),
+                           safe, prev, valid, top_k)
         loss = loss + sl
         stats["sel"] = sl.item()
     with torch.no_grad():
@@ -112,6 +116,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--no-selector", action="store_true", help="dflash: skip the ablation selector")
+    ap.add_argument("--joint-selector", action="store_true",
+                    help="dflash2: let the selector loss train the backbone too")
     ap.add_argument("--minutes", type=float, default=12.0, help="training time budget")
     ap.add_argument("--max-steps", type=int, default=100000)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -173,7 +179,7 @@ def main() -> None:
             g["lr"] = cosine_lr(step, est_steps, a.lr, 50)
         idx = rng.integers(0, len(train["tokens"]), a.batch)
         loss, st = train_step(model, block_batch(train, idx, a.anchors, cfg.block_size, rng),
-                              a.gamma, cfg.top_k)
+                              a.gamma, cfg.top_k, a.joint_selector)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

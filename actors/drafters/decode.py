@@ -90,13 +90,13 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
 def selector_loss(model, hd: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                   prev_ids: torch.Tensor, valid: torch.Tensor, top_k: int) -> torch.Tensor:
     """Teacher-forced selector CE over the top-k candidates (positions whose label
-    is among them). hd: [N, n, H] (detached); logits: [N, n, V]; labels, prev_ids,
+    is among them). hd: [N, n, H] (detached unless training jointly); logits: [N, n, V]; labels, prev_ids,
     valid: [N, n]; prev_ids[:, i] is the true token before position i."""
     with torch.no_grad():
         top = logits.topk(top_k, dim=-1)
-        logp = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
         hit = top.indices == labels[..., None]
         keep = valid & hit.any(-1)
+    logp = logits.gather(-1, top.indices) - torch.logsumexp(logits, dim=-1, keepdim=True)
     if not keep.any():
         return logits.new_zeros(())
     s = model.selector.scores(hd[keep], logp[keep].to(hd.dtype), model.embed(top.indices[keep]),
