@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--results", default="results", help="results directory (a run_id folder goes inside)")
     ap.add_argument("--tiers-file", default="", help="default configs/tiers.yaml")
     ap.add_argument("--run-id", default="", help="default: <date>-<time>-<tier>-<random>")
+    ap.add_argument("--report", action="store_true",
+                    help="after the run, write the analysis report (python -m analysis report) "
+                         "into the run directory and print the recommendation table")
     return ap
 
 
@@ -153,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
         "run_id": run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
         "target": target, "strategies": strategies, "tiers": tiers, "outputs": outputs,
         "args": vars(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
-        "dataset": args.dataset, "num_prompts": len(prompts), "cells": [], **environment_info()}
+        "dataset": args.dataset, "num_prompts": len(prompts), "cells": [],
+        # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
+        "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
+        **environment_info()}
     write_manifest(run_dir / "manifest.json", manifest)
 
     # Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
@@ -235,8 +241,30 @@ def run(args: argparse.Namespace) -> int:
     if summaries:
         console.print(render_table(summaries))
     console.print(f"requests: {writer.rows_written}, steps: {n_steps}")
+    if args.report and writer.rows_written:
+        _report(run_dir, console)
     print(f"results: {run_dir}", flush=True)
     return EXIT_INTERRUPTED if status == "interrupted" else 0
+
+
+def _report(run_dir: Path, console: Any) -> None:
+    """Write the analysis report next to the results; print its path and the recommendation."""
+    from rich.table import Table
+
+    from analysis.report import build_report
+
+    out = build_report(run_dir, run_dir / "report")
+    table = Table(title="recommendation per tier (highest goodput under the SLOs)")
+    for col in ("tier", "output", "strategy", "goodput tok/s", "margin", "confidence"):
+        table.add_column(col)
+    for tier, cells in out["recommendation"].items():
+        for oc, rec in cells.items():
+            fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+            table.add_row(tier, oc, str(rec.get("strategy")), fmt(rec.get("goodput"), ".1f"),
+                          fmt(rec.get("margin"), ".1%"), fmt(rec.get("confidence"), ".2f"))
+    console.print(table)
+    for name, path in out["paths"].items():
+        console.print(f"{name}: {path}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

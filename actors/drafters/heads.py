@@ -17,6 +17,7 @@ the target's (shared, frozen) embedding table via the caller's ``embed``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,17 +49,27 @@ class PathSelector(nn.Module):
     def walk(self, h: torch.Tensor, logp: torch.Tensor, cand_ids: torch.Tensor,
              anchor_ids: torch.Tensor, embed) -> torch.Tensor:
         """Greedy path from the anchor. h: [B, n, H]; logp, cand_ids: [B, n, K];
-        anchor_ids: [B]; embed: ids -> vectors. Returns chosen ids [B, n]."""
+        anchor_ids: [B]; embed: ids -> vectors. Returns chosen ids [B, n].
+
+        The previous token at position i is one of position i-1's candidates,
+        so every pairwise score is computed up front ([B, n-1, K, K], one
+        batched matmul) and the walk itself is K-way argmaxes on the host.
+        """
         e_c = embed(cand_ids)  # [B, n, K, H]
-        u = self.unary(h, logp, e_c)
-        rc = self.right(e_c)
-        prev = anchor_ids
-        out = []
-        for i in range(cand_ids.shape[1]):
-            s = u[:, i] + (self.left(embed(prev))[:, None, :] * rc[:, i]).sum(-1)
-            prev = cand_ids[:, i].gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
-            out.append(prev)
-        return torch.stack(out, dim=1)
+        u = self.unary(h, logp, e_c)  # [B, n, K]
+        rc, lc = self.right(e_c), self.left(e_c)  # [B, n, K, r]
+        first = u[:, 0] + (self.left(embed(anchor_ids))[:, None, :] * rc[:, 0]).sum(-1)
+        pair = u[:, 1:, None, :] + lc[:, :-1] @ rc[:, 1:].transpose(-1, -2)  # [B, n-1, K, K]
+        first, pair = first.float().cpu().numpy(), pair.float().cpu().numpy()
+        B, n = cand_ids.shape[:2]
+        rows = np.arange(B)
+        j = first.argmax(-1)
+        chosen = [j]
+        for i in range(n - 1):
+            j = pair[rows, i, j].argmax(-1)
+            chosen.append(j)
+        idx = torch.from_numpy(np.stack(chosen, 1)).to(cand_ids.device)
+        return cand_ids.gather(2, idx[..., None]).squeeze(-1)
 
 
 class MarkovHead(nn.Module):

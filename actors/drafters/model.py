@@ -27,7 +27,16 @@ from torch import nn
 
 from actors.drafters.config import DrafterConfig
 from actors.drafters.heads import ConfidenceHead, MarkovHead, PathSelector
-from actors.model import RMSNorm, apply_rope, rope_cos_sin
+from actors.model import RMSNorm as _TargetRMSNorm
+from actors.model import apply_rope, rope_cos_sin
+
+
+class RMSNorm(_TargetRMSNorm):
+    """Same parameters as the target's RMSNorm, one fused op (the drafter is
+    latency-bound by op count on a CPU; it need not be bit-exact)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class DynamicConv2(nn.Module):
@@ -183,10 +192,14 @@ class BlockDrafter(nn.Module):
         x = x.view(B, NB * bs, -1)
         pos = (anchor_pos[..., None] + torch.arange(bs, device=x.device)).view(B, NB * bs)
         cos, sin = self._rope(pos, x.dtype)
-        blk = torch.arange(NB * bs, device=x.device) // bs
-        same = blk[:, None] == blk[None, :]  # [Q, Q] each block sees only itself
-        mask = torch.cat([ctx_mask.repeat_interleave(bs, dim=1),
-                          same.expand(B, -1, -1)], dim=-1)[:, None]
+        if NB == 1:  # serving: one block per row, which sees all of itself
+            mask = torch.cat([ctx_mask.expand(B, bs, -1),
+                              ctx_mask.new_ones(B, bs, bs)], dim=-1)[:, None]
+        else:
+            blk = torch.arange(NB * bs, device=x.device) // bs
+            same = blk[:, None] == blk[None, :]  # [Q, Q] each block sees only itself
+            mask = torch.cat([ctx_mask.repeat_interleave(bs, dim=1),
+                              same.expand(B, -1, -1)], dim=-1)[:, None]
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, ck, cv, mask, bs)
         return self.norm(x)
