@@ -7,16 +7,13 @@ target's distribution.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from actors.engine import LLMEngine, run_requests
 from actors.runner import RowInput
-from actors.sampling import process_logits
 from actors.types import SamplingParams
+from tests.lossless import assert_sampling_lossless
 
 STRATEGIES = ["draft_model", "ngram"]
 MAX_TOKENS = 24
@@ -59,26 +56,6 @@ def test_greedy_identical_staggered_batch8(strategy, make_engine, heldout_prompt
         assert out[p["id"]]["token_ids"] == reference[p["id"]]["token_ids"], p["id"]
 
 
-def _exact_joint(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, depth: int):
-    """Exact target probabilities of every ``depth``-token continuation under
-    ``params`` (small support thanks to top_k)."""
-    model = engine.model
-    probs = {}
-
-    def rec(prefix, pr):
-        if len(prefix) == depth:
-            probs[tuple(prefix)] = pr
-            return
-        with torch.inference_mode():
-            lg = model(torch.tensor([prompt_ids + prefix])).logits[0, -1]
-        p = process_logits(lg, params)
-        for t in torch.nonzero(p > 0).flatten().tolist():
-            rec(prefix + [t], pr * float(p[t]))
-
-    rec([], 1.0)
-    return probs
-
-
 @pytest.mark.parametrize("strategy,opts", [("draft_model", {}),
                                            ("ngram", {"prompt_lookup_min": 1})])
 def test_sampling_lossless_chi_square(strategy, opts, make_engine):
@@ -86,33 +63,7 @@ def test_sampling_lossless_chi_square(strategy, opts, make_engine):
     prefill token then the first two speculative positions) matches the target."""
     engine = make_engine(strategy, max_num_seqs=64, strategy_options=opts,
                          num_speculative_tokens=2)
-    prompt = "for i in range(10):\n    x = x + i\nfor i in range(10):\n    x ="
-    ids = engine.tokenizer(prompt)["input_ids"]
-    params = dict(temperature=0.9, top_k=3, max_tokens=4, ignore_eos=True)
-    n = 2000
-    reqs = [(f"s{i}", ids, SamplingParams(seed=1000 + i, **params)) for i in range(n)]
-    out = run_requests(engine, reqs, batch_size=64)
-    drafted = sum(o["stats"].num_draft_tokens for o in out.values())
-    accepted = sum(o["stats"].num_accepted_tokens for o in out.values())
-    # the verifier must have seen plenty of both outcomes for the test to mean anything
-    assert accepted >= 200 and drafted - accepted >= 200, (drafted, accepted)
-    exact = _exact_joint(engine, ids, SamplingParams(**params), 3)
-    counts = {k: 0 for k in exact}
-    for o in out.values():
-        counts[tuple(o["token_ids"][:3])] += 1  # KeyError = a token outside the support
-    # merge cells with expected count < 5 into one
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for k, pr in exact.items():
-        if pr * n >= 5:
-            obs.append(counts[k]); exp.append(pr * n)
-        else:
-            rest_o += counts[k]; rest_e += pr * n
-    if rest_e > 0:
-        obs.append(rest_o); exp.append(rest_e)
-    scale = sum(obs) / sum(exp)
-    stat, pval = chisquare(obs, [e * scale for e in exp])
-    assert len(obs) >= 6
-    assert pval > 0.001, (stat, pval)
+    assert_sampling_lossless(engine)
 
 
 def test_sampling_seed_reproducible(make_engine, heldout_prompts):

@@ -120,6 +120,7 @@ def write_card(out: Path, card: dict) -> None:
     cmd = (f"python -m train.drafters --method {a['method']} --seed {a['seed']} --layers {a['layers']}"
            f" --minutes {a['minutes']} --threads {a['threads']}"
            + (" --no-selector" if a["no_selector"] else "")
+           + (" --joint-selector" if a.get("joint_selector") else "")
            + (f" --out {a['out']}" if a["out"] not in (None, "None") else ""))
     pc = card["params_by_component"]
     lines = [f"# {out.name}: {cfg['method']} block drafter for models/target", "",

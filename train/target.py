@@ -92,7 +92,7 @@ def main() -> None:
             "wall_time_s": round(wall, 1), "seed": a.seed, "args": vars(a) | {
                 "corpus": str(a.corpus), "out": str(a.out)},
             "heldout": final, "log": log}
-    (a.out / "training.json").write_text(json.dumps(card, indent=2))
+    (a.out / "training.json").write_text(json.dumps(card, indent=2, default=str))
     write_card(a.out, "specload embedded target (Qwen3 architecture)",
                "python -m train.corpus --out data/corpus\n"
                "python -m train.tokenizer --corpus data/corpus --out models/target --vocab 4096\n"

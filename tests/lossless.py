@@ -1,0 +1,66 @@
+"""Shared check that speculative sampling is lossless (DESIGN.md, "Lossless verification")."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from actors.engine import LLMEngine, run_requests
+from actors.sampling import process_logits
+from actors.types import SamplingParams
+
+PROMPT = "for i in range(10):\n    x = x + i\nfor i in range(10):\n    x ="
+PARAMS = dict(temperature=0.9, top_k=3, max_tokens=4, ignore_eos=True)
+
+
+def exact_joint(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
+                depth: int) -> dict[tuple[int, ...], float]:
+    """Exact target probability of every ``depth``-token continuation under
+    ``params`` (a small support thanks to top_k)."""
+    probs = {}
+
+    def rec(prefix, pr):
+        if len(prefix) == depth:
+            probs[tuple(prefix)] = pr
+            return
+        with torch.inference_mode():
+            lg = engine.model(torch.tensor([prompt_ids + prefix])).logits[0, -1]
+        p = process_logits(lg, params)
+        for t in torch.nonzero(p > 0).flatten().tolist():
+            rec(prefix + [t], pr * float(p[t]))
+
+    rec([], 1.0)
+    return probs
+
+
+def assert_sampling_lossless(engine: LLMEngine, n: int = 2000, seed0: int = 1000) -> float:
+    """``n`` seeded requests; the joint of the first three emitted tokens (the
+    prefill token, then the first two speculative positions) must match the
+    target's exact distribution (chi-square, p > 0.001). Returns the p-value."""
+    ids = engine.tokenizer(PROMPT)["input_ids"]
+    out = run_requests(engine, [(f"s{i}", ids, SamplingParams(seed=seed0 + i, **PARAMS))
+                                for i in range(n)], batch_size=64)
+    drafted = sum(o["stats"].num_draft_tokens for o in out.values())
+    accepted = sum(o["stats"].num_accepted_tokens for o in out.values())
+    # the verifier must have seen plenty of both outcomes for the test to mean anything
+    assert accepted >= 200 and drafted - accepted >= 200, (drafted, accepted)
+    exact = exact_joint(engine, ids, SamplingParams(**PARAMS), 3)
+    counts = {k: 0 for k in exact}
+    for o in out.values():
+        counts[tuple(o["token_ids"][:3])] += 1  # KeyError = a token outside the support
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for k, pr in exact.items():  # merge cells with expected count < 5
+        if pr * n >= 5:
+            obs.append(counts[k])
+            exp.append(pr * n)
+        else:
+            rest_o += counts[k]
+            rest_e += pr * n
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    scale = sum(obs) / sum(exp)
+    stat, pval = chisquare(obs, [e * scale for e in exp])
+    assert len(obs) >= 6
+    assert pval > 0.001, (stat, pval)
+    return float(pval)
