@@ -75,8 +75,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    batches = [int(b) for b in a.batches.split(",")]
+    try:
+        batches = sorted({1, 8, *(int(b) for b in a.batches.split(",") if b)})
+    except ValueError:
+        ap.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
+    if min(batches) < 1:
+        ap.error("--batches: batch sizes must be >= 1")
     strategies = [s for s in a.strategies.split(",") if s]
+    if "autoregressive" not in strategies:
+        strategies.insert(0, "autoregressive")  # the baseline of every ratio
     for s in strategies:
         if s not in PROPOSERS:
             ap.error(f"--strategies: unknown strategy {s!r}; known: {sorted(PROPOSERS)}")
@@ -102,9 +109,6 @@ def main(argv=None) -> int:
     for b in batches:
         for s in strategies:
             raw[f"{s}_b{b}"] = engine_tps(engines[s], p1 if b == 1 else pb[b], b, a.max_tokens)
-    if 8 not in batches:
-        raw["autoregressive_b8"] = engine_tps(engines["autoregressive"], load_prompts(16), 8,
-                                              a.max_tokens)
     r = lambda x, y: round(raw[x]["tokens_per_s"] / raw[y]["tokens_per_s"], 3)
     ratios = {"engine_ar_vs_hf_generate_b1": r("autoregressive_b1", "hf_generate_b1"),
               "engine_ar_vs_hf_generate_b8": r("autoregressive_b8", "hf_generate_b8")}

@@ -206,7 +206,8 @@ def main() -> None:
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--per-domain", type=int, default=16, help="prompts per domain (default set)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: a shared CPU makes OpenMP spin at 2)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.prompts:

@@ -15,9 +15,8 @@ from actors.drafters.model import BlockDrafter, DynamicConv2
 from actors.drafters.scheduler import StepCostCurve, schedule_lengths
 from actors.engine import run_requests
 from actors.model import CausalLM, ModelConfig
+from actors.sampling import process_logits
 from actors.types import ProposeInput, SamplingParams
-
-from tests.test_engine import _exact_joint
 
 MAX_TOKENS = 24
 SCHEDULED = ("dspark", {"scheduler": True})
@@ -177,6 +176,24 @@ def test_greedy_identical_to_autoregressive(strategy, opts, make_engine, prompts
     assert accepted > 0, "the drafter never had a token accepted"
 
 
+def _exact_joint(model, prompt_ids: list[int], params: SamplingParams, depth: int) -> dict:
+    """Target probability of every ``depth``-token continuation under ``params``
+    (a small support thanks to top_k)."""
+    probs = {}
+
+    def rec(prefix, pr):
+        if len(prefix) == depth:
+            probs[tuple(prefix)] = pr
+            return
+        with torch.inference_mode():
+            p = process_logits(model(torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
+        for t in torch.nonzero(p > 0).flatten().tolist():
+            rec(prefix + [t], pr * float(p[t]))
+
+    rec([], 1.0)
+    return probs
+
+
 def test_dflash2_sampling_lossless_chi_square(make_engine):
     """2,000 seeded trials: the joint of the first three emitted tokens (prefill
     token, then the first two speculative positions) matches the target's."""
@@ -190,7 +207,7 @@ def test_dflash2_sampling_lossless_chi_square(make_engine):
     drafted = sum(o["stats"].num_draft_tokens for o in out.values())
     accepted = sum(o["stats"].num_accepted_tokens for o in out.values())
     assert accepted >= 200 and drafted - accepted >= 200, (drafted, accepted)
-    exact = _exact_joint(engine, ids, SamplingParams(**params), 3)
+    exact = _exact_joint(engine.model, ids, SamplingParams(**params), 3)
     counts = {k: 0 for k in exact}
     for o in out.values():
         counts[tuple(o["token_ids"][:3])] += 1  # KeyError = a token outside the support

@@ -96,7 +96,7 @@ def main() -> None:
         shutil.copy(a.target / f, a.out / f)
     card = {"params": draft.num_params(), "tokens_seen": a.steps * a.batch * a.seq,
             "wall_time_s": round(wall, 1), "seed": a.seed,
-            "command": f"python -m train.draft --steps {a.steps} --seed {a.seed}",
+            "command": f"python -m train.draft --steps {a.steps} --seed {a.seed} --threads {a.threads}",
             "heldout": {d: agreement(target, draft, held[d]) for d in DOMAINS}}
     (a.out / "training.json").write_text(json.dumps(card, indent=2))
     write_card(a.out, "specload draft model (for the draft_model strategy)", card["command"], card,

@@ -118,7 +118,7 @@ def write_card(out: Path, card: dict) -> None:
     (out / "training.json").write_text(json.dumps(card, indent=2))
     cfg, a = card["config"], card["args"]
     cmd = (f"python -m train.drafters --method {a['method']} --seed {a['seed']} --layers {a['layers']}"
-           f" --minutes {a['minutes']} --threads {a['threads']}"
+           f" --minutes {a['minutes']} --threads {a['threads']} --train-seqs {a['train_seqs']}"
            + (" --no-selector" if a["no_selector"] else "")
            + (" --joint-selector" if a.get("joint_selector") else "")
            + (f" --out {a['out']}" if a["out"] not in (None, "None") else ""))
