@@ -5,9 +5,13 @@ and a bootstrap confidence.
 Confidence is the share of bootstrap replicates (Efron 1979, "Bootstrap
 methods: another look at the jackknife") in which the recommended strategy
 still has the highest goodput. Each replicate resamples every strategy's
-requests with replacement (same count) and divides the resampled good tokens
-by the cell's measured wall time; the generator is seeded, so a report is
-reproducible. Ties go to ``autoregressive`` (no speculation unless it wins).
+requests with replacement (same count) and rescales the measured goodput by
+the replicate's good tokens per second of request time relative to the full
+sample's (a ratio estimator: in a closed loop each user's throughput is its
+tokens over the time its requests took). Resampling good tokens alone would
+give zero variance whenever every request has the same length and meets the
+SLOs. The generator is seeded, so a report is reproducible. Ties go to
+``autoregressive`` (no speculation unless it wins).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ DEFAULT_SEED = 0
 
 
 def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: str):
-    """{strategy: (good tokens per request [n], good flags [n], total wall time s)}."""
+    """{strategy: (good tokens per request [n], good flags [n], total wall time s,
+    request time per request [n] in ms)}."""
     sel = flagged[flagged[mn.REQ_TIER].eq(tier) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]
     csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)]
     out = {}
@@ -33,7 +38,10 @@ def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: s
             continue
         good = g[GOOD].to_numpy(dtype=bool)
         tokens = np.where(good, g[mn.REQ_OUTPUT_TOKENS].fillna(0).to_numpy(dtype=float), 0.0)
-        out[strategy] = (tokens, good, float(duration))
+        e2e = g[mn.REQ_E2E_MS].astype(float) if mn.REQ_E2E_MS in g else pd.Series(
+            np.ones(len(g)))
+        e2e = e2e.fillna(e2e.median() if e2e.notna().any() else 1.0).clip(lower=1e-3)
+        out[strategy] = (tokens, good, float(duration), e2e.to_numpy(dtype=float))
     return out
 
 
@@ -58,13 +66,16 @@ def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_
     rng = np.random.default_rng(seed)
     boot = {}
     for s in names:  # sorted order keeps the random stream reproducible
-        tokens, _, duration = inputs[s]
+        tokens, _, duration, e2e = inputs[s][:4] if len(inputs[s]) > 3 else (
+            *inputs[s], np.ones_like(inputs[s][0]))
         idx = rng.integers(0, tokens.size, size=(n_boot, tokens.size))
-        boot[s] = tokens[idx].sum(axis=1) / duration
+        full_rate = tokens.sum() / e2e.sum()
+        rate = tokens[idx].sum(axis=1) / e2e[idx].sum(axis=1)
+        boot[s] = point[s] * (rate / full_rate if full_rate > 0 else 0.0 * rate)
     stacked = np.column_stack([boot[s] for s in names])
     wins = stacked[:, names.index(best)] >= stacked.max(axis=1)
     confidence = float(wins.mean()) if runner is not None else 1.0
-    tokens, good, duration = inputs[best]
+    good, duration = inputs[best][1], inputs[best][2]
     runner_gp = point[runner] if runner else None
     return {
         "strategy": best,

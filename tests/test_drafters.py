@@ -19,6 +19,16 @@ from actors.sampling import process_logits
 from actors.types import ProposeInput, SamplingParams
 
 MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread here: on a shared 2-core box two OpenMP threads spin-wait
+    for each other and these engine-heavy tests run several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 SCHEDULED = ("dspark", {"scheduler": True})
 STRATEGIES = [("dflash", {}), ("dflash2", {}), ("dspark", {}), SCHEDULED]
 

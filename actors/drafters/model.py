@@ -145,7 +145,17 @@ class BlockDrafter(nn.Module):
         return F.embedding(ids, self._shared[0]).to(self.mask_embed.dtype)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h.to(self._shared[1].dtype), self._shared[1]).float()
+        """Shared LM head, float logits [..., V]. On a CPU a contiguous copy of
+        W^T (cached, not saved) makes the few-row matmul ~2.5x faster than
+        ``F.linear``; on a GPU the weight is used in place (no extra memory)."""
+        W = self._shared[1]
+        if W.device.type != "cpu":
+            return F.linear(h.to(W.dtype), W).float()
+        key = (W.data_ptr(), W._version)
+        if getattr(self, "_lm_t_key", None) != key:
+            self._lm_t = W.detach().t().contiguous()
+            self._lm_t_key = key
+        return (h.to(W.dtype) @ self._lm_t).float()
 
     def markov_vocab_proj(self) -> torch.Tensor:
         """W_lm @ U [V, r] (float): the Markov head's rank-r update in vocabulary
