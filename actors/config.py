@@ -24,7 +24,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: cap on running requests (KV slots). max_num_batched_tokens:
     per-step token budget shared by prefill chunks and verification tokens
     (vLLM's name). max_model_len: prompt + output tokens per request.
-    num_speculative_tokens: k, the most draft tokens per request per step.
+    num_speculative_tokens: k, the most draft tokens per request per step (None: the
+    strategy's default: 0 autoregressive, 4 draft_model / ngram, 7 for the DFlash family).
     max_waiting: queue length beyond which ``add_request`` raises QueueFullError.
     """
 
@@ -38,7 +39,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(32, ge=1, le=4096)
     max_num_batched_tokens: int = Field(2048, ge=16)
     max_model_len: int | None = Field(None, ge=16)
-    num_speculative_tokens: int = Field(4, ge=0, le=64)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=64)  # None: the proposer's default
     max_waiting: int = Field(1024, ge=0)
     torch_threads: int | None = Field(None, ge=1)
     replica_id: str = "0"

@@ -56,13 +56,15 @@ class LLMEngine:
             options = cls.Options(**config.strategy_options)
         except Exception as e:  # pydantic ValidationError -> name the section
             raise ValueError(f"strategy_options for {config.strategy}: {e}") from e
-        self.proposer = cls(self.model, config.num_speculative_tokens, config.max_num_seqs,
+        k = config.num_speculative_tokens
+        self.num_speculative_tokens = cls.default_num_speculative_tokens if k is None else k
+        self.proposer = cls(self.model, self.num_speculative_tokens, config.max_num_seqs,
                             self.max_model_len, config.draft_model, options)
         self.aux_layers = tuple(self.proposer.aux_layers)
         self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
                                   pad_id=self.eos_token_id or 0)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.num_speculative_tokens,
+                                   self.max_model_len, self.num_speculative_tokens,
                                    config.max_waiting)
         self.requests: dict[str, Request] = {}
         self.on_step = on_step

@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = REPO / "data" / "prompts" / "heldout_eval.jsonl"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread: tiny models gain nothing from two, and OpenMP barriers stall badly
+# whenever another process shares the cores (measured 10x slower here).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -8,14 +8,12 @@ import copy
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from actors.drafters.config import DrafterConfig
 from actors.drafters.model import BlockDrafter, DynamicConv2
 from actors.drafters.scheduler import StepCostCurve, schedule_lengths
 from actors.engine import run_requests
 from actors.model import CausalLM, ModelConfig
-from actors.sampling import process_logits
 from actors.types import ProposeInput, SamplingParams
 
 MAX_TOKENS = 24
@@ -186,53 +184,8 @@ def test_greedy_identical_to_autoregressive(strategy, opts, make_engine, prompts
     assert accepted > 0, "the drafter never had a token accepted"
 
 
-def _exact_joint(model, prompt_ids: list[int], params: SamplingParams, depth: int) -> dict:
-    """Target probability of every ``depth``-token continuation under ``params``
-    (a small support thanks to top_k)."""
-    probs = {}
-
-    def rec(prefix, pr):
-        if len(prefix) == depth:
-            probs[tuple(prefix)] = pr
-            return
-        with torch.inference_mode():
-            p = process_logits(model(torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
-        for t in torch.nonzero(p > 0).flatten().tolist():
-            rec(prefix + [t], pr * float(p[t]))
-
-    rec([], 1.0)
-    return probs
-
-
 def test_dflash2_sampling_lossless_chi_square(make_engine):
     """2,000 seeded trials: the joint of the first three emitted tokens (prefill
     token, then the first two speculative positions) matches the target's."""
-    engine = make_engine("dflash2", max_num_seqs=64, num_speculative_tokens=2)
-    prompt = "for i in range(10):\n    x = x + i\nfor i in range(10):\n    x ="
-    ids = engine.tokenizer(prompt)["input_ids"]
-    params = dict(temperature=0.9, top_k=3, max_tokens=4, ignore_eos=True)
-    n = 2000
-    out = run_requests(engine, [(f"s{i}", ids, SamplingParams(seed=5000 + i, **params))
-                                for i in range(n)], batch_size=64)
-    drafted = sum(o["stats"].num_draft_tokens for o in out.values())
-    accepted = sum(o["stats"].num_accepted_tokens for o in out.values())
-    assert accepted >= 200 and drafted - accepted >= 200, (drafted, accepted)
-    exact = _exact_joint(engine.model, ids, SamplingParams(**params), 3)
-    counts = {k: 0 for k in exact}
-    for o in out.values():
-        counts[tuple(o["token_ids"][:3])] += 1  # KeyError = a token outside the support
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for k, pr in exact.items():
-        if pr * n >= 5:
-            obs.append(counts[k])
-            exp.append(pr * n)
-        else:
-            rest_o += counts[k]
-            rest_e += pr * n
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    scale = sum(obs) / sum(exp)
-    stat, pval = chisquare(obs, [e * scale for e in exp])
-    assert len(obs) >= 6
-    assert pval > 0.001, (stat, pval)
+    assert_sampling_lossless(make_engine("dflash2", max_num_seqs=64, num_speculative_tokens=2),
+                             seed0=5000)

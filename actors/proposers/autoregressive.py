@@ -14,6 +14,7 @@ class AutoregressiveProposer(Proposer):
     """No drafts: tau = 1 by construction."""
 
     name = "autoregressive"
+    default_num_speculative_tokens = 0
 
     def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
         return [DraftProposal(token_ids=[]) for _ in batch]

@@ -45,6 +45,7 @@ class Proposer(ABC):
     """
 
     name: str = "base"
+    default_num_speculative_tokens: int = 4
     aux_layers: tuple[int, ...] = ()
     Options = ProposerOptions
 

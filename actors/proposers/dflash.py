@@ -93,13 +93,14 @@ class BlockDraftProposer(Proposer):
 
     name = "dflash"
     Options = DFlashOptions
+    default_num_speculative_tokens = 7  # block size 8 - the anchor
     use_selector: bool | None = False  # None = as the drafter's config says
 
     def __init__(self, target, num_speculative_tokens, max_num_seqs, max_model_len, draft_model,
                  options):
         super().__init__(target, num_speculative_tokens, max_num_seqs, max_model_len,
                          draft_model, options)
-        path = Path(options.drafter) if options.drafter else REPO_ROOT / "models" / self.name
+        path = Path(options.drafter or draft_model or REPO_ROOT / "models" / self.name)
         self.drafter = load_drafter(path, target, **self.load_overrides())
         cfg = self.drafter.config
         self.aux_layers = cfg.target_layer_ids
