@@ -15,6 +15,7 @@ from actors.drafters.scheduler import StepCostCurve, schedule_lengths
 from actors.engine import run_requests
 from actors.model import CausalLM, ModelConfig
 from actors.types import ProposeInput, SamplingParams
+from tests.lossless import assert_sampling_lossless
 
 MAX_TOKENS = 24
 
