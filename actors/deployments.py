@@ -21,7 +21,6 @@ import collections
 import importlib
 import logging
 import os
-import time
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve

@@ -15,7 +15,6 @@ Supported ``model_type``: ``llama``, ``qwen2`` (q/k/v bias), ``qwen3``
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 

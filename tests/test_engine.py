@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import LLMEngine, run_requests
+from actors.engine import run_requests
 from actors.runner import RowInput
 from actors.types import SamplingParams
 from tests.lossless import assert_sampling_lossless

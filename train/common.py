@@ -101,3 +101,21 @@ def write_card(out_dir: Path, title: str, command: str, card: dict, notes: str =
             lines.append(f"| {d} | " + " | ".join(f"{v[k]:.4f}" for k in keys) +
                          f" | {v.get('tokens', '')} |")
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def setup_run(args, tokenizer_dir: Path, heldout_windows: int):
+    """Seed torch/numpy, set threads, load the tokenizer and the token arrays.
+
+    Returns (rng, tokenizer, train arrays [code, prose], held-out windows by domain).
+    """
+    import torch
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(args.seed)
+    tok = load_tokenizer(tokenizer_dir)
+    cache = Path("data/tokens")
+    train = [token_array(args.corpus, d, "train", tok, cache) for d in DOMAINS]
+    held = {d: eval_windows(token_array(args.corpus, d, "heldout", tok, cache), args.seq,
+                            heldout_windows) for d in DOMAINS}
+    return rng, tok, train, held

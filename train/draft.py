@@ -17,13 +17,11 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from actors.model import CausalLM
-from train.common import (DOMAINS, Timer, cosine_lr, eval_windows, load_tokenizer, sample_batch,
-                          token_array, write_card)
+from train.common import DOMAINS, Timer, cosine_lr, sample_batch, setup_run, write_card
 from train.target import make_config
 
 DRAFT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
@@ -57,14 +55,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    torch.manual_seed(a.seed)
-    torch.set_num_threads(a.threads)
-    rng = np.random.default_rng(a.seed)
-    tok = load_tokenizer(a.target)
-    cache = Path("data/tokens")
-    train = [token_array(a.corpus, d, "train", tok, cache) for d in DOMAINS]
-    held = {d: eval_windows(token_array(a.corpus, d, "heldout", tok, cache), a.seq, 32)
-            for d in DOMAINS}
+    rng, tok, train, held = setup_run(a, a.target, 32)
     target = CausalLM.from_pretrained(a.target)
     for p in target.parameters():
         p.requires_grad_(False)

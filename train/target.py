@@ -16,13 +16,12 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from actors.model import CausalLM, ModelConfig
-from train.common import (DOMAINS, Timer, cosine_lr, eval_windows, heldout_metrics,
-                          load_tokenizer, sample_batch, token_array, write_card)
+from train.common import (DOMAINS, Timer, cosine_lr, heldout_metrics, sample_batch, setup_run,
+                          write_card)
 
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -48,14 +47,7 @@ def main() -> None:
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from this checkpoint instead of a random init")
     a = ap.parse_args()
-    torch.manual_seed(a.seed)
-    torch.set_num_threads(a.threads)
-    rng = np.random.default_rng(a.seed)
-    tok = load_tokenizer(a.out)
-    cache = Path("data/tokens")
-    train = [token_array(a.corpus, d, "train", tok, cache) for d in DOMAINS]
-    held = {d: eval_windows(token_array(a.corpus, d, "heldout", tok, cache), a.seq, 48)
-            for d in DOMAINS}
+    rng, tok, train, held = setup_run(a, a.out, 48)
     cfg = make_config(len(tok), tok.eos_token_id, TARGET_SHAPE)
     if a.init is not None:
         model = CausalLM.from_pretrained(a.init).train()

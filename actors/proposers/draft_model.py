@@ -10,7 +10,6 @@ the missing tokens are fed in one catch-up forward before drafting.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
