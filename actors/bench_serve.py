@@ -119,7 +119,7 @@ def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
 
     from actors.serve_app import build_app
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rt = {"env_vars": dict(THROUGHPUT_ENV) if tuned else {}}

@@ -31,7 +31,8 @@ def service():
     real = use_real_engine()
     args = app_args(real)
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": always a fresh cluster, never one a `cluster up` left running
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:

@@ -57,7 +57,9 @@ def test_unknown_keys_are_errors(where):
     elif where == "ingress":
         args["ingress"]["port"] = 1
     else:
-        args["strategies"][2]["autoscaling_config"]["max"] = 3
+        args["strategies"][2].pop("num_replicas", None)
+        args["strategies"][2]["autoscaling_config"] = {
+            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 32, "max": 3}
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         ServeAppConfig.model_validate(args)
 

@@ -1,0 +1,79 @@
+"""End-to-end smoke of the main job on the embedded default: service -> loadgen -> report.
+
+Starts the real service (``python -m cluster up``, two strategies, a free port),
+drives it with ``python -m loadgen --report`` for a few seconds per cell, and
+checks what a user reads: Parquet rows, the step log, the report and the
+recommendation. ``python -m cluster down`` runs in teardown whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("svc")
+    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    app = cfg["applications"][0]
+    app["args"]["strategies"] = [s for s in app["args"]["strategies"]
+                                 if s["engine"]["strategy"] in ("autoregressive", "ngram")]
+    port = _free_port()
+    cfg["http_options"]["port"] = port
+    path = tmp / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path),
+                         "--port", str(port), "--timeout", "240"], cwd=REPO,
+                        capture_output=True, text=True, timeout=400)
+    try:
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        url = up.stdout.strip().splitlines()[-1]
+        assert url == f"http://127.0.0.1:{port}", url
+        yield url
+    finally:
+        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)], cwd=REPO,
+                       capture_output=True, text=True, timeout=180)
+
+
+def test_loadgen_to_report(service, tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "all", "--target", service,
+         "--duration", "3", "--results", str(tmp_path), "--report"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_dir = Path(res.stdout.strip().splitlines()[-1].split("results: ", 1)[1])
+    import pandas as pd
+
+    rows = pd.read_parquet(run_dir / "requests.parquet")
+    assert set(rows["strategy"]) == {"autoregressive", "ngram"}
+    assert set(rows["output_class"]) == {"short", "long"}
+    ok = rows[rows["status"] == "ok"]
+    assert len(ok) >= 4 and (ok["output_tokens"] > 0).all()
+    assert (ok["ttft_ms"] > 0).all() and (ok["e2e_ms"] >= ok["ttft_ms"]).all()
+    # the server's speculative stats reached the client rows
+    ng = ok[ok["strategy"] == "ngram"]
+    assert ng["num_draft_tokens"].sum() > 0
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
+    rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
+    assert set(rec["low"]) == {"short", "long"}
+    assert rec["low"]["short"]["strategy"] in {"autoregressive", "ngram"}
+    html = (run_dir / "report" / "report.html").read_text()
+    assert 'id="recommendation"' in html and "data:image/png;base64," in html
+    assert "recommendation per tier" in res.stdout
