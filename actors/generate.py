@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.batch_size < 1:
         ap.error("--batch-size must be >= 1")
+    if a.num_speculative_tokens is not None and not 0 <= a.num_speculative_tokens <= 64:
+        ap.error(f"--num-speculative-tokens must be in 0..64, got {a.num_speculative_tokens}")
     if not Path(a.model, "config.json").is_file():
         ap.error(f"--model: {a.model} is not a model directory (no config.json)")
     rows = read_prompts(a.prompts, ap)

@@ -58,6 +58,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields that change the output and that the engine does not implement: rejected
+# unless they hold a neutral value (so stock clients sending defaults still work).
+_UNSUPPORTED: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None), "logit_bias": (None, {}), "best_of": (1, None),
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
 class _Common(BaseModel):
     """Fields shared by both endpoints (OpenAI defaults; top_k and ignore_eos as in vLLM).
     Unknown fields are ignored, like vLLM, so stock OpenAI clients work."""
@@ -215,6 +225,15 @@ class OpenAIIngress:
             return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
+        for field, neutral in _UNSUPPORTED.items():
+            if field in body and body[field] not in neutral:
+                return error_response(400, f"{field} is not supported by specload (it would "
+                                      f"change the output); drop it or send {neutral[0]!r}",
+                                      param=field)
+        for field in ("max_tokens", "max_completion_tokens", "n", "top_k", "seed"):
+            if isinstance(body.get(field), (bool, float)):
+                return error_response(400, f"{field} must be an integer, got "
+                                      f"{body[field]!r}", param=field)
         try:
             req = (ChatRequest if chat else CompletionRequest).model_validate(body)
         except ValidationError as exc:

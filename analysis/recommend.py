@@ -59,7 +59,12 @@ def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_
     best = ranked[0]
     note = ""
     if point[best] <= 0:
-        best = mn.AUTOREGRESSIVE if mn.AUTOREGRESSIVE in names else best
+        if mn.AUTOREGRESSIVE not in names:
+            return {"strategy": None, "goodput": 0.0, "goodput_rps": 0.0, "runner_up": None,
+                    "runner_up_goodput": None, "margin": None, "margin_abs": None,
+                    "confidence": None, "goodput_by_strategy": {s: 0.0 for s in ranked},
+                    "note": "no strategy met the SLOs (no successful request within them)"}
+        best = mn.AUTOREGRESSIVE
         ranked = [best] + [s for s in ranked if s != best]
         note = "no strategy met the SLOs; showing the baseline"
     runner = ranked[1] if len(ranked) > 1 else None

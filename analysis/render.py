@@ -6,6 +6,8 @@ figure is a ``data:image/png;base64`` URI, so it opens offline.
 
 from __future__ import annotations
 
+import time
+
 import base64
 import html as _html
 import math
@@ -105,8 +107,17 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
         out.insert(1, ("Degradation vs baseline", f"Baseline {a.baseline_root}: flagged when "
                        "acceptance length or goodput dropped by more than 10 %.",
                        records(a.degradation)))
-    runs = [{"run_id": r.run_id, "path": str(r.path), "started": r.manifest.get("started"),
-             "git_sha": r.manifest.get("git_sha"), "requests": len(r.requests),
+    def _started(m: dict):
+        ts = m.get("started_ts")
+        return m.get("started") or (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + " UTC"
+                                    if isinstance(ts, (int, float)) else None)
+
+    def _sha(m: dict):
+        git = m.get("git")
+        return m.get("git_sha") or (git.get("sha") if isinstance(git, dict) else None)
+
+    runs = [{"run_id": r.run_id, "path": str(r.path), "started": _started(r.manifest),
+             "git_sha": _sha(r.manifest), "requests": len(r.requests),
              "steps": len(r.steps), "versions": r.manifest.get("versions"),
              "machine": r.manifest.get("machine")} for r in a.results.runs]
     out.append(("Runs", "Run directories read.", runs))

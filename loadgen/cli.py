@@ -32,6 +32,7 @@ from loadgen.prompts import DEFAULT_DATASET, DatasetError, load_dataset
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
+EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,11 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _strategies(args: argparse.Namespace, target: str) -> list[str]:
-    if args.strategies:
-        return [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if args.model:
-        return [args.model]
+    # Preflight: an unreachable target or an unknown model fails here with a clear
+    # message instead of thousands of refused requests.
     models = service.list_models(target)
+    asked = ([s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies
+             else [args.model] if args.model else [])
+    unknown = [s for s in asked if models and s not in models and not args.model]
+    if args.model and models and args.model not in models:
+        unknown = [args.model]
+    if unknown:
+        flag = "--model" if args.model else "--strategies"
+        raise service.ServiceError(f"{flag}: {', '.join(map(repr, unknown))} not served by "
+                                   f"{target}; it serves {models}")
+    if asked:
+        return asked
     if not models:
         raise service.ServiceError(f"{target}/v1/models lists no models; pass --strategies")
     known = [s for s in M.STRATEGIES if s in models]  # canonical order, baseline first
@@ -241,10 +251,19 @@ def run(args: argparse.Namespace) -> int:
     if summaries:
         console.print(render_table(summaries))
     console.print(f"requests: {writer.rows_written}, steps: {n_steps}")
-    if args.report and writer.rows_written:
+    empty = [f"{s.strategy}/{s.tier}/{s.output_class}" for s in summaries if not s.ok]
+    if empty:
+        console.print(f"[red]no successful request[/] in {', '.join(empty)}; see the `error` "
+                      f"column of {run_dir / 'requests.parquet'}", highlight=False)
+    if args.report and writer.rows_written and len(empty) < len(summaries):
         _report(run_dir, console)
+    if not args.target:
+        console.print(f"the local service is still up at {target} (reused by the next run); "
+                      "stop it with `python -m cluster down`", highlight=False)
     print(f"results: {run_dir}", flush=True)
-    return EXIT_INTERRUPTED if status == "interrupted" else 0
+    if status == "interrupted":
+        return EXIT_INTERRUPTED
+    return EXIT_NO_SUCCESS if summaries and len(empty) == len(summaries) else 0
 
 
 def _report(run_dir: Path, console: Any) -> None:
@@ -257,7 +276,8 @@ def _report(run_dir: Path, console: Any) -> None:
     table = Table(title="recommendation per tier (highest goodput under the SLOs)")
     for col in ("tier", "output", "strategy", "goodput tok/s", "margin", "confidence"):
         table.add_column(col)
-    for tier, cells in out["recommendation"].items():
+    order = {t: i for i, t in enumerate(TIER_NAMES)}
+    for tier, cells in sorted(out["recommendation"].items(), key=lambda kv: order.get(kv[0], 99)):
         for oc, rec in cells.items():
             fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
             table.add_row(tier, oc, str(rec.get("strategy")), fmt(rec.get("goodput"), ".1f"),
@@ -268,7 +288,12 @@ def _report(run_dir: Path, console: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.duration is not None and not args.duration > 0:
+        parser.error(f"--duration must be > 0 seconds, got {args.duration}")
+    if args.workers < 0:
+        parser.error(f"--workers must be >= 0 (0 = in-process), got {args.workers}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(args)
 

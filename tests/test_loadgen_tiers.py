@@ -70,3 +70,31 @@ def test_cli_reports_bad_tier_file(tmp_path):
                         "--target", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "profiles.cpu.tiers.high.long.duraton_s" in p.stdout + p.stderr
+
+
+def _loadgen(*args, timeout=120):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "loadgen", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_rejects_bad_duration_and_workers():
+    r = _loadgen("--tier", "low", "--duration", "-1", "--target", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "--duration" in r.stderr
+    r = _loadgen("--tier", "low", "--workers", "-2", "--target", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "--workers" in r.stderr
+
+
+def test_unreachable_target_fails_fast_with_a_message(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _loadgen("--tier", "low", "--target", f"http://127.0.0.1:{port}", "--results",
+                 str(tmp_path))
+    assert r.returncode == 2
+    assert "v1/models" in r.stdout and "is the server up" in r.stdout
+    assert not any(tmp_path.iterdir())  # nothing was sent, no empty run directory
