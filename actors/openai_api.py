@@ -40,6 +40,8 @@ import time
 import uuid
 from typing import Any, Literal
 
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -132,6 +134,24 @@ def error_response(status: int, message: str, err_type: str = "invalid_request_e
     """OpenAI-style error body."""
     return JSONResponse({"error": {"message": message, "type": err_type, "param": param,
                                    "code": code}}, status_code=status, headers=headers)
+
+
+# Every error, including FastAPI's own (unknown route 404, wrong method 405, bad
+# query parameter 422), gets the OpenAI error shape.
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                          kind, headers=getattr(exc, "headers", None))
+
+
+@api.exception_handler(RequestValidationError)
+async def _query_error(request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body")) or None
+    return error_response(400, f"{param}: {err.get('msg')}", param=param)
 
 
 def _sse(obj: dict | str) -> str:
@@ -368,3 +388,4 @@ class OpenAIIngress:
         finally:
             if not done:   # client went away (or we failed): free the engine slot now
                 gen.cancel()
+

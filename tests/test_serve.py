@@ -367,3 +367,14 @@ def test_prometheus_spec_decode_counters(service, client):
               if line.startswith("ray_specload_" + mn.PROM_SPEC_NUM_DRAFTS)
               and 'strategy="ngram"' in line]
     assert drafts and any(float(line.rsplit(" ", 1)[1]) > 0 for line in drafts)
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/embeddings", 404),
+                                                ("GET", "/v1/completions", 405),
+                                                ("GET", "/specload/step_log?since=abc", 400)])
+def test_framework_errors_use_openai_shape(client, method, path, status):
+    r = client.request(method, path)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    assert client.get("/health").status_code == 200
