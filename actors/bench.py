@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from actors.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
-from actors.engine import LLMEngine, run_requests
-from actors.proposers.registry import PROPOSERS
-from actors.types import SamplingParams
+from actors.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
+from actors.engine.llm_engine import LLMEngine, run_requests
+from actors.engine.strategies import PROPOSERS
+from actors.engine.types import SamplingParams
+from configs.paths import PROMPTS_DIR
 
-PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts" / "heldout_eval.jsonl"
+PROMPTS = PROMPTS_DIR / "heldout_eval.jsonl"
 
 
 def load_prompts(n: int, domain: str = "code") -> list[str]:

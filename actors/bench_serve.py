@@ -22,14 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = REPO_ROOT / "data" / "prompts" / "heldout_eval.jsonl"
+from configs.net import free_port
+from configs.paths import PROMPTS_DIR
+
+PROMPTS = PROMPTS_DIR / "heldout_eval.jsonl"
 
 
 def load_prompts(n: int) -> list[str]:
@@ -43,18 +44,12 @@ THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
                   "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def run_direct(engine_cfg: dict, prompts: list[str], max_tokens: int) -> dict:
     """Concurrent requests straight into an AsyncLLMEngine; per-request e2e / TTFT in ms."""
-    from actors.async_engine import AsyncLLMEngine
-    from actors.config import EngineConfig
-    from actors.serve_app import resolve_engine_config
-    from actors.types import SamplingParams
+    from actors.engine.config import EngineConfig
+    from actors.engine.types import SamplingParams
+    from actors.serve.app import resolve_engine_config
+    from actors.serve.async_engine import AsyncLLMEngine
 
     eng = AsyncLLMEngine.from_config(EngineConfig(**resolve_engine_config(engine_cfg)))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -117,10 +112,10 @@ def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
     import ray
     from ray import serve
 
-    from actors.serve_app import build_app
+    from actors.serve.app import build_app
 
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rt = {"env_vars": dict(THROUGHPUT_ENV) if tuned else {}}
     serve.run(build_app({"strategies": [{"name": strategy, "engine": engine_cfg,

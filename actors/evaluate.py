@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.config import REPO_ROOT
-from actors.types import SamplingParams, SpecStats
+from actors.engine.types import SamplingParams, SpecStats
 from configs import metric_names as M
+from configs.paths import REPO_ROOT
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "autoregressive": ("autoregressive", {}),
@@ -73,8 +73,8 @@ def default_prompts(per_domain: int) -> list[dict]:
 
 def _run(strategy: str, options: dict, prompts: list[list[int]], max_tokens: int, batch: int,
          threads: int, k: int, trace: bool):
-    from actors.config import EngineConfig
-    from actors.engine import LLMEngine, run_requests
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine, run_requests
 
     opts = dict(options)
     if trace and strategy in BLOCK_FAMILY:
@@ -121,7 +121,7 @@ def _trace_metrics(trace: list[dict], prompts, outs, n_pos: int) -> dict:
     r = lambda a: [round(float(v), 4) for v in a / np.maximum(ok, 1)]  # noqa: E731
     out = {"per_pos_top1_cond": r(top1), "per_pos_top16_cond": r(top16)}
     if conf_p:
-        from train.drafter_card import ece
+        from actors.drafters.calibration import ece
 
         out["confidence_ece"] = round(ece(np.array(conf_p), np.array(conf_y, dtype=float)), 4)
     return out

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from actors.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from actors.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def read_prompts(path: Path, parser: argparse.ArgumentParser) -> list[dict]:
@@ -40,7 +40,7 @@ def read_prompts(path: Path, parser: argparse.ArgumentParser) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from actors.proposers.registry import PROPOSERS
+    from actors.engine.strategies import PROPOSERS
 
     ap = argparse.ArgumentParser(prog="python -m actors.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", default="autoregressive", choices=sorted(PROPOSERS))
@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
-    from actors.config import EngineConfig
-    from actors.engine import LLMEngine, run_requests
-    from actors.types import SamplingParams
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine, run_requests
+    from actors.engine.types import SamplingParams
 
     if a.batch_size < 1:
         ap.error("--batch-size must be >= 1")

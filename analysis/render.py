@@ -6,11 +6,10 @@ figure is a ``data:image/png;base64`` URI, so it opens offline.
 
 from __future__ import annotations
 
-import time
-
 import base64
 import html as _html
 import math
+import time
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -20,7 +19,7 @@ from analysis.slo import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 from configs import metric_names as mn
 
 if TYPE_CHECKING:
-    from analysis.report import Analysis
+    from analysis.analysis import Analysis
 
 CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "users", "n_requests", "n_ok",
                 "output_tokens_per_s", "speedup", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",

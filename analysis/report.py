@@ -10,37 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from analysis import capacity, metrics, plots, render
+from analysis.analysis import Analysis
 from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
 from analysis.load import Results, load_results
 from analysis.recommend import DEFAULT_SEED, N_BOOTSTRAP, recommend, recommendation_rows
-from analysis.slo import Slo, resolve_slos
+from analysis.slo import resolve_slos
 from configs import metric_names as mn
-
-
-@dataclass
-class Analysis:
-    """Everything the renderers need (tables are pandas DataFrames)."""
-
-    results: Results
-    slos: dict[str, Slo]
-    flagged: pd.DataFrame
-    cells: pd.DataFrame
-    positions: pd.DataFrame
-    crossover: pd.DataFrame       # measured (per output class) + predicted (per strategy)
-    knees: pd.DataFrame
-    capacity: pd.DataFrame
-    target_curve: capacity.CostCurve | None
-    recommendation: dict
-    degradation: pd.DataFrame | None = None
-    baseline_root: str | None = None
-    figures: dict[str, bytes | None] = field(default_factory=dict)
 
 
 def predict_crossovers(steps: pd.DataFrame, flagged: pd.DataFrame, cap: pd.DataFrame):

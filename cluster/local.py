@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,9 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from configs.net import free_ports
+from configs.paths import REPO_ROOT
+
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "serve.yaml"
 DEFAULT_PORT = 8000
 HOST = "127.0.0.1"
@@ -56,18 +57,6 @@ def state_dir() -> Path:
 
 def state_file(port: int) -> Path:
     return state_dir() / f"cluster-{port}.json"
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports free on 127.0.0.1 now (held open together while picking)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _get(url: str, timeout_s: float = 3.0):
@@ -101,12 +90,12 @@ def load_config(path: Path, port: int) -> dict:
 
 def expected_strategies(cfg: dict) -> list[str]:
     """Strategies the app will serve (same skip rules as ``build_app``)."""
-    from actors.serve_app import missing_reason
+    from actors.serve.app import missing_reason
     from configs.serve_config import DEFAULT_ENGINE_FACTORY, ServeAppConfig
 
     names = []
     for app in cfg["applications"]:
-        if app.get("import_path") != "actors.serve_app:build_app":
+        if app.get("import_path") != "actors.serve.app:build_app":
             continue
         args = ServeAppConfig.model_validate(app.get("args") or {})
         real = args.engine_factory == DEFAULT_ENGINE_FACTORY
@@ -153,8 +142,7 @@ def use_ray_auth_token() -> None:
     this process must then send it too. Same rule Ray's own CLI applies
     (RAY_AUTH_MODE, when set, wins)."""
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available)
+        from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
     except ImportError:   # older Ray: no token auth
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)

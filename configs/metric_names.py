@@ -1,7 +1,7 @@
 """Metric and column names shared by the engine, the server, the load generator
 and the analysis (llmperf's ``common_metrics`` idea: the unit is in the name).
 
-Definitions follow ../shared/DESIGN.md ("Metric definitions"):
+Definitions follow docs/design.md ("Metric definitions"):
 
 - acceptance length tau = 1 + num_accepted_tokens / num_drafts (tokens emitted
   per verification step, counting the bonus / correction token).
@@ -20,7 +20,20 @@ NGRAM = "ngram"
 DFLASH = "dflash"
 DFLASH2 = "dflash2"
 DSPARK = "dspark"
-STRATEGIES = (AUTOREGRESSIVE, DRAFT_MODEL, NGRAM, DFLASH, DFLASH2, DSPARK)
+STRATEGIES = (AUTOREGRESSIVE, DRAFT_MODEL, NGRAM, DFLASH, DFLASH2, DSPARK)  # canonical order, baseline first
+
+# The one strategy table: id -> "module:Class" of its proposer. Adding a strategy is
+# one file under actors/proposers/ and one line here. Import paths are strings so
+# this lowest layer never imports the engine (actors.engine.strategies loads them).
+PROPOSER_CLASSES: dict[str, str] = {
+    AUTOREGRESSIVE: "actors.proposers.autoregressive:AutoregressiveProposer",
+    DRAFT_MODEL: "actors.proposers.draft_model:DraftModelProposer",
+    NGRAM: "actors.proposers.ngram:NgramProposer",
+    DFLASH: "actors.proposers.dflash:DFlashProposer",
+    DFLASH2: "actors.proposers.dflash2:DFlash2Proposer",
+    DSPARK: "actors.proposers.dspark:DSparkProposer",
+}
+assert tuple(PROPOSER_CLASSES) == STRATEGIES
 
 # --- speculative decoding counters (vLLM SpecDecodingStats names) -------------
 NUM_DRAFTS = "num_drafts"                      # verification steps that carried >= 1 draft token

@@ -1,6 +1,6 @@
 """Schema of the Serve application's ``args`` (``configs/serve.yaml``), pydantic, extra="forbid".
 
-``actors.serve_app:build_app(args)`` validates its args with ``ServeAppConfig``:
+``actors.serve.app:build_app(args)`` validates its args with ``ServeAppConfig``:
 
 ```yaml
 args:
@@ -12,7 +12,7 @@ args:
   ingress: {num_replicas: 1, ray_actor_options: {num_cpus: 0.1}}
 ```
 
-``engine`` holds ``actors.config.EngineConfig`` fields; it is validated by
+``engine`` holds ``actors.engine.config.EngineConfig`` fields; it is validated by
 EngineConfig itself when the app is built (unknown keys are errors there too).
 Model paths that are relative are taken relative to the repository root.
 
@@ -39,7 +39,7 @@ from configs import metric_names as mn
 _ENGINE_DEFAULT_MAX_NUM_SEQS = 32
 _ENGINE_DEFAULT_MAX_WAITING = 1024
 CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
-DEFAULT_ENGINE_FACTORY = "actors.deployments:make_llm_engine"  # (engine dict) -> LLMEngine
+DEFAULT_ENGINE_FACTORY = "actors.serve.deployments:make_llm_engine"  # (engine dict) -> LLMEngine
 
 
 class AutoscalingConfig(BaseModel):
@@ -129,7 +129,7 @@ class IngressOptions(BaseModel):
 
 
 class ServeAppConfig(BaseModel):
-    """``args`` of the ``actors.serve_app:build_app`` application."""
+    """``args`` of the ``actors.serve.app:build_app`` application."""
 
     model_config = ConfigDict(extra="forbid")
 

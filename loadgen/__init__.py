@@ -2,6 +2,6 @@
 
 Entry points: ``python -m loadgen`` (loadgen/cli.py) and
 ``locust -f loadgen/locustfile.py``. Importing this package imports neither
-locust nor gevent; only ``loadgen.users``, ``loadgen.runner``, ``loadgen.client``
+locust nor gevent; only ``loadgen.users``, ``loadgen.locust_runner``, ``loadgen.client``
 and ``loadgen.locustfile`` do.
 """

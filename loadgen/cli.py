@@ -27,8 +27,8 @@ from typing import Any
 from configs import metric_names as M
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
 from loadgen import service
-from loadgen.plan import CellPlan, shuffled_prompts
-from loadgen.prompts import DEFAULT_DATASET, DatasetError, load_dataset
+from loadgen.cells import CellPlan, shuffled_prompts
+from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]target error:[/] {err}", highlight=False)
         return EXIT_CONFIG
 
-    from loadgen.runner import LoadRunner
+    from loadgen.locust_runner import LoadRunner
     from loadgen.summary import add_speedups, render_table, summarize_cell
     from loadgen.writer import RequestWriter, environment_info, write_manifest, write_steps
 

@@ -28,12 +28,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any, Iterator
 
 from aiohttp import web
 
 from configs import metric_names as M
+from configs.paths import PACKAGE_ROOT
 
 
 class FakeServer:
@@ -172,7 +172,7 @@ async def _serve(server: FakeServer, host: str, port: int) -> None:
 def running(*args: str, startup_timeout_s: float = 30.0) -> Iterator[str]:
     """Run the fake server in a subprocess (its own CPU and event loop); yields its base URL."""
     proc = subprocess.Popen([sys.executable, "-m", "loadgen.fake_server", *args], stdout=subprocess.PIPE,
-                            text=True, cwd=str(Path(__file__).resolve().parent.parent))
+                            text=True, cwd=str(PACKAGE_ROOT))
     try:
         deadline = time.time() + startup_timeout_s
         line = ""

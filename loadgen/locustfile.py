@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 
 # `locust -f loadgen/locustfile.py` puts loadgen/ (not the repo root) on sys.path
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parent.parent)  # bootstrap: locust loads this file by path
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from locust import events  # noqa: E402
 from locust.runners import WorkerRunner  # noqa: E402
 
-from loadgen.plan import CellPlan, shuffled_prompts  # noqa: E402
+from loadgen.cells import CellPlan, shuffled_prompts  # noqa: E402
 from loadgen.users import CellContext, CompletionUser, install_worker_hooks  # noqa: E402
 
 __all__ = ["CompletionUser"]
@@ -53,7 +53,7 @@ def _add_options(parser, **_):
 def standalone_plan(environment) -> CellPlan:
     """A never-ending closed-loop cell from the --specload-* options (Locust CLI use)."""
     from configs.tiers import load_tiers
-    from loadgen.prompts import load_dataset
+    from loadgen.datasets import load_dataset
 
     o = environment.parsed_options
     get = (lambda n, d: getattr(o, f"specload_{n}", d) if o is not None else d)

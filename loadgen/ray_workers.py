@@ -26,7 +26,8 @@ import sys
 import threading
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from configs.paths import REPO_ROOT
+
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 
 

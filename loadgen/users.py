@@ -20,8 +20,8 @@ import gevent
 from locust import User, constant, task
 
 from configs import metric_names as M
+from loadgen.cells import CellPlan, Dispenser, Job
 from loadgen.client import COMPLETIONS_PATH, make_http_client, path_prefix, stream_completion
-from loadgen.plan import CellPlan, Dispenser, Job
 
 ROWS_MESSAGE = "specload_rows"   # worker -> master: {"cell_id", "rows", "in_flight", "worker", "ts"}
 CELL_MESSAGE = "specload_cell"   # master -> workers: {"plan": CellPlan dict, "n_workers": N}

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import metric_names as M
+from configs.paths import REPO_ROOT
 
 REQUEST_SCHEMA = pa.schema([
     (M.REQ_RUN_ID, pa.string()), (M.REQ_STRATEGY, pa.string()), (M.REQ_TIER, pa.string()),
@@ -144,7 +145,7 @@ def environment_info() -> dict[str, Any]:
         machine["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
-    return {"versions": versions, "git": _git_sha(Path(__file__).resolve().parent.parent), "machine": machine}
+    return {"versions": versions, "git": _git_sha(REPO_ROOT), "machine": machine}
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:

@@ -27,8 +27,8 @@ def heldout_prompts() -> list[dict]:
 @pytest.fixture(scope="session")
 def make_engine():
     """Factory: ``make_engine(strategy, **engine_config)`` -> LLMEngine (cached per args)."""
-    from actors.config import DEFAULT_DRAFT, EngineConfig
-    from actors.engine import LLMEngine
+    from actors.engine.config import DEFAULT_DRAFT, EngineConfig
+    from actors.engine.llm_engine import LLMEngine
 
     cache = {}
 

@@ -1,4 +1,4 @@
-"""A tiny deterministic stand-in for ``actors.engine.LLMEngine`` (same API).
+"""A tiny deterministic stand-in for ``actors.engine.llm_engine.LLMEngine`` (same API).
 
 Used by the serving tests when the real engine or the model files are not
 available (or ``SPECLOAD_TEST_FAKE_ENGINE=1``). Tokens are words; the output
@@ -13,7 +13,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from actors.types import RequestOutput, SamplingParams, SpecStats
+from actors.engine.types import RequestOutput, SamplingParams, SpecStats
 from configs import metric_names as mn
 
 VOCAB = [f"w{i}" for i in range(50)]
@@ -21,7 +21,7 @@ EOS = len(VOCAB)
 
 
 class QueueFullError(RuntimeError):
-    """Mirror of actors.engine.QueueFullError for the fake engine."""
+    """Mirror of actors.engine.llm_engine.QueueFullError for the fake engine."""
 
 
 class FakeTokenizer:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from actors.engine import LLMEngine, run_requests
-from actors.sampling import process_logits
-from actors.types import SamplingParams
+from actors.engine.llm_engine import LLMEngine, run_requests
+from actors.engine.sampling import process_logits
+from actors.engine.types import SamplingParams
 
 PROMPT = "for i in range(10):\n    x = x + i\nfor i in range(10):\n    x ="
 PARAMS = dict(temperature=0.9, top_k=3, max_tokens=4, ignore_eos=True)

@@ -1,6 +1,6 @@
 """Helpers for the Serve tests: a local Ray + Serve app on a free loopback port.
 
-The real engine (``actors.engine.LLMEngine`` on ``models/target``) is used
+The real engine (``actors.engine.llm_engine.LLMEngine`` on ``models/target``) is used
 when it and the model weights exist and ``SPECLOAD_TEST_FAKE_ENGINE`` is not
 "1"; otherwise ``tests.fake_engine`` stands in (same API, deterministic).
 """
@@ -9,23 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_SLOT = "one-slot"     # a 1-slot, 1-waiting deployment for overload / disconnect tests
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def use_real_engine() -> bool:
     return (os.environ.get("SPECLOAD_TEST_FAKE_ENGINE") != "1"
-            and (REPO / "actors" / "engine.py").exists()
+            and (REPO / "actors" / "engine" / "llm_engine.py").exists()
             and (REPO / "models" / "target" / "model.safetensors").exists())
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from actors.drafters.config import DrafterConfig
+from actors.drafters.length_scheduler import StepCostCurve, schedule_lengths
 from actors.drafters.model import BlockDrafter, DynamicConv2
-from actors.drafters.scheduler import StepCostCurve, schedule_lengths
-from actors.engine import run_requests
-from actors.model import CausalLM, ModelConfig
-from actors.types import ProposeInput, SamplingParams
+from actors.engine.llm_engine import run_requests
+from actors.engine.model import CausalLM, ModelConfig
+from actors.engine.types import ProposeInput, SamplingParams
 from tests.lossless import assert_sampling_lossless
 
 MAX_TOKENS = 24

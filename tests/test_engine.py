@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import run_requests
-from actors.runner import RowInput
-from actors.types import SamplingParams
+from actors.engine.llm_engine import run_requests
+from actors.engine.runner import RowInput
+from actors.engine.types import SamplingParams
 from tests.lossless import assert_sampling_lossless
 
 STRATEGIES = ["draft_model", "ngram"]
@@ -138,7 +138,7 @@ def test_bad_requests_leave_running_requests_unharmed(make_engine, heldout_promp
 
 
 def test_unknown_strategy_is_a_clear_error():
-    from actors.config import EngineConfig
+    from actors.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="strategy"):
         EngineConfig(strategy="medusa")

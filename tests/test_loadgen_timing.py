@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import metric_names as M
-from loadgen.plan import CellPlan, Dispenser, poisson_schedule, shuffled_prompts
-from loadgen.prompts import DatasetError, load_dataset, truncate
+from loadgen.cells import CellPlan, Dispenser, poisson_schedule, shuffled_prompts
+from loadgen.datasets import DatasetError, load_dataset, truncate
 from loadgen.summary import achieved_concurrency
 from loadgen.timing import SSEParser, StreamRecorder, weighted_percentile
 from loadgen.writer import RequestWriter
@@ -36,8 +36,8 @@ def _usage(n: int, **spec) -> str:
 
 
 def test_pure_modules_do_not_import_gevent():
-    code = ("import sys, loadgen, loadgen.timing, loadgen.plan, loadgen.summary, loadgen.writer, "
-            "loadgen.prompts, loadgen.service, loadgen.cli, configs.tiers; "
+    code = ("import sys, loadgen, loadgen.timing, loadgen.cells, loadgen.summary, loadgen.writer, "
+            "loadgen.datasets, loadgen.service, loadgen.cli, configs.tiers; "
             "bad=[m for m in ('gevent','locust') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -183,7 +183,7 @@ def test_writer_is_readable_after_each_flush_and_close(tmp_path):
 
 
 def test_datasets_are_held_out_and_truncated():
-    from train.corpus import is_heldout
+    from corpus.sources import is_heldout
 
     for name in ("humaneval", "docs", "stdlib"):
         rows = load_dataset(name, max_chars=300)

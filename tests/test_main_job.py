@@ -9,7 +9,6 @@ recommendation. ``python -m cluster down`` runs in teardown whatever happens.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from configs.net import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +29,7 @@ def service(tmp_path_factory):
     app = cfg["applications"][0]
     app["args"]["strategies"] = [s for s in app["args"]["strategies"]
                                  if s["engine"]["strategy"] in ("autoregressive", "ngram")]
-    port = _free_port()
+    port = free_port()
     cfg["http_options"]["port"] = port
     path = tmp / "serve.yaml"
     path.write_text(yaml.safe_dump(cfg))

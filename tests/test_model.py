@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.config import DEFAULT_TARGET
-from actors.model import BatchMeta, CausalLM, KVCache, ModelConfig
+from actors.engine.config import DEFAULT_TARGET
+from actors.engine.model import BatchMeta, CausalLM, KVCache, ModelConfig
 
 
 def _hf_logits(path, ids):

@@ -18,7 +18,8 @@ serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from configs import metric_names as mn  # noqa: E402
-from tests.serve_fixtures import ONE_SLOT, app_args, free_port, parse_sse, use_real_engine  # noqa: E402
+from configs.net import free_port  # noqa: E402
+from tests.serve_fixtures import ONE_SLOT, app_args, parse_sse, use_real_engine  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import os\nimport sys\n"]
 
@@ -26,7 +27,7 @@ PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import 
 @pytest.fixture(scope="module")
 def service():
     """(base_url, metrics_url, args, real): a Serve app on a free 127.0.0.1 port."""
-    from actors.serve_app import build_app
+    from actors.serve.app import build_app
 
     real = use_real_engine()
     args = app_args(real)
@@ -115,14 +116,14 @@ def test_stream_equals_non_stream(client, strategies, prompt):
 
 def _direct(args, real, strategy, prompt, max_tokens):
     """Greedy text of the engine itself, same engine config, no Serve."""
-    from actors.types import SamplingParams
+    from actors.engine.types import SamplingParams
 
     entry = next(s for s in args["strategies"] if s["engine"]["strategy"] == strategy)
     cfg = dict(entry["engine"])
     if real:
-        from actors.config import EngineConfig
-        from actors.engine import LLMEngine, run_requests
-        from actors.serve_app import resolve_engine_config
+        from actors.engine.config import EngineConfig
+        from actors.engine.llm_engine import LLMEngine, run_requests
+        from actors.serve.app import resolve_engine_config
 
         eng = LLMEngine(EngineConfig(**resolve_engine_config(cfg)))
         res = run_requests(eng, [("x", prompt, SamplingParams(max_tokens=max_tokens))])

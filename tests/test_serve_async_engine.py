@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from actors.async_engine import AsyncLLMEngine, EngineDeadError
-from actors.types import SamplingParams
+from actors.engine.types import SamplingParams
+from actors.serve.async_engine import AsyncLLMEngine, EngineDeadError
 from configs import metric_names as mn
 from tests.fake_engine import FakeEngine, QueueFullError
 from tests.serve_fixtures import use_real_engine
@@ -159,8 +159,8 @@ def test_idle_engine_does_not_step():
 
 @pytest.mark.skipif(not use_real_engine(), reason="real engine or model weights missing")
 def test_real_engine_greedy_equals_run_requests():
-    from actors.config import EngineConfig
-    from actors.engine import LLMEngine, run_requests
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine, run_requests
 
     cfg = EngineConfig(strategy="ngram", max_num_seqs=4, torch_threads=1)
     prompt = "def add(a, b):\n    "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from configs.net import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 SSH_KEY = Path.home() / ".ssh" / "specload_local_ed25519"
@@ -54,7 +55,7 @@ def test_rayservice_manifest_holds_a_valid_app():
     assert doc["kind"] == "RayService" and doc["apiVersion"].startswith("ray.io/")
     serve_cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])
     app = serve_cfg["applications"][0]
-    assert app["import_path"] == "actors.serve_app:build_app"
+    assert app["import_path"] == "actors.serve.app:build_app"
     cfg = ServeAppConfig.model_validate(app["args"])
     assert all(s.ray_actor_options.num_gpus >= 1 for s in cfg.strategies)
     workers = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
@@ -81,16 +82,6 @@ def _ssh_ok() -> bool:
     return r.returncode == 0
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.mark.slow
 def test_ray_up_local_loopback(tmp_path):
     """ray up -y cluster/local.yaml on 127.0.0.1, deploy, one completion, ray down -y."""
@@ -100,7 +91,7 @@ def test_ray_up_local_loopback(tmp_path):
             pytest.fail("root SSH to 127.0.0.1 with ~/.ssh/specload_local_ed25519 failed; "
                         "run .ci/setup_ssh.sh")
         pytest.skip("no root SSH to 127.0.0.1 (run .ci/setup_ssh.sh)")
-    gcs, dash, client_port, agent_http, agent_grpc, rt_agent, http_port = _free_ports(7)
+    gcs, dash, client_port, agent_http, agent_grpc, rt_agent, http_port = free_ports(7)
     remote_dir = f"/tmp/specload-rayup-{uuid.uuid4().hex[:8]}"
     py_bin = str(Path(sys.executable).parent)
     cfg = yaml.safe_load((REPO / "cluster" / "local.yaml").read_text())

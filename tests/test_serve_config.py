@@ -26,7 +26,7 @@ def test_serve_yaml_is_a_valid_serve_config():
     ServeDeploySchema.model_validate(doc)
     assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000}
     app = doc["applications"][0]
-    assert app["import_path"] == "actors.serve_app:build_app"
+    assert app["import_path"] == "actors.serve.app:build_app"
     cfg = ServeAppConfig.model_validate(app["args"])
     names = [s.name for s in cfg.strategies]
     assert names[:3] == ["autoregressive", "draft_model", "ngram"]
@@ -35,9 +35,9 @@ def test_serve_yaml_is_a_valid_serve_config():
 
 
 def test_engine_sections_are_valid_engine_configs():
-    from actors.config import EngineConfig
-    from actors.proposers.registry import PROPOSERS
-    from actors.serve_app import resolve_engine_config
+    from actors.engine.config import EngineConfig
+    from actors.engine.strategies import PROPOSERS
+    from actors.serve.app import resolve_engine_config
 
     for s in ServeAppConfig.model_validate(_args()).strategies:
         if s.engine["strategy"] in PROPOSERS:
@@ -82,7 +82,7 @@ def test_max_ongoing_requests_never_caps_the_batch():
 
 def test_build_app_skips_missing_models(caplog, tmp_path):
     pytest.importorskip("ray.serve")
-    from actors.serve_app import build_app, missing_reason
+    from actors.serve.app import build_app, missing_reason
 
     if not (REPO / "models" / "target" / "model.safetensors").exists():
         pytest.skip("target model weights missing")
@@ -91,11 +91,11 @@ def test_build_app_skips_missing_models(caplog, tmp_path):
         {"engine": {"strategy": "draft_model", "draft_model": str(tmp_path / "none")}},
         {"name": "x", "engine": {"strategy": "no_such_strategy"}},
     ]}
-    with caplog.at_level(logging.WARNING, logger="actors.serve_app"):
+    with caplog.at_level(logging.WARNING, logger="actors.serve.app"):
         app = build_app(args)
     assert app is not None
     msgs = " ".join(r.getMessage() for r in caplog.records)
     assert "skipping strategy draft_model" in msgs and "skipping strategy x" in msgs
-    assert "registry" in missing_reason(StrategyEntry(engine={"strategy": "no_such_strategy"}))
+    assert "strategy table" in missing_reason(StrategyEntry(engine={"strategy": "no_such_strategy"}))
     with pytest.raises(ValueError, match="no strategy can be served"):
         build_app({"strategies": args["strategies"][1:]})

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.model import CausalLM
+from actors.engine.model import CausalLM
 from train.common import DOMAINS, Timer, cosine_lr, sample_batch, setup_run, write_card
 from train.target import make_config
 

@@ -13,10 +13,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from actors.drafters.calibration import ece
 from actors.drafters.decode import draft_block
 
 
@@ -46,15 +46,6 @@ def _drafts(model, data: dict, stride: int = 4, chunk: int = 16, use_selector=No
             conf, cat(lambda d, l: l))
 
 
-def ece(p: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
-    """Expected calibration error with equal-width bins."""
-    idx = np.minimum((p * bins).astype(int), bins - 1)
-    tot = 0.0
-    for b in range(bins):
-        m = idx == b
-        if m.any():
-            tot += m.sum() * abs(p[m].mean() - y[m].mean())
-    return float(tot / max(len(p), 1))
 
 
 def _block_metrics(tokens, top1, topk, labels) -> dict:

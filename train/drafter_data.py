@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.model import BatchMeta, CausalLM, KVCache
+from actors.engine.model import BatchMeta, CausalLM, KVCache
 
 
 def target_fingerprint(target_dir: Path) -> str:

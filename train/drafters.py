@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from actors.drafters.config import DrafterConfig
 from actors.drafters.decode import selector_loss
 from actors.drafters.model import BlockDrafter
-from actors.model import CausalLM
+from actors.engine.model import CausalLM
 from train.common import cosine_lr
 from train.drafter_card import evaluate_split, fit_platt, write_card
 from train.drafter_data import load_or_build, random_windows, spaced_windows

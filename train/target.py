@@ -2,7 +2,7 @@
 
 Recorded command (see models/target/README.md for the figures it produced):
 
-    python -m train.corpus --out data/corpus
+    python -m corpus.sources --out data/corpus
     python -m train.tokenizer --corpus data/corpus --out models/target --vocab 4096
     python -m train.target --steps 800 --seed 0
 
@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from actors.model import CausalLM, ModelConfig
-from train.common import (DOMAINS, Timer, cosine_lr, heldout_metrics, sample_batch, setup_run,
-                          write_card)
+from actors.engine.model import CausalLM, ModelConfig
+from train.common import DOMAINS, Timer, cosine_lr, heldout_metrics, sample_batch, setup_run, write_card
 
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
@@ -86,7 +85,7 @@ def main() -> None:
             "heldout": final, "log": log}
     (a.out / "training.json").write_text(json.dumps(card, indent=2, default=str))
     write_card(a.out, "specload embedded target (Qwen3 architecture)",
-               "python -m train.corpus --out data/corpus\n"
+               "python -m corpus.sources --out data/corpus\n"
                "python -m train.tokenizer --corpus data/corpus --out models/target --vocab 4096\n"
                f"python -m train.target --steps {a.steps} --seed {a.seed}",
                card, "Causal LM trained from scratch on CPython's stdlib source and the Python "

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from train.corpus import EOS_TEXT
+from corpus.sources import EOS_TEXT
 
 
 def train_tokenizer(corpus_dir: Path, out_dir: Path, vocab_size: int = 4096) -> None:

@@ -84,7 +84,7 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target_cfg, method: str, num_layers: int = 1, block_size: int = 8,
                    num_target_layer_ids: int = 3, **switches) -> "DrafterConfig":
-        """A drafter sized from a target ``actors.model.ModelConfig``."""
+        """A drafter sized from a target ``actors.engine.model.ModelConfig``."""
         return cls(method=method, hidden_size=target_cfg.hidden_size,
                    intermediate_size=target_cfg.intermediate_size, num_layers=num_layers,
                    num_heads=target_cfg.num_attention_heads,

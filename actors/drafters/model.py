@@ -27,8 +27,8 @@ from torch import nn
 
 from actors.drafters.config import DrafterConfig
 from actors.drafters.heads import ConfidenceHead, MarkovHead, PathSelector
-from actors.model import RMSNorm as _TargetRMSNorm
-from actors.model import apply_rope, rope_cos_sin
+from actors.engine.model import RMSNorm as _TargetRMSNorm
+from actors.engine.model import apply_rope, rope_cos_sin
 
 
 class RMSNorm(_TargetRMSNorm):
@@ -136,7 +136,7 @@ class BlockDrafter(nn.Module):
 
     # -- target binding -----------------------------------------------------
     def bind_target(self, target) -> "BlockDrafter":
-        """Share ``target``'s embedding and LM head (an ``actors.model.CausalLM``)."""
+        """Share ``target``'s embedding and LM head (an ``actors.engine.model.CausalLM``)."""
         self.config.check_target(target.config)
         self._shared = (target.model.embed_tokens.weight, target.lm_head.weight)
         return self
@@ -230,7 +230,7 @@ class BlockDrafter(nn.Module):
 
 def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None,
                  **overrides) -> BlockDrafter:
-    """Load a drafter directory and bind it to ``target`` (``actors.model.CausalLM``).
+    """Load a drafter directory and bind it to ``target`` (``actors.engine.model.CausalLM``).
 
     overrides: config switches to change at load time (e.g. ``use_selector=False``
     for an ablation); a head switched on that the weights lack raises ValueError.

@@ -6,8 +6,8 @@ the same batched loop does plain autoregressive decoding.
 
 from __future__ import annotations
 
+from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer
-from actors.types import DraftProposal, ProposeInput
 
 
 class AutoregressiveProposer(Proposer):

@@ -1,6 +1,6 @@
 """The ``Proposer`` interface: every speculative strategy is one of these.
 
-The engine drives one batched loop (``actors.engine``): each step it asks the
+The engine drives one batched loop (``actors.engine.llm_engine``): each step it asks the
 proposer for drafts for every running request at once, verifies them all in
 one target forward, then tells the proposer what entered the target's KV
 cache. Autoregressive decoding is the proposer that proposes nothing, so all
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from actors.types import DraftProposal, ProposeInput
+from actors.engine.types import DraftProposal, ProposeInput
 
 if TYPE_CHECKING:
-    from actors.model import CausalLM
+    from actors.engine.model import CausalLM
 
 
 class ProposerOptions(BaseModel):

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from actors.config import REPO_ROOT
 from actors.drafters.decode import BlockDraft, draft_block
 from actors.drafters.model import load_drafter
+from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
-from actors.types import DraftProposal, ProposeInput
+from configs.paths import REPO_ROOT
 
 
 class DFlashOptions(ProposerOptions):

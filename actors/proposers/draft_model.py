@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.model import CausalLM
+from actors.engine.model import CausalLM
+from actors.engine.runner import ModelRunner, RowInput
+from actors.engine.sampling import process_logits, sample
+from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
-from actors.runner import ModelRunner, RowInput
-from actors.sampling import process_logits, sample
-from actors.types import DraftProposal, ProposeInput
 
 _CATCHUP_SPLIT = 8  # rows with more pending tokens (prefill) get their own forward
 

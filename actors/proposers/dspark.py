@@ -5,7 +5,7 @@ corrects each position from the previously drafted token (Sec. 3.2); a
 confidence head gives each position's calibrated acceptance probability
 given an accepted prefix (Sec. 3.3). With ``scheduler=True`` the
 verification length of every request is chosen each step by
-``actors.drafters.scheduler.schedule_lengths`` (Sec. 4) from the prefix
+``actors.drafters.length_scheduler.schedule_lengths`` (Sec. 4) from the prefix
 survival probabilities and a step-cost curve profiled on the target when the
 proposer is built (or given as ``step_cost_ms``); the decision uses only the
 drafter's outputs, never the target's verdict on them (non-anticipating).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from actors.drafters.scheduler import StepCostCurve, schedule_lengths
+from actors.drafters.length_scheduler import StepCostCurve, schedule_lengths
 from actors.proposers.dflash import BlockDraftProposer, DFlashOptions
 
 

@@ -13,8 +13,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from pydantic import Field, model_validator
 
+from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
-from actors.types import DraftProposal, ProposeInput
 
 
 class NgramOptions(ProposerOptions):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.model import BatchMeta, CausalLM, ForwardOutput, KVCache
+from actors.engine.model import BatchMeta, CausalLM, ForwardOutput, KVCache
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.types import SamplingParams, VerificationResult
+from actors.engine.types import SamplingParams, VerificationResult
 
 
 def verify_greedy(target_argmax: list[int], draft: list[int]) -> VerificationResult:
@@ -73,7 +73,7 @@ def verify_sampling(target_probs: torch.Tensor, draft: list[int], draft_probs: t
 def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
            params: SamplingParams, generator: torch.Generator | None) -> VerificationResult:
     """Dispatch on ``params``: logits [n + 1, V] raw target logits."""
-    from actors.sampling import process_logits
+    from actors.engine.sampling import process_logits
 
     if params.greedy:
         return verify_greedy(logits.argmax(-1).tolist(), draft)

@@ -1,6 +1,6 @@
 """Build the specload Serve application from ``configs/serve.yaml`` args.
 
-``import_path: actors.serve_app:build_app`` (``serve run`` / ``serve deploy``).
+``import_path: actors.serve.app:build_app`` (``serve run`` / ``serve deploy``).
 The graph: ``OpenAIIngress`` (HTTP) -> one ``StrategyServer`` deployment per
 strategy (``strategy-<name>``) -> its engine; every strategy replica also pushes
 its step rows to one ``StepLogStore``.
@@ -22,7 +22,8 @@ from configs.serve_config import DEFAULT_ENGINE_FACTORY, ServeAppConfig, Strateg
 
 logger = logging.getLogger(__name__)   # ray.serve's logger does not propagate
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from configs.paths import REPO_ROOT
+
 MODEL_FILES = ("model.safetensors", "config.json", "pytorch_model.bin")
 _PATH_KEYS = ("model", "draft_model")
 
@@ -63,11 +64,11 @@ def missing_reason(entry: StrategyEntry, check_registry: bool = True) -> str | N
     strategy = entry.engine["strategy"]
     if check_registry:
         try:
-            from actors.proposers.registry import PROPOSERS
+            from actors.engine.strategies import PROPOSERS
         except ImportError as exc:
-            return f"proposer registry not importable ({exc})"
+            return f"strategy table not importable ({exc})"
         if strategy not in PROPOSERS:
-            return f"strategy {strategy!r} is not in actors.proposers.registry"
+            return f"strategy {strategy!r} is not in the strategy table (configs.metric_names.PROPOSER_CLASSES)"
     engine = resolve_engine_config(entry.engine)
     for key, path in _model_paths(engine).items():
         p = Path(path)
@@ -77,13 +78,13 @@ def missing_reason(entry: StrategyEntry, check_registry: bool = True) -> str | N
 
 
 def build_app(args: dict[str, Any]):
-    """Serve application builder (``import_path: actors.serve_app:build_app``).
+    """Serve application builder (``import_path: actors.serve.app:build_app``).
 
     args: ``ServeAppConfig`` fields (validated, unknown keys are errors).
     Raises ValueError when no strategy is left to serve.
     """
-    from actors.deployments import StepLogStore, StrategyServer
-    from actors.openai_api import OpenAIIngress
+    from actors.serve.deployments import StepLogStore, StrategyServer
+    from actors.serve.openai_api import OpenAIIngress
 
     cfg = ServeAppConfig.model_validate(args)
     real = cfg.engine_factory == DEFAULT_ENGINE_FACTORY
@@ -100,7 +101,7 @@ def build_app(args: dict[str, Any]):
             continue
         engine = resolve_engine_config(entry.engine)
         if real:   # fail at deploy time, in the deployer's terms, not in a replica
-            from actors.config import EngineConfig
+            from actors.engine.config import EngineConfig
 
             EngineConfig(**engine)
         opts = entry.ray_actor_options.model_dump(exclude_none=True)

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from actors.types import RequestOutput, SamplingParams, SpecStats
+from actors.engine.types import RequestOutput, SamplingParams, SpecStats
 from configs import metric_names as mn
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None 
 
 
 class AsyncLLMEngine:
-    """Asyncio front of one synchronous engine (``actors.engine.LLMEngine`` or any
+    """Asyncio front of one synchronous engine (``actors.engine.llm_engine.LLMEngine`` or any
     object with the same API: add_request, abort_request, step,
     has_unfinished_requests, num_waiting, num_running, on_step, max_model_len).
 
@@ -103,7 +103,7 @@ class AsyncLLMEngine:
         """
         import torch
 
-        from actors.engine import LLMEngine
+        from actors.engine.llm_engine import LLMEngine
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)

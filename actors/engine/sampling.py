@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.types import SamplingParams
+from actors.engine.types import SamplingParams
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

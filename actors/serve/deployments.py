@@ -1,7 +1,7 @@
 """Ray Serve deployments that run inside the cluster: one engine per strategy replica.
 
 - ``StrategyServer``: one class, bound once per strategy with a different
-  engine config (``actors.serve_app.build_app``). Each replica owns an
+  engine config (``actors.serve.app.build_app``). Each replica owns an
   ``AsyncLLMEngine`` (continuous batching on a background thread) and
   streams compact dict chunks to the HTTP ingress.
 - ``StepLogStore``: one replica holding the app-wide step log (a bounded ring
@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 
-from actors.types import SamplingParams
+from actors.engine.types import SamplingParams
 from configs import metric_names as mn
 
 logger = logging.getLogger("ray.serve")
@@ -52,8 +52,8 @@ def import_object(path: str) -> Any:
 
 def make_llm_engine(engine_config: dict) -> Any:
     """Default engine factory: ``EngineConfig(**engine_config)`` -> ``LLMEngine``."""
-    from actors.config import EngineConfig
-    from actors.engine import LLMEngine
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**engine_config))
 
@@ -166,9 +166,9 @@ class StrategyServer:
     """
 
     def __init__(self, strategy: str, engine_config: dict,
-                 engine_factory: str = "actors.deployments:make_llm_engine",
+                 engine_factory: str = "actors.serve.deployments:make_llm_engine",
                  step_store: Any = None, step_log_capacity: int = 8192):
-        from actors.async_engine import AsyncLLMEngine
+        from actors.serve.async_engine import AsyncLLMEngine
 
         cfg = dict(engine_config)
         try:

@@ -1,9 +1,9 @@
 """Build the committed held-out prompt file used by the engine tests and evaluation.
 
-    python -m train.prompts --out data/prompts/heldout_eval.jsonl
+    python -m train.heldout_prompts --out data/prompts/heldout_eval.jsonl
 
 Rows ``{"id", "domain": "code"|"prose", "prompt"}`` cut from the held-out split
-only (``train.corpus.is_heldout``): code prompts start at a ``def`` line and
+only (``corpus.sources.is_heldout``): code prompts start at a ``def`` line and
 stop mid-body; prose prompts are the start of a documentation paragraph.
 """
 
@@ -15,7 +15,7 @@ import random
 import re
 from pathlib import Path
 
-from train.corpus import code_files, is_heldout, prose_files, read_text
+from corpus.sources import code_files, is_heldout, prose_files, read_text
 
 
 def build(n_per_domain: int = 24, seed: int = 0, max_chars: int = 360) -> list[dict]:

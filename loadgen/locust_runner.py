@@ -13,7 +13,6 @@ Imports locust: only the ``python -m loadgen`` process imports this module.
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,11 @@ import psutil
 from locust.env import Environment
 
 from configs import metric_names as M
-from loadgen.plan import CellPlan
+from configs.net import free_port
+from loadgen.cells import CellPlan
 from loadgen.users import CELL_MESSAGE, ROWS_MESSAGE, CellContext, CompletionUser
 
 log = logging.getLogger("loadgen")
-
-
-def free_port() -> int:
-    """An ephemeral TCP port (bind to 0); the master binds it right after."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

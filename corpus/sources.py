@@ -9,7 +9,7 @@ Sources (DESIGN.md, "Real data, offline"):
 - prose: the Python documentation sources installed by Debian's
   ``python3.11-doc`` under ``/usr/share/doc/python3.11/html/_sources``.
 
-Run ``python -m train.corpus --out data/corpus`` to write
+Run ``python -m corpus.sources --out data/corpus`` to write
 ``{code,prose}.{train,heldout}.txt``; documents are separated by the EOS text.
 """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.types import SamplingParams, SpecStats
+from actors.engine.types import SamplingParams, SpecStats
 
 
 @dataclass

