@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-batch", type=int, default=1024,
                    help="largest batch (concurrent requests per replica) the GPU plan considers")
     q.add_argument("--json", action="store_true", help="print the plan as JSON")
+    q.add_argument("--emit-serve-config", metavar="OUT.yaml",
+                   help="write a Serve config with the planned replicas and resources per strategy "
+                        "(deploy: serve deploy OUT.yaml, or python -m cluster up --config OUT.yaml)")
+    q.add_argument("--base-config", default=None,
+                   help="Serve config the emitted one starts from (default configs/serve.yaml)")
+    q.add_argument("--cluster-yaml", default=None,
+                   help="cluster launcher YAML whose min/max_workers the plan is checked against "
+                        "(default cluster/cluster.yaml)")
     return p
 
 
@@ -111,6 +119,8 @@ def _plan(args, parser) -> int:
         parser.error(f"--tier: {exc}" if "tier" in str(exc) else str(exc))
     if args.json:
         import json
+        if args.emit_serve_config:
+            out["serve_config"] = _emit(args, out, parser)
         print(json.dumps(out, indent=2, default=str))
         return 0
     print("assumptions:")
@@ -123,7 +133,29 @@ def _plan(args, parser) -> int:
         _print_table("GPU plan", out["gpu_plan"],
                      ["strategy", "output_class", "tau", "v", "users", "tpot_ms", "ttft_ms",
                       "capacity_rps", "tokens_per_s", "replicas", "note"])
+    if args.emit_serve_config:
+        _emit(args, out, parser)
     return 0
+
+
+def _emit(args, out: dict, parser) -> dict:
+    """Write --emit-serve-config; returns {"path", "replicas", "cluster_fit"}."""
+    from analysis import serve_plan as sp
+    base = args.base_config or sp.DEFAULT_BASE_CONFIG
+    cluster_yaml = args.cluster_yaml or sp.DEFAULT_CLUSTER_YAML
+    try:
+        cfg = sp.emit_serve_config(out, base)
+        fit = sp.cluster_fit(cfg, cluster_yaml)
+    except (sp.ServePlanError, OSError) as exc:
+        parser.error(f"--emit-serve-config: {exc}")
+    path = sp.write_serve_config(cfg, args.emit_serve_config, out, fit)
+    if not args.json:
+        print(f"serve config: {path} (serve deploy {path} | python -m cluster up --config {path})")
+        for row in fit:
+            print(f"  node type {row['node_type']}: {row['nodes_needed']} nodes needed, bounds "
+                  f"{row['min_workers']}..{row['max_workers']}"
+                  + ("" if row["fits"] else f" -- DOES NOT FIT: raise max_workers in {cluster_yaml}"))
+    return {"path": str(path), "replicas": sp.planned_replicas(out), "cluster_fit": fit}
 
 
 def main(argv: list[str] | None = None) -> int:
