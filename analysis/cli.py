@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--overhead-ms", type=float, default=1.0, help="per-step overhead on the GPU, ms")
     q.add_argument("--max-batch", type=int, default=1024,
                    help="largest batch (concurrent requests per replica) the GPU plan considers")
+    q.add_argument("--model-shape", help="with --gpu: the target's shape for the KV-cache memory cap: "
+                   "a name (qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a config.json / HF "
+                   "model dir; also gives --model-params when that is absent")
+    q.add_argument("--gpu-memory-utilization", type=_positive("--gpu-memory-utilization"),
+                   default=0.9, help="share of GPU memory weights + KV cache may use (default 0.9)")
     q.add_argument("--json", action="store_true", help="print the plan as JSON")
     q.add_argument("--emit-serve-config", metavar="OUT.yaml",
                    help="write a Serve config with the planned replicas and resources per strategy "
@@ -102,8 +107,13 @@ def _report(args) -> int:
 
 def _plan(args, parser) -> int:
     from analysis.plan import plan
-    if args.gpu and args.model_params is None and args.cost_curve is None:
-        parser.error("--gpu needs --model-params (target parameters, e.g. 8e9) or --cost-curve")
+    if args.gpu and args.model_params is None and args.cost_curve is None and args.model_shape is None:
+        parser.error("--gpu needs --model-params (target parameters, e.g. 8e9), --model-shape "
+                     "or --cost-curve")
+    if args.model_shape is not None and not args.gpu:
+        parser.error("--model-shape only applies with --gpu (the GPU whose memory holds the KV cache)")
+    if not args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.max_batch < 1:
         parser.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.model_params is not None and not args.gpu:
@@ -112,11 +122,14 @@ def _plan(args, parser) -> int:
         out = plan(args.results_dir, args.qps, args.tier, args.slo_ttft_ms, args.slo_tpot_ms,
                    gpu=args.gpu, model_params=args.model_params, cost_curve=args.cost_curve,
                    attainment=args.attainment, overhead_ms=args.overhead_ms,
-                   max_batch=args.max_batch)
+                   max_batch=args.max_batch, model_shape=args.model_shape,
+                   gpu_memory_utilization=args.gpu_memory_utilization)
     except ValueError as exc:
         if isinstance(exc, ResultsError):
             raise
-        parser.error(f"--tier: {exc}" if "tier" in str(exc) else str(exc))
+        msg = str(exc)
+        parser.error(f"--model-shape: {msg}" if "shape" in msg or "config" in msg else
+                     f"--tier: {msg}" if "tier" in msg else msg)
     if args.json:
         import json
         if args.emit_serve_config:
@@ -129,10 +142,14 @@ def _plan(args, parser) -> int:
     _print_table(f"measured plan: {args.qps:g} req/s, tier {args.tier}", out["measured"],
                  ["strategy", "output_class", "users", "e2e_s", "capacity_rps",
                   "concurrency_needed", "replicas", "note"])
+    if out.get("memory"):
+        _print_table("KV-cache memory per replica", out["memory"],
+                     ["strategy", "output_class", "context_tokens", "weight_bytes",
+                      "kv_bytes_per_seq", "draft_weight_ratio", "draft_kv_ratio", "max_seqs"])
     if out["gpu_plan"] is not None:
         _print_table("GPU plan", out["gpu_plan"],
-                     ["strategy", "output_class", "tau", "v", "users", "tpot_ms", "ttft_ms",
-                      "capacity_rps", "tokens_per_s", "replicas", "note"])
+                     ["strategy", "output_class", "tau", "v", "users", "max_seqs_memory", "limit",
+                      "tpot_ms", "ttft_ms", "capacity_rps", "tokens_per_s", "replicas", "note"])
     if args.emit_serve_config:
         _emit(args, out, parser)
     return 0

@@ -19,6 +19,13 @@ is combined with it: at concurrency N, step = g(N*v) * (1 + draft_ratio),
 TPOT = step / tau, TTFT = g(prompt_tokens + N*v) * (1 + draft_ratio) (the
 prefill rides in one mixed step; queueing ignored), W = TTFT + (out - 1) *
 TPOT. N* is the largest N <= max_batch meeting both SLOs.
+
+Memory (``--model-shape`` with ``--gpu``): the KV cache bounds the batch too.
+Per sequence the target holds layers x KV heads x head_dim x 2 x 2 bytes per
+context token (prompt + output + verification window), a draft model its own
+cache; the weights (target + drafter) sit once per replica. N is capped at
+``analysis.memory.max_concurrent_sequences`` and the row says when memory,
+not compute, is the limit.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from analysis import capacity, metrics
+from analysis import capacity, memory, metrics
 from analysis.capacity import CostCurve
 from analysis.load import load_results
 from analysis.slo import Slo
@@ -129,8 +136,13 @@ def measured_plan(flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, classe
 
 
 def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier: str,
-             slo: Slo, classes: list[str], max_batch: int = DEFAULT_MAX_BATCH) -> list[dict]:
-    """Replicas per strategy x output class on a modelled GPU (see module doc)."""
+             slo: Slo, classes: list[str], max_batch: int = DEFAULT_MAX_BATCH,
+             mem_caps: dict[tuple[str, str], int] | None = None) -> list[dict]:
+    """Replicas per strategy x output class on a modelled GPU (see module doc).
+
+    mem_caps: (strategy, output_class) -> most sequences whose KV cache fits a
+    replica (``analysis.memory.gpu_memory_caps``); None: memory not modelled.
+    """
     cap = capacity.capacity_table(steps)
     v_by = capacity.verification_per_request(cap, flagged)
     ratio = capacity.draft_ratio(steps)
@@ -149,7 +161,20 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
             feasible = np.nonzero((tpot <= slo.tpot_ms) & (ttft <= slo.ttft_ms))[0]
             row = {"strategy": strategy, "output_class": oc, "tau": tau, "v": v, "draft_ratio": r,
                    "prompt_tokens": prompt, "output_tokens": out}
-            if feasible.size == 0:
+            cap = (mem_caps or {}).get((strategy, oc))
+            limit = "compute/SLO"
+            if cap is not None:
+                row["max_seqs_memory"] = cap
+                if feasible.size and feasible[-1] + 1 > cap:
+                    limit = "memory"
+                    compute_n = int(feasible[-1]) + 1
+                    feasible = feasible[feasible < cap]
+            row["limit"] = limit
+            if cap == 0:
+                row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
+                           capacity_rps=None, tokens_per_s=None, replicas=None,
+                           note="weights leave no memory for a KV cache")
+            elif feasible.size == 0:
                 row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
                            capacity_rps=None, tokens_per_s=None, replicas=None,
                            note="SLO not met even at batch 1")
@@ -160,7 +185,9 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
                 row.update(users=int(n[i]), tpot_ms=float(tpot[i]), ttft_ms=float(ttft[i]),
                            capacity_rps=x, tokens_per_s=float(n[i] * tau / step[i] * 1000.0),
                            replicas=math.ceil(qps / x - 1e-9),
-                           note="capped by max_batch" if i == max_batch - 1 else "")
+                           note=(f"memory-bound: the KV cache fits {cap} sequences; compute and "
+                                 f"the SLOs would allow {compute_n}" if limit == "memory" else
+                                 "capped by max_batch" if i == max_batch - 1 else ""))
             rows.append(row)
     return rows
 
@@ -168,12 +195,17 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
 def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: float,
          gpu: str | None = None, model_params: float | None = None,
          cost_curve: str | Path | None = None, attainment: float = DEFAULT_ATTAINMENT,
-         overhead_ms: float = DEFAULT_OVERHEAD_MS, max_batch: int = DEFAULT_MAX_BATCH) -> dict:
+         overhead_ms: float = DEFAULT_OVERHEAD_MS, max_batch: int = DEFAULT_MAX_BATCH,
+         model_shape: str | None = None,
+         gpu_memory_utilization: float = memory.DEFAULT_GPU_MEMORY_UTILIZATION) -> dict:
     """Plan replicas for ``qps`` requests/s of ``tier`` traffic under the SLOs.
 
     Returns {"qps", "tier", "slo", "measured": [rows], "gpu_plan": [rows] or None,
-    "assumptions": [str]}. Raises ValueError when the tier is absent or --gpu
-    lacks model_params; analysis.load.ResultsError for bad results dirs.
+    "assumptions": [str], "memory": [rows] or None}. ``model_shape`` (a name in
+    ``analysis.memory.SHAPES`` or a config.json path, needs ``gpu``) adds the KV-cache
+    cap and supplies model_params when absent. Raises ValueError when the tier
+    is absent, --gpu lacks model_params / model_shape, or the shape is unknown;
+    analysis.load.ResultsError for bad results dirs.
     """
     results = load_results(results_dir)
     req = results.requests
@@ -192,7 +224,13 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
         "replicas = ceil(qps * W / N*) by Little's law, W = mean e2e latency at N*",
     ]
     out = {"qps": qps, "tier": tier, "slo": slo.model_dump(), "assumptions": assumptions,
-           "measured": measured_plan(flagged, cells, qps, classes, attainment), "gpu_plan": None}
+           "measured": measured_plan(flagged, cells, qps, classes, attainment), "gpu_plan": None,
+           "memory": None}
+    if model_shape is not None and gpu is None:
+        raise ValueError("--model-shape needs --gpu (the GPU whose memory holds the KV cache)")
+    shape = memory.resolve_shape(model_shape) if model_shape is not None else None
+    if shape is not None and model_params is None and cost_curve is None:
+        model_params = float(shape.num_params())
     if gpu is None and cost_curve is None:
         return out
     if cost_curve is not None:
@@ -217,5 +255,29 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     assumptions.append("acceptance: tau and verification tokens per request (v) measured here; "
                        "draft cost = measured draft_ms / verify_ms ratio; prefill of the mean "
                        f"prompt rides in one mixed step; batch <= {max_batch}")
-    out["gpu_plan"] = gpu_plan(curve, flagged, results.steps, qps, tier, slo, classes, max_batch)
+    caps = None
+    if shape is not None:
+        spec = GPUS[gpu]
+        v_by = capacity.verification_per_request(capacity.capacity_table(results.steps), flagged)
+        ok = flagged[flagged[mn.REQ_STATUS].eq(mn.STATUS_OK) & flagged[mn.REQ_TIER].eq(tier)]
+        contexts = {(s, oc): float((g[mn.REQ_PROMPT_TOKENS].fillna(0) + g[mn.REQ_OUTPUT_TOKENS]).mean())
+                    + v_by.get(s, 1.0)
+                    for (s, oc), g in ok.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS])}
+        reports: dict = {}
+        for run in results.runs:
+            reports.update(run.manifest.get("memory") or {})
+        rows = memory.gpu_memory_caps(shape, spec.memory_bytes, contexts, reports,
+                                      utilization=gpu_memory_utilization)
+        caps = {(r["strategy"], r["output_class"]): r["max_seqs"] for r in rows}
+        out["memory"] = rows
+        assumptions.append(
+            f"memory: {shape.name} ({shape.num_params() / 1e9:.2f}B params, "
+            f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x {shape.head_dim} head dim "
+            f"x 2 (K, V) x 2 bytes = {shape.kv_bytes_per_token()} KV bytes per token) on "
+            f"{spec.name} ({spec.memory_bytes / 1e9:g} GB, {gpu_memory_utilization:.0%} usable); "
+            "context per sequence = mean prompt + output tokens + v (verification window); "
+            "drafter weights and KV scaled from this run's replica reports by their ratio to the "
+            "target; activations and CUDA context inside the unused share")
+    out["gpu_plan"] = gpu_plan(curve, flagged, results.steps, qps, tier, slo, classes, max_batch,
+                               mem_caps=caps)
     return out
