@@ -26,6 +26,7 @@ from actors.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET, EngineConfig
 from actors.engine.llm_engine import LLMEngine, run_requests
 from actors.engine.strategies import PROPOSERS
 from actors.engine.types import SamplingParams
+from configs.jsonio import write_json
 from configs.paths import PROMPTS_DIR
 
 PROMPTS = PROMPTS_DIR / "heldout_eval.jsonl"
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     except ImportError:
         print(json.dumps(ratios, indent=2))
     if a.out:
-        a.out.write_text(json.dumps(result, indent=2))
+        write_json(a.out, result)
     return 0
 
 

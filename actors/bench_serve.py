@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from configs.jsonio import write_json
 from configs.net import free_port
 from configs.paths import PROMPTS_DIR
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "direct_e2e_ms_mean": round(statistics.mean(r["e2e_ms"] for r in direct["requests"]), 2),
     }
     if a.json:
-        a.json.write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     print(f"served: {served['tokens_per_s']:.1f} output tokens/s ({served['wall_s']:.2f} s)")
     print(f"ratio served/direct: {result['ratio']:.3f}")
     print(f"added latency per request: e2e mean {result['added_e2e_ms_mean']:.1f} ms "

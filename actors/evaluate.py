@@ -11,7 +11,7 @@ and prose from ``data/prompts/heldout_eval.jsonl`` and HumanEval from
   speedup_vs_ar_b1) and one with up to 16 requests in the engine at once
   (speedup_vs_ar_b16); speedups are output tokens/s over ``autoregressive``
   on the same prompts in the same process;
-- acceptance_length tau (1 + accepted / drafts, DESIGN.md), its per-step
+- acceptance_length tau (1 + accepted / drafts, docs/design.md), its per-step
   histogram, per-position acceptance (unconditional = accepted at i / drafts,
   vLLM; conditional = accepted at i / accepted at i-1, DFlash 2 / DSpark);
 - per_pos_top1_cond / per_pos_top16_cond: P(target token is the drafter's
@@ -38,6 +38,7 @@ import numpy as np
 
 from actors.engine.types import SamplingParams, SpecStats
 from configs import metric_names as M
+from configs.jsonio import write_json
 from configs.paths import REPO_ROOT
 
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -220,9 +221,7 @@ def main() -> None:
     print_table(result)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(a.out)
+        write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -131,10 +131,10 @@ def _plan(args, parser) -> int:
         parser.error(f"--model-shape: {msg}" if "shape" in msg or "config" in msg else
                      f"--tier: {msg}" if "tier" in msg else msg)
     if args.json:
-        import json
+        from configs.jsonio import dumps
         if args.emit_serve_config:
             out["serve_config"] = _emit(args, out, parser)
-        print(json.dumps(out, indent=2, default=str))
+        print(dumps(out, indent=2))
         return 0
     print("assumptions:")
     for a in out["assumptions"]:

@@ -2,7 +2,7 @@
 acceptance length and per-position acceptance.
 
 A cell is (run_id, strategy, tier, output_class, users). Definitions follow
-../shared/DESIGN.md "Metric definitions":
+docs/design.md "Metric definitions":
 
 - output tokens/s = sum of ``ok`` requests' output tokens / cell wall time, the
   wall time running from the first scheduled send to the last response end

@@ -8,7 +8,6 @@ recommendation (analysis.recommend) -> optional baseline comparison
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from analysis.load import Results, load_results
 from analysis.recommend import DEFAULT_SEED, N_BOOTSTRAP, recommend, recommendation_rows
 from analysis.slo import resolve_slos
 from configs import metric_names as mn
+from configs.jsonio import write_json
 
 
 def predict_crossovers(steps: pd.DataFrame, flagged: pd.DataFrame, cap: pd.DataFrame):
@@ -114,7 +114,7 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
              "json": out / "recommendation.json"}
     _write_atomic(paths["md"], render.markdown(a))
     _write_atomic(paths["html"], render.html(a))
-    _write_atomic(paths["json"], json.dumps(a.recommendation, indent=2, sort_keys=True))
+    write_json(paths["json"], a.recommendation, sort_keys=True)
     degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
     return {
         "recommendation": a.recommendation,

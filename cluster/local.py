@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from configs.jsonio import write_json
 from configs.net import free_ports
 from configs.paths import REPO_ROOT
 
@@ -265,14 +266,14 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
     else:
         head = start_head(num_cpus)
         state.update(head, started_ray=True)
-        state_file(port).write_text(json.dumps(state, indent=2))   # so `down` can clean up
+        write_json(state_file(port), state)   # so `down` can clean up
         try:
             wait_dashboard(head["dashboard"], head["ray_pid"], 120)
         except SystemExit:
             log(Path(head["log"]).read_text()[-3000:])
             down(port)
             raise
-    state_file(port).write_text(json.dumps(state, indent=2))
+    write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
     deploy(state["dashboard"], cfg)
     wait_ready(base_url, strategies, state["dashboard"], timeout_s)

@@ -3,7 +3,7 @@
 Files are split into train / held-out by a hash of their relative path, so the
 split is stable across machines and never mixes one file into both sides.
 
-Sources (DESIGN.md, "Real data, offline"):
+Sources (docs/design.md, "Real data, offline"):
 - code: the running interpreter's ``lib/python3.X`` (``sysconfig`` stdlib),
   minus ``site-packages`` and the test suites (very repetitive).
 - prose: the Python documentation sources installed by Debian's

@@ -1,6 +1,6 @@
 """Locust workers as Ray actors: each actor runs ``locust --worker`` as a subprocess.
 
-Why a subprocess (../shared/DESIGN.md): importing Locust inside a Ray actor
+Why a subprocess (docs/design.md, "Data flow"): importing Locust inside a Ray actor
 hangs (gevent monkey-patching in a Ray worker process). And why this module runs
 in its *own* process, started by the driver: the driver has imported Locust
 (monkey-patched), so Ray is kept out of it entirely.

@@ -1,7 +1,7 @@
 """Per-request streaming timing: SSE parsing and the metrics of one request row.
 
 Pure Python (no gevent, no locust) so it is unit-testable and reusable.
-Definitions (../shared/DESIGN.md, "Metric definitions"):
+Definitions (docs/design.md, "Metric definitions"):
 
 - TTFT: from the request's *scheduled* send time (= the actual send time in
   closed-loop mode) to the first chunk whose text is non-empty. An empty

@@ -11,7 +11,6 @@ Rows are never dropped: failures carry a status.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from configs import metric_names as M
+from configs.jsonio import write_json
 from configs.paths import REPO_ROOT
 
 REQUEST_SCHEMA = pa.schema([
@@ -149,7 +149,9 @@ def environment_info() -> dict[str, Any]:
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Atomic JSON write (os.replace), so a Ctrl-C never leaves half a manifest."""
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp, path)
+    """Atomic strict-JSON write (os.replace), so a Ctrl-C never leaves half a manifest.
+
+    Undefined numbers (NaN) are written as ``null``: the file parses with any
+    strict JSON reader (configs.jsonio).
+    """
+    write_json(path, manifest)

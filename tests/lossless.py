@@ -1,4 +1,4 @@
-"""Shared check that speculative sampling is lossless (DESIGN.md, "Lossless verification")."""
+"""Shared check that speculative sampling is lossless (docs/design.md, "Lossless verification")."""
 
 from __future__ import annotations
 

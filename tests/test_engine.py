@@ -1,6 +1,6 @@
 """Engine correctness: lossless speculation, KV rollback, bad input.
 
-DESIGN.md "Lossless verification": greedy output must be token-identical to
+docs/design.md "Lossless verification": greedy output must be token-identical to
 ``autoregressive`` for every strategy; sampled output must follow the
 target's distribution.
 """

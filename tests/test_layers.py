@@ -1,6 +1,6 @@
 """The import graph points one way: each layer imports only itself and the layers below.
 
-Layers, lowest first (docs/design.md, "Layout"): configuration and names; the
+Layers, lowest first (docs/design.md, "Architecture"): configuration and names; the
 offline text sources; the engine core; the drafter networks; the proposers
 (one per strategy); the Ray Serve layer; the engine CLIs; training; the
 analysis; the load generator; cluster bring-up. Every ``import`` statement is

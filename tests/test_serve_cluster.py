@@ -90,7 +90,9 @@ def test_ray_up_local_loopback(tmp_path):
         if os.environ.get("SPECLOAD_REQUIRE_SSH") == "1":
             pytest.fail("root SSH to 127.0.0.1 with ~/.ssh/specload_local_ed25519 failed; "
                         "run .ci/setup_ssh.sh")
-        pytest.skip("no root SSH to 127.0.0.1 (run .ci/setup_ssh.sh)")
+        pytest.skip("no root SSH to 127.0.0.1. To run it: .ci/setup_ssh.sh; CAUTION: this test "
+                    "ends with `ray down`, which stops EVERY Ray process on the machine "
+                    "(other users' clusters included): run it only on a machine of your own")
     gcs, dash, client_port, agent_http, agent_grpc, rt_agent, http_port = free_ports(7)
     remote_dir = f"/tmp/specload-rayup-{uuid.uuid4().hex[:8]}"
     py_bin = str(Path(sys.executable).parent)

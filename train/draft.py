@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine.model import CausalLM
+from configs.jsonio import write_json
 from train.common import DOMAINS, Timer, cosine_lr, sample_batch, setup_run, write_card
 from train.target import make_config
 
@@ -89,7 +90,7 @@ def main() -> None:
             "wall_time_s": round(wall, 1), "seed": a.seed,
             "command": f"python -m train.draft --steps {a.steps} --seed {a.seed} --threads {a.threads}",
             "heldout": {d: agreement(target, draft, held[d]) for d in DOMAINS}}
-    (a.out / "training.json").write_text(json.dumps(card, indent=2))
+    write_json(a.out / "training.json", card)
     write_card(a.out, "specload draft model (for the draft_model strategy)", card["command"], card,
                "1-layer Qwen3-architecture LM distilled from models/target (KL to the target's "
                "next-token distribution), same tokenizer. argmax_agreement = share of held-out "

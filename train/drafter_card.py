@@ -9,7 +9,6 @@ block - 1 drafts verified, and for DSpark the confidence head's ECE.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.drafters.calibration import ece
+from configs.jsonio import write_json
 from actors.drafters.decode import draft_block
 
 
@@ -106,7 +106,7 @@ def fit_platt(model, data: dict) -> dict:
 
 
 def write_card(out: Path, card: dict) -> None:
-    (out / "training.json").write_text(json.dumps(card, indent=2))
+    write_json(out / "training.json", card)
     cfg, a = card["config"], card["args"]
     cmd = (f"python -m train.drafters --method {a['method']} --seed {a['seed']} --layers {a['layers']}"
            f" --minutes {a['minutes']} --threads {a['threads']} --train-seqs {a['train_seqs']}"

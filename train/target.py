@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine.model import CausalLM, ModelConfig
+from configs.jsonio import write_json
 from train.common import DOMAINS, Timer, cosine_lr, heldout_metrics, sample_batch, setup_run, write_card
 
 TARGET_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6,
@@ -83,7 +84,7 @@ def main() -> None:
             "wall_time_s": round(wall, 1), "seed": a.seed, "args": vars(a) | {
                 "corpus": str(a.corpus), "out": str(a.out)},
             "heldout": final, "log": log}
-    (a.out / "training.json").write_text(json.dumps(card, indent=2, default=str))
+    write_json(a.out / "training.json", card)
     write_card(a.out, "specload embedded target (Qwen3 architecture)",
                "python -m corpus.sources --out data/corpus\n"
                "python -m train.tokenizer --corpus data/corpus --out models/target --vocab 4096\n"

@@ -2,7 +2,7 @@
 
 The target's p and a drafter's q must go through the same processing
 (temperature, then top-k, then top-p, as HF's ``generate`` orders its
-warpers) for speculative sampling to be lossless (DESIGN.md, "Lossless
+warpers) for speculative sampling to be lossless (docs/design.md, "Lossless
 verification").
 """
 

@@ -60,7 +60,7 @@ class SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Per-request (or per-run) speculative decoding counters, DESIGN.md names."""
+    """Per-request (or per-run) speculative decoding counters, names as in docs/design.md."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0

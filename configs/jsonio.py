@@ -1,0 +1,76 @@
+"""Strict JSON for every file specload writes: no bare ``NaN`` / ``Infinity``.
+
+Python's ``json`` writes ``NaN`` by default, which is not JSON (RFC 8259):
+``JSON.parse`` in a browser, ``jq`` and most other readers reject it. Every
+JSON file (run manifest, recommendation, plan, benchmark and training cards,
+state files) goes through ``dumps`` / ``write_json``: an undefined number
+(NaN, +-inf) becomes ``null``, numpy scalars and arrays become plain numbers
+and lists, paths become strings, and ``allow_nan=False`` guarantees the
+output parses with a strict reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path, PurePath
+from typing import Any
+
+
+def jsonable(obj: Any) -> Any:
+    """A copy of ``obj`` made of dict / list / str / int / float / bool / None only.
+
+    NaN and +-inf -> None (undefined); numpy scalars -> Python numbers (via
+    ``.item()``), numpy arrays / tuples / sets -> lists; dataclasses -> dicts;
+    paths -> str; pydantic models -> ``model_dump()``; anything else -> ``str``.
+    Dict keys become strings (JSON object keys are strings).
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return jsonable(dataclasses.asdict(obj))
+    if hasattr(obj, "model_dump"):
+        return jsonable(obj.model_dump())
+    if hasattr(obj, "tolist"):          # numpy arrays and scalars
+        return jsonable(obj.tolist())
+    if hasattr(obj, "item"):
+        return jsonable(obj.item())
+    return str(obj)
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps(jsonable(obj), allow_nan=False, ...)``: strict JSON text."""
+    return json.dumps(jsonable(obj), allow_nan=False, **kwargs)
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, **kwargs: Any) -> Path:
+    """Write ``obj`` as strict JSON atomically (temp file + ``os.replace``); returns the path.
+
+    A reader never sees half a file, even after Ctrl-C mid-write.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(obj, indent=indent, **kwargs) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-JSON constant {name!r}")
+
+
+def loads_strict(text: str) -> Any:
+    """Parse JSON, raising ValueError on ``NaN`` / ``Infinity`` (what strict readers do)."""
+    return json.loads(text, parse_constant=_reject_constant)
