@@ -27,4 +27,5 @@ class Analysis:
     recommendation: dict
     degradation: pd.DataFrame | None = None
     baseline_root: str | None = None
+    capacity_model: dict = field(default_factory=dict)  # analysis.capacity_section output
     figures: dict[str, bytes | None] = field(default_factory=dict)

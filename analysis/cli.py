@@ -1,4 +1,4 @@
-"""``python -m analysis {report,plan}``.
+"""``python -m analysis {report,plan,backtest}``.
 
 Exit codes: 0 ok; 2 usage error or missing / empty results directory (the
 message names the flag or the directory); 3 (``EXIT_DEGRADED``) when
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cluster-yaml", default=None,
                    help="cluster launcher YAML whose min/max_workers the plan is checked against "
                         "(default cluster/cluster.yaml)")
+    b = sub.add_parser("backtest", help="fit on the lower users levels, predict the highest")
+    b.add_argument("results_dir", help="a run directory (or a parent of several)")
+    b.add_argument("--json", dest="json_file", help="write the backtest as JSON to this file")
+    b.add_argument("--holdout", type=int, default=None,
+                   help="users level to predict (default: the highest measured)")
     return p
 
 
@@ -181,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             return _report(args)
+        if args.command == "backtest":
+            from analysis.backtest_cli import run_backtest
+            return run_backtest(args, parser, _print_table)
         return _plan(args, parser)
     except ResultsError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -35,6 +35,9 @@ FIGURE_TITLES = {
     "coverage": "Top-k coverage per position",
     "verification": "Verification tokens per step vs batch size",
     "step_cost": "Step time vs batch tokens with the fitted cost curve",
+    "step_residuals": "Step cost model residuals per strategy (decode / with prefill)",
+    "backtest_speedup_short": "Backtest, short outputs: predicted vs measured speedup",
+    "backtest_speedup_long": "Backtest, long outputs: predicted vs measured speedup",
 }
 
 
@@ -84,6 +87,7 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
          "linearly interpolated between measured levels. Predicted: from the fitted target "
          "cost curve f, acceptance length tau and verification tokens per request v: speedup(N)"
          " = tau * step_AR(N) / (f(N*v) + draft_ms(N)).", records(a.crossover)),
+        *a.capacity_model.get("tables", []),
         ("Throughput-latency knee", "Users level maximising throughput / p50 e2e latency "
          "(Kleinrock's power).", records(a.knees)),
         ("Batch capacity (step log)", "wasted_share = (verification - emitted) / verification "
@@ -175,7 +179,7 @@ def html(a: Analysis) -> str:
             for key, png in a.figures.items():
                 if png:
                     b64 = base64.b64encode(png).decode("ascii")
-                    parts.append(f"<figure><figcaption>{_html.escape(FIGURE_TITLES[key])}"
+                    parts.append(f"<figure><figcaption>{_html.escape(FIGURE_TITLES.get(key, key))}"
                                  f"</figcaption><img id=\"fig-{key}\" alt=\"{key}\" "
                                  f"src=\"data:image/png;base64,{b64}\"></figure>")
             parts.append("</section>")

@@ -16,6 +16,7 @@ import pandas as pd
 
 from analysis import capacity, metrics, plots, render
 from analysis.analysis import Analysis
+from analysis.capacity_section import capacity_figures
 from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
 from analysis.load import Results, load_results
 from analysis.recommend import DEFAULT_SEED, N_BOOTSTRAP, recommend, recommendation_rows
@@ -68,11 +69,13 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
         base_flagged = metrics.with_slo_flags(base.requests, base_slos)
         degradation = compare(flagged, cells, base_flagged, metrics.cell_table(base_flagged),
                               threshold)
+    from analysis.capacity_section import capacity_section
     return Analysis(results=results, slos=slos, flagged=flagged, cells=cells,
                     positions=metrics.per_position(flagged), crossover=crossover,
                     knees=metrics.throughput_latency_knee(cells), capacity=cap,
                     target_curve=curve, recommendation=rec, degradation=degradation,
-                    baseline_root=str(baseline) if baseline is not None else None)
+                    baseline_root=str(baseline) if baseline is not None else None,
+                    capacity_model=capacity_section(results))
 
 
 def make_figures(a: Analysis) -> dict[str, bytes | None]:
@@ -86,6 +89,7 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "coverage": plots.coverage_plot(a.positions),
         "verification": plots.verification_vs_batch(a.results.steps),
         "step_cost": plots.step_cost(a.results.steps, a.target_curve),
+        **capacity_figures(a.capacity_model),
     }
 
 

@@ -60,10 +60,12 @@ STEP_MS = "step_ms"
 STEP_DRAFT_MS = "draft_ms"
 STEP_VERIFY_MS = "verify_ms"
 STEP_QUEUE_DEPTH = "num_waiting"               # requests waiting for a slot
+STEP_PADDED_TOKENS = "padded_tokens"           # decode forward: batch_size x longest row (padding included)
+STEP_CONTEXT_TOKENS = "context_tokens"         # decode forward: sum over rows of the KV length attended
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS, STEP_VERIFY_MS,
-                    STEP_QUEUE_DEPTH)
+                    STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"

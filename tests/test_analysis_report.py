@@ -62,7 +62,7 @@ def test_outputs_written(report):
     assert "## Recommendation" in md and "| low | short | 1 | dflash |" in md
     html = (root / "out" / "report.html").read_text()
     assert 'id="recommendation"' in html and "http://" not in html and "https://" not in html
-    assert html.count("data:image/png;base64,") == 8
+    assert html.count("data:image/png;base64,") == 11  # 8 + step residuals + 2 backtest
     assert "cond = accepted at i / accepted at i-1" in md and "uncond = accepted at i / drafts" in md
 
 

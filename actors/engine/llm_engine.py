@@ -145,7 +145,7 @@ class LLMEngine:
             self.proposer.add_request(r.request_id, r.prompt_ids)
         touched: list[Request] = []
         draft_ms = verify_ms = 0.0
-        n_draft = n_acc = n_emit = ver_tokens = 0
+        n_draft = n_acc = n_emit = ver_tokens = ctx_tokens = padded_tokens = 0
         if sched.decodes:
             td = time.perf_counter()
             reqs = [d.request for d in sched.decodes]
@@ -160,6 +160,9 @@ class LLMEngine:
                                        f"tokens; at most {d.max_draft} were allowed")
                 rows.append(RowInput(r.slot, r.num_computed, [r.output_ids[-1]] + p.token_ids))
             logits, aux = self.runner.run(rows, aux_layers=self.aux_layers)
+            # what the padded forward computes: B x longest row, each row attending its KV
+            padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
+            ctx_tokens = sum(x.start + len(x.token_ids) for x in rows)
             for i, (r, p) in enumerate(zip(reqs, props)):
                 res = verify(logits[i], p.token_ids, p.probs, r.params, r.generator)
                 start = r.num_computed
@@ -211,7 +214,8 @@ class LLMEngine:
                 M.STEP_DRAFT_TOKENS: n_draft, M.STEP_ACCEPTED_TOKENS: n_acc,
                 M.STEP_EMITTED_TOKENS: n_emit, M.STEP_MS: (time.perf_counter() - t0) * 1e3,
                 M.STEP_DRAFT_MS: draft_ms, M.STEP_VERIFY_MS: verify_ms,
-                M.STEP_QUEUE_DEPTH: self.num_waiting})
+                M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: padded_tokens,
+                M.STEP_CONTEXT_TOKENS: ctx_tokens})
         return outputs
 
     def _append(self, r: Request, tokens: list[int]) -> int:
