@@ -3,21 +3,11 @@ prediction error table and the crossover (measured interval vs predicted)."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 from analysis.backtest import backtest, to_json
 from analysis.load import load_results
-
-
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write ``obj`` as JSON via a temporary file and ``os.replace`` (no torn file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=float))
-    os.replace(tmp, path)
+from configs.jsonio import write_json
 
 
 def run_backtest(args, parser, print_table) -> int:
@@ -40,6 +30,7 @@ def run_backtest(args, parser, print_table) -> int:
     print(f"median absolute error: {'-' if mae is None else f'{mae:.1%}'} over {len(bt['rows'])} "
           "predictions")
     if args.json_file:
-        write_json_atomic(args.json_file, to_json(bt))
+        Path(args.json_file).parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.json_file, to_json(bt))
         print(f"json: {args.json_file}")
     return 0
