@@ -24,6 +24,9 @@ from configs import metric_names as mn
 
 N_BOOTSTRAP = 1000
 DEFAULT_SEED = 0
+TIE_CONFIDENCE = 0.9
+TIE = "tie"
+RECOMMENDATION_SCHEMA_VERSION = 2   # 2: top-level schema_version; "tie" cells with "tied"
 
 
 def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: str):
@@ -60,7 +63,8 @@ def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_
     note = ""
     if point[best] <= 0:
         if mn.AUTOREGRESSIVE not in names:
-            return {"strategy": None, "goodput": 0.0, "goodput_rps": 0.0, "runner_up": None,
+            return {"strategy": None, "leader": None, "tied": [], "goodput": 0.0,
+                    "goodput_rps": 0.0, "runner_up": None,
                     "runner_up_goodput": None, "margin": None, "margin_abs": None,
                     "confidence": None, "goodput_by_strategy": {s: 0.0 for s in ranked},
                     "note": "no strategy met the SLOs (no successful request within them)"}
@@ -82,8 +86,20 @@ def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_
     confidence = float(wins.mean()) if runner is not None else 1.0
     good, duration = inputs[best][1], inputs[best][2]
     runner_gp = point[runner] if runner else None
+    tied: list[str] = []
+    if runner is not None and confidence < TIE_CONFIDENCE and point[best] > 0:
+        b = stacked[:, names.index(best)]
+        tied = [best] + [s for s in ranked[1:]
+                         if float((stacked[:, names.index(s)] >= b).mean()) >= 1 - TIE_CONFIDENCE]
+        if len(tied) == 1:
+            tied.append(runner)
+        note = (note + "; " if note else "") + (
+            f"tie: {best} leads but wins only {confidence:.0%} of bootstrap replicates "
+            f"(< {TIE_CONFIDENCE:.0%}); run longer cells or --repeats to separate {', '.join(tied)}")
     return {
-        "strategy": best,
+        "strategy": TIE if tied else best,
+        "leader": best,
+        "tied": tied,
         "goodput": float(point[best]),
         "goodput_rps": float(good.sum() / duration),
         "runner_up": runner,
@@ -111,7 +127,7 @@ def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
             continue
         rec = recommend_cell(inputs, n_boot, seed)
         csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)
-                     & cells[mn.REQ_STRATEGY].eq(rec["strategy"])]
+                     & cells[mn.REQ_STRATEGY].eq(rec.get("leader") or rec["strategy"])]
         speedup = csel[SPEEDUP].mean()
         rec.update({
             "users": sorted(int(u) for u in csel[mn.REQ_USERS].unique()),
@@ -130,8 +146,11 @@ def recommendation_rows(rec: dict) -> list[dict]:
     rows = []
     for tier, by_oc in rec.items():
         for oc, r in by_oc.items():
+            strategy = r["strategy"]
+            if strategy == TIE:
+                strategy = f"tie ({', '.join(r.get('tied', []))})"
             rows.append({"tier": tier, "output_class": oc, "users": r["users"],
-                         "strategy": r["strategy"], "goodput_tok_s": r["goodput"],
+                         "strategy": strategy, "goodput_tok_s": r["goodput"],
                          "goodput_rps": r["goodput_rps"], "speedup": r["speedup"],
                          "runner_up": r["runner_up"], "margin": r["margin"],
                          "confidence": r["confidence"], "note": r["note"]})

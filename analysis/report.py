@@ -19,7 +19,8 @@ from analysis.analysis import Analysis
 from analysis.capacity_section import capacity_figures
 from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
 from analysis.load import Results, load_results
-from analysis.recommend import DEFAULT_SEED, N_BOOTSTRAP, recommend, recommendation_rows
+from analysis.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION, recommend,
+                                recommendation_rows)
 from analysis.slo import resolve_slos
 from configs import metric_names as mn
 from configs.jsonio import write_json
@@ -118,7 +119,8 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
              "json": out / "recommendation.json"}
     _write_atomic(paths["md"], render.markdown(a))
     _write_atomic(paths["html"], render.html(a))
-    write_json(paths["json"], a.recommendation, sort_keys=True)
+    write_json(paths["json"], {"schema_version": RECOMMENDATION_SCHEMA_VERSION, **a.recommendation},
+               sort_keys=True)
     degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
     return {
         "recommendation": a.recommendation,

@@ -94,6 +94,7 @@ REQ_FINISH_REASON = "finish_reason"            # server's finish_reason ("length
 REQ_NUM_CHUNKS = "num_chunks"                  # stream chunks that carried non-empty text
 REQ_ARRIVAL = "arrival"                        # "closed" (fixed users) | "open" (Poisson)
 REQ_RATE_RPS = "request_rate_rps"              # open-loop arrival rate, requests/s (null if closed)
+REQ_REPEAT = "repeat"                          # 0-based repeat of the cell (loadgen --repeats)
 
 # request status values (REQ_STATUS)
 STATUS_OK = "ok"

@@ -42,6 +42,7 @@ class CellPlan:
     extra_body: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 120.0
     cell_id: str = ""
+    repeat: int = 0                # 0-based repeat of this cell (--repeats)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

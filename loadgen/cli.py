@@ -1,6 +1,7 @@
 """``python -m loadgen``: run tier traffic against every strategy and write a run directory.
 
-    python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b]
+    python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b] [--repeats K]
+    python -m loadgen --sweep [--tier TEMPLATE] [--sweep-max-users N] [--sweep-factor F] ...
         [--target URL] [--model NAME] [--duration SECONDS] [--workers N] [--profile cpu|gpu]
         [--dataset NAME|FILE.jsonl] [--results DIR] [--tiers-file FILE]
 
@@ -28,16 +29,28 @@ from configs import metric_names as M
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
 from loadgen import service
 from loadgen.cells import CellPlan, shuffled_prompts
+from loadgen.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
 from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
+MANIFEST_SCHEMA_VERSION = 2  # 2: schema_version, repeats, sweep; request column `repeat`
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tier", required=True, choices=TIER_NAMES + ("all",))
+    ap.add_argument("--tier", default=None, choices=TIER_NAMES + ("all",),
+                    help="tier(s) to run (required unless --sweep; with --sweep: the template tier "
+                         "whose duration, max_tokens and SLOs the sweep cells use, default high)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each cell K times back to back (request column `repeat`, 0-based)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="concurrency sweep: users grow geometrically per strategy until its speedup "
+                         "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
+    ap.add_argument("--sweep-start", type=int, default=1, help="first sweep users level (default 1)")
+    ap.add_argument("--sweep-factor", type=float, default=2.0, help="users growth per level (default 2)")
+    ap.add_argument("--sweep-max-users", type=int, default=64, help="last sweep users level (default 64)")
     ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
     ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
     ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
@@ -120,13 +133,15 @@ class _Progress:
 
 
 def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
-    """Add run_id, tier and output_class (by step time inside a cell window) to step rows."""
+    """Add run_id, tier, output_class, users and repeat (by step time inside a cell window)
+    to step rows."""
     for r in rows:
         r[M.REQ_RUN_ID] = run_id
         ts = r.get(M.STEP_TS)
         for c in cells:
             if c["strategy"] == r.get(M.STEP_STRATEGY) and ts is not None and c["t0"] <= ts <= c["t1"]:
                 r[M.REQ_TIER], r[M.REQ_OUTPUT_CLASS] = c["tier"], c["output_class"]
+                r[M.REQ_USERS], r[M.REQ_REPEAT] = c.get("users"), c.get("repeat", 0)
                 break
     return rows
 
@@ -145,9 +160,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     tiers = list(TIER_NAMES) if args.tier == "all" else [args.tier]
     outputs = list(OUTPUT_CLASSES) if args.output == "all" else [args.output]
+    levels: list[int] = []
+    if args.sweep:
+        levels = sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
     try:
         target = (args.target or service.start_local_service()).rstrip("/")
         strategies = _strategies(args, target)
+        if args.sweep and M.AUTOREGRESSIVE not in strategies:
+            strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
     except service.ServiceError as err:
         console.print(f"[red]target error:[/] {err}", highlight=False)
         return EXIT_CONFIG
@@ -156,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     from loadgen.summary import add_speedups, render_table, summarize_cell
     from loadgen.writer import RequestWriter, environment_info, write_manifest, write_steps
 
-    run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{args.tier}-{uuid.uuid4().hex[:6]}"
+    label = SWEEP_TIER if args.sweep else args.tier
+    run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
     run_dir = Path(args.results) / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
     console.print(f"specload run [bold]{run_id}[/]: {len(strategies)} strategies x {len(tiers) * len(outputs)} "
@@ -169,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
         "dataset": args.dataset, "num_prompts": len(prompts), "cells": [],
         # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
         "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
+        "schema_version": MANIFEST_SCHEMA_VERSION, "repeats": args.repeats,
         **environment_info()}
+    if args.sweep:
+        manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
+        manifest["sweep"] = {"template_tier": tiers[0], "levels": levels, "factor": args.sweep_factor,
+                             "stopped": {}}
     write_manifest(run_dir / "manifest.json", manifest)
 
     # Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
@@ -185,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     summaries = []
+    fetched: dict[str, float] = {}   # strategy -> newest step ts fetched
+    run_t0 = time.time()
     steps: list[dict] = []
     cell_windows: list[dict] = []
     runner = None
@@ -199,39 +227,57 @@ def run(args: argparse.Namespace) -> int:
                 # gevent loop for 100+ ms and would delay every in-flight chunk's timestamp
                 progress.tick(now, r)
 
-            for strategy in strategies:
-                strategy_t0 = time.time()
-                for tier in tiers:
-                    for oc in outputs:
-                        cell = profile.cell(tier, oc)
-                        duration = args.duration if args.duration else cell.duration_s
-                        t0 = time.time() + lead_s
-                        plan = CellPlan(
-                            run_id=run_id, strategy=strategy, model=args.model or strategy, tier=tier,
-                            output_class=oc, dataset=args.dataset, base_url=target, arrival=cell.arrival,
-                            users=cell.users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
-                            prompts=[[p.prompt_id, p.text, p.max_tokens] for p in prompts],
-                            max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
-                            sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
-                            request_timeout_s=profile.request_timeout_s,
-                            cell_id=f"{strategy}/{tier}/{oc}/{uuid.uuid4().hex[:6]}")
-                        progress.new_cell(f"{strategy:>14} {tier:>4} {oc:<5}", plan)
-                        cell_t0 = time.time()
-                        cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, tick)
-                        progress.done()
-                        writer.flush()
-                        cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc,
-                                             "t0": cell_t0, "t1": time.time()})
-                        s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
-                                           arrival=cell.arrival, users=cell.users, rate_rps=cell.rate_rps,
-                                           slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
-                        summaries.append(s)
-                        for w in s.warnings:
-                            console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
-                        manifest["cells"] = [dataclasses.asdict(x) for x in summaries]
-                        write_manifest(run_dir / "manifest.json", manifest)
-                steps.extend(_label_steps(service.fetch_step_log(target, strategy, strategy_t0 - 1.0),
-                                          run_id, cell_windows))
+            if args.sweep:
+                state = SweepState()
+                order = sweep_cells(strategies, outputs, tiers[0], levels, state, args.repeats)
+            else:
+                state, order = None, grid_cells(strategies, tiers, outputs, args.repeats)
+            for spec in order:
+                strategy, tier, oc = spec.strategy, spec.tier, spec.output_class
+                cell = profile.cell(spec.template_tier, oc)
+                users = spec.users if spec.users is not None else cell.users
+                duration = args.duration if args.duration else cell.duration_s
+                t0 = time.time() + lead_s
+                plan = CellPlan(
+                    run_id=run_id, strategy=strategy, model=args.model or strategy, tier=tier,
+                    output_class=oc, dataset=args.dataset, base_url=target, arrival=cell.arrival,
+                    users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
+                    prompts=[[p.prompt_id, p.text, p.max_tokens] for p in prompts],
+                    max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
+                    sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
+                    request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
+                    cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}")
+                rep = f" r{spec.repeat}" if args.repeats > 1 else ""
+                progress.new_cell(f"{strategy:>14} {tier:>5} {oc:<5} u{users}{rep}", plan)
+                cell_t0 = time.time()
+                cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, tick)
+                progress.done()
+                writer.flush()
+                cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc,
+                                     "users": users, "repeat": spec.repeat,
+                                     "t0": cell_t0, "t1": time.time()})
+                s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
+                                   arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
+                                   slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
+                s.repeat = spec.repeat
+                summaries.append(s)
+                if state is not None:
+                    state.record(strategy, oc, users, s.output_tok_s,
+                                 s.ok / s.requests if s.requests else 0.0)
+                for w in s.warnings:
+                    console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
+                manifest["cells"] = [dataclasses.asdict(x) for x in summaries]
+                if state is not None:
+                    manifest["sweep"]["stopped"] = {f"{k[0]}/{k[1]}": v for k, v in state.stopped.items()}
+                write_manifest(run_dir / "manifest.json", manifest)
+                # per cell: the replica's step ring buffer holds minutes, not a whole run
+                since = max(cell_t0 - 1.0, fetched.get(strategy, 0.0))
+                new_rows = service.fetch_step_log(target, strategy, since)
+                if new_rows:
+                    fetched[strategy] = max(r.get(M.STEP_TS, 0.0) for r in new_rows)
+                steps.extend(new_rows)
+            for strategy in strategies:  # rows pushed after the last fetch (flush lag)
+                steps.extend(service.fetch_step_log(target, strategy, fetched.get(strategy, run_t0)))
     except KeyboardInterrupt:
         status = "interrupted"
         console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
@@ -241,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         writer.close()
         n_steps = 0
         try:
-            n_steps = write_steps(run_dir / "steps.parquet", steps)
+            n_steps = write_steps(run_dir / "steps.parquet", _label_steps(steps, run_id, cell_windows))
         except Exception as err:  # noqa: BLE001  (step rows of an unexpected shape must not lose the run)
             console.print(f"[yellow]warning[/] could not write steps.parquet: {err}")
         add_speedups(summaries)
@@ -280,7 +326,10 @@ def _report(run_dir: Path, console: Any) -> None:
     for tier, cells in sorted(out["recommendation"].items(), key=lambda kv: order.get(kv[0], 99)):
         for oc, rec in cells.items():
             fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-            table.add_row(tier, oc, str(rec.get("strategy")), fmt(rec.get("goodput"), ".1f"),
+            name = str(rec.get("strategy"))
+            if rec.get("tied"):
+                name = f"tie ({', '.join(rec['tied'])})"
+            table.add_row(tier, oc, name, fmt(rec.get("goodput"), ".1f"),
                           fmt(rec.get("margin"), ".1%"), fmt(rec.get("confidence"), ".2f"))
     console.print(table)
     for name, path in out["paths"].items():
@@ -290,6 +339,18 @@ def _report(run_dir: Path, console: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tier is None and not args.sweep:
+        parser.error("--tier is required (low, mid, high or all), unless --sweep is given")
+    if args.sweep:
+        args.tier = args.tier or "high"
+        if args.tier == "all":
+            parser.error("--tier with --sweep names one template tier (low, mid or high), not all")
+        try:
+            sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
+        except ValueError as err:
+            parser.error(f"--sweep-start/--sweep-factor/--sweep-max-users: {err}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.duration is not None and not args.duration > 0:
         parser.error(f"--duration must be > 0 seconds, got {args.duration}")
     if args.workers < 0:

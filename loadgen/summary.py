@@ -71,6 +71,7 @@ class CellSummary:
     cpu_mean_percent: float = math.nan
     cpu_max_percent: float = math.nan
     speedup: float = math.nan               # output_tok_s / autoregressive's, same cell
+    repeat: int = 0                         # 0-based repeat (--repeats)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -124,9 +125,10 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
 
 def add_speedups(summaries: list[CellSummary], baseline: str = M.AUTOREGRESSIVE) -> None:
     """Set ``speedup`` = tokens/s / the baseline strategy's tokens/s in the same tier x output cell."""
-    base = {(s.tier, s.output_class): s.output_tok_s for s in summaries if s.strategy == baseline}
+    base = {(s.tier, s.output_class, s.users, s.repeat): s.output_tok_s
+            for s in summaries if s.strategy == baseline}
     for s in summaries:
-        b = base.get((s.tier, s.output_class))
+        b = base.get((s.tier, s.output_class, s.users, s.repeat))
         if b and not math.isnan(b) and b > 0 and not math.isnan(s.output_tok_s):
             s.speedup = s.output_tok_s / b
 

@@ -44,7 +44,8 @@ class CellContext:
         return {M.REQ_RUN_ID: p.run_id, M.REQ_STRATEGY: p.strategy, M.REQ_TIER: p.tier,
                 M.REQ_OUTPUT_CLASS: p.output_class, M.REQ_DATASET: p.dataset, M.REQ_PROMPT_ID: job.prompt_id,
                 M.REQ_USERS: p.users, M.REQ_ARRIVAL: p.arrival, M.REQ_RATE_RPS: p.rate_rps,
-                M.REQ_REQUEST_INDEX: job.index, M.REQ_MAX_TOKENS: job.body.get("max_tokens")}
+                M.REQ_REQUEST_INDEX: job.index, M.REQ_MAX_TOKENS: job.body.get("max_tokens"),
+                M.REQ_REPEAT: p.repeat}
 
     def emit(self, job: Job, fields: dict[str, Any]) -> dict[str, Any]:
         row = self.base_row(job)

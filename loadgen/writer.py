@@ -42,6 +42,7 @@ REQUEST_SCHEMA = pa.schema([
     (M.NUM_DRAFTS, pa.int64()), (M.NUM_DRAFT_TOKENS, pa.int64()), (M.NUM_ACCEPTED_TOKENS, pa.int64()),
     (M.NUM_ACCEPTED_TOKENS_PER_POS, pa.list_(pa.int64())), (M.ACCEPTANCE_LENGTH, pa.float64()),
     (M.DRAFT_MS, pa.float64()), (M.VERIFY_MS, pa.float64()), (M.QUEUE_MS, pa.float64()),
+    (M.REQ_REPEAT, pa.int32()),
 ])
 
 

@@ -29,7 +29,12 @@ def test_best_strategy_per_tier(report):
     assert set(rec) == set(syn.TIERS)
     for tier, best in syn.BEST.items():
         for oc in syn.OUTPUT_TOKENS:
-            assert rec[tier][oc]["strategy"] == best, (tier, oc, rec[tier][oc])
+            r = rec[tier][oc]
+            assert r["leader"] == best, (tier, oc, r)
+            if tier == "mid":  # ngram leads by 10% but wins only ~70% of replicates: a tie
+                assert r["strategy"] == "tie" and r["tied"] == [mn.NGRAM, mn.DFLASH], r
+            else:
+                assert r["strategy"] == best and r["tied"] == [], (tier, oc, r)
 
 
 def test_recommendation_values(report):
@@ -56,6 +61,7 @@ def test_recommendation_values(report):
 def test_outputs_written(report):
     root, out = report
     saved = json.loads((root / "out" / "recommendation.json").read_text())
+    assert saved["schema_version"] == 2
     assert saved["low"]["long"]["strategy"] == mn.DFLASH
     assert {"strategy", "goodput", "margin", "confidence"} <= set(saved["mid"]["short"])
     md = (root / "out" / "report.md").read_text()

@@ -94,3 +94,28 @@ def test_backtest_cli_json_contract(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         analysis_main(["backtest", str(run), "--holdout", "7"])
     assert e.value.code == 2
+
+
+def _inputs(tokens_per_req: dict[str, np.ndarray], duration: float = 10.0) -> dict:
+    return {s: (t.astype(float), np.ones(t.size, bool), duration, np.full(t.size, 100.0))
+            for s, t in tokens_per_req.items()}
+
+
+def test_tie_when_no_strategy_wins_at_90_percent():
+    from analysis.recommend import TIE, recommend_cell
+    rng = np.random.default_rng(3)
+    # two strategies with the same token distribution, one 0.5% ahead: never crowned
+    base = rng.integers(20, 200, 60)
+    a = base.copy()
+    b = np.round(base * 1.005).astype(int)
+    rec = recommend_cell(_inputs({mn.AUTOREGRESSIVE: a, mn.NGRAM: b}), n_boot=500, seed=0)
+    assert rec["strategy"] == TIE and rec["leader"] == mn.NGRAM
+    assert rec["tied"] == [mn.NGRAM, mn.AUTOREGRESSIVE] and rec["confidence"] < 0.9
+    assert "tie" in rec["note"]
+    # a clear 2x winner is named, with no tie
+    rec = recommend_cell(_inputs({mn.AUTOREGRESSIVE: a, mn.DFLASH: 2 * a}), n_boot=500, seed=0)
+    assert rec["strategy"] == mn.DFLASH and rec["tied"] == [] and rec["confidence"] >= 0.9
+    # three-way: two indistinguishable leaders and a clear loser; the loser is not tied
+    rec = recommend_cell(_inputs({mn.AUTOREGRESSIVE: a // 3, mn.NGRAM: a, mn.DFLASH: b}),
+                         n_boot=500, seed=0)
+    assert rec["strategy"] == TIE and set(rec["tied"]) == {mn.NGRAM, mn.DFLASH}

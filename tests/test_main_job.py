@@ -68,7 +68,10 @@ def test_loadgen_to_report(service, tmp_path):
     assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
     rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
     assert set(rec["low"]) == {"short", "long"}
-    assert rec["low"]["short"]["strategy"] in {"autoregressive", "ngram"}
+    assert rec["schema_version"] == 2
+    low = rec["low"]["short"]
+    assert low["strategy"] in {"autoregressive", "ngram"} or (
+        low["strategy"] == "tie" and set(low["tied"]) == {"autoregressive", "ngram"})
     html = (run_dir / "report" / "report.html").read_text()
     assert 'id="recommendation"' in html and "data:image/png;base64," in html
     assert "recommendation per tier" in res.stdout
