@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                   "num_speculative_tokens": 0 if a.strategy == "autoregressive"
                   else a.num_speculative_tokens}
     prompts = load_prompts(a.concurrency)
+    import torch
+
+    torch.set_num_threads(a.torch_threads)  # the direct runs share this process, as a replica would
     # direct, served, direct: the reference is the mean of the two direct runs, so
     # a drift in background load during the run biases the ratio less.
     direct = asyncio.run(run_direct(engine_cfg, prompts, a.max_tokens))

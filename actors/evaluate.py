@@ -73,7 +73,7 @@ def default_prompts(per_domain: int) -> list[dict]:
 
 
 def _run(strategy: str, options: dict, prompts: list[list[int]], max_tokens: int, batch: int,
-         threads: int, k: int, trace: bool):
+         k: int, trace: bool):
     from actors.engine.config import EngineConfig
     from actors.engine.llm_engine import LLMEngine, run_requests
 
@@ -82,7 +82,7 @@ def _run(strategy: str, options: dict, prompts: list[list[int]], max_tokens: int
         opts["record_trace"] = True
     steps: list[dict] = []
     eng = LLMEngine(EngineConfig(strategy=strategy, strategy_options=opts, max_num_seqs=16,
-                                 num_speculative_tokens=k, torch_threads=threads),
+                                 num_speculative_tokens=k),
                     on_step=steps.append)
     reqs = [(f"p{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             for i, p in enumerate(prompts)]
@@ -128,7 +128,7 @@ def _trace_metrics(trace: list[dict], prompts, outs, n_pos: int) -> dict:
     return out
 
 
-def evaluate(strategies, rows, max_tokens: int, threads: int) -> dict:
+def evaluate(strategies, rows, max_tokens: int) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(REPO_ROOT / "models" / "target"))
@@ -144,8 +144,8 @@ def evaluate(strategies, rows, max_tokens: int, threads: int) -> dict:
         k = 7 if strategy in BLOCK_FAMILY else 4
         for dom, prompts in domains.items():
             eng, outs, st, steps, tps1 = _run(strategy, options, prompts, max_tokens, 1,
-                                              threads, k, True)
-            _, outs16, _, _, tps16 = _run(strategy, options, prompts, max_tokens, 16, threads,
+                                              k, True)
+            _, outs16, _, _, tps16 = _run(strategy, options, prompts, max_tokens, 16,
                                           k, False)
             if name == "autoregressive":
                 ar[dom] = (outs, tps1, tps16)
@@ -217,7 +217,10 @@ def main() -> None:
             raise SystemExit(f"{a.prompts}: every row needs a 'prompt' field")
     else:
         rows = default_prompts(a.per_domain)
-    result = evaluate([s for s in a.strategies.split(",") if s], rows, a.max_tokens, a.threads)
+    import torch
+
+    torch.set_num_threads(a.threads)  # once, for every engine this process builds
+    result = evaluate([s for s in a.strategies.split(",") if s], rows, a.max_tokens)
     print_table(result)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

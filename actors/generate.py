@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         kw["num_speculative_tokens"] = a.num_speculative_tokens
     cfg = EngineConfig(strategy=a.strategy, model=a.model,
                        draft_model=a.draft if a.strategy == "draft_model" else None,
-                       max_num_seqs=max(a.batch_size, 1), torch_threads=a.threads, **kw)
+                       max_num_seqs=max(a.batch_size, 1), **kw)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)  # the process's setting, not the engine's
     engine = LLMEngine(cfg)
     reqs = []
     for r, p in zip(rows, params):

@@ -8,7 +8,7 @@ import pandas as pd
 
 from analysis import capacity
 from analysis.load import Results
-from analysis.slo import Slo
+from configs.tiers import Slo
 
 
 @dataclass

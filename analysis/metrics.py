@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.slo import Slo
 from configs import metric_names as mn
+from configs.tiers import Slo
 
 CELL_KEYS = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
 PERCENTILES = (50, 90, 99)

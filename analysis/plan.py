@@ -42,8 +42,8 @@ from pydantic import BaseModel, Field
 from analysis import capacity, memory, metrics
 from analysis.capacity import CostCurve
 from analysis.load import load_results
-from analysis.slo import Slo
 from configs import metric_names as mn
+from configs.tiers import Slo
 
 DEFAULT_ATTAINMENT = 0.9
 DEFAULT_OVERHEAD_MS = 1.0

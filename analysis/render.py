@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from analysis.recommend import recommendation_rows
-from analysis.slo import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 from configs import metric_names as mn
+from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 
 if TYPE_CHECKING:
     from analysis.analysis import Analysis

@@ -1,4 +1,6 @@
-"""Latency SLOs per tier (pydantic) and where they come from.
+"""Which SLO each tier is judged against, and where it came from.
+
+The type and the defaults are ``configs.tiers.Slo`` / ``DEFAULT_*_MS``.
 
 Resolution order, per tier: explicit CLI flags (``--slo-ttft-ms`` /
 ``--slo-tpot-ms``) > the run manifest's ``config.slo[tier]`` > the defaults
@@ -8,22 +10,7 @@ source of every tier's SLO is printed in the report.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
-# Defaults when neither flags nor the manifest name an SLO. Chosen for an
-# interactive chat service (first token within 2 s, >= 10 tokens/s per stream);
-# stated in the report so nobody mistakes them for measured values.
-DEFAULT_TTFT_MS = 2000.0
-DEFAULT_TPOT_MS = 100.0
-
-
-class Slo(BaseModel):
-    """A latency SLO: a request meets it when TTFT <= ttft_ms and TPOT <= tpot_ms."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-    ttft_ms: float = Field(DEFAULT_TTFT_MS, gt=0, description="time to first token, ms")
-    tpot_ms: float = Field(DEFAULT_TPOT_MS, gt=0, description="time per output token, ms")
-    source: str = Field("default", description="flags | manifest | default")
+from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS, Slo
 
 
 def resolve_slos(tiers: list[str], manifest_config: dict, ttft_ms: float | None = None,

@@ -48,7 +48,8 @@ SPEC_DECODE_FIELD = "spec_decode"              # extension field in API response
 
 # --- engine step log (one row per engine step) --------------------------------
 STEP_TS = "ts"                                 # unix seconds at step end
-STEP_STRATEGY = "strategy"
+STEP_STRATEGY = "strategy"                     # strategy id (proposer), one of STRATEGIES
+STEP_MODEL = "model"                           # served model name (OpenAI ``model``; = REQ_MODEL)
 STEP_REPLICA = "replica"
 STEP_BATCH_SIZE = "batch_size"                 # running requests in the decode forward
 STEP_PREFILL_TOKENS = "prefill_tokens"         # prompt tokens processed this step
@@ -62,7 +63,7 @@ STEP_VERIFY_MS = "verify_ms"
 STEP_QUEUE_DEPTH = "num_waiting"               # requests waiting for a slot
 STEP_PADDED_TOKENS = "padded_tokens"           # decode forward: batch_size x longest row (padding included)
 STEP_CONTEXT_TOKENS = "context_tokens"         # decode forward: sum over rows of the KV length attended
-STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
+STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS, STEP_VERIFY_MS,
                     STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS)

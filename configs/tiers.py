@@ -73,11 +73,25 @@ class MaxTokens(_Strict):
         return int(self.value if self.dist == "fixed" else self.max)  # type: ignore[arg-type]
 
 
-class Slo(_Strict):
-    """Latency objectives a request must meet to count towards goodput."""
+# Defaults when neither a tier file, a run manifest nor flags name an SLO. Chosen
+# for an interactive chat service (first token within 2 s, >= 10 tokens/s per
+# stream); the report states them so nobody mistakes them for measured values.
+DEFAULT_TTFT_MS = 2000.0
+DEFAULT_TPOT_MS = 100.0
+SLO_SOURCES = ("tier file", "manifest", "flags", "flags+manifest", "flags+default", "default")
 
-    ttft_ms: float = Field(gt=0)   # time to first token, ms
-    tpot_ms: float = Field(gt=0)   # time per output token after the first, ms
+
+class Slo(_Strict):
+    """Latency objectives: a request meets them when TTFT <= ttft_ms and TPOT <= tpot_ms.
+
+    The one SLO type of the project: tier cells hold one (``source`` "tier
+    file"), and the analysis resolves one per tier (``analysis.slo``), saying
+    where its numbers came from in ``source`` (one of ``SLO_SOURCES``).
+    """
+
+    ttft_ms: float = Field(DEFAULT_TTFT_MS, gt=0)   # time to first token, ms
+    tpot_ms: float = Field(DEFAULT_TPOT_MS, gt=0)   # time per output token after the first, ms
+    source: Literal[SLO_SOURCES] = "tier file"  # type: ignore[valid-type]
 
 
 class Cell(_Strict):

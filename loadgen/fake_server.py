@@ -100,7 +100,8 @@ class FakeServer:
                 await resp.write(self._chunk(model, "t " * n, n))
                 sent += n
                 chunks += 1
-                self.steps.append({M.STEP_TS: time.time(), M.STEP_STRATEGY: model, M.STEP_REPLICA: "fake-0",
+                self.steps.append({M.STEP_TS: time.time(), M.STEP_STRATEGY: model, M.STEP_MODEL: model,
+                                   M.STEP_REPLICA: "fake-0",
                                    M.STEP_BATCH_SIZE: self.in_flight, M.STEP_PREFILL_TOKENS: 0,
                                    M.STEP_VERIFICATION_TOKENS: self.tpc, M.STEP_DRAFT_TOKENS: self.tpc - 1,
                                    M.STEP_ACCEPTED_TOKENS: n - 1, M.STEP_EMITTED_TOKENS: n,

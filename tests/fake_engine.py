@@ -56,6 +56,7 @@ class FakeEngine:
         self.k = 0 if self.strategy == "autoregressive" else int(cfg.get("num_speculative_tokens", 3))
         self.step_s = float(cfg.get("step_ms", 5)) / 1e3
         self.replica = str(cfg.get("replica_id", "0"))
+        self.served_model_name = cfg.get("served_model_name") or self.strategy
         self.tokenizer = FakeTokenizer()
         self.on_step = None
         self._waiting: list[_Req] = []
@@ -147,7 +148,7 @@ class FakeEngine:
             self._ids.discard(r.rid)
         if self.on_step is not None:
             self.on_step({
-                mn.STEP_TS: time.time(), mn.STEP_STRATEGY: self.strategy,
+                mn.STEP_TS: time.time(), mn.STEP_STRATEGY: self.strategy, mn.STEP_MODEL: self.served_model_name,
                 mn.STEP_REPLICA: self.replica, mn.STEP_BATCH_SIZE: batch,
                 mn.STEP_PREFILL_TOKENS: 0, mn.STEP_VERIFICATION_TOKENS: batch * (self.k + 1),
                 mn.STEP_DRAFT_TOKENS: draft_total, mn.STEP_ACCEPTED_TOKENS: accepted_total,

@@ -9,7 +9,7 @@ import pytest
 from analysis import metrics
 from analysis.capacity import CostCurve, fit_cost_curve, predicted_crossover, predicted_speedup
 from analysis.load import load_results
-from analysis.slo import Slo
+from configs.tiers import Slo
 from configs import metric_names as mn
 from tests import analysis_synth as syn
 

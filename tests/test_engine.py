@@ -90,17 +90,19 @@ def test_kv_rollback_equals_fresh_prefill(make_engine, heldout_prompts):
             break
     assert rejected > 0, "no rejection happened; pick a harder prompt"
     n = req.num_computed
+    assert eng.kv.length("r") == n == len(req.all_ids) - 1
     slot = req.slot
     ids = req.all_ids[:n]
-    fresh = eng.runner.alloc_slot()
-    eng.runner.run([RowInput(fresh, 0, ids)], last_only=True)
+    fresh = eng.kv.allocate("fresh")
+    eng.runner.run([RowInput(fresh, eng.kv.append("fresh", n), ids)], last_only=True)
     for layer in range(eng.model.config.num_hidden_layers):
         k, v = eng.runner.cache.k[layer], eng.runner.cache.v[layer]
         assert torch.allclose(k[slot, :n], k[fresh, :n], atol=1e-5)
         assert torch.allclose(v[slot, :n], v[fresh, :n], atol=1e-5)
-    eng.runner.free_slot(fresh)
+    eng.kv.free("fresh")
     eng.abort_request("r")
     assert not eng.has_unfinished_requests()
+    assert eng.kv.num_free == 4 and eng.proposer.pool.num_free == 4
 
 
 @pytest.mark.parametrize("field,kwargs", [

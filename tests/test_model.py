@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from actors.engine.config import DEFAULT_TARGET
-from actors.engine.model import BatchMeta, CausalLM, KVCache, ModelConfig
+from actors.engine.kv_cache import KVCache
+from actors.engine.model import BatchMeta, CausalLM, ModelConfig
 
 
 def _hf_logits(path, ids):

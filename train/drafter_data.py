@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.engine.model import BatchMeta, CausalLM, KVCache
+from actors.engine.kv_cache import KVCache
+from actors.engine.model import BatchMeta, CausalLM
 
 
 def target_fingerprint(target_dir: Path) -> str:

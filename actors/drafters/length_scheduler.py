@@ -56,7 +56,8 @@ class StepCostCurve:
         on ``ctx_len`` cached ones (the shape of a decode step). Median of
         ``repeats`` after one warm-up; a few hundred ms on the embedded target.
         """
-        from actors.engine.model import BatchMeta, KVCache
+        from actors.engine.kv_cache import KVCache
+        from actors.engine.model import BatchMeta
 
         dev = target.device
         ladder = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max_tokens} & set(

@@ -27,6 +27,11 @@ class EngineConfig(BaseModel):
     num_speculative_tokens: k, the most draft tokens per request per step (None: the
     strategy's default: 0 autoregressive, 4 draft_model / ngram, 7 for the DFlash family).
     max_waiting: queue length beyond which ``add_request`` raises QueueFullError.
+    torch_threads: intra-op threads for the process that hosts the engine; set
+    once by that process (the Serve replica, or a CLI's ``main``), never by the
+    engine itself. served_model_name: the OpenAI ``model`` name this engine is
+    served under (None: the strategy id); step-log rows carry it beside the
+    strategy so a deployment named differently from its strategy keeps its own log.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -43,6 +48,7 @@ class EngineConfig(BaseModel):
     max_waiting: int = Field(1024, ge=0)
     torch_threads: int | None = Field(None, ge=1)
     replica_id: str = "0"
+    served_model_name: str | None = None
     strategy_options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

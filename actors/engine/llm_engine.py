@@ -2,14 +2,17 @@
 
 One step = { schedule -> propose (drafter, batched) -> verify (ONE target
 forward over every running request's ``[last token, drafts...]``, ragged
-draft lengths padded) -> accept (shared verifier) -> KV rollback (lower the
-cached length) -> stream accepted tokens } plus one forward for prefill
-chunks. Every step appends a row to the step log (``on_step``).
+draft lengths padded) -> accept (shared verifier) -> KV rollback
+(``KVSlotPool.rollback``: the rejected drafts leave the cache) -> stream
+accepted tokens } plus one forward for prefill chunks. Every step appends a
+row to the step log (``on_step``). The engine sets no process-wide state
+(torch threads are the replica's or the CLI's business).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,15 +21,30 @@ from actors.engine.config import EngineConfig
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
 from actors.engine.sampling import make_generator, process_logits, sample
-from actors.engine.scheduler import Request, Scheduler
+from actors.engine.scheduler import Request, ScheduledDecode, ScheduledPrefill, Scheduler
 from actors.engine.strategies import get_proposer_class
-from actors.engine.types import ProposeInput, RequestOutput, SamplingParams
+from actors.engine.types import DraftProposal, ProposeInput, RequestOutput, SamplingParams
 from actors.engine.verifier import verify
 from configs import metric_names as M
 
 
 class QueueFullError(RuntimeError):
     """Raised by ``add_request`` when ``max_waiting`` requests already wait (HTTP 429)."""
+
+
+@dataclass
+class _StepCounters:
+    """What one step did, summed over its requests (tokens; ms)."""
+
+    prefill_tokens: int = 0
+    verification_tokens: int = 0
+    padded_tokens: int = 0          # decode forward: batch x longest row (padding included)
+    context_tokens: int = 0         # decode forward: sum over rows of the KV length attended
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
 
 
 class LLMEngine:
@@ -38,8 +56,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, on_step: Callable[[dict], None] | None = None):
         self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -63,6 +79,8 @@ class LLMEngine:
         self.aux_layers = tuple(self.proposer.aux_layers)
         self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
                                   pad_id=self.eos_token_id or 0)
+        self.kv = self.runner.pool   # the target cache's slots and per-request lengths
+        self.served_model_name = config.served_model_name or config.strategy
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens,
                                    config.max_waiting)
@@ -128,95 +146,131 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         if req.slot >= 0:
-            self.runner.free_slot(req.slot)
+            self.kv.free(req.request_id)
             self.proposer.remove_request(req.request_id)
             req.slot = -1
 
-    # -- the step ---------------------------------------------------------------
+    # -- the step: one function per phase ---------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns deltas for requests that emitted or finished."""
+        """Run one engine step; returns deltas for requests that emitted or finished.
+
+        Phases: schedule + admit -> decode (propose, verify, accept + KV
+        rollback) -> prefill chunks -> finish (outputs, release) -> step-log row.
+        """
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule(len(self.runner.free_slots))
-        for r in sched.admitted:
-            r.slot = self.runner.alloc_slot()
-            r.first_scheduled = t0
-            r.stats.queue_ms = (t0 - r.arrival) * 1e3
-            self.proposer.add_request(r.request_id, r.prompt_ids)
-        touched: list[Request] = []
-        draft_ms = verify_ms = 0.0
-        n_draft = n_acc = n_emit = ver_tokens = ctx_tokens = padded_tokens = 0
-        if sched.decodes:
-            td = time.perf_counter()
-            reqs = [d.request for d in sched.decodes]
-            props = self.proposer.propose([
-                ProposeInput(r.request_id, r.all_ids, d.max_draft, r.params, r.generator)
-                for r, d in zip(reqs, sched.decodes)])
-            tv = time.perf_counter()
-            rows = []
-            for r, d, p in zip(reqs, sched.decodes, props):
-                if len(p.token_ids) > d.max_draft:
-                    raise RuntimeError(f"{self.proposer.name} proposed {len(p.token_ids)} "
-                                       f"tokens; at most {d.max_draft} were allowed")
-                rows.append(RowInput(r.slot, r.num_computed, [r.output_ids[-1]] + p.token_ids))
-            logits, aux = self.runner.run(rows, aux_layers=self.aux_layers)
-            # what the padded forward computes: B x longest row, each row attending its KV
-            padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
-            ctx_tokens = sum(x.start + len(x.token_ids) for x in rows)
-            for i, (r, p) in enumerate(zip(reqs, props)):
-                res = verify(logits[i], p.token_ids, p.probs, r.params, r.generator)
-                start = r.num_computed
-                committed = rows[i].token_ids[:1 + res.num_accepted]
-                r.num_computed += len(committed)  # rejected drafts: cache length rolls back
-                self.proposer.observe_target(
-                    r.request_id, start, committed,
-                    aux[i][:len(committed)] if aux is not None else None)
-                r.stats.record(len(p.token_ids), res.num_accepted)
-                n_draft += len(p.token_ids)
-                n_acc += res.num_accepted
-                ver_tokens += len(rows[i].token_ids)
-                n_emit += self._append(r, res.emitted)
-                touched.append(r)
-            te = time.perf_counter()
-            draft_ms, verify_ms = (tv - td) * 1e3, (te - tv) * 1e3
-            for r in reqs:
-                r.stats.draft_ms += draft_ms
-                r.stats.verify_ms += verify_ms
-        prefill_tokens = 0
+        sched = self.scheduler.schedule(self.kv.num_free)
+        self._admit(sched.admitted, t0)
+        stats = _StepCounters()
+        touched = self._decode(sched.decodes, stats) if sched.decodes else []
         if sched.prefills:
-            rows = [RowInput(p.request.slot, p.request.num_computed, p.chunk)
-                    for p in sched.prefills]
-            logits, aux = self.runner.run(rows, last_only=True, aux_layers=self.aux_layers)
-            for i, p in enumerate(sched.prefills):
-                r = p.request
-                start = r.num_computed
-                r.num_computed += len(p.chunk)
-                prefill_tokens += len(p.chunk)
-                self.proposer.observe_target(r.request_id, start, p.chunk,
-                                             aux[i] if aux is not None else None)
-                if not r.in_prefill:  # prompt done: the first output token
-                    probs = process_logits(logits[i][-1], r.params)
-                    tok = int(probs.argmax()) if r.params.greedy else int(
-                        sample(probs, r.generator))
-                    n_emit += self._append(r, [tok])
-                    touched.append(r)
+            touched += self._prefill(sched.prefills, stats)
+        outputs = self._finish(touched)
+        if self.on_step is not None and (sched.decodes or sched.prefills):
+            self.on_step(self._step_row(stats, len(sched.decodes), t0))
+        return outputs
+
+    def _admit(self, admitted: list[Request], now: float) -> None:
+        """Give each newly scheduled request a KV slot and tell the proposer."""
+        for r in admitted:
+            r.slot = self.kv.allocate(r.request_id)
+            r.first_scheduled = now
+            r.stats.queue_ms = (now - r.arrival) * 1e3
+            self.proposer.add_request(r.request_id, r.prompt_ids)
+
+    def _decode(self, decodes: list[ScheduledDecode], stats: "_StepCounters") -> list[Request]:
+        """Propose for every decoding request, verify all drafts in one target
+        forward, accept, roll rejected drafts out of the KV cache, emit."""
+        td = time.perf_counter()
+        reqs = [d.request for d in decodes]
+        props = self._propose(decodes)
+        tv = time.perf_counter()
+        rows = [RowInput(r.slot, self.kv.append(r.request_id, 1 + len(p.token_ids)),
+                         [r.output_ids[-1]] + p.token_ids) for r, p in zip(reqs, props)]
+        logits, aux = self.runner.run(rows, aux_layers=self.aux_layers)
+        # what the padded forward computes: B x longest row, each row attending its KV
+        stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
+        stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
+        for i, (r, p) in enumerate(zip(reqs, props)):
+            self._accept(r, p, rows[i], logits[i], aux[i] if aux is not None else None, stats)
+        draft_ms, verify_ms = (tv - td) * 1e3, (time.perf_counter() - tv) * 1e3
+        stats.draft_ms, stats.verify_ms = draft_ms, verify_ms
+        for r in reqs:
+            r.stats.draft_ms += draft_ms
+            r.stats.verify_ms += verify_ms
+        return reqs
+
+    def _propose(self, decodes: list[ScheduledDecode]) -> list[DraftProposal]:
+        """One batched proposer call; raises RuntimeError if a draft is longer than allowed."""
+        props = self.proposer.propose([
+            ProposeInput(d.request.request_id, d.request.all_ids, d.max_draft,
+                         d.request.params, d.request.generator) for d in decodes])
+        for d, p in zip(decodes, props):
+            if len(p.token_ids) > d.max_draft:
+                raise RuntimeError(f"{self.proposer.name} proposed {len(p.token_ids)} "
+                                   f"tokens; at most {d.max_draft} were allowed")
+        return props
+
+    def _accept(self, r: Request, p: DraftProposal, row: RowInput, logits: torch.Tensor,
+                aux: torch.Tensor | None, stats: "_StepCounters") -> None:
+        """Verify one request's draft against its target logits [1+d, V]; keep the
+        accepted prefix plus one target token and roll the rest out of the cache."""
+        res = verify(logits, p.token_ids, p.probs, r.params, r.generator)
+        committed = row.token_ids[:1 + res.num_accepted]
+        self.kv.rollback(r.request_id, row.start + len(committed))
+        r.num_computed = self.kv.length(r.request_id)
+        self.proposer.observe_target(r.request_id, row.start, committed,
+                                     aux[:len(committed)] if aux is not None else None)
+        r.stats.record(len(p.token_ids), res.num_accepted)
+        stats.draft_tokens += len(p.token_ids)
+        stats.accepted_tokens += res.num_accepted
+        stats.verification_tokens += len(row.token_ids)
+        stats.emitted_tokens += self._append(r, res.emitted)
+
+    def _prefill(self, prefills: list[ScheduledPrefill], stats: "_StepCounters") -> list[Request]:
+        """Forward this step's prompt chunks; a request whose prompt is done emits
+        its first token. Returns the requests that emitted."""
+        rows = [RowInput(p.request.slot, self.kv.append(p.request.request_id, len(p.chunk)),
+                         p.chunk) for p in prefills]
+        logits, aux = self.runner.run(rows, last_only=True, aux_layers=self.aux_layers)
+        emitted = []
+        for i, p in enumerate(prefills):
+            r = p.request
+            r.num_computed = self.kv.length(r.request_id)
+            stats.prefill_tokens += len(p.chunk)
+            self.proposer.observe_target(r.request_id, rows[i].start, p.chunk,
+                                         aux[i] if aux is not None else None)
+            if not r.in_prefill:  # prompt done: the first output token
+                probs = process_logits(logits[i][-1], r.params)
+                tok = int(probs.argmax()) if r.params.greedy else int(sample(probs, r.generator))
+                stats.emitted_tokens += self._append(r, [tok])
+                emitted.append(r)
+        return emitted
+
+    def _finish(self, touched: list[Request]) -> list[RequestOutput]:
+        """Deltas for the requests that emitted; finished ones leave the engine."""
         outputs = [self._output(r) for r in touched]
         for r in touched:
             if r.finish_reason is not None:
                 self.requests.pop(r.request_id, None)
                 self.scheduler.remove(r.request_id)
                 self._release(r)
-        if self.on_step is not None and (sched.decodes or sched.prefills):
-            self.on_step({
-                M.STEP_TS: time.time(), M.STEP_STRATEGY: self.config.strategy,
-                M.STEP_REPLICA: self.config.replica_id, M.STEP_BATCH_SIZE: len(sched.decodes),
-                M.STEP_PREFILL_TOKENS: prefill_tokens, M.STEP_VERIFICATION_TOKENS: ver_tokens,
-                M.STEP_DRAFT_TOKENS: n_draft, M.STEP_ACCEPTED_TOKENS: n_acc,
-                M.STEP_EMITTED_TOKENS: n_emit, M.STEP_MS: (time.perf_counter() - t0) * 1e3,
-                M.STEP_DRAFT_MS: draft_ms, M.STEP_VERIFY_MS: verify_ms,
-                M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: padded_tokens,
-                M.STEP_CONTEXT_TOKENS: ctx_tokens})
         return outputs
+
+    def _step_row(self, stats: "_StepCounters", batch_size: int, t0: float) -> dict:
+        """The step-log row (``configs.results_schema.STEP_SCHEMA``)."""
+        return {
+            M.STEP_TS: time.time(), M.STEP_STRATEGY: self.config.strategy,
+            M.STEP_MODEL: self.served_model_name,
+            M.STEP_REPLICA: self.config.replica_id, M.STEP_BATCH_SIZE: batch_size,
+            M.STEP_PREFILL_TOKENS: stats.prefill_tokens,
+            M.STEP_VERIFICATION_TOKENS: stats.verification_tokens,
+            M.STEP_DRAFT_TOKENS: stats.draft_tokens, M.STEP_ACCEPTED_TOKENS: stats.accepted_tokens,
+            M.STEP_EMITTED_TOKENS: stats.emitted_tokens,
+            M.STEP_MS: (time.perf_counter() - t0) * 1e3,
+            M.STEP_DRAFT_MS: stats.draft_ms, M.STEP_VERIFY_MS: stats.verify_ms,
+            M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: stats.padded_tokens,
+            M.STEP_CONTEXT_TOKENS: stats.context_tokens}
 
     def _append(self, r: Request, tokens: list[int]) -> int:
         """Append emitted tokens, applying EOS / max_tokens / context / stop strings.

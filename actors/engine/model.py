@@ -2,7 +2,8 @@
 
 The engine runs its own implementation (rather than ``transformers``) so that a
 batched forward takes ragged per-request positions and writes K/V straight
-into a preallocated cache (gpt-fast's ``setup_caches`` idea), and so that a
+into a preallocated cache (``actors.engine.kv_cache``; gpt-fast's
+``setup_caches`` idea), and so that a
 verification forward can return target hidden states for the DFlash family.
 Weights load from a local HF directory (``config.json`` + ``*.safetensors``)
 with HF parameter names; ``tests/test_model.py`` checks logits against
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from actors.engine.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -134,26 +137,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
-
-
-class KVCache:
-    """Preallocated per-slot K/V storage: ``k[layer]`` is [S, T, KVH, D].
-
-    A request owns one slot for its lifetime. Its valid length is kept by the
-    caller (the engine); positions past it hold stale values that attention
-    masks out and the next write overwrites, so rolling back rejected draft
-    tokens is just lowering the length (no copy).
-    """
-
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype)
-                  for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype)
-                  for _ in range(cfg.num_hidden_layers)]
-        self.num_slots = num_slots
-        self.max_len = max_len
 
 
 @dataclass

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.engine.model import BatchMeta, CausalLM, ForwardOutput, KVCache
+from actors.engine.kv_cache import KVCache, KVSlotPool
+from actors.engine.model import BatchMeta, CausalLM, ForwardOutput
 
 
 @dataclass(frozen=True)
@@ -24,27 +25,24 @@ class ModelRunner:
 
     ``run`` pads ragged rows to the longest one and returns logits for every
     real token (or only each row's last, for prefill), so a whole batch of
-    requests with different draft lengths is verified in one forward.
+    requests with different draft lengths is verified in one forward. Slots
+    and per-request lengths live in ``self.cache.pool`` (``KVSlotPool``).
     """
 
-    def __init__(self, model: CausalLM, num_slots: int, max_len: int, pad_id: int = 0):
+    # padded rows write past a request's end; this many extra positions keep
+    # those writes in bounds (more than any draft length plus the anchor).
+    PAD_MARGIN = 72
+
+    def __init__(self, model: CausalLM, num_slots: int, max_len: int, pad_id: int = 0,
+                 name: str = "target KV cache"):
         self.model = model
         self.device = model.device
         dtype = model.lm_head.weight.dtype
-        # + margin: padded rows write past a request's end; keep those writes in bounds.
-        self.cache = KVCache(model.config, num_slots, max_len + 72, self.device, dtype)
+        self.cache = KVCache(model.config, num_slots, max_len, self.device, dtype,
+                             margin=self.PAD_MARGIN, name=name)
+        self.pool: KVSlotPool = self.cache.pool
         self.max_len = max_len
-        self.free_slots = list(range(num_slots - 1, -1, -1))
         self.pad_id = pad_id
-
-    def alloc_slot(self) -> int:
-        """A free slot id; raises RuntimeError when none is left."""
-        if not self.free_slots:
-            raise RuntimeError("no free KV cache slot (max_num_seqs reached)")
-        return self.free_slots.pop()
-
-    def free_slot(self, slot: int) -> None:
-        self.free_slots.append(slot)
 
     @torch.inference_mode()
     def run(self, rows: list[RowInput], last_only: bool = False,

@@ -22,6 +22,7 @@ from pydantic import Field
 
 from actors.drafters.decode import BlockDraft, draft_block
 from actors.drafters.model import load_drafter
+from actors.engine.kv_cache import KVSlotPool
 from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
 from configs.paths import REPO_ROOT
@@ -40,49 +41,50 @@ class DFlashOptions(ProposerOptions):
 
 
 class ContextCache:
-    """Per-request context K/V of every draft layer: ``k[l]`` is [S, KVH, T, D]."""
+    """Per-request context K/V of every draft layer: ``k[l]`` is [S, KVH, T, D].
+
+    Slots and lengths come from the shared ``KVSlotPool`` (``self.pool``): only
+    committed target tokens are written, so the length only grows, except when
+    the engine re-reports a position (``write`` rolls back to ``start`` first).
+    """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, kvh: int, d: int,
                  device, dtype):
         shape = (num_slots, kvh, max_len, d)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.lengths = [0] * num_slots
-        self.slot_of: dict[str, int] = {}
-        self.free = list(range(num_slots - 1, -1, -1))
+        self.pool = KVSlotPool(num_slots, max_len, "drafter context cache")
         self.max_len = max_len
 
     def slot(self, rid: str) -> int:
-        if rid not in self.slot_of:
-            if not self.free:
-                raise RuntimeError(f"drafter context cache full ({len(self.slot_of)} requests); "
-                                   "max_num_seqs must bound the running requests")
-            self.slot_of[rid] = self.free.pop()
-            self.lengths[self.slot_of[rid]] = 0
-        return self.slot_of[rid]
+        """The request's slot, allocated on first use (KVCacheFullError when none is free)."""
+        return self.pool.slot(rid) if rid in self.pool else self.pool.allocate(rid)
 
     def release(self, rid: str) -> None:
-        s = self.slot_of.pop(rid, None)
-        if s is not None:
-            self.free.append(s)
+        self.pool.free(rid)
 
     def write(self, rid: str, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store context K/V ([1, KVH, n, D] per layer) of positions ``start .. start+n-1``.
+
+        Raises ValueError when ``start`` skips unobserved positions or the
+        request would pass ``max_len``.
+        """
         s = self.slot(rid)
         n = kv[0][0].shape[2]
-        if start > self.lengths[s]:
+        have = self.pool.length(rid)
+        if start > have:
             raise ValueError(f"observe_target for {rid!r} starts at {start} but only "
-                             f"{self.lengths[s]} positions were observed: the engine must report "
+                             f"{have} positions were observed: the engine must report "
                              "every token committed to the target cache, in order")
-        if start + n > self.max_len:
-            raise ValueError(f"request {rid!r} exceeds max_model_len {self.max_len}")
+        self.pool.rollback(rid, start)
+        self.pool.append(rid, n)
         for layer, (k, v) in enumerate(kv):
             self.k[layer][s, :, start:start + n] = k[0]
             self.v[layer][s, :, start:start + n] = v[0]
-        self.lengths[s] = start + n
 
-    def gather(self, slots: list[int]) -> tuple[list[tuple], torch.Tensor]:
+    def gather(self, slots: list[int], rids: list[str]) -> tuple[list[tuple], torch.Tensor]:
         """Context K/V [B, KVH, C, D] per layer (C = longest) and lengths [B]."""
-        lens = torch.tensor([self.lengths[s] for s in slots])
+        lens = torch.tensor([self.pool.length(r) for r in rids])
         C = max(int(lens.max()), 1)
         idx = torch.tensor(slots, device=self.k[0].device)
         return [(k[idx, :, :C], v[idx, :, :C]) for k, v in zip(self.k, self.v)], lens
@@ -137,7 +139,7 @@ class BlockDraftProposer(Proposer):
         """One batched drafter forward + decoding for every row of ``batch``."""
         dev = self.target.device
         slots = [self.cache.slot(r.request_id) for r in batch]
-        kv, lens = self.cache.gather(slots)
+        kv, lens = self.cache.gather(slots, [r.request_id for r in batch])
         pos = torch.tensor([len(r.token_ids) - 1 for r in batch], device=dev)
         anchors = torch.tensor([r.token_ids[-1] for r in batch], device=dev)
         C = kv[0][0].shape[2]

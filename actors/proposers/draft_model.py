@@ -2,10 +2,11 @@
 verifies them (speculative sampling: Leviathan et al. 2023, arXiv 2211.17192;
 Chen et al. 2023, arXiv 2302.01318).
 
-The draft model has its own KV cache (one slot per request). It remembers which
-token ids its cache holds; at each step the cache is rolled back to the
-longest prefix still in the request's sequence (rejected drafts drop out) and
-the missing tokens are fed in one catch-up forward before drafting.
+The draft model has its own KV cache (one slot per request, from the shared
+``KVSlotPool``). It remembers which token ids its cache holds; at each step
+the cache is rolled back (``pool.rollback``) to the longest prefix still in
+the request's sequence (rejected drafts drop out) and the missing tokens are
+fed in one catch-up forward before drafting.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class DraftModelOptions(ProposerOptions):
 class _DraftState:
     slot: int
     cached: list[int] = field(default_factory=list)  # token ids whose K/V is in the draft cache
+                                                     # (len == the pool's length for the request)
 
 
 class DraftModelProposer(Proposer):
@@ -50,19 +52,19 @@ class DraftModelProposer(Proposer):
         if self.draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"draft vocab {self.draft.config.vocab_size} != target vocab "
                              f"{target.config.vocab_size}: the draft must share the tokenizer")
-        self.runner = ModelRunner(self.draft, max_num_seqs, max_model_len)
+        self.runner = ModelRunner(self.draft, max_num_seqs, max_model_len, name="draft KV cache")
+        self.pool = self.runner.pool
         self.state: dict[str, _DraftState] = {}
 
     def draft_params(self) -> int:
         return self.draft.num_params()
 
     def add_request(self, request_id, prompt_ids):
-        self.state[request_id] = _DraftState(slot=self.runner.alloc_slot())
+        self.state[request_id] = _DraftState(slot=self.pool.allocate(request_id))
 
     def remove_request(self, request_id):
-        st = self.state.pop(request_id, None)
-        if st is not None:
-            self.runner.free_slot(st.slot)
+        self.state.pop(request_id, None)
+        self.pool.free(request_id)
 
     def _pick(self, logits: torch.Tensor, r: ProposeInput):
         """logits [V] -> (token, q [V] or None)."""
@@ -84,9 +86,9 @@ class DraftModelProposer(Proposer):
             lim = min(len(st.cached), len(r.token_ids))
             while n < lim and st.cached[n] == r.token_ids[n]:
                 n += 1
-            st.cached = st.cached[:n]
+            self.pool.rollback(r.request_id, n)
             pending = r.token_ids[n:]
-            rows[i] = RowInput(st.slot, n, pending)
+            rows[i] = RowInput(st.slot, self.pool.append(r.request_id, len(pending)), pending)
             st.cached = list(r.token_ids)
         for group in ([i for i in active if len(rows[i].token_ids) <= _CATCHUP_SPLIT],
                       [i for i in active if len(rows[i].token_ids) > _CATCHUP_SPLIT]):
@@ -106,7 +108,8 @@ class DraftModelProposer(Proposer):
             rws = []
             for i in step:
                 st = self.state[batch[i].request_id]
-                rws.append(RowInput(st.slot, len(st.cached), [drafts[i][-1]]))
+                rws.append(RowInput(st.slot, self.pool.append(batch[i].request_id, 1),
+                                    [drafts[i][-1]]))
                 st.cached.append(drafts[i][-1])
             logits, _ = self.runner.run(rws, last_only=True)
             for i, lg in zip(step, logits):

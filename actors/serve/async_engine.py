@@ -98,15 +98,11 @@ class AsyncLLMEngine:
     def from_config(cls, config: Any, **kwargs) -> "AsyncLLMEngine":
         """Build the real engine from an ``EngineConfig`` and wrap it.
 
-        Sets torch's intra-op threads to ``config.torch_threads`` first (when
-        given) so several replicas on one CPU box do not oversubscribe the cores.
+        Torch threads are the hosting process's to set (``StrategyServer`` in
+        a replica, ``main`` in a CLI), once, before this.
         """
-        import torch
-
         from actors.engine.llm_engine import LLMEngine
 
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         return cls(LLMEngine(config), **kwargs)
 
     # ------------------------------------------------------------ properties

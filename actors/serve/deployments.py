@@ -176,6 +176,7 @@ class StrategyServer:
         except Exception:  # outside Serve (unit use)
             replica = str(os.getpid())
         cfg.setdefault("replica_id", replica)
+        cfg.setdefault("served_model_name", strategy)  # step rows carry it beside the strategy
         threads = cfg.get("torch_threads") or 1
         import torch
 
