@@ -29,8 +29,8 @@ import pandas as pd
 
 from analysis import metrics, stepcost
 from analysis.load import Results
-from analysis.slo import Slo
 from configs import metric_names as mn
+from configs.tiers import Slo
 
 METRICS = (metrics.OUTPUT_TOKENS_PER_S, "tpot_ms_p50", metrics.SPEEDUP)
 

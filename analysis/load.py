@@ -106,11 +106,14 @@ def _normalise_requests(df: pd.DataFrame, run_id: str, path: Path) -> pd.DataFra
 
 def _normalise_steps(df: pd.DataFrame, run_id: str) -> pd.DataFrame:
     df = df.copy()
+    text = (mn.STEP_STRATEGY, mn.STEP_MODEL, mn.STEP_REPLICA)
     for col in mn.STEP_LOG_COLUMNS:
         if col not in df.columns:
-            df[col] = np.nan if col not in (mn.STEP_STRATEGY, mn.STEP_REPLICA) else "unknown"
+            df[col] = np.nan if col not in text else "unknown"
+    if (df[mn.STEP_MODEL] == "unknown").all():  # logs from before rows carried the served name
+        df[mn.STEP_MODEL] = df[mn.STEP_STRATEGY]
     for col in mn.STEP_LOG_COLUMNS:
-        if col not in (mn.STEP_STRATEGY, mn.STEP_REPLICA):
+        if col not in text:
             df[col] = pd.to_numeric(df[col], errors="coerce")
     df["run_id"] = run_id
     return df
