@@ -1,6 +1,7 @@
 """Engine benchmark: output tokens/s ratios measured side by side in one run.
 
     python -m actors.bench [--out bench.json] [--max-tokens 64] [--threads 2]
+    python -m actors.bench cost-curve --shape NAME --random-weights [--device cpu|cuda] --out F.json
 
 Same held-out code prompts for every row, greedy, EOS ignored so every run
 emits the same number of tokens. Ratios (not absolute times) are the result:
@@ -68,6 +69,11 @@ def hf_tps(model, tok, prompts: list[str], batch: int, max_tokens: int, assistan
 
 
 def main(argv=None) -> int:
+    import sys
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["cost-curve"]:  # python -m actors.bench cost-curve ... (actors/cost_curve.py)
+        from actors.cost_curve import main as cost_curve_main
+        return cost_curve_main(args[1:])
     ap = argparse.ArgumentParser(prog="python -m actors.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -96,8 +96,15 @@ class PointsCurve:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "PointsCurve":
-        spec = CurveFile.model_validate(json.loads(Path(path).read_text()))
-        pts = sorted((p.batch_tokens, p.step_ms) for p in spec.points)
+        """Read ``{"gpu", "model", "points": [{"batch_tokens", "step_ms"}]}`` or an
+        ``actors.bench cost-curve`` grid file (``analysis.cost_curve_file``)."""
+        from analysis import cost_curve_file
+        data = json.loads(Path(path).read_text())
+        if cost_curve_file.is_grid_file(data):
+            pts, _ = cost_curve_file.grid_to_points(data)
+        else:
+            spec = CurveFile.model_validate(data)
+            pts = sorted((p.batch_tokens, p.step_ms) for p in spec.points)
         return cls(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
 
     def __call__(self, tokens):
