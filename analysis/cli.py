@@ -57,7 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "model dir; also gives --model-params when that is absent")
     q.add_argument("--gpu-memory-utilization", type=_positive("--gpu-memory-utilization"),
                    default=0.9, help="share of GPU memory weights + KV cache may use (default 0.9)")
-    q.add_argument("--json", action="store_true", help="print the plan as JSON")
+    q.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="print the plan as JSON; with --validate, write the validation JSON to FILE")
+    q.add_argument("--validate", action="store_true",
+                   help="deploy the planned replicas of the chosen strategy, drive Poisson arrivals at "
+                        "--qps, report SLO attainment with N and N-1 replicas (analysis/validate.py)")
+    q.add_argument("--strategy", default=None, help="with --validate: strategy to validate "
+                   "(default: the feasible one needing the fewest replicas)")
+    q.add_argument("--output", default=None, choices=("short", "long"),
+                   help="with --validate: output class to validate (default: as --strategy)")
+    q.add_argument("--validate-duration", type=_positive("--validate-duration"), default=60.0,
+                   help="with --validate: seconds of offered load per replica count (default 60)")
+    q.add_argument("--validate-warmup", type=float, default=5.0,
+                   help="with --validate: seconds at the start left out of attainment (default 5)")
+    q.add_argument("--validate-results", default=None,
+                   help="with --validate: where the validation runs go (default RESULTS_DIR/validate)")
     q.add_argument("--emit-serve-config", metavar="OUT.yaml",
                    help="write a Serve config with the planned replicas and resources per strategy "
                         "(deploy: serve deploy OUT.yaml, or python -m cluster up --config OUT.yaml)")
@@ -135,6 +149,8 @@ def _plan(args, parser) -> int:
         msg = str(exc)
         parser.error(f"--model-shape: {msg}" if "shape" in msg or "config" in msg else
                      f"--tier: {msg}" if "tier" in msg else msg)
+    if args.validate:
+        return _validate(args, out, parser)
     if args.json:
         from configs.jsonio import dumps
         if args.emit_serve_config:
@@ -157,6 +173,38 @@ def _plan(args, parser) -> int:
                       "tpot_ms", "ttft_ms", "capacity_rps", "tokens_per_s", "replicas", "note"])
     if args.emit_serve_config:
         _emit(args, out, parser)
+    return 0
+
+
+def _validate(args, out: dict, parser) -> int:
+    """--validate: run the plan with N and N-1 replicas; print and (--json FILE) write it."""
+    from pathlib import Path
+
+    from analysis import validate as va
+    from analysis.load import load_results
+    from analysis.slo import Slo
+    from configs.jsonio import dumps, write_json
+    try:
+        choice = va.choose(out["measured"], args.strategy, args.output)
+    except ValueError as exc:
+        parser.error(f"--validate/--strategy: {exc}")
+    results = load_results(args.results_dir)
+    profile = next((r.manifest.get("profile") for r in results.runs if r.manifest.get("profile")), None)
+    res = va.validate_plan(
+        choice, args.qps, args.tier, Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms,
+                                         source="flags"),
+        args.attainment, va.run_max_tokens(profile, args.tier, choice.output_class),
+        Path(args.validate_results or Path(args.results_dir) / "validate"),
+        duration_s=args.validate_duration, warmup_s=args.validate_warmup)
+    print(f"plan {'HOLDS' if res['holds'] else 'FAILS'}: {res['strategy']} x {res['replicas']} at "
+          f"{res['qps']:g} req/s: SLO attainment {res['attainment']:.1%} (target "
+          f"{res['slo_target']:.0%}); with {res['replicas'] - 1}: {res['attainment_minus_one']:.1%} "
+          f"({'fails as it should' if res['tight'] else 'still meets the target: the plan over-provisions'})")
+    if args.json and args.json != "-":
+        write_json(args.json, res)
+        print(f"json: {args.json}")
+    elif args.json == "-":
+        print(dumps(res, indent=2))
     return 0
 
 

@@ -1,0 +1,112 @@
+"""``analysis plan --validate``: choice, attainment arithmetic, generated configs, the
+N / N-1 verdict, and one pass through the real load generator against the fake server."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from analysis import validate as va
+from analysis.slo import Slo
+from configs import metric_names as mn
+from configs.serve_config import ServeAppConfig
+from configs.tiers import load_tiers
+
+SLO = Slo(ttft_ms=1000.0, tpot_ms=100.0, source="flags")
+
+
+def _rows(n: int, good_share: float, t0: float = 1000.0, spacing: float = 0.1) -> pd.DataFrame:
+    n_good = int(round(n * good_share))
+    return pd.DataFrame({
+        mn.REQ_TIER: "high", mn.REQ_SCHEDULED_TS: t0 + spacing * np.arange(n),
+        mn.REQ_STATUS: [mn.STATUS_OK] * (n - 2) + [mn.STATUS_TIMEOUT, mn.STATUS_ERROR],
+        mn.REQ_TTFT_MS: [100.0] * n_good + [5000.0] * (n - n_good),
+        mn.REQ_TPOT_MS: 10.0, mn.REQ_OUTPUT_TOKENS: 30})
+
+
+def test_choose_fewest_replicas_then_capacity():
+    rows = [{"strategy": "a", "output_class": "long", "replicas": 3, "capacity_rps": 1.0},
+            {"strategy": "b", "output_class": "long", "replicas": 2, "capacity_rps": 1.5},
+            {"strategy": "c", "output_class": "long", "replicas": 2, "capacity_rps": 1.8},
+            {"strategy": "d", "output_class": "long", "replicas": None, "capacity_rps": None,
+             "note": "SLO attainment < 90% at every level"}]
+    assert va.choose(rows) == va.Choice("c", "long", 2, 1.8)
+    assert va.choose(rows, strategy="a").replicas == 3
+    with pytest.raises(ValueError, match="no feasible"):
+        va.choose(rows, strategy="d")
+    # Little's law count: 1.3x one replica's capacity needs two
+    assert va.replicas_for(1.3, 1.0) == 2 and va.replicas_for(2.0, 1.0) == 2
+    assert va.replicas_for(2.0000001, 1.0) == 3
+
+
+def test_attainment_counts_failures_and_drops_warmup():
+    df = _rows(100, 0.9)   # rows 0..89 within the SLOs; 90..99 miss TTFT (two also failed)
+    att, n = va.attainment(df, SLO, warmup_s=0.0)
+    assert (att, n) == (0.9, 100)
+    att, n = va.attainment(df, SLO, warmup_s=5.0)  # rows scheduled before t0 + 5 s dropped
+    assert n == 50 and att == pytest.approx(40 / 50)
+    assert math.isnan(va.attainment(df.iloc[0:0], SLO)[0])
+
+
+def test_generated_serve_config_and_tier_file_validate(tmp_path):
+    cfg = va.serve_config(mn.AUTOREGRESSIVE, 2)
+    args = ServeAppConfig.model_validate(cfg["applications"][0]["args"])
+    assert [s.name for s in args.strategies] == [mn.AUTOREGRESSIVE]
+    assert args.strategies[0].num_replicas == 2 and args.strategies[0].engine["torch_threads"] == 1
+    with pytest.raises(ValueError):
+        va.serve_config("nope", 1)
+    f = tmp_path / "t.yaml"
+    f.write_text(yaml.safe_dump(va.tiers_file("high", "long", 3.5, 30, SLO,
+                                              {"dist": "uniform", "min": 96, "max": 128})))
+    cell = load_tiers(f).profile("validate").cell("high", "long")
+    assert cell.arrival == "open" and cell.rate_rps == 3.5 and cell.duration_s == 30
+    assert cell.slo.ttft_ms == 1000 and cell.max_tokens.max == 128
+
+
+def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
+    share = {2: 0.95, 1: 0.40}
+    deployed = []
+
+    def deploy(strategy, n):
+        deployed.append((strategy, n))
+        return f"http://fake/{n}", lambda: None
+
+    def drive(url, run_id):
+        n = int(url.rsplit("/", 1)[1])
+        d = tmp_path / run_id
+        d.mkdir()
+        _rows(200, share[n]).to_parquet(d / "requests.parquet")
+        return d
+
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 1.3, "high", SLO, 0.9,
+                           32, tmp_path / "out", duration_s=20, warmup_s=0.0, deploy=deploy,
+                           drive=drive, log=lambda m: None)
+    assert deployed == [(mn.AUTOREGRESSIVE, 2), (mn.AUTOREGRESSIVE, 1)]
+    assert {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target"} <= set(res)
+    assert res["attainment"] == pytest.approx(0.95) and res["attainment_minus_one"] == pytest.approx(0.40)
+    assert res["holds"] and res["tight"] and res["replicas"] == 2 and res["qps"] == 1.3
+    # a one-replica plan: N - 1 = 0 replicas serve nothing
+    share[1] = 0.97
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 1, 2.0), 1.0, "high", SLO, 0.9,
+                           32, tmp_path / "out1", warmup_s=0.0, deploy=deploy,
+                           drive=lambda url, rid: drive(url, rid + "-b"), log=lambda m: None)
+    assert res["attainment_minus_one"] == 0.0 and res["requests_minus_one"] == 0 and res["holds"]
+
+
+@pytest.mark.slow
+def test_validate_drives_open_loop_load_through_loadgen(tmp_path):
+    from loadgen import fake_server
+    with fake_server.running("--ttft-ms", "20", "--gap-ms", "5", "--tokens-per-chunk", "2") as url:
+        res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "short", 2, 5.0), 8.0, "low", SLO, 0.9,
+                               8, tmp_path / "out", duration_s=2.0, warmup_s=0.0,
+                               deploy=lambda s, n: (url, lambda: None), log=lambda m: None)
+    # the fake server has no capacity limit: both counts meet the SLO
+    assert res["attainment"] == 1.0 and res["attainment_minus_one"] == 1.0
+    assert res["holds"] and not res["tight"]
+    assert 6 <= res["requests"] <= 30   # Poisson at 8/s for 2 s
+    df = pd.read_parquet(tmp_path / "out" / "validate-autoregressive-2" / "requests.parquet")
+    assert set(df[mn.REQ_ARRIVAL]) == {"open"} and df[mn.REQ_RATE_RPS].eq(8.0).all()
