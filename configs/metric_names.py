@@ -6,7 +6,14 @@ Definitions follow docs/design.md ("Metric definitions"):
 - acceptance length tau = 1 + num_accepted_tokens / num_drafts (tokens emitted
   per verification step, counting the bonus / correction token).
 - verification tokens of a step = sum over the batch of (draft length + 1);
-  wasted verification tokens = verification tokens - emitted tokens.
+  emitted tokens of a step = what its verification delivered to users (accepted
+  drafts that survived EOS / max_tokens / stop-string cuts + one bonus or
+  correction token per request); wasted verification tokens = verification
+  tokens - emitted tokens = draft tokens - accepted tokens >= 0.
+- prefill-emitted tokens: the first output token of a request, sampled from
+  the prefill forward; no verification produced it, so it is counted apart
+  (``prefill_emitted_tokens``), never in emitted / verification tokens.
+  Per request: completion_tokens = 1 (prefill) + num_steps + num_accepted_tokens.
 - TTFT from the scheduled send time to the first chunk with non-empty text;
   TPOT = (e2e - TTFT) / (output_tokens - 1); ITL per token.
 """
@@ -38,7 +45,7 @@ assert tuple(PROPOSER_CLASSES) == STRATEGIES
 # --- speculative decoding counters (vLLM SpecDecodingStats names) -------------
 NUM_DRAFTS = "num_drafts"                      # verification steps that carried >= 1 draft token
 NUM_DRAFT_TOKENS = "num_draft_tokens"          # tokens proposed
-NUM_ACCEPTED_TOKENS = "num_accepted_tokens"    # proposed tokens accepted
+NUM_ACCEPTED_TOKENS = "num_accepted_tokens"    # accepted tokens the user received (cuts applied)
 NUM_ACCEPTED_TOKENS_PER_POS = "num_accepted_tokens_per_pos"  # list[int], index = draft position
 ACCEPTANCE_LENGTH = "acceptance_length"        # tau, tokens per verification step
 DRAFT_MS = "draft_ms"                          # proposer wall time, ms
@@ -56,7 +63,8 @@ STEP_PREFILL_TOKENS = "prefill_tokens"         # prompt tokens processed this st
 STEP_VERIFICATION_TOKENS = "verification_tokens"  # sum(draft_len + 1) over the batch
 STEP_DRAFT_TOKENS = "num_draft_tokens"
 STEP_ACCEPTED_TOKENS = "accepted_tokens"
-STEP_EMITTED_TOKENS = "emitted_tokens"
+STEP_EMITTED_TOKENS = "emitted_tokens"         # tokens verification delivered (cuts applied)
+STEP_PREFILL_EMITTED_TOKENS = "prefill_emitted_tokens"  # first tokens sampled from prefill
 STEP_MS = "step_ms"
 STEP_DRAFT_MS = "draft_ms"
 STEP_VERIFY_MS = "verify_ms"
@@ -65,8 +73,8 @@ STEP_PADDED_TOKENS = "padded_tokens"           # decode forward: batch_size x lo
 STEP_CONTEXT_TOKENS = "context_tokens"         # decode forward: sum over rows of the KV length attended
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
-                    STEP_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS, STEP_VERIFY_MS,
-                    STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS)
+                    STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
+                    STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"

@@ -105,6 +105,7 @@ class FakeServer:
                                    M.STEP_BATCH_SIZE: self.in_flight, M.STEP_PREFILL_TOKENS: 0,
                                    M.STEP_VERIFICATION_TOKENS: self.tpc, M.STEP_DRAFT_TOKENS: self.tpc - 1,
                                    M.STEP_ACCEPTED_TOKENS: n - 1, M.STEP_EMITTED_TOKENS: n,
+                                   M.STEP_PREFILL_EMITTED_TOKENS: 0,
                                    M.STEP_MS: self.gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
                                    M.STEP_VERIFY_MS: self.gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
                                    M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent})

@@ -152,7 +152,7 @@ class FakeEngine:
                 mn.STEP_REPLICA: self.replica, mn.STEP_BATCH_SIZE: batch,
                 mn.STEP_PREFILL_TOKENS: 0, mn.STEP_VERIFICATION_TOKENS: batch * (self.k + 1),
                 mn.STEP_DRAFT_TOKENS: draft_total, mn.STEP_ACCEPTED_TOKENS: accepted_total,
-                mn.STEP_EMITTED_TOKENS: emitted_total,
+                mn.STEP_EMITTED_TOKENS: emitted_total, mn.STEP_PREFILL_EMITTED_TOKENS: 0,
                 mn.STEP_MS: (time.monotonic() - t0) * 1e3, mn.STEP_DRAFT_MS: 0.0,
                 mn.STEP_VERIFY_MS: (time.monotonic() - t0) * 1e3,
                 mn.STEP_QUEUE_DEPTH: len(self._waiting),

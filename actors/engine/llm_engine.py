@@ -11,6 +11,7 @@ row to the step log (``on_step``). The engine sets no process-wide state
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +28,7 @@ from actors.engine.types import DraftProposal, ProposeInput, RequestOutput, Samp
 from actors.engine.verifier import verify
 from configs import metric_names as M
 
+logger = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """Raised by ``add_request`` when ``max_waiting`` requests already wait (HTTP 429)."""
@@ -40,9 +42,11 @@ class _StepCounters:
     verification_tokens: int = 0
     padded_tokens: int = 0          # decode forward: batch x longest row (padding included)
     context_tokens: int = 0         # decode forward: sum over rows of the KV length attended
+    batch_size: int = 0             # decoding requests whose verification completed
     draft_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0
+    accepted_tokens: int = 0        # accepted drafts the users received (cuts applied)
+    emitted_tokens: int = 0         # tokens verification delivered (cuts applied)
+    prefill_emitted_tokens: int = 0  # first tokens sampled from the prefill forward
     draft_ms: float = 0.0
     verify_ms: float = 0.0
 
@@ -51,8 +55,15 @@ class LLMEngine:
     """Continuous-batching engine with a pluggable proposer.
 
     Raises ValueError (naming the field) from ``add_request`` on bad input; a
-    bad request never touches the running batch.
+    bad request never touches the running batch. A fault while serving one
+    request (drafting, the target forward, sampling, detokenizing, the stop
+    check) finishes that request alone with finish_reason "error" (``step``).
     """
+
+    # Tests inject a fault into one request through this: called as
+    # ``fault_hook(phase, request_id)`` inside each guarded phase (propose,
+    # forward, sample, detokenize); whatever it raises is that request's fault.
+    fault_hook: Callable[[str, str], None] | None = None
 
     def __init__(self, config: EngineConfig, on_step: Callable[[dict], None] | None = None):
         self.config = config
@@ -147,8 +158,57 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         if req.slot >= 0:
             self.kv.free(req.request_id)
-            self.proposer.remove_request(req.request_id)
             req.slot = -1
+            try:
+                self.proposer.remove_request(req.request_id)
+            except Exception:  # noqa: BLE001 - a proposer fault must not stop the loop
+                logger.exception("proposer.remove_request(%s) failed", req.request_id)
+
+    # -- fault isolation ----------------------------------------------------------
+    # Every per-request phase runs under a guard. A batched phase (propose, the
+    # target forward) that raises is retried one request at a time, so only the
+    # request that fails alone is finished with finish_reason "error"; the rest
+    # of the batch and the engine loop go on.
+    def _hook(self, phase: str, request_id: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase, request_id)
+
+    def _fail(self, r: Request, phase: str, exc: BaseException) -> None:
+        """Finish ``r`` alone with finish_reason "error" (released in ``_finish``)."""
+        logger.warning("request %s failed in %s: %r", r.request_id, phase, exc)
+        r.finish_reason = "error"
+        r.error = f"{phase} failed: {type(exc).__name__}: {exc}"
+
+    def _isolated(self, phase: str, fn: Callable[[list], list], reqs: list[Request],
+                  items: list) -> list:
+        """``fn(items)`` -> one result per item. When the batch raises, each item is
+        retried alone; a request whose item still raises gets ``_fail`` (result None)."""
+        def call(rs, its):
+            for r in rs:
+                self._hook(phase, r.request_id)
+            out = list(fn(its))
+            if len(out) != len(its):
+                raise RuntimeError(f"{phase} returned {len(out)} results for {len(its)} requests")
+            return out
+        try:
+            return call(reqs, items)
+        except Exception as exc:  # noqa: BLE001 - isolate, then fail only the culprit
+            if len(items) == 1:
+                self._fail(reqs[0], phase, exc)
+                return [None]
+        out = []
+        for r, it in zip(reqs, items):
+            try:
+                out.append(call([r], [it])[0])
+            except Exception as exc:  # noqa: BLE001
+                self._fail(r, phase, exc)
+                out.append(None)
+        return out
+
+    def _forward(self, rows: list[RowInput], last_only: bool = False) -> list[tuple]:
+        """Target forward -> [(logits_i, aux_i or None)] per row."""
+        logits, aux = self.runner.run(rows, last_only=last_only, aux_layers=self.aux_layers)
+        return [(lg, aux[i] if aux is not None else None) for i, lg in enumerate(logits)]
 
     # -- the step: one function per phase ---------------------------------------
     @torch.inference_mode()
@@ -157,95 +217,137 @@ class LLMEngine:
 
         Phases: schedule + admit -> decode (propose, verify, accept + KV
         rollback) -> prefill chunks -> finish (outputs, release) -> step-log row.
+        A request that fails in this step is in the deltas with finish_reason
+        "error" and ``error`` set; it is left out of the step row's token counts.
         """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(self.kv.num_free)
-        self._admit(sched.admitted, t0)
+        touched: dict[str, Request] = {}
+        self._admit(sched.admitted, t0, touched)
         stats = _StepCounters()
-        touched = self._decode(sched.decodes, stats) if sched.decodes else []
-        if sched.prefills:
-            touched += self._prefill(sched.prefills, stats)
-        outputs = self._finish(touched)
+        decodes = [d for d in sched.decodes if d.request.finish_reason is None]
+        if decodes:
+            self._decode(decodes, stats, touched)
+        prefills = [p for p in sched.prefills if p.request.finish_reason is None]
+        if prefills:
+            self._prefill(prefills, stats, touched)
+        outputs = self._finish(list(touched.values()))
         if self.on_step is not None and (sched.decodes or sched.prefills):
-            self.on_step(self._step_row(stats, len(sched.decodes), t0))
+            self.on_step(self._step_row(stats, t0))
         return outputs
 
-    def _admit(self, admitted: list[Request], now: float) -> None:
+    def _admit(self, admitted: list[Request], now: float, touched: dict[str, Request]) -> None:
         """Give each newly scheduled request a KV slot and tell the proposer."""
         for r in admitted:
             r.slot = self.kv.allocate(r.request_id)
             r.first_scheduled = now
             r.stats.queue_ms = (now - r.arrival) * 1e3
-            self.proposer.add_request(r.request_id, r.prompt_ids)
+            try:
+                self.proposer.add_request(r.request_id, r.prompt_ids)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(r, "admit", exc)
+                touched[r.request_id] = r
 
-    def _decode(self, decodes: list[ScheduledDecode], stats: "_StepCounters") -> list[Request]:
+    def _decode(self, decodes: list[ScheduledDecode], stats: "_StepCounters",
+                touched: dict[str, Request]) -> None:
         """Propose for every decoding request, verify all drafts in one target
         forward, accept, roll rejected drafts out of the KV cache, emit."""
         td = time.perf_counter()
         reqs = [d.request for d in decodes]
-        props = self._propose(decodes)
+        props = self._isolated("propose", self.proposer.propose, reqs, [
+            ProposeInput(d.request.request_id, d.request.all_ids, d.max_draft,
+                         d.request.params, d.request.generator) for d in decodes])
         tv = time.perf_counter()
+        live: list[tuple[Request, DraftProposal]] = []
+        for d, p in zip(decodes, props):
+            r = d.request
+            touched[r.request_id] = r
+            if p is not None and len(p.token_ids) > d.max_draft:
+                self._fail(r, "propose", RuntimeError(
+                    f"{self.proposer.name} proposed {len(p.token_ids)} tokens; at most "
+                    f"{d.max_draft} were allowed"))
+            elif p is not None:
+                live.append((r, p))
         rows = [RowInput(r.slot, self.kv.append(r.request_id, 1 + len(p.token_ids)),
-                         [r.output_ids[-1]] + p.token_ids) for r, p in zip(reqs, props)]
-        logits, aux = self.runner.run(rows, aux_layers=self.aux_layers)
-        # what the padded forward computes: B x longest row, each row attending its KV
-        stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
-        stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
-        for i, (r, p) in enumerate(zip(reqs, props)):
-            self._accept(r, p, rows[i], logits[i], aux[i] if aux is not None else None, stats)
+                         [r.output_ids[-1]] + p.token_ids) for r, p in live]
+        if rows:
+            fwd = self._isolated("forward", self._forward, [r for r, _ in live], rows)
+            # what the padded forward computes: B x longest row, each row attending its KV
+            stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
+            stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
+            for (r, p), row, f in zip(live, rows, fwd):
+                if f is not None:
+                    self._accept(r, p, row, f[0], f[1], stats)
         draft_ms, verify_ms = (tv - td) * 1e3, (time.perf_counter() - tv) * 1e3
         stats.draft_ms, stats.verify_ms = draft_ms, verify_ms
         for r in reqs:
             r.stats.draft_ms += draft_ms
             r.stats.verify_ms += verify_ms
-        return reqs
-
-    def _propose(self, decodes: list[ScheduledDecode]) -> list[DraftProposal]:
-        """One batched proposer call; raises RuntimeError if a draft is longer than allowed."""
-        props = self.proposer.propose([
-            ProposeInput(d.request.request_id, d.request.all_ids, d.max_draft,
-                         d.request.params, d.request.generator) for d in decodes])
-        for d, p in zip(decodes, props):
-            if len(p.token_ids) > d.max_draft:
-                raise RuntimeError(f"{self.proposer.name} proposed {len(p.token_ids)} "
-                                   f"tokens; at most {d.max_draft} were allowed")
-        return props
 
     def _accept(self, r: Request, p: DraftProposal, row: RowInput, logits: torch.Tensor,
                 aux: torch.Tensor | None, stats: "_StepCounters") -> None:
         """Verify one request's draft against its target logits [1+d, V]; keep the
-        accepted prefix plus one target token and roll the rest out of the cache."""
-        res = verify(logits, p.token_ids, p.probs, r.params, r.generator)
-        committed = row.token_ids[:1 + res.num_accepted]
-        self.kv.rollback(r.request_id, row.start + len(committed))
-        r.num_computed = self.kv.length(r.request_id)
-        self.proposer.observe_target(r.request_id, row.start, committed,
-                                     aux[:len(committed)] if aux is not None else None)
-        r.stats.record(len(p.token_ids), res.num_accepted)
-        stats.draft_tokens += len(p.token_ids)
-        stats.accepted_tokens += res.num_accepted
-        stats.verification_tokens += len(row.token_ids)
-        stats.emitted_tokens += self._append(r, res.emitted)
+        accepted prefix plus one target token and roll the rest out of the cache.
 
-    def _prefill(self, prefills: list[ScheduledPrefill], stats: "_StepCounters") -> list[Request]:
-        """Forward this step's prompt chunks; a request whose prompt is done emits
-        its first token. Returns the requests that emitted."""
-        rows = [RowInput(p.request.slot, self.kv.append(p.request.request_id, len(p.chunk)),
-                         p.chunk) for p in prefills]
-        logits, aux = self.runner.run(rows, last_only=True, aux_layers=self.aux_layers)
-        emitted = []
-        for i, p in enumerate(prefills):
-            r = p.request
+        Counts what the user received: of the accepted drafts + bonus token only
+        ``kept`` survive EOS / max_tokens / a stop string; the step's own token
+        is one of them, the other kept - 1 are accepted drafts. A fault fails
+        ``r`` alone (not counted)."""
+        phase = "sample"
+        try:
+            self._hook(phase, r.request_id)
+            res = verify(logits, p.token_ids, p.probs, r.params, r.generator)
+            committed = row.token_ids[:1 + res.num_accepted]
+            self.kv.rollback(r.request_id, row.start + len(committed))
             r.num_computed = self.kv.length(r.request_id)
-            stats.prefill_tokens += len(p.chunk)
-            self.proposer.observe_target(r.request_id, rows[i].start, p.chunk,
-                                         aux[i] if aux is not None else None)
-            if not r.in_prefill:  # prompt done: the first output token
-                probs = process_logits(logits[i][-1], r.params)
+            phase = "observe"
+            self.proposer.observe_target(r.request_id, row.start, committed,
+                                         aux[:len(committed)] if aux is not None else None)
+            phase = "detokenize"
+            self._hook(phase, r.request_id)
+            kept = self._append(r, res.emitted)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(r, phase, exc)
+            return
+        accepted = max(0, kept - 1)
+        r.stats.record(len(p.token_ids), accepted)
+        stats.batch_size += 1
+        stats.draft_tokens += len(p.token_ids)
+        stats.accepted_tokens += accepted
+        stats.verification_tokens += len(row.token_ids)
+        stats.emitted_tokens += kept
+
+    def _prefill(self, prefills: list[ScheduledPrefill], stats: "_StepCounters",
+                 touched: dict[str, Request]) -> None:
+        """Forward this step's prompt chunks; a request whose prompt is done emits
+        its first token (counted as prefill-emitted, not as verification output)."""
+        reqs = [p.request for p in prefills]
+        rows = [RowInput(r.slot, self.kv.append(r.request_id, len(p.chunk)), p.chunk)
+                for r, p in zip(reqs, prefills)]
+        fwd = self._isolated("forward", lambda rws: self._forward(rws, last_only=True),
+                             reqs, rows)
+        for r, p, row, f in zip(reqs, prefills, rows, fwd):
+            if f is None:
+                touched[r.request_id] = r
+                continue
+            phase = "observe"
+            try:
+                r.num_computed = self.kv.length(r.request_id)
+                stats.prefill_tokens += len(p.chunk)
+                self.proposer.observe_target(r.request_id, row.start, p.chunk, f[1])
+                if r.in_prefill:
+                    continue
+                touched[r.request_id] = r  # prompt done: the first output token
+                phase = "sample"
+                self._hook(phase, r.request_id)
+                probs = process_logits(f[0][-1], r.params)
                 tok = int(probs.argmax()) if r.params.greedy else int(sample(probs, r.generator))
-                stats.emitted_tokens += self._append(r, [tok])
-                emitted.append(r)
-        return emitted
+                phase = "detokenize"
+                self._hook(phase, r.request_id)
+                stats.prefill_emitted_tokens += self._append(r, [tok])
+            except Exception as exc:  # noqa: BLE001
+                touched[r.request_id] = r
+                self._fail(r, phase, exc)
 
     def _finish(self, touched: list[Request]) -> list[RequestOutput]:
         """Deltas for the requests that emitted; finished ones leave the engine."""
@@ -257,16 +359,17 @@ class LLMEngine:
                 self._release(r)
         return outputs
 
-    def _step_row(self, stats: "_StepCounters", batch_size: int, t0: float) -> dict:
+    def _step_row(self, stats: "_StepCounters", t0: float) -> dict:
         """The step-log row (``configs.results_schema.STEP_SCHEMA``)."""
         return {
             M.STEP_TS: time.time(), M.STEP_STRATEGY: self.config.strategy,
             M.STEP_MODEL: self.served_model_name,
-            M.STEP_REPLICA: self.config.replica_id, M.STEP_BATCH_SIZE: batch_size,
+            M.STEP_REPLICA: self.config.replica_id, M.STEP_BATCH_SIZE: stats.batch_size,
             M.STEP_PREFILL_TOKENS: stats.prefill_tokens,
             M.STEP_VERIFICATION_TOKENS: stats.verification_tokens,
             M.STEP_DRAFT_TOKENS: stats.draft_tokens, M.STEP_ACCEPTED_TOKENS: stats.accepted_tokens,
             M.STEP_EMITTED_TOKENS: stats.emitted_tokens,
+            M.STEP_PREFILL_EMITTED_TOKENS: stats.prefill_emitted_tokens,
             M.STEP_MS: (time.perf_counter() - t0) * 1e3,
             M.STEP_DRAFT_MS: stats.draft_ms, M.STEP_VERIFY_MS: stats.verify_ms,
             M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: stats.padded_tokens,
@@ -274,7 +377,7 @@ class LLMEngine:
 
     def _append(self, r: Request, tokens: list[int]) -> int:
         """Append emitted tokens, applying EOS / max_tokens / context / stop strings.
-        Returns how many were kept."""
+        Returns how many were kept (>= 1 when ``tokens`` is not empty)."""
         kept = 0
         for t in tokens:
             r.output_ids.append(t)
@@ -293,13 +396,18 @@ class LLMEngine:
             ids = ids[:-1]  # EOS is not part of the text
         text = self.tokenizer.decode(ids)
         if r.params.stop:
-            hit = self._find_stop(text, r.params.stop, max(0, len(r.text) - 64))
+            # The earlier text held no stop string, so a new match ends in the new text:
+            # search from (longest stop - 1) characters before where that stable text
+            # ended (a trailing U+FFFD is an incomplete character that may change).
+            longest = max(len(s) for s in r.params.stop)
+            frm = max(0, len(r.text.rstrip("\ufffd")) - longest + 1)
+            hit = self._find_stop(text, r.params.stop, frm)
             if hit is not None:
                 text = text[:hit]
                 # keep the shortest id prefix whose text reaches the stop string
                 for j in range(len(r.output_ids) - kept + 1, len(r.output_ids) + 1):
                     if self._find_stop(self.tokenizer.decode(r.output_ids[:j]), r.params.stop,
-                                       0) is not None:
+                                       frm) is not None:
                         kept -= len(r.output_ids) - j
                         del r.output_ids[j:]
                         break
@@ -309,6 +417,7 @@ class LLMEngine:
 
     @staticmethod
     def _find_stop(text: str, stops: tuple[str, ...], frm: int) -> int | None:
+        """Smallest index >= ``frm`` where any stop string starts in ``text`` (None: none)."""
         hits = [i for i in (text.find(s, frm) for s in stops) if i >= 0]
         return min(hits) if hits else None
 
@@ -316,17 +425,22 @@ class LLMEngine:
         finished = r.finish_reason is not None
         text = r.text
         end = len(text)
-        if not finished:
+        if r.finish_reason == "error":
+            end = r.sent_chars  # nothing more of a failed request's text is sent
+        elif not finished:
             if text.endswith("\ufffd"):
                 end = len(text.rstrip("\ufffd"))  # hold back an incomplete UTF-8 character
             if r.params.stop:  # hold back what may be the start of a stop string
                 end = max(0, end - max(len(s) for s in r.params.stop) + 1)
         new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
         r.sent_chars = max(r.sent_chars, end)
-        new_ids = r.output_ids[r.sent_tokens:]
-        r.sent_tokens = len(r.output_ids)
+        if r.finish_reason == "error":
+            new_ids = []
+        else:
+            new_ids = r.output_ids[r.sent_tokens:]
+            r.sent_tokens = len(r.output_ids)
         return RequestOutput(r.request_id, new_ids, new_text, finished, r.finish_reason,
-                             len(r.prompt_ids), len(r.output_ids), r.stats)
+                             len(r.prompt_ids), r.sent_tokens, r.stats, error=r.error)
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],

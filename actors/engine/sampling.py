@@ -38,10 +38,18 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row: probs [..., V] -> [...] int64 (multinomial on the CPU
-    generator so a request's draws do not depend on the rest of the batch)."""
+    generator so a request's draws do not depend on the rest of the batch).
+
+    Raises ValueError when a row is not a distribution (inf / NaN / negative
+    entries or zero mass); the engine then fails that request alone.
+    """
     flat = probs.reshape(-1, probs.shape[-1])
     if flat.device.type != "cpu":
         flat = flat.cpu()
+    if not bool(torch.isfinite(flat).all()) or bool((flat < 0).any()) \
+            or bool((flat.sum(-1) <= 0).any()):
+        raise ValueError("sampling distribution has inf / NaN / negative entries or no mass "
+                         "(non-finite logits?)")
     out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
     return out.reshape(probs.shape[:-1]).to(probs.device)
 

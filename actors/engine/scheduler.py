@@ -39,7 +39,8 @@ class Request:
     text: str = ""          # decoded output text so far (after stop-string truncation)
     sent_chars: int = 0     # how much of ``text`` was streamed
     sent_tokens: int = 0    # how many output ids were streamed
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "error" once finished
+    error: str | None = None          # what failed, when finish_reason is "error"
 
     @property
     def all_ids(self) -> list[int]:

@@ -12,13 +12,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would
+# overflow float32 (max 3.4e38) for T ~ 1e-40, and the limit distribution is the argmax.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """OpenAI-style sampling parameters of one request.
 
-    temperature 0 means greedy. top_k 0 or -1 means no top-k. ``seed`` makes the
-    request's sampling reproducible whatever else is in the batch.
+    temperature 0 means greedy, and so does any temperature below
+    ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``): dividing logits by
+    1e-40 overflows float32 to inf and softmax to NaN, while the distribution
+    it approximates is the argmax one-hot anyway. top_k 0 or -1 means no
+    top-k. ``seed`` makes the request's sampling reproducible whatever else is
+    in the batch. ``max_tokens`` may exceed the context: the engine stops at
+    ``max_model_len`` with finish_reason "length".
     Raises ValueError naming the field on invalid values (see ``validate``).
     """
 
@@ -55,7 +64,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """True for temperature 0 and for temperatures too small to divide by (< 1e-5)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass

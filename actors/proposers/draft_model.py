@@ -89,12 +89,16 @@ class DraftModelProposer(Proposer):
             self.pool.rollback(r.request_id, n)
             pending = r.token_ids[n:]
             rows[i] = RowInput(st.slot, self.pool.append(r.request_id, len(pending)), pending)
-            st.cached = list(r.token_ids)
+        # ``cached`` only grows after a forward returned, so a propose that raised
+        # part-way (the engine then retries request by request) leaves it true
+        # (the pool is rolled back to it first).
         for group in ([i for i in active if len(rows[i].token_ids) <= _CATCHUP_SPLIT],
                       [i for i in active if len(rows[i].token_ids) > _CATCHUP_SPLIT]):
             if not group:
                 continue
             logits, _ = self.runner.run([rows[i] for i in group], last_only=True)
+            for i in group:
+                self.state[batch[i].request_id].cached = list(batch[i].token_ids)
             for i, lg in zip(group, logits):
                 tok, q = self._pick(lg[-1], batch[i])
                 drafts[i].append(tok)
@@ -110,8 +114,9 @@ class DraftModelProposer(Proposer):
                 st = self.state[batch[i].request_id]
                 rws.append(RowInput(st.slot, self.pool.append(batch[i].request_id, 1),
                                     [drafts[i][-1]]))
-                st.cached.append(drafts[i][-1])
             logits, _ = self.runner.run(rws, last_only=True)
+            for i in step:
+                self.state[batch[i].request_id].cached.append(drafts[i][-1])
             for i, lg in zip(step, logits):
                 tok, q = self._pick(lg[-1], batch[i])
                 drafts[i].append(tok)
