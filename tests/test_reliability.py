@@ -118,7 +118,7 @@ def test_one_request_fault_fails_it_alone(strategy, make_engine, prompts, solo):
         assert r["error"].startswith(f"{phase} failed")
         assert "injected" in r["error"]
         assert r["num_output_tokens"] == len(r["ids"])  # counts what was delivered only
-    assert not eng.requests and len(eng.runner.free_slots) == 8  # every slot came back
+    assert not eng.requests and eng.kv.num_free == 8  # every slot came back
     # the engine keeps serving after the faults
     again, _ = drive(eng, [("after", prompts[0], SamplingParams(max_tokens=N))])
     assert again["after"]["ids"] == solo[0]["ids"]
