@@ -4,7 +4,8 @@
 A run directory is any directory that holds ``requests.parquet``. Columns the
 server did not report (third-party engines report no speculative statistics
 and write no step log) are added as missing values, so every later stage can
-rely on the full column set of ``configs.metric_names``.
+rely on the full column set of ``configs.results_schema``. A file written
+with a newer ``schema_version`` than this reader knows is refused.
 """
 
 from __future__ import annotations
@@ -17,23 +18,19 @@ import numpy as np
 import pandas as pd
 
 from configs import metric_names as mn
+from configs import results_schema as S
 
 REQUESTS_FILE = "requests.parquet"
 STEPS_FILE = "steps.parquet"
 MANIFEST_FILE = "manifest.json"
 
-# Optional per-request columns (reported only by servers with speculative stats).
-TOP1_COV_PER_POS = "top1_cov_per_pos"      # list[float], P(target in draft top-1 at i | prefix ok)
-TOPK_COV_PER_POS = "topk_cov_per_pos"      # list[float], same for the drafter's top-k
-SPEC_NUMERIC_COLUMNS = (mn.NUM_DRAFTS, mn.NUM_DRAFT_TOKENS, mn.NUM_ACCEPTED_TOKENS,
-                        mn.DRAFT_MS, mn.VERIFY_MS, mn.QUEUE_MS)
-LIST_COLUMNS = (mn.NUM_ACCEPTED_TOKENS_PER_POS, TOP1_COV_PER_POS, TOPK_COV_PER_POS)
-REQUIRED_COLUMNS = (mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS,
-                    mn.REQ_OUTPUT_TOKENS, mn.REQ_END_TS)
-NUMERIC_REQUEST_COLUMNS = (mn.REQ_SCHEDULED_TS, mn.REQ_SENT_TS, mn.REQ_FIRST_TOKEN_TS,
-                           mn.REQ_END_TS, mn.REQ_TTFT_MS, mn.REQ_TPOT_MS, mn.REQ_ITL_P50_MS,
-                           mn.REQ_ITL_P99_MS, mn.REQ_E2E_MS, mn.REQ_OUTPUT_TOKENS,
-                           mn.REQ_PROMPT_TOKENS)
+# Columns and types come from configs/results_schema.py (the writer's schema too).
+REQUIRED_COLUMNS = S.required(S.REQUEST_COLUMNS)
+NUMERIC_REQUEST_COLUMNS = S.numeric(S.REQUEST_COLUMNS)
+LIST_COLUMNS = tuple(c.name for c in S.REQUEST_COLUMNS if c.type.startswith("list"))
+# In the analysis frames, a step's ``strategy`` is its deployment's served name (the
+# key request rows carry); the engine's strategy id moves to ``proposer``.
+STEP_PROPOSER = "proposer"
 
 
 class ResultsError(ValueError):
@@ -76,18 +73,33 @@ def find_run_dirs(root: Path) -> list[Path]:
     return sorted(p.parent for p in root.rglob(REQUESTS_FILE))
 
 
+def _check_version(path: Path, version: int | None) -> None:
+    if version is not None and version > S.SCHEMA_VERSION:
+        raise ResultsError(f"{path}: results schema_version {version} is newer than this "
+                           f"analysis reads ({S.SCHEMA_VERSION}); upgrade specload.")
+
+
+def _read(path: Path) -> pd.DataFrame:
+    """A Parquet file as a DataFrame; raises ResultsError for a newer schema_version."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    _check_version(path, S.file_version(table.schema.metadata))
+    return table.to_pandas()
+
+
 def _normalise_requests(df: pd.DataFrame, run_id: str, path: Path) -> pd.DataFrame:
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise ResultsError(
             f"{path / REQUESTS_FILE}: missing required columns {missing}; expected the "
-            f"load generator's columns (configs/metric_names.py REQ_*). Re-run the load "
+            f"load generator's columns (configs/results_schema.py). Re-run the load "
             f"generator or fix the writer.")
     df = df.copy()
     if mn.REQ_RUN_ID not in df.columns:
         df[mn.REQ_RUN_ID] = run_id
     df[mn.REQ_RUN_ID] = df[mn.REQ_RUN_ID].fillna(run_id).astype(str)
-    for col in NUMERIC_REQUEST_COLUMNS + SPEC_NUMERIC_COLUMNS:
+    for col in NUMERIC_REQUEST_COLUMNS:
         df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else np.nan
     for col in LIST_COLUMNS:
         if col not in df.columns:
@@ -105,16 +117,25 @@ def _normalise_requests(df: pd.DataFrame, run_id: str, path: Path) -> pd.DataFra
 
 
 def _normalise_steps(df: pd.DataFrame, run_id: str) -> pd.DataFrame:
+    """Step rows with every engine column, keyed for the join with request rows.
+
+    ``strategy`` becomes the served model name (``model``; logs written before
+    rows carried it fall back to the engine's id) and the engine's strategy id
+    is kept in ``proposer``: requests and steps of one deployment then share
+    ``strategy``, even when its name is not its strategy id.
+    """
     df = df.copy()
     text = (mn.STEP_STRATEGY, mn.STEP_MODEL, mn.STEP_REPLICA)
-    for col in mn.STEP_LOG_COLUMNS:
+    for col in S.names(S.ENGINE_STEP_COLUMNS):
         if col not in df.columns:
-            df[col] = np.nan if col not in text else "unknown"
-    if (df[mn.STEP_MODEL] == "unknown").all():  # logs from before rows carried the served name
-        df[mn.STEP_MODEL] = df[mn.STEP_STRATEGY]
-    for col in mn.STEP_LOG_COLUMNS:
-        if col not in text:
-            df[col] = pd.to_numeric(df[col], errors="coerce")
+            df[col] = np.nan if col not in text else None
+    df[mn.STEP_STRATEGY] = df[mn.STEP_STRATEGY].fillna("unknown").astype(str)
+    df[mn.STEP_REPLICA] = df[mn.STEP_REPLICA].fillna("unknown").astype(str)
+    df[mn.STEP_MODEL] = df[mn.STEP_MODEL].fillna(df[mn.STEP_STRATEGY]).astype(str)
+    for col in S.numeric(S.ENGINE_STEP_COLUMNS):
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    df[STEP_PROPOSER] = df[mn.STEP_STRATEGY]
+    df[mn.STEP_STRATEGY] = df[mn.STEP_MODEL]
     df["run_id"] = run_id
     return df
 
@@ -129,13 +150,14 @@ def load_run(path: Path) -> Run:
     manifest: dict = {}
     if (path / MANIFEST_FILE).is_file():
         manifest = json.loads((path / MANIFEST_FILE).read_text())
-    raw = pd.read_parquet(req_path)
+    _check_version(path / MANIFEST_FILE, manifest.get("schema_version"))
+    raw = _read(req_path)
     run_id = str(manifest.get("run_id") or
                  (raw[mn.REQ_RUN_ID].dropna().iloc[0] if mn.REQ_RUN_ID in raw.columns
                   and raw[mn.REQ_RUN_ID].notna().any() else path.name))
     requests = _normalise_requests(raw, run_id, path)
     steps_path = path / STEPS_FILE
-    steps = (_normalise_steps(pd.read_parquet(steps_path), run_id) if steps_path.is_file()
+    steps = (_normalise_steps(_read(steps_path), run_id) if steps_path.is_file()
              else _normalise_steps(pd.DataFrame(columns=list(mn.STEP_LOG_COLUMNS)), run_id))
     return Run(run_id=run_id, path=path, requests=requests, steps=steps, manifest=manifest)
 

@@ -141,11 +141,12 @@ def _stack_lists(series: pd.Series) -> np.ndarray:
 
 
 def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFrame:
-    """Per-position acceptance and top-k coverage per ``by`` group.
+    """Per-position acceptance per ``by`` group.
 
     Columns: ``by``, position (1-based draft position), accepted (count),
     uncond (accepted_i / drafts), cond (accepted_i / accepted_{i-1}, position 1
-    divides by drafts), top1_cov, topk_cov (mean over requests; NaN if unreported).
+    divides by drafts). (Drafter top-k coverage is an offline measurement:
+    ``python -m actors.evaluate``; load runs do not carry it.)
     """
     rows = []
     ok = requests[requests[mn.REQ_STATUS].eq("ok")]
@@ -153,21 +154,16 @@ def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFr
         counts = _stack_lists(g[mn.NUM_ACCEPTED_TOKENS_PER_POS])
         has_pos = g[mn.NUM_ACCEPTED_TOKENS_PER_POS].map(lambda v: isinstance(v, (list, tuple, np.ndarray)))
         drafts = g.loc[has_pos, mn.NUM_DRAFTS].sum()
-        top1 = _stack_lists(g["top1_cov_per_pos"])
-        topk = _stack_lists(g["topk_cov_per_pos"])
-        width = max(counts.shape[1], top1.shape[1], topk.shape[1])
+        width = counts.shape[1]
         acc = np.nansum(counts, axis=0) if counts.size else np.zeros(0)
         prev = drafts
         for i in range(width):
             a = float(acc[i]) if i < acc.size else np.nan
             rows.append({by: key, "position": i + 1, "accepted": a,
                          "uncond": a / drafts if drafts else np.nan,
-                         "cond": a / prev if prev else np.nan,
-                         "top1_cov": np.nanmean(top1[:, i]) if i < top1.shape[1] else np.nan,
-                         "topk_cov": np.nanmean(topk[:, i]) if i < topk.shape[1] else np.nan})
+                         "cond": a / prev if prev else np.nan})
             prev = a
-    return pd.DataFrame(rows, columns=[by, "position", "accepted", "uncond", "cond",
-                                       "top1_cov", "topk_cov"])
+    return pd.DataFrame(rows, columns=[by, "position", "accepted", "uncond", "cond"])
 
 
 def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:

@@ -125,23 +125,6 @@ def per_position_plot(pos: pd.DataFrame) -> bytes | None:
     return _png(fig)
 
 
-def coverage_plot(pos: pd.DataFrame) -> bytes | None:
-    """Top-1 and top-k coverage per position, where the server reports them."""
-    cov = pos[pos["top1_cov"].notna() | pos["topk_cov"].notna()]
-    if cov.empty:
-        return None
-    fig, axes = _axes(1, width=6.0)
-    ax = axes[0]
-    for strategy, g in cov.groupby(mn.REQ_STRATEGY):
-        line, = ax.plot(g["position"], g["top1_cov"], marker="o", label=f"{strategy} top-1")
-        ax.plot(g["position"], g["topk_cov"], marker="s", ls="--", color=line.get_color(),
-                label=f"{strategy} top-k")
-    ax.set(title="top-k coverage: P(target token in draft top-k at i | prefix correct)",
-           xlabel="draft position i", ylabel="coverage", ylim=(0, 1.05))
-    ax.legend(fontsize=8)
-    return _png(fig)
-
-
 def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
     """Mean verification tokens per step against batch size, per strategy."""
     df = step_table(steps)

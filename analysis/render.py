@@ -32,7 +32,6 @@ FIGURE_TITLES = {
     "throughput_latency": "Throughput-latency curve and knee",
     "acceptance": "Acceptance length distribution",
     "per_position": "Per-position acceptance (unconditional and conditional, labelled)",
-    "coverage": "Top-k coverage per position",
     "verification": "Verification tokens per step vs batch size",
     "step_cost": "Step time vs batch tokens with the fitted cost curve",
     "step_residuals": "Step cost model residuals per strategy (decode / with prefill)",
@@ -103,7 +102,8 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
          "requests' median ITL, p99 over requests' p99 ITL.",
          records(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]])),
         ("Per-position acceptance", "uncond = accepted at i / drafts (vLLM); cond = accepted at "
-         "i / accepted at i-1 (DFlash 2, DSpark); top-k coverage where reported.",
+         "i / accepted at i-1 (DFlash 2, DSpark). Drafter top-k coverage is measured "
+         "offline (`python -m actors.evaluate`).",
          records(a.positions)),
     ]
     if a.degradation is not None:
@@ -120,7 +120,8 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
         return m.get("git_sha") or (git.get("sha") if isinstance(git, dict) else None)
 
     runs = [{"run_id": r.run_id, "path": str(r.path), "started": _started(r.manifest),
-             "git_sha": _sha(r.manifest), "requests": len(r.requests),
+             "git_sha": _sha(r.manifest), "schema_version": r.manifest.get("schema_version"),
+             "requests": len(r.requests),
              "steps": len(r.steps), "versions": r.manifest.get("versions"),
              "machine": r.manifest.get("machine")} for r in a.results.runs]
     out.append(("Runs", "Run directories read.", runs))

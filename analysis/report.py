@@ -87,7 +87,6 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "throughput_latency": plots.throughput_latency(a.cells, a.knees),
         "acceptance": plots.acceptance_hist(a.flagged),
         "per_position": plots.per_position_plot(a.positions),
-        "coverage": plots.coverage_plot(a.positions),
         "verification": plots.verification_vs_batch(a.results.steps),
         "step_cost": plots.step_cost(a.results.steps, a.target_curve),
         **capacity_figures(a.capacity_model),

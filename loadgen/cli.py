@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from configs import metric_names as M
+from configs.results_schema import SCHEMA_VERSION as RESULTS_SCHEMA_VERSION
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
 from loadgen import service
 from loadgen.cells import CellPlan, shuffled_prompts
@@ -35,7 +36,8 @@ from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
-MANIFEST_SCHEMA_VERSION = 2  # 2: schema_version, repeats, sweep; request column `repeat`
+# one version for the run directory (manifest, request rows, step rows): configs/results_schema.py
+MANIFEST_SCHEMA_VERSION = RESULTS_SCHEMA_VERSION
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +141,10 @@ def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]
         r[M.REQ_RUN_ID] = run_id
         ts = r.get(M.STEP_TS)
         for c in cells:
-            if c["strategy"] == r.get(M.STEP_STRATEGY) and ts is not None and c["t0"] <= ts <= c["t1"]:
+            # a cell's "strategy" is the served model name; so is a step row's STEP_MODEL
+            # (STEP_STRATEGY is the engine's id; servers older than STEP_MODEL sent only that)
+            if c["strategy"] == r.get(M.STEP_MODEL, r.get(M.STEP_STRATEGY)) and ts is not None \
+                    and c["t0"] <= ts <= c["t1"]:
                 r[M.REQ_TIER], r[M.REQ_OUTPUT_CLASS] = c["tier"], c["output_class"]
                 r[M.REQ_USERS], r[M.REQ_REPEAT] = c.get("users"), c.get("repeat", 0)
                 break

@@ -141,7 +141,7 @@ class FakeServer:
     async def step_log(self, request: web.Request) -> web.Response:
         strategy = request.query.get("strategy")
         since = float(request.query.get("since", 0))
-        rows = [r for r in self.steps if r[M.STEP_TS] >= since and (not strategy or r[M.STEP_STRATEGY] == strategy)]
+        rows = [r for r in self.steps if r[M.STEP_TS] >= since and (not strategy or r[M.STEP_MODEL] == strategy)]
         return web.json_response({"rows": rows})
 
     async def stall(self, request: web.Request) -> web.Response:

@@ -6,7 +6,9 @@ converting rows blocks the gevent loop and would skew in-flight timestamps),
 and the writer is closed (footer written) on normal exit, Ctrl-C and SIGTERM,
 so the file is always readable after the process ends and holds every
 finished request. Only a hard kill (SIGKILL) loses the current cell's rows.
-Rows are never dropped: failures carry a status.
+Rows are never dropped: failures carry a status. Both Parquet files follow
+``configs.results_schema`` (columns, types, units; ``schema_version`` in the
+file metadata).
 """
 
 from __future__ import annotations
@@ -24,44 +26,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from configs import metric_names as M
+from configs import results_schema as S
 from configs.jsonio import write_json
 from configs.paths import REPO_ROOT
 
-REQUEST_SCHEMA = pa.schema([
-    (M.REQ_RUN_ID, pa.string()), (M.REQ_STRATEGY, pa.string()), (M.REQ_TIER, pa.string()),
-    (M.REQ_OUTPUT_CLASS, pa.string()), (M.REQ_DATASET, pa.string()), (M.REQ_PROMPT_ID, pa.string()),
-    (M.REQ_USERS, pa.int32()), (M.REQ_ARRIVAL, pa.string()), (M.REQ_RATE_RPS, pa.float64()),
-    (M.REQ_REQUEST_INDEX, pa.int64()), (M.REQ_MAX_TOKENS, pa.int32()),
-    (M.REQ_SCHEDULED_TS, pa.float64()), (M.REQ_SENT_TS, pa.float64()), (M.REQ_FIRST_TOKEN_TS, pa.float64()),
-    (M.REQ_END_TS, pa.float64()),
-    (M.REQ_TTFT_MS, pa.float64()), (M.REQ_TPOT_MS, pa.float64()), (M.REQ_ITL_P50_MS, pa.float64()),
-    (M.REQ_ITL_P99_MS, pa.float64()), (M.REQ_E2E_MS, pa.float64()),
-    (M.REQ_OUTPUT_TOKENS, pa.int64()), (M.REQ_PROMPT_TOKENS, pa.int64()), (M.REQ_NUM_CHUNKS, pa.int32()),
-    (M.REQ_FINISH_REASON, pa.string()), (M.REQ_STATUS, pa.string()), (M.REQ_ERROR, pa.string()),
-    (M.NUM_DRAFTS, pa.int64()), (M.NUM_DRAFT_TOKENS, pa.int64()), (M.NUM_ACCEPTED_TOKENS, pa.int64()),
-    (M.NUM_ACCEPTED_TOKENS_PER_POS, pa.list_(pa.int64())), (M.ACCEPTANCE_LENGTH, pa.float64()),
-    (M.DRAFT_MS, pa.float64()), (M.VERIFY_MS, pa.float64()), (M.QUEUE_MS, pa.float64()),
-    (M.REQ_REPEAT, pa.int32()),
-])
-
-
-def _coerce(row: dict[str, Any]) -> dict[str, Any]:
-    """Fit a row to REQUEST_SCHEMA: missing -> null, NaN -> null, wrong types -> null/str."""
-    out: dict[str, Any] = {}
-    for f in REQUEST_SCHEMA:
-        v = row.get(f.name)
-        if v is None or (isinstance(v, float) and v != v):
-            out[f.name] = None
-        elif pa.types.is_integer(f.type):
-            out[f.name] = int(v) if isinstance(v, (int, float)) else None
-        elif pa.types.is_floating(f.type):
-            out[f.name] = float(v) if isinstance(v, (int, float)) else None
-        elif pa.types.is_list(f.type):
-            out[f.name] = [int(x) for x in v] if isinstance(v, (list, tuple)) else None
-        else:
-            out[f.name] = str(v)
-    return out
+REQUEST_SCHEMA = S.arrow_schema(S.REQUEST_COLUMNS)   # columns, types, units: configs/results_schema.py
+STEP_SCHEMA = S.arrow_schema(S.STEP_COLUMNS)
 
 
 class RequestWriter:
@@ -77,7 +47,7 @@ class RequestWriter:
         self.rows_written = 0
 
     def add(self, row: dict[str, Any]) -> None:
-        self._buf.append(_coerce(row))
+        self._buf.append(S.coerce_row(S.REQUEST_COLUMNS, row))
 
     def maybe_flush(self) -> None:
         """Flush when the buffer or its age passed its limit (call from the driver loop)."""
@@ -106,14 +76,13 @@ class RequestWriter:
 
 
 def write_steps(path: Path, rows: list[dict[str, Any]]) -> int:
-    """Write the engine step rows (STEP_* columns, as the server sent them) atomically; returns rows."""
+    """Write the engine step rows (``STEP_SCHEMA``: the engine's columns plus the cell
+    labels) atomically; keys outside the schema are dropped. Returns rows written."""
     if not rows:
         return 0
     tmp = Path(str(path) + ".tmp")
-    columns: dict[str, None] = {}
-    for r in rows:  # union of keys, first-seen order (from_pylist alone infers from row 0)
-        columns.update(dict.fromkeys(r))
-    pq.write_table(pa.Table.from_pydict({c: [r.get(c) for r in rows] for c in columns}), tmp)
+    table = pa.Table.from_pylist([S.coerce_row(S.STEP_COLUMNS, r) for r in rows], schema=STEP_SCHEMA)
+    pq.write_table(table, tmp)
     os.replace(tmp, path)
     return len(rows)
 

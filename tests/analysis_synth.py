@@ -103,9 +103,6 @@ def _requests(strat: Strat, tier: str, users: int, oc: str, run_id: str, t0: flo
                mn.NUM_ACCEPTED_TOKENS: sum(per_pos),
                mn.NUM_ACCEPTED_TOKENS_PER_POS: per_pos,
                mn.DRAFT_MS: 1.0, mn.VERIFY_MS: 2.0, mn.QUEUE_MS: 0.0}
-        if strat.k:
-            row["top1_cov_per_pos"] = [min(1.0, r + 0.05) for r in strat.accept_rates]
-            row["topk_cov_per_pos"] = [min(1.0, r + 0.2) for r in strat.accept_rates]
         rows.append(row)
     return rows
 

@@ -68,7 +68,7 @@ def test_outputs_written(report):
     assert "## Recommendation" in md and "| low | short | 1 | dflash |" in md
     html = (root / "out" / "report.html").read_text()
     assert 'id="recommendation"' in html and "http://" not in html and "https://" not in html
-    assert html.count("data:image/png;base64,") == 11  # 8 + step residuals + 2 backtest
+    assert html.count("data:image/png;base64,") == 10  # 7 + step residuals + 2 backtest
     assert "cond = accepted at i / accepted at i-1" in md and "uncond = accepted at i / drafts" in md
 
 
@@ -99,7 +99,7 @@ def test_capacity_and_acceptance_tables(report):
     pos = a.positions[a.positions[mn.REQ_STRATEGY].eq(mn.DFLASH)].set_index("position")
     assert list(pos["uncond"]) == pytest.approx(list(syn.DFLASH.accept_rates))
     assert pos.loc[2, "cond"] == pytest.approx(0.8 / 0.9)
-    assert pos.loc[1, "top1_cov"] == pytest.approx(0.95)
+    assert "top1_cov" not in pos.columns  # coverage is offline only (actors.evaluate)
     cells = a.cells.set_index([mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS])
     c = cells.loc[(mn.DFLASH, "mid", "short")]
     assert c["slo_attainment"] == pytest.approx(0.5)

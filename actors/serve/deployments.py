@@ -148,10 +148,11 @@ class StepLogStore:
 
     def query(self, strategy: str | None = None, since: float | None = None,
               limit: int | None = None) -> list[dict]:
-        """Rows with ``ts > since`` (unix seconds) of ``strategy`` (all when None),
+        """Rows with ``ts > since`` (unix seconds) of the deployment served as
+        ``strategy`` (its served model name, ``STEP_MODEL``; all when None),
         oldest first; with ``limit``, the newest ``limit`` of them."""
         rows = [r for r in self._rows
-                if (strategy is None or r.get(mn.STEP_STRATEGY) == strategy)
+                if (strategy is None or r.get(mn.STEP_MODEL) == strategy)
                 and (since is None or r.get(mn.STEP_TS, 0.0) > since)]
         return rows[-limit:] if limit else rows
 

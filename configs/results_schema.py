@@ -1,0 +1,184 @@
+"""The results schema: every column of a run directory's request rows and step rows.
+
+One table per row kind, each column with its name (from ``configs.metric_names``),
+its type and its unit. The load generator writes with it
+(``loadgen.writer``: Parquet schema, row coercion, ``schema_version`` in the
+file metadata and the manifest), the analysis reads with it
+(``analysis.load``: required columns, dtypes, columns added as missing for
+older runs or third-party servers), and the live summary table and the report
+name their inputs by it.
+
+Identity. A request row's ``strategy`` is the name the load generator sent
+as the OpenAI ``model``: the *served model name* of a deployment. A step row
+carries both: ``strategy`` (the engine's strategy id, one of
+``metric_names.STRATEGIES``) and ``model`` (the served name). Requests and
+steps of one deployment join on ``request.strategy == step.model``, so a
+deployment named differently from its strategy (say ``dflash-k4``) keeps its
+own step log instead of mixing into ``dflash``'s.
+
+Versions (``SCHEMA_VERSION``):
+  2: request column ``repeat``; manifest ``schema_version``.
+  3: step rows carry ``model``; the version is in the Parquet metadata; the
+     never-produced top-k coverage columns are gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from configs import metric_names as M
+
+SCHEMA_VERSION = 3
+PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
+
+ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: name, type, unit ("" when none) and meaning."""
+
+    name: str
+    type: ColumnType
+    unit: str = ""
+    doc: str = ""
+    required: bool = False   # the reader refuses a file without it
+
+    @property
+    def numeric(self) -> bool:
+        return self.type in ("int32", "int64", "float64")
+
+
+def _c(name, type_, unit="", doc="", required=False) -> Column:
+    return Column(name, type_, unit, doc, required)
+
+
+# --- request rows: requests.parquet, one row per request ----------------------
+REQUEST_COLUMNS: tuple[Column, ...] = (
+    _c(M.REQ_RUN_ID, "string", doc="run id (the run directory's name)"),
+    _c(M.REQ_STRATEGY, "string", doc="served model name the request was sent to", required=True),
+    _c(M.REQ_TIER, "string", doc="low | mid | high", required=True),
+    _c(M.REQ_OUTPUT_CLASS, "string", doc="short | long", required=True),
+    _c(M.REQ_DATASET, "string", doc="prompt dataset"),
+    _c(M.REQ_PROMPT_ID, "string", doc="prompt id within the dataset"),
+    _c(M.REQ_USERS, "int32", "users", "requested concurrency of the cell", required=True),
+    _c(M.REQ_ARRIVAL, "string", doc="closed | open"),
+    _c(M.REQ_RATE_RPS, "float64", "requests/s", "open-loop arrival rate; null when closed"),
+    _c(M.REQ_REQUEST_INDEX, "int64", doc="index into the cell's seeded request plan"),
+    _c(M.REQ_MAX_TOKENS, "int32", "tokens", "max_tokens sent"),
+    _c(M.REQ_SCHEDULED_TS, "float64", "s (unix)", "when the request was due"),
+    _c(M.REQ_SENT_TS, "float64", "s (unix)", "when it was sent"),
+    _c(M.REQ_FIRST_TOKEN_TS, "float64", "s (unix)", "first chunk with text"),
+    _c(M.REQ_END_TS, "float64", "s (unix)", "end of the stream or the failure", required=True),
+    _c(M.REQ_TTFT_MS, "float64", "ms", "scheduled send -> first token"),
+    _c(M.REQ_TPOT_MS, "float64", "ms", "(e2e - TTFT) / (output tokens - 1)"),
+    _c(M.REQ_ITL_P50_MS, "float64", "ms", "median inter-token latency"),
+    _c(M.REQ_ITL_P99_MS, "float64", "ms", "p99 inter-token latency"),
+    _c(M.REQ_E2E_MS, "float64", "ms", "scheduled send -> end"),
+    _c(M.REQ_OUTPUT_TOKENS, "int64", "tokens", "output tokens received", required=True),
+    _c(M.REQ_PROMPT_TOKENS, "int64", "tokens", "prompt tokens (server's usage)"),
+    _c(M.REQ_NUM_CHUNKS, "int32", "chunks", "stream chunks that carried text"),
+    _c(M.REQ_FINISH_REASON, "string", doc="server's finish_reason"),
+    _c(M.REQ_STATUS, "string", doc=" | ".join(M.REQ_STATUSES)),
+    _c(M.REQ_ERROR, "string", doc="error message when status is not ok"),
+    _c(M.NUM_DRAFTS, "int64", "steps", "verification steps that carried drafts"),
+    _c(M.NUM_DRAFT_TOKENS, "int64", "tokens", "draft tokens proposed"),
+    _c(M.NUM_ACCEPTED_TOKENS, "int64", "tokens", "draft tokens accepted"),
+    _c(M.NUM_ACCEPTED_TOKENS_PER_POS, "list<int64>", "tokens",
+       "accepted count per draft position"),
+    _c(M.ACCEPTANCE_LENGTH, "float64", "tokens/step", "1 + accepted / drafts"),
+    _c(M.DRAFT_MS, "float64", "ms", "proposer time summed over the request's steps"),
+    _c(M.VERIFY_MS, "float64", "ms", "verification time summed over the request's steps"),
+    _c(M.QUEUE_MS, "float64", "ms", "arrival -> first scheduled, server side"),
+    _c(M.REQ_REPEAT, "int32", doc="0-based repeat of the cell (--repeats)"),
+)
+
+# --- step rows: steps.parquet, one row per engine step -----------------------
+# The engine's own columns (``metric_names.STEP_LOG_COLUMNS``), then the cell
+# labels the load generator adds by step time.
+ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
+    _c(M.STEP_TS, "float64", "s (unix)", "step end", required=True),
+    _c(M.STEP_STRATEGY, "string", doc="engine's strategy id (metric_names.STRATEGIES)",
+       required=True),
+    _c(M.STEP_MODEL, "string", doc="served model name (joins request.strategy)"),
+    _c(M.STEP_REPLICA, "string", doc="replica id"),
+    _c(M.STEP_BATCH_SIZE, "int64", "requests", "running requests in the decode forward"),
+    _c(M.STEP_PREFILL_TOKENS, "int64", "tokens", "prompt tokens processed"),
+    _c(M.STEP_VERIFICATION_TOKENS, "int64", "tokens", "sum over the batch of draft length + 1"),
+    _c(M.STEP_DRAFT_TOKENS, "int64", "tokens", "draft tokens proposed"),
+    _c(M.STEP_ACCEPTED_TOKENS, "int64", "tokens", "draft tokens accepted"),
+    _c(M.STEP_EMITTED_TOKENS, "int64", "tokens", "tokens streamed"),
+    _c(M.STEP_MS, "float64", "ms", "step wall time"),
+    _c(M.STEP_DRAFT_MS, "float64", "ms", "proposer time"),
+    _c(M.STEP_VERIFY_MS, "float64", "ms", "target forward + acceptance"),
+    _c(M.STEP_QUEUE_DEPTH, "int64", "requests", "requests waiting for a slot"),
+    _c(M.STEP_PADDED_TOKENS, "int64", "tokens", "decode forward: batch x longest row"),
+    _c(M.STEP_CONTEXT_TOKENS, "int64", "tokens", "decode forward: KV positions attended"),
+)
+STEP_LABEL_COLUMNS: tuple[Column, ...] = (
+    _c(M.REQ_RUN_ID, "string", doc="run id"),
+    _c(M.REQ_TIER, "string", doc="cell the step fell in, by time; null between cells"),
+    _c(M.REQ_OUTPUT_CLASS, "string", doc="cell's output class"),
+    _c(M.REQ_USERS, "int32", "users", "cell's requested concurrency"),
+    _c(M.REQ_REPEAT, "int32", doc="cell's repeat"),
+)
+STEP_COLUMNS: tuple[Column, ...] = ENGINE_STEP_COLUMNS + STEP_LABEL_COLUMNS
+assert tuple(c.name for c in ENGINE_STEP_COLUMNS) == M.STEP_LOG_COLUMNS
+
+
+def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
+    return tuple(c.name for c in columns)
+
+
+def required(columns: tuple[Column, ...]) -> tuple[str, ...]:
+    return tuple(c.name for c in columns if c.required)
+
+
+def numeric(columns: tuple[Column, ...]) -> tuple[str, ...]:
+    return tuple(c.name for c in columns if c.numeric)
+
+
+def units(columns: tuple[Column, ...]) -> dict[str, str]:
+    """name -> unit, for tables that print units."""
+    return {c.name: c.unit for c in columns}
+
+
+def coerce_row(columns: tuple[Column, ...], row: dict[str, Any]) -> dict[str, Any]:
+    """Fit a row to ``columns``: missing / NaN -> None, values cast to the column type,
+    a value of the wrong kind -> None (a number column) or ``str`` (a string column).
+    Keys not in ``columns`` are dropped."""
+    out: dict[str, Any] = {}
+    for c in columns:
+        v = row.get(c.name)
+        if v is None or (isinstance(v, float) and v != v):
+            out[c.name] = None
+        elif c.type in ("int32", "int64"):
+            out[c.name] = int(v) if isinstance(v, (int, float)) else None
+        elif c.type == "float64":
+            out[c.name] = float(v) if isinstance(v, (int, float)) else None
+        elif c.type == "list<int64>":
+            out[c.name] = [int(x) for x in v] if isinstance(v, (list, tuple)) else None
+        else:
+            out[c.name] = str(v)
+    return out
+
+
+def arrow_schema(columns: tuple[Column, ...]):
+    """The ``pyarrow.Schema`` of ``columns``, ``SCHEMA_VERSION`` in its metadata.
+
+    pyarrow is imported here (the ``loadgen`` / ``analysis`` extras), so the
+    engine can import this module without it.
+    """
+    import pyarrow as pa
+
+    types = {"string": pa.string(), "int32": pa.int32(), "int64": pa.int64(),
+             "float64": pa.float64(), "list<int64>": pa.list_(pa.int64())}
+    return pa.schema([(c.name, types[c.type]) for c in columns],
+                     metadata={PARQUET_VERSION_KEY: str(SCHEMA_VERSION).encode()})
+
+
+def file_version(metadata: dict[bytes, bytes] | None) -> int | None:
+    """``SCHEMA_VERSION`` recorded in a Parquet file's key-value metadata (None: older file)."""
+    raw = (metadata or {}).get(PARQUET_VERSION_KEY)
+    return int(raw) if raw else None
