@@ -182,7 +182,7 @@ def _validate(args, out: dict, parser) -> int:
 
     from analysis import validate as va
     from analysis.load import load_results
-    from analysis.slo import Slo
+    from configs.tiers import Slo
     from configs.jsonio import dumps, write_json
     try:
         choice = va.choose(out["measured"], args.strategy, args.output)

@@ -35,9 +35,9 @@ import pandas as pd
 import yaml
 
 from analysis import metrics
-from analysis.slo import Slo
 from configs import metric_names as mn
 from configs.paths import REPO_ROOT
+from configs.tiers import Slo
 
 DEFAULT_DURATION_S = 60.0
 DEFAULT_WARMUP_S = 5.0

@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 from analysis import validate as va
-from analysis.slo import Slo
 from configs import metric_names as mn
 from configs.serve_config import ServeAppConfig
-from configs.tiers import load_tiers
+from configs.tiers import Slo, load_tiers
 
 SLO = Slo(ttft_ms=1000.0, tpot_ms=100.0, source="flags")
 
