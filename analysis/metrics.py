@@ -27,13 +27,14 @@ from configs.tiers import Slo
 
 CELL_KEYS = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
 PERCENTILES = (50, 90, 99)
-# Derived column names (units in the name, as in configs/metric_names.py).
-OUTPUT_TOKENS_PER_S = "output_tokens_per_s"
-SPEEDUP = "speedup"
-GOODPUT_TOKENS_PER_S = "goodput_tokens_per_s"
-GOODPUT_RPS = "goodput_rps"
-SLO_ATTAINMENT = "slo_attainment"
-DURATION_S = "duration_s"
+# Derived column names: the one per-cell scheme of configs/metric_names.py (CELL_*),
+# shared with the load generator's live summary and summary.csv.
+OUTPUT_TOKENS_PER_S = mn.CELL_OUTPUT_TOKENS_PER_S
+SPEEDUP = mn.CELL_SPEEDUP
+GOODPUT_TOKENS_PER_S = mn.CELL_GOODPUT_TOKENS_PER_S
+GOODPUT_RPS = mn.CELL_GOODPUT_RPS
+SLO_ATTAINMENT = mn.CELL_SLO_ATTAINMENT
+DURATION_S = mn.CELL_DURATION_S
 GOOD = "meets_slo"
 
 
@@ -82,7 +83,7 @@ def _cell_row(g: pd.DataFrame) -> dict:
     ok = g[g[mn.REQ_STATUS].eq("ok")]
     good = g[g[GOOD]]
     row = {
-        "n_requests": len(g), "n_ok": len(ok), DURATION_S: duration,
+        mn.CELL_N_REQUESTS: len(g), mn.CELL_N_OK: len(ok), DURATION_S: duration,
         OUTPUT_TOKENS_PER_S: ok[mn.REQ_OUTPUT_TOKENS].sum() / duration if duration > 0 else np.nan,
         GOODPUT_TOKENS_PER_S: good[mn.REQ_OUTPUT_TOKENS].sum() / duration if duration > 0 else np.nan,
         GOODPUT_RPS: len(good) / duration if duration > 0 else np.nan,
@@ -96,12 +97,12 @@ def _cell_row(g: pd.DataFrame) -> dict:
                       ("e2e_ms", mn.REQ_E2E_MS)):
         vals = ok[col].dropna().to_numpy(dtype=float)
         for p in PERCENTILES:
-            row[f"{name}_p{p}"] = float(np.percentile(vals, p)) if vals.size else np.nan
+            row[mn.percentile_name(name, p)] = float(np.percentile(vals, p)) if vals.size else np.nan
     # Raw inter-token gaps are not stored, only each request's ITL p50 / p99:
     # cell p50 and p90 are taken over requests' median ITL, p99 over their p99.
     itl50 = ok[mn.REQ_ITL_P50_MS].dropna().to_numpy(dtype=float)
     itl99 = ok[mn.REQ_ITL_P99_MS].dropna().to_numpy(dtype=float)
-    row["itl_ms_p50"] = float(np.percentile(itl50, 50)) if itl50.size else np.nan
+    row[mn.CELL_ITL_MS_P50] = float(np.percentile(itl50, 50)) if itl50.size else np.nan
     row["itl_ms_p90"] = float(np.percentile(itl50, 90)) if itl50.size else np.nan
     row["itl_ms_p99"] = float(np.percentile(itl99, 99)) if itl99.size else np.nan
     taus = ok[mn.ACCEPTANCE_LENGTH].dropna().to_numpy(dtype=float)

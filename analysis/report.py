@@ -99,11 +99,21 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+REPORT_DIR = "report"   # the one place a report goes: <run dir>/report/
+
+
+def default_out_dir(results_dir) -> Path:
+    """Where a report on ``results_dir`` is written unless ``--out`` says otherwise:
+    ``<results_dir>/report/``, for ``python -m loadgen --report`` and ``python -m
+    analysis report`` alike."""
+    return Path(results_dir) / REPORT_DIR
+
+
 def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo_tpot_ms=None,
                  seed: int = DEFAULT_SEED, n_boot: int = N_BOOTSTRAP) -> dict:
     """Write report.md, report.html and recommendation.json; return a summary.
 
-    ``out_dir`` defaults to ``results_dir``. Returns {"recommendation": {tier:
+    ``out_dir`` defaults to ``<results_dir>/report/`` (``default_out_dir``). Returns {"recommendation": {tier:
     {output_class: {...}}}, "paths": {"md", "html", "json"}, "crossover": [rows],
     "degradation": [rows] or None, "degraded": bool, "exit_code": 0 or
     EXIT_DEGRADED, "slos": {tier: {...}}}. Raises analysis.load.ResultsError
@@ -112,7 +122,7 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
     results = load_results(results_dir)
     a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot)
     a.figures = make_figures(a)
-    out = Path(out_dir) if out_dir is not None else Path(results_dir)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "report.md", "html": out / "report.html",
              "json": out / "recommendation.json"}

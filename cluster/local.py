@@ -222,6 +222,7 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
     pending = list(strategies)
     t0 = time.monotonic()
     last = ""
+    log(f"waiting for {len(pending)} deployments to answer (loading models; about 10-60 s each on a CPU)")
     while pending:
         if time.monotonic() - t0 > timeout_s:
             raise SystemExit(f"not ready after {timeout_s:.0f}s: {pending} ({last})")
@@ -233,7 +234,8 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
                     "model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
                 if r.status_code == 200:
                     pending.remove(name)
-                    log(f"strategy {name} answers")
+                    log(f"deployment strategy-{name} ready ({len(strategies) - len(pending)}/"
+                        f"{len(strategies)}, {time.monotonic() - t0:.0f} s)")
                 else:
                     last = f"{name}: HTTP {r.status_code} {r.text[:200]}"
             except httpx.HTTPError as exc:

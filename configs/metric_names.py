@@ -113,6 +113,33 @@ STATUS_DISCONNECTED = "disconnected"           # stream closed before [DONE] / f
 STATUS_CANCELLED = "cancelled"                 # still in flight when the cell was stopped
 REQ_STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_CANCELLED)
 
+# --- per-cell figures (one strategy x tier x output class x users) ----------
+# One scheme for the live summary (loadgen/summary.py: manifest "cells",
+# summary.csv) and the analysis (analysis/metrics.py, the report's per-cell table).
+CELL_N_REQUESTS = "n_requests"                 # rows of the cell, every status
+CELL_N_OK = "n_ok"                             # rows with status ok
+CELL_DURATION_S = "duration_s"                 # first send -> last end, s
+CELL_OUTPUT_TOKENS_PER_S = "output_tokens_per_s"  # output tokens of ok requests / duration_s
+CELL_SPEEDUP = "speedup"                       # output_tokens_per_s / autoregressive's, same cell
+CELL_GOODPUT_TOKENS_PER_S = "goodput_tokens_per_s"  # tokens/s of requests meeting both SLOs
+CELL_GOODPUT_RPS = "goodput_rps"               # requests/s meeting both SLOs
+CELL_SLO_ATTAINMENT = "slo_attainment"         # share of requests meeting both SLOs, 0..1
+CELL_ACHIEVED_CONCURRENCY = "achieved_concurrency"  # time-weighted mean requests in flight
+CELL_TTFT_MS_P50 = "ttft_ms_p50"
+CELL_TTFT_MS_P99 = "ttft_ms_p99"
+CELL_TPOT_MS_P50 = "tpot_ms_p50"
+CELL_TPOT_MS_P99 = "tpot_ms_p99"
+CELL_ITL_MS_P50 = "itl_ms_p50"                 # median over requests of their median ITL
+CELL_SEND_LAG_MS_P99 = "send_lag_ms_p99"       # open loop: actual - scheduled send time, ms
+CELL_CPU_MEAN_PERCENT = "cpu_mean_percent"     # the load generator's own CPU, % of one core
+CELL_CPU_MAX_PERCENT = "cpu_max_percent"
+
+
+def percentile_name(metric_ms: str, p: int) -> str:
+    """Column name of percentile ``p`` of a per-request metric: ``ttft_ms`` -> ``ttft_ms_p50``."""
+    return f"{metric_ms}_p{p}"
+
+
 # --- Prometheus (vLLM-like names, exported through ray.serve.metrics) ---------
 PROM_PREFIX = "specload_"
 PROM_SPEC_NUM_DRAFTS = "spec_decode_num_drafts"

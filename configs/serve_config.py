@@ -146,3 +146,24 @@ class ServeAppConfig(BaseModel):
         if dup:
             raise ValueError(f"strategy names must be unique; duplicated: {sorted(dup)}")
         return self
+
+
+def configured_strategy_names(path: str | None = None) -> list[str]:
+    """Names (the OpenAI ``model`` field) of every strategy a Serve config deploys.
+
+    ``path`` defaults to ``configs/serve.yaml``. Only applications built by
+    ``actors.serve.app:build_app`` count. Raises ValueError when the file does
+    not validate (``ServeAppConfig``).
+    """
+    from pathlib import Path
+
+    import yaml
+
+    from configs.paths import CONFIGS_DIR
+
+    doc = yaml.safe_load(Path(path or CONFIGS_DIR / "serve.yaml").read_text()) or {}
+    names: list[str] = []
+    for app in doc.get("applications") or []:
+        if app.get("import_path") == "actors.serve.app:build_app":
+            names += [str(e.name) for e in ServeAppConfig.model_validate(app.get("args") or {}).strategies]
+    return names

@@ -43,6 +43,11 @@ class CellPlan:
     request_timeout_s: float = 120.0
     cell_id: str = ""
     repeat: int = 0                # 0-based repeat of this cell (--repeats)
+    headers: dict[str, str] = field(default_factory=dict)  # --header / --api-key; never written to disk
+    insecure: bool = False         # https: skip certificate verification (--insecure)
+
+    def __repr__(self) -> str:  # headers may hold credentials: never in a log line or traceback
+        return f"CellPlan(cell_id={self.cell_id!r}, base_url={self.base_url!r}, headers=<redacted>)"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -32,6 +32,7 @@ from loadgen import service
 from loadgen.cells import CellPlan, shuffled_prompts
 from loadgen.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
 from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
+from loadgen.summary import SUMMARY_CSV, clock
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
@@ -68,16 +69,52 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--results", default="results", help="results directory (a run_id folder goes inside)")
     ap.add_argument("--tiers-file", default="", help="default configs/tiers.yaml")
     ap.add_argument("--run-id", default="", help="default: <date>-<time>-<tier>-<random>")
+    ap.add_argument("--api-key", default=None,
+                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY); never written "
+                         "to the manifest or logs")
+    ap.add_argument("--header", action="append", default=[], metavar="'K: V'",
+                    help="extra HTTP header on every request, repeatable ('X-Team: a' or 'X-Team:a'); "
+                         "values are never written to the manifest or logs")
+    ap.add_argument("--insecure", action="store_true",
+                    help="https targets: skip TLS certificate verification (off by default)")
     ap.add_argument("--report", action="store_true",
                     help="after the run, write the analysis report (python -m analysis report) "
                          "into the run directory and print the recommendation table")
     return ap
 
 
-def _strategies(args: argparse.Namespace, target: str) -> list[str]:
+def parse_header(text: str) -> tuple[str, str]:
+    """``'K: V'`` or ``'K:V'`` -> (K, V); ValueError naming ``--header`` when malformed."""
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
+        raise ValueError(f"--header expects 'Name: value', got {text.split(':')[0]!r}...")
+    return name.strip(), value.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Auth:
+    """Credentials and TLS choice for every call to the target (load, model list, step log)."""
+
+    headers: dict[str, str]
+    insecure: bool = False
+
+    def __repr__(self) -> str:  # never print credentials, even in a traceback
+        return f"Auth(headers=<{len(self.headers)} redacted>, insecure={self.insecure})"
+
+
+def _auth(args: argparse.Namespace) -> Auth:
+    """Headers from ``--header`` and ``--api-key`` / ``$OPENAI_API_KEY`` (Authorization: Bearer)."""
+    headers = dict(parse_header(h) for h in args.header or [])
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if key and not any(k.lower() == "authorization" for k in headers):
+        headers["Authorization"] = f"Bearer {key}"
+    return Auth(headers, bool(args.insecure))
+
+
+def _strategies(args: argparse.Namespace, target: str, auth: Auth) -> list[str]:
     # Preflight: an unreachable target or an unknown model fails here with a clear
     # message instead of thousands of refused requests.
-    models = service.list_models(target)
+    models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
     asked = ([s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies
              else [args.model] if args.model else [])
     unknown = [s for s in asked if models and s not in models and not args.model]
@@ -96,42 +133,86 @@ def _strategies(args: argparse.Namespace, target: str) -> list[str]:
 
 
 class _Progress:
-    """Rich live progress, refreshed from the driver loop (no refresh thread under gevent)."""
+    """What the user sees while the run goes.
 
-    def __init__(self, console: Any) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    One plain line per finished cell (``cell i/N ...`` with elapsed time and an
+    ETA), printed as it finishes, so a log file or CI shows progress as it
+    happens. In a terminal, a live bar for the running cell only sits below those
+    lines (it never scrolls out of a 24-row screen, and a finished cell never
+    keeps a stale "in flight" count). Refreshed from the driver loop (no refresh
+    thread under gevent).
+    """
 
-        self.p = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                          TextColumn("{task.fields[stats]}"), console=console, auto_refresh=False)
+    def __init__(self, console: Any, total_cells: int, planned_cell_s: float, live: bool,
+                 at_most: bool = False) -> None:
+        self.console = console
+        self.total = total_cells
+        self.at_most = at_most      # --sweep: total is an upper bound (the sweep may stop early)
+        self.planned_cell_s = planned_cell_s
+        self.live = live
+        self.t0 = time.time()
+        self.finished = 0
+        self.p = None
+        if live:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), TimeElapsedColumn(),
+                              TextColumn("{task.fields[stats]}"), console=console, auto_refresh=False,
+                              transient=True)
         self.task = None
-        self.start = 0.0
-        self.duration = 1.0
+        self.plan: CellPlan | None = None
         self._last = 0.0
 
     def __enter__(self) -> "_Progress":
-        self.p.start()
+        if self.p is not None:
+            self.p.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.p.stop()
+        if self.p is not None:
+            self.p.stop()
+
+    def _total(self) -> str:
+        return f"{self.total} max" if self.at_most else str(self.total)
+
+    def _eta(self, now: float) -> float:
+        per_cell = (now - self.t0) / self.finished if self.finished else self.planned_cell_s
+        left_in_cell = max(0.0, self.plan.deadline_ts - now) if self.plan is not None else 0.0
+        return left_in_cell + max(0, self.total - self.finished - 1) * per_cell
 
     def new_cell(self, label: str, plan: CellPlan) -> None:
-        self.start, self.duration = plan.start_ts, plan.deadline_ts - plan.start_ts
-        self.task = self.p.add_task(label, total=self.duration, stats="")
+        self.plan = plan
+        if self.p is not None:
+            self.task = self.p.add_task(f"cell {self.finished + 1}/{self._total()} {label}",
+                                        total=plan.deadline_ts - plan.start_ts, stats="")
 
     def tick(self, now: float, runner: Any) -> None:
-        if self.task is None or now - self._last < 0.5:
+        if self.p is None or self.task is None or self.plan is None or now - self._last < 0.5:
             return
         self._last = now
         ok = runner.cell_ok
-        self.p.update(self.task, completed=min(max(0.0, now - self.start), self.duration),
-                      stats=f"ok {ok} | failed {runner.cell_rows - ok} | in flight {runner.in_flight()}")
+        self.p.update(self.task, completed=min(max(0.0, now - self.plan.start_ts),
+                                               self.plan.deadline_ts - self.plan.start_ts),
+                      stats=f"ok {ok} | failed {runner.cell_rows - ok} | in flight {runner.in_flight()}"
+                            f" | ETA {clock(self._eta(now))}")
         self.p.refresh()
 
-    def done(self) -> None:
-        if self.task is not None:
-            self.p.update(self.task, completed=self.duration)
+    def done(self, summary: Any) -> None:
+        """The cell finished: drop its live bar, print its one line."""
+        from loadgen.summary import cell_line, eta_seconds
+
+        self.finished += 1
+        if self.p is not None and self.task is not None:
+            self.p.remove_task(self.task)
+            self.task = None
+        elapsed = time.time() - self.t0
+        line = cell_line(self.finished, self.total, summary, elapsed,
+                         eta_seconds(self.finished, self.total, elapsed, self.planned_cell_s),
+                         at_most=self.at_most)
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        if self.p is not None:
             self.p.refresh()
+        sys.stdout.flush()
 
 
 def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
@@ -151,11 +232,47 @@ def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]
     return rows
 
 
+def _check_names_before_start(args: argparse.Namespace) -> str | None:
+    """Without ``--target``: every ``--strategies`` name must be one the local service deploys.
+
+    Checked before anything starts, so a typo costs no service start-up. Returns
+    the error message, or None.
+    """
+    if args.target or not args.strategies:
+        return None
+    from configs.serve_config import configured_strategy_names
+
+    known = configured_strategy_names()
+    asked = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in asked if s not in known]
+    if unknown:
+        return (f"--strategies: {', '.join(map(repr, unknown))} not deployed by the local service "
+                f"(configs/serve.yaml deploys {', '.join(known)})")
+    return None
+
+
+def _manifest_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI arguments as recorded in the manifest: credentials never in clear."""
+    out = dict(vars(args))
+    out["api_key"] = "<redacted>" if args.api_key else None
+    out["header"] = [f"{k}: <redacted>" for k, _ in (parse_header(h) for h in args.header or [])]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    """The whole run; returns the exit code. Locust is imported here (gevent already patched)."""
+    """The whole run; returns the exit code. Locust is imported here (gevent already patched).
+
+    Whenever the local service was started or reused (no ``--target``), every exit
+    path, errors included, ends with the hint that stops it.
+    """
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    tty = sys.stdout.isatty()
+    console = Console(width=None if tty else int(os.environ.get("COLUMNS") or 100))
+    err = _check_names_before_start(args)
+    if err:
+        console.print(f"[red]argument error:[/] {err}", highlight=False)
+        return EXIT_CONFIG
     try:
         profile = load_tiers(args.tiers_file or None).profile(args.profile or None)
         max_chars = args.max_prompt_chars or profile.max_prompt_chars
@@ -163,14 +280,37 @@ def run(args: argparse.Namespace) -> int:
     except (TierConfigError, DatasetError, KeyError) as err:
         console.print(f"[red]config error:[/] {err}", markup=True, highlight=False)
         return EXIT_CONFIG
+    local: dict[str, Any] = {"url": None}
+    try:
+        return _run(args, console, tty, profile, prompts, local)
+    finally:
+        if not args.target:
+            if local["url"]:
+                console.print(f"the local service is still up at {local['url']} (reused by the next run); "
+                              "stop it with `python -m cluster down`", highlight=False)
+            else:
+                console.print("if `python -m cluster up` left anything running, stop it with "
+                              "`python -m cluster down`", highlight=False)
+            sys.stdout.flush()
+
+
+def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
+         local: dict[str, Any]) -> int:
     tiers = list(TIER_NAMES) if args.tier == "all" else [args.tier]
     outputs = list(OUTPUT_CLASSES) if args.output == "all" else [args.output]
     levels: list[int] = []
     if args.sweep:
         levels = sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
+    auth = _auth(args)
     try:
-        target = (args.target or service.start_local_service()).rstrip("/")
-        strategies = _strategies(args, target)
+        if args.target:
+            target = args.target.rstrip("/")
+        else:
+            console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
+            target = service.start_local_service(
+                on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+            local["url"] = target
+        strategies = _strategies(args, target, auth)
         if args.sweep and M.AUTOREGRESSIVE not in strategies:
             strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
     except service.ServiceError as err:
@@ -178,20 +318,30 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
     from loadgen.locust_runner import LoadRunner
-    from loadgen.summary import add_speedups, render_table, summarize_cell
+    from loadgen.summary import add_speedups, legend, render_table, summarize_cell, write_csv
     from loadgen.writer import RequestWriter, environment_info, write_manifest, write_steps
 
     label = SWEEP_TIER if args.sweep else args.tier
     run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
     run_dir = Path(args.results) / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
-    console.print(f"specload run [bold]{run_id}[/]: {len(strategies)} strategies x {len(tiers) * len(outputs)} "
-                  f"cells against {target}; results in {run_dir}", highlight=False)
+    # cells to run (a sweep stops early: its count is an upper bound) and the planned time per cell:
+    # offered load + half the drain timeout (the ETA uses it until cells have finished)
+    if args.sweep:
+        n_cells = len(strategies) * len(outputs) * len(levels) * args.repeats
+        durations = [args.duration or profile.cell(tiers[0], oc).duration_s for oc in outputs]
+    else:
+        n_cells = len(strategies) * len(tiers) * len(outputs) * args.repeats
+        durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
+    planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
+    console.print(f"specload run [bold]{run_id}[/]: {len(strategies)} strategies, {n_cells} cells"
+                  f"{' at most' if args.sweep else ''} against {target}, about "
+                  f"{clock(n_cells * planned_cell_s)} planned; results in {run_dir}", highlight=False)
     writer = RequestWriter(run_dir / "requests.parquet")
     manifest: dict[str, Any] = {
         "run_id": run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
         "target": target, "strategies": strategies, "tiers": tiers, "outputs": outputs,
-        "args": vars(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
+        "args": _manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
         "dataset": args.dataset, "num_prompts": len(prompts), "cells": [],
         # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
         "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
@@ -226,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         runner = LoadRunner(args.workers, on_row=writer.add, should_stop=lambda: stop_flag["stop"],
                             ray_address=args.ray_address)
         lead_s = 0.2 if args.workers <= 0 else 1.0
-        with _Progress(console) as progress:
+        with _Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
             def tick(now: float, r: Any) -> None:
                 # no Parquet flush while load is offered: converting thousands of rows blocks the
                 # gevent loop for 100+ ms and would delay every in-flight chunk's timestamp
@@ -251,12 +401,13 @@ def run(args: argparse.Namespace) -> int:
                     max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
                     sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
                     request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
-                    cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}")
+                    cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
+                    headers=auth.headers, insecure=auth.insecure)
                 rep = f" r{spec.repeat}" if args.repeats > 1 else ""
-                progress.new_cell(f"{strategy:>14} {tier:>5} {oc:<5} u{users}{rep}", plan)
+                sweep_users = f" u{users}" if args.sweep else ""
+                progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
                 cell_t0 = time.time()
                 cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, tick)
-                progress.done()
                 writer.flush()
                 cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc,
                                      "users": users, "repeat": spec.repeat,
@@ -265,24 +416,30 @@ def run(args: argparse.Namespace) -> int:
                                    arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
                                    slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
                 s.repeat = spec.repeat
+                s.duration_s = time.time() - cell_t0
                 summaries.append(s)
+                add_speedups(summaries)
+                progress.done(s)
                 if state is not None:
-                    state.record(strategy, oc, users, s.output_tok_s,
-                                 s.ok / s.requests if s.requests else 0.0)
+                    state.record(strategy, oc, users, s.output_tokens_per_s,
+                                 s.n_ok / s.n_requests if s.n_requests else 0.0)
                 for w in s.warnings:
                     console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
                 manifest["cells"] = [dataclasses.asdict(x) for x in summaries]
                 if state is not None:
                     manifest["sweep"]["stopped"] = {f"{k[0]}/{k[1]}": v for k, v in state.stopped.items()}
                 write_manifest(run_dir / "manifest.json", manifest)
+                write_csv(run_dir / SUMMARY_CSV, summaries)
                 # per cell: the replica's step ring buffer holds minutes, not a whole run
                 since = max(cell_t0 - 1.0, fetched.get(strategy, 0.0))
-                new_rows = service.fetch_step_log(target, strategy, since)
+                new_rows = service.fetch_step_log(target, strategy, since, headers=auth.headers,
+                                                  insecure=auth.insecure)
                 if new_rows:
                     fetched[strategy] = max(r.get(M.STEP_TS, 0.0) for r in new_rows)
                 steps.extend(new_rows)
             for strategy in strategies:  # rows pushed after the last fetch (flush lag)
-                steps.extend(service.fetch_step_log(target, strategy, fetched.get(strategy, run_t0)))
+                steps.extend(service.fetch_step_log(target, strategy, fetched.get(strategy, run_t0),
+                                                    headers=auth.headers, insecure=auth.insecure))
     except KeyboardInterrupt:
         status = "interrupted"
         console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
@@ -299,18 +456,20 @@ def run(args: argparse.Namespace) -> int:
         manifest.update(status=status, finished_ts=time.time(), requests=writer.rows_written, steps=n_steps,
                         cells=[dataclasses.asdict(x) for x in summaries])
         write_manifest(run_dir / "manifest.json", manifest)
+        write_csv(run_dir / SUMMARY_CSV, summaries)
     if summaries:
-        console.print(render_table(summaries))
-    console.print(f"requests: {writer.rows_written}, steps: {n_steps}")
-    empty = [f"{s.strategy}/{s.tier}/{s.output_class}" for s in summaries if not s.ok]
+        table, shown = render_table(summaries, max_width=console.width)
+        console.print(table)
+        console.print(f"Columns: {legend(shown)} Every column, p99s included: {run_dir / SUMMARY_CSV}",
+                      highlight=False)
+    console.print(f"requests: {writer.rows_written}, steps: {n_steps}, "
+                  f"wall time {clock(time.time() - manifest['started_ts'])}", highlight=False)
+    empty = [f"{s.strategy}/{s.tier}/{s.output_class}" for s in summaries if not s.n_ok]
     if empty:
         console.print(f"[red]no successful request[/] in {', '.join(empty)}; see the `error` "
                       f"column of {run_dir / 'requests.parquet'}", highlight=False)
     if args.report and writer.rows_written and len(empty) < len(summaries):
         _report(run_dir, console)
-    if not args.target:
-        console.print(f"the local service is still up at {target} (reused by the next run); "
-                      "stop it with `python -m cluster down`", highlight=False)
     print(f"results: {run_dir}", flush=True)
     if status == "interrupted":
         return EXIT_INTERRUPTED
@@ -318,25 +477,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(run_dir: Path, console: Any) -> None:
-    """Write the analysis report next to the results; print its path and the recommendation."""
-    from rich.table import Table
+    """Write the analysis report into the run's report folder; print the headline and its paths."""
+    from analysis.recommend import headline_lines
+    from analysis.report import build_report, default_out_dir
 
-    from analysis.report import build_report
-
-    out = build_report(run_dir, run_dir / "report")
-    table = Table(title="recommendation per tier (highest goodput under the SLOs)")
-    for col in ("tier", "output", "strategy", "goodput tok/s", "margin", "confidence"):
-        table.add_column(col)
-    order = {t: i for i, t in enumerate(TIER_NAMES)}
-    for tier, cells in sorted(out["recommendation"].items(), key=lambda kv: order.get(kv[0], 99)):
-        for oc, rec in cells.items():
-            fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-            name = str(rec.get("strategy"))
-            if rec.get("tied"):
-                name = f"tie ({', '.join(rec['tied'])})"
-            table.add_row(tier, oc, name, fmt(rec.get("goodput"), ".1f"),
-                          fmt(rec.get("margin"), ".1%"), fmt(rec.get("confidence"), ".2f"))
-    console.print(table)
+    out = build_report(run_dir, default_out_dir(run_dir))
+    console.print("recommendation per tier (highest goodput under the SLOs):", highlight=False)
+    for line in headline_lines(out["recommendation"]):
+        console.print(f"  {line}", highlight=False, markup=False)
     for name, path in out["paths"].items():
         console.print(f"{name}: {path}", highlight=False)
 
@@ -360,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--duration must be > 0 seconds, got {args.duration}")
     if args.workers < 0:
         parser.error(f"--workers must be >= 0 (0 = in-process), got {args.workers}")
+    for h in args.header:
+        try:
+            parse_header(h)
+        except ValueError as err:
+            parser.error(str(err))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(args)
 

@@ -19,16 +19,29 @@ import gevent
 from geventhttpclient import HTTPClient
 
 from configs import metric_names as M
+from loadgen.service import ssl_context
 from loadgen.timing import SSEParser, StreamRecorder
 
 COMPLETIONS_PATH = "/v1/completions"
 
 
-def make_http_client(base_url: str, timeout_s: float) -> HTTPClient:
-    """One keep-alive connection (a Locust user has exactly one request in flight)."""
+def make_http_client(base_url: str, timeout_s: float, headers: dict[str, str] | None = None,
+                     insecure: bool = False) -> HTTPClient:
+    """One keep-alive connection (a Locust user has exactly one request in flight).
+
+    ``headers`` (``--header``, ``Authorization`` from ``--api-key``) go with every
+    request. ``https://`` targets verify the server certificate against the
+    system CA store (or ``SSL_CERT_FILE``) unless ``insecure``.
+    """
     u = urlsplit(base_url)
+    kw: dict[str, Any] = {}
+    if u.scheme == "https":
+        # our context (system CAs / SSL_CERT_FILE, like the urllib preflight calls); geventhttpclient
+        # re-applies check_hostname = not insecure, so insecure goes to it as well
+        kw.update(ssl_context_factory=lambda **_: ssl_context(insecure), insecure=insecure)
     return HTTPClient.from_url(f"{u.scheme}://{u.netloc}", concurrency=1, connection_timeout=min(timeout_s, 30.0),
-                               network_timeout=timeout_s, headers={"Accept": "text/event-stream"})
+                               network_timeout=timeout_s,
+                               headers={"Accept": "text/event-stream", **(headers or {})}, **kw)
 
 
 def path_prefix(base_url: str) -> str:

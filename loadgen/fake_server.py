@@ -16,6 +16,11 @@ Test hooks: ``--fail-every K`` answers every K-th request with HTTP 500;
 returns the server-side truth per request keyed by ``"<model>:<seed>"``:
 receive, first-content-write and end times (unix s). ``/v1/models`` and
 ``/specload/step_log`` are served too.
+
+``--api-key K`` requires ``Authorization: Bearer K`` on ``/v1/*`` and
+``/specload/*`` (401 in OpenAI's error shape otherwise); ``GET /fake/auth``
+counts accepted and rejected requests and echoes the ``X-*`` headers seen.
+``--tls-cert F --tls-key F`` serves https.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class FakeServer:
 
     def __init__(self, ttft_ms: float, gap_ms: float, tokens_per_chunk: int, models: list[str],
                  fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
-                 prompt_tokens: int = 17) -> None:
+                 prompt_tokens: int = 17, api_key: str | None = None) -> None:
         self.ttft_s = ttft_ms / 1000.0
         self.gap_s = gap_ms / 1000.0
         self.tpc = max(1, tokens_per_chunk)
@@ -55,6 +60,23 @@ class FakeServer:
         self.stall_until = 0.0
         self.truth: dict[str, dict] = {}
         self.steps: list[dict] = []
+        self.api_key = api_key
+        self.auth = {"accepted": 0, "rejected": 0, "x_headers": {}}
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(("/v1/", "/specload/")):
+            self.auth["x_headers"].update({k: v for k, v in request.headers.items() if k.lower().startswith("x-")})
+            if self.api_key is not None:
+                if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                    self.auth["rejected"] += 1
+                    return web.json_response({"error": {"message": "invalid API key", "type": "invalid_request_error",
+                                                        "param": None, "code": "invalid_api_key"}}, status=401)
+                self.auth["accepted"] += 1
+        return await handler(request)
+
+    async def auth_counts(self, request: web.Request) -> web.Response:
+        return web.json_response(self.auth)
 
     async def _hold(self) -> None:
         while (left := self.stall_until - time.time()) > 0:
@@ -152,22 +174,29 @@ class FakeServer:
         return web.json_response(self.truth)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_key])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models_list)
         app.router.add_get("/specload/step_log", self.step_log)
         app.router.add_post("/fake/stall", self.stall)
         app.router.add_get("/fake/timings", self.timings)
+        app.router.add_get("/fake/auth", self.auth_counts)
         return app
 
 
-async def _serve(server: FakeServer, host: str, port: int) -> None:
+async def _serve(server: FakeServer, host: str, port: int, tls: tuple[str, str] | None = None) -> None:
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    ctx = None
+    if tls is not None:
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(*tls)
+    site = web.TCPSite(runner, host, port, backlog=1024, ssl_context=ctx)
     await site.start()
     actual = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    print(f"http://{host}:{actual}", flush=True)
+    print(f"{'https' if tls else 'http'}://{host}:{actual}", flush=True)
     await asyncio.Event().wait()
 
 
@@ -197,7 +226,10 @@ def running(*args: str, startup_timeout_s: float = 30.0) -> Iterator[str]:
 def get_json(url: str, method: str = "GET") -> Any:
     """Small helper for the test hooks (``/fake/timings``, ``/fake/stall``)."""
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 (127.0.0.1 only)
+    import ssl
+
+    ctx = ssl._create_unverified_context() if url.startswith("https://") else None  # self-signed test cert
+    with urllib.request.urlopen(req, timeout=30, context=ctx) as r:  # noqa: S310 (127.0.0.1 only)
         return json.loads(r.read())
 
 
@@ -213,11 +245,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disconnect-every", type=int, default=0)
     ap.add_argument("--per-chunk-tokens", action="store_true",
                     help="add spec_decode.num_tokens to every content chunk")
+    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /specload")
+    ap.add_argument("--tls-cert", default=None, help="PEM certificate: serve https (with --tls-key)")
+    ap.add_argument("--tls-key", default=None)
     a = ap.parse_args(argv)
     srv = FakeServer(a.ttft_ms, a.gap_ms, a.tokens_per_chunk, a.models.split(","), a.fail_every,
-                     a.disconnect_every, a.per_chunk_tokens)
+                     a.disconnect_every, a.per_chunk_tokens, api_key=a.api_key)
     try:
-        asyncio.run(_serve(srv, a.host, a.port))
+        asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
     except KeyboardInterrupt:
         pass
 

@@ -80,19 +80,20 @@ class CompletionUser(User):
 
     def on_start(self) -> None:
         self._http = None
-        self._http_base: str | None = None
+        self._http_base: tuple | None = None
 
     def on_stop(self) -> None:
         if self._http is not None:
             self._http.close()
             self._http = None
 
-    def _client(self, base_url: str, timeout_s: float):
-        if self._http is None or self._http_base != base_url:
+    def _client(self, plan: CellPlan):
+        key = (plan.base_url, tuple(sorted(plan.headers.items())), plan.insecure)
+        if self._http is None or self._http_base != key:
             if self._http is not None:
                 self._http.close()
-            self._http = make_http_client(base_url, timeout_s)
-            self._http_base = base_url
+            self._http = make_http_client(plan.base_url, plan.request_timeout_s, plan.headers, plan.insecure)
+            self._http_base = key
         return self._http
 
     @task
@@ -110,7 +111,7 @@ class CompletionUser(User):
         if job.scheduled_ts is not None and (delay := job.scheduled_ts - time.time()) > 0:
             gevent.sleep(delay)
         plan = ctx.plan
-        http = self._client(plan.base_url, plan.request_timeout_s)
+        http = self._client(plan)
         ctx.in_flight += 1
         ctx.sent += 1
         try:
