@@ -182,9 +182,9 @@ def headline_lines(rec: dict) -> list[str]:
         if r.get("strategy") is None:
             lines.append(f"{head} no strategy met the SLOs; nothing to recommend")
         elif r.get("strategy") == TIE:
-            lines.append(f"{head} tie between {', '.join(r.get('tied', []))}: any of them; "
-                         f"{r.get('leader')} leads by {percent(r.get('margin'))} but wins only "
-                         f"{percent(r.get('confidence'), 0)} of bootstrap replicates")
+            lines.append(f"{head} run any of {', '.join(r.get('tied', []))} (a tie: {r.get('leader')} leads "
+                         f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
+                         f"< {percent(TIE_CONFIDENCE, 0)})")
         elif r.get("note"):
             lines.append(f"{head} run {r['strategy']} ({r['note']})")
         elif r.get("runner_up") is None:
