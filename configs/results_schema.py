@@ -109,6 +109,7 @@ ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
     _c(M.STEP_DRAFT_TOKENS, "int64", "tokens", "draft tokens proposed"),
     _c(M.STEP_ACCEPTED_TOKENS, "int64", "tokens", "draft tokens accepted"),
     _c(M.STEP_EMITTED_TOKENS, "int64", "tokens", "tokens streamed"),
+    _c(M.STEP_PREFILL_EMITTED_TOKENS, "int64", "tokens", "first tokens emitted by prefill (no verification)"),
     _c(M.STEP_MS, "float64", "ms", "step wall time"),
     _c(M.STEP_DRAFT_MS, "float64", "ms", "proposer time"),
     _c(M.STEP_VERIFY_MS, "float64", "ms", "target forward + acceptance"),
