@@ -31,8 +31,10 @@ def capacity_section(results: Results) -> dict:
             "attn_ms*T*ctx/1000 (T = tokens the padded decode forward computes, ctx = KV "
             "tokens per row); prefill (step - draft - verify on steps with prefill) as a hinge "
             "in prompt tokens; draft_ms linear in B. r2_step = the whole step predicted from "
-            "its own B, T, ctx and prefill tokens against the measured step_ms.",
-            _clean(stepcost.fit_table(models).to_dict("records"))))
+            "its own B, T, ctx and prefill tokens against the measured step_ms. r2_*_cpu: the same "
+            "model on the engine thread's CPU time (cpu_ms), i.e. without waits for a core; "
+            "cpu_share = CPU ms / wall ms (below 1: the replica waited on other processes).",
+            _clean(stepcost.fit_table(models, results.steps).to_dict("records"))))
     try:
         bt = bt_mod.backtest(results)
     except ValueError as exc:

@@ -199,6 +199,43 @@ def fit_strategy(steps: pd.DataFrame, strategy: str = "") -> StepModel:
                      is_prefill=(f["P"] > 0).to_numpy())
 
 
+def cpu_fit(steps: pd.DataFrame) -> dict | None:
+    """The same model fitted on the engine thread's CPU time (``cpu_ms``,
+    ``verify_cpu_ms``) instead of wall time: what the step costs when it is not
+    waiting for a core. On a shared machine the gap between this fit's r² and the
+    wall-clock one is the share of step-time variance due to other processes.
+
+    Decode: ``fit_decode_cost`` on verify_cpu_ms; draft + overhead: a line in B on
+    decode-only steps (cpu - verify_cpu); prefill: hinge in P on what remains.
+    Returns {"r2_step_cpu", "r2_decode_cpu", "cpu_share"} (cpu_share = total cpu /
+    total wall ms) or None when the step log has no CPU columns."""
+    if mn.STEP_CPU_MS not in steps or steps[mn.STEP_CPU_MS].isna().all():
+        return None
+    f = step_features(steps)
+    keep = ((f["B"] > 0) | (f["P"] > 0)) & steps[mn.STEP_CPU_MS].notna()
+    f, cpu = f[keep], steps.loc[keep, mn.STEP_CPU_MS].astype(float)
+    vcpu = steps.loc[keep, mn.STEP_VERIFY_CPU_MS].astype(float).fillna(0.0)
+    dec = f["B"] > 0
+    if dec.sum() < 3:
+        return None
+    decode = fit_decode_cost(f.loc[dec, "B"], f.loc[dec, "T"], vcpu[dec], f.loc[dec, "A"])
+    rest = (cpu - vcpu.where(dec, 0.0)).clip(lower=0.0)
+    pure = dec & (f["P"] == 0)
+    if pure.sum() >= 2 and f.loc[pure, "B"].nunique() >= 2:
+        slope, icpt = np.polyfit(f.loc[pure, "B"], rest[pure], 1)
+    else:
+        slope, icpt = 0.0, float(rest[pure].mean()) if pure.any() else 0.0
+    line = np.where(dec, icpt + slope * f["B"], 0.0)
+    pre = f["P"] > 0
+    pre_part = np.zeros(len(f))
+    if pre.sum() >= 2 and f.loc[pre, "P"].nunique() >= 2:
+        curve = fit_cost_curve(f.loc[pre, "P"], (rest - line)[pre])
+        pre_part = np.where(pre, curve(f["P"]), 0.0)
+    pred = np.where(dec, decode(f["B"], f["T"], f["A"]), 0.0) + line + pre_part
+    return {"r2_step_cpu": _r2(cpu.to_numpy(), pred), "r2_decode_cpu": decode.r2,
+            "cpu_share": float(cpu.sum() / f["step_ms"].sum()) if f["step_ms"].sum() > 0 else np.nan}
+
+
 def fit_step_models(steps: pd.DataFrame) -> dict[str, StepModel]:
     """``{strategy: StepModel}`` for every strategy with >= 3 decode steps."""
     out = {}
@@ -212,11 +249,15 @@ def fit_step_models(steps: pd.DataFrame) -> dict[str, StepModel]:
     return out
 
 
-def fit_table(models: dict[str, StepModel]) -> pd.DataFrame:
+def fit_table(models: dict[str, StepModel], steps: pd.DataFrame | None = None) -> pd.DataFrame:
     """The report's table: per strategy r² of the whole step, of the decode and
-    prefill parts, the decode coefficients and the residual spread (ms)."""
+    prefill parts, the decode coefficients and the residual spread (ms); with
+    ``steps`` carrying CPU columns also the CPU-time fit's r² (``cpu_fit``)."""
     rows = []
     for s, m in models.items():
+        cpu = None
+        if steps is not None and not steps.empty:
+            cpu = cpu_fit(steps[steps[mn.STEP_STRATEGY].eq(s)])
         d, p = m.decode, m.prefill
         res = m.residuals
         rows.append({"strategy": s, "steps": m.n_steps, "r2_step": m.r2_step,
@@ -229,5 +270,6 @@ def fit_table(models: dict[str, StepModel]) -> pd.DataFrame:
                      "attn_ms_per_ktok2": d.attn_ms if d else np.nan,
                      "draft_ms_per_row": m.draft[1], "overhead_ms": m.overhead_ms,
                      "residual_p50_abs_ms": float(np.median(np.abs(res))) if res.size else np.nan,
-                     "residual_p90_abs_ms": float(np.percentile(np.abs(res), 90)) if res.size else np.nan})
+                     "residual_p90_abs_ms": float(np.percentile(np.abs(res), 90)) if res.size else np.nan,
+                     **(cpu or {"r2_step_cpu": np.nan, "r2_decode_cpu": np.nan, "cpu_share": np.nan})})
     return pd.DataFrame(rows)

@@ -71,10 +71,15 @@ STEP_VERIFY_MS = "verify_ms"
 STEP_QUEUE_DEPTH = "num_waiting"               # requests waiting for a slot
 STEP_PADDED_TOKENS = "padded_tokens"           # decode forward: batch_size x longest row (padding included)
 STEP_CONTEXT_TOKENS = "context_tokens"         # decode forward: sum over rows of the KV length attended
+# CPU time of the engine thread (time.thread_time): what the step cost without waiting for a core;
+# step_ms - cpu_ms is time lost to other processes on a shared machine
+STEP_CPU_MS = "cpu_ms"
+STEP_VERIFY_CPU_MS = "verify_cpu_ms"
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
-                    STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS)
+                    STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS,
+                    STEP_CPU_MS, STEP_VERIFY_CPU_MS)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"

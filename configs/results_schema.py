@@ -116,6 +116,8 @@ ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
     _c(M.STEP_QUEUE_DEPTH, "int64", "requests", "requests waiting for a slot"),
     _c(M.STEP_PADDED_TOKENS, "int64", "tokens", "decode forward: batch x longest row"),
     _c(M.STEP_CONTEXT_TOKENS, "int64", "tokens", "decode forward: KV positions attended"),
+    _c(M.STEP_CPU_MS, "float64", "ms", "engine thread CPU time of the step (no waits for a core)"),
+    _c(M.STEP_VERIFY_CPU_MS, "float64", "ms", "engine thread CPU time of the verify phase"),
 )
 STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_RUN_ID, "string", doc="run id"),

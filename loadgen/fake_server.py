@@ -130,7 +130,8 @@ class FakeServer:
                                    M.STEP_PREFILL_EMITTED_TOKENS: 0,
                                    M.STEP_MS: self.gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
                                    M.STEP_VERIFY_MS: self.gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
-                                   M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent})
+                                   M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent,
+                                   M.STEP_CPU_MS: 0.1, M.STEP_VERIFY_CPU_MS: 0.05})
             drafts = max(chunks - 1, 0)
             accepted = sent - 1 - drafts
             final = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),

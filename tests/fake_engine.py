@@ -156,7 +156,8 @@ class FakeEngine:
                 mn.STEP_MS: (time.monotonic() - t0) * 1e3, mn.STEP_DRAFT_MS: 0.0,
                 mn.STEP_VERIFY_MS: (time.monotonic() - t0) * 1e3,
                 mn.STEP_QUEUE_DEPTH: len(self._waiting),
-                mn.STEP_PADDED_TOKENS: batch * (self.k + 1), mn.STEP_CONTEXT_TOKENS: 0})
+                mn.STEP_PADDED_TOKENS: batch * (self.k + 1), mn.STEP_CONTEXT_TOKENS: 0,
+                mn.STEP_CPU_MS: 0.0, mn.STEP_VERIFY_CPU_MS: 0.0})
         return outs
 
 

@@ -119,3 +119,26 @@ def test_tie_when_no_strategy_wins_at_90_percent():
     rec = recommend_cell(_inputs({mn.AUTOREGRESSIVE: a // 3, mn.NGRAM: a, mn.DFLASH: b}),
                          n_boot=500, seed=0)
     assert rec["strategy"] == TIE and set(rec["tied"]) == {mn.NGRAM, mn.DFLASH}
+
+
+def test_cpu_time_fit_sees_through_time_sharing():
+    # CPU time follows the model exactly; wall time = CPU time x a random 1..3 slowdown
+    # (other processes on the cores): the wall fit is poor, the CPU fit exact.
+    from analysis.stepcost import cpu_fit
+    rng = np.random.default_rng(4)
+    rows = []
+    for _ in range(300):
+        b, p = int(rng.integers(1, 17)), int(rng.choice([0, 0, 0, 40, 200]))
+        verify, rest = 2.0 + 0.3 * b, (1.0 + 0.02 * max(0, p - 50)) if p else 0.5
+        cpu = verify + rest + 0.1 * b
+        slow = rng.uniform(1.0, 3.0)
+        rows.append({mn.STEP_STRATEGY: "s", mn.STEP_BATCH_SIZE: b, mn.STEP_PREFILL_TOKENS: p,
+                     mn.STEP_VERIFICATION_TOKENS: b, mn.STEP_DRAFT_MS: 0.1 * b * slow,
+                     mn.STEP_VERIFY_MS: verify * slow, mn.STEP_MS: cpu * slow,
+                     mn.STEP_CPU_MS: cpu, mn.STEP_VERIFY_CPU_MS: verify})
+    df = pd.DataFrame(rows)
+    cpu = cpu_fit(df)
+    assert cpu["r2_step_cpu"] == pytest.approx(1.0, abs=1e-6)
+    assert cpu["r2_decode_cpu"] == pytest.approx(1.0, abs=1e-6)
+    assert fit_strategy(df, "s").r2_step < 0.9
+    assert 0.4 < cpu["cpu_share"] < 0.6   # mean slowdown 2

@@ -49,6 +49,7 @@ class _StepCounters:
     prefill_emitted_tokens: int = 0  # first tokens sampled from the prefill forward
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    verify_cpu_ms: float = 0.0      # this thread's CPU time in the verify phase (no time-sharing waits)
 
 
 class LLMEngine:
@@ -220,7 +221,7 @@ class LLMEngine:
         A request that fails in this step is in the deltas with finish_reason
         "error" and ``error`` set; it is left out of the step row's token counts.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule(self.kv.num_free)
         touched: dict[str, Request] = {}
         self._admit(sched.admitted, t0, touched)
@@ -233,7 +234,7 @@ class LLMEngine:
             self._prefill(prefills, stats, touched)
         outputs = self._finish(list(touched.values()))
         if self.on_step is not None and (sched.decodes or sched.prefills):
-            self.on_step(self._step_row(stats, t0))
+            self.on_step(self._step_row(stats, t0, c0))
         return outputs
 
     def _admit(self, admitted: list[Request], now: float, touched: dict[str, Request]) -> None:
@@ -257,7 +258,7 @@ class LLMEngine:
         props = self._isolated("propose", self.proposer.propose, reqs, [
             ProposeInput(d.request.request_id, d.request.all_ids, d.max_draft,
                          d.request.params, d.request.generator) for d in decodes])
-        tv = time.perf_counter()
+        tv, cv = time.perf_counter(), time.thread_time()
         live: list[tuple[Request, DraftProposal]] = []
         for d, p in zip(decodes, props):
             r = d.request
@@ -280,6 +281,7 @@ class LLMEngine:
                     self._accept(r, p, row, f[0], f[1], stats)
         draft_ms, verify_ms = (tv - td) * 1e3, (time.perf_counter() - tv) * 1e3
         stats.draft_ms, stats.verify_ms = draft_ms, verify_ms
+        stats.verify_cpu_ms = (time.thread_time() - cv) * 1e3
         for r in reqs:
             r.stats.draft_ms += draft_ms
             r.stats.verify_ms += verify_ms
@@ -359,7 +361,7 @@ class LLMEngine:
                 self._release(r)
         return outputs
 
-    def _step_row(self, stats: "_StepCounters", t0: float) -> dict:
+    def _step_row(self, stats: "_StepCounters", t0: float, c0: float) -> dict:
         """The step-log row (``configs.results_schema.STEP_SCHEMA``)."""
         return {
             M.STEP_TS: time.time(), M.STEP_STRATEGY: self.config.strategy,
@@ -373,7 +375,8 @@ class LLMEngine:
             M.STEP_MS: (time.perf_counter() - t0) * 1e3,
             M.STEP_DRAFT_MS: stats.draft_ms, M.STEP_VERIFY_MS: stats.verify_ms,
             M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: stats.padded_tokens,
-            M.STEP_CONTEXT_TOKENS: stats.context_tokens}
+            M.STEP_CONTEXT_TOKENS: stats.context_tokens,
+            M.STEP_CPU_MS: (time.thread_time() - c0) * 1e3, M.STEP_VERIFY_CPU_MS: stats.verify_cpu_ms}
 
     def _append(self, r: Request, tokens: list[int]) -> int:
         """Append emitted tokens, applying EOS / max_tokens / context / stop strings.
