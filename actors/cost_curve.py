@@ -12,7 +12,8 @@ Each point is the median of ``--repeats`` timed forwards after one warm-up
 
 Output (strict JSON): ``{"shape", "device", "dtype", "config", "torch",
 "threads", "points": [{"batch_size", "tokens_per_row", "context_len",
-"step_ms", "step_ms_p90", "batch_tokens"}]}``, read by ``python -m analysis
+"step_ms", "step_ms_p90", "cpu_ms", "batch_tokens"}]}`` (cpu_ms: the thread's CPU
+time on a CPU device, None on a GPU), read by ``python -m analysis
 plan --cost-curve FILE``.
 """
 
@@ -98,22 +99,24 @@ def _fuse(model: CausalLM) -> CausalLM:
 
 
 def time_step(runner: ModelRunner, batch: int, q: int, ctx: int, repeats: int,
-              device: str) -> list[float]:
-    """``repeats`` timed verification forwards (ms) of ``batch`` rows x ``q`` tokens, each
-    row attending ``ctx`` cached tokens; one untimed warm-up first."""
+              device: str) -> tuple[list[float], list[float]]:
+    """``repeats`` timed verification forwards of ``batch`` rows x ``q`` tokens, each
+    row attending ``ctx`` cached tokens, after one untimed warm-up: (wall ms, this
+    thread's CPU ms). On a shared CPU the CPU time is the cost without waiting for a core."""
     rows = [RowInput(slot=i, start=ctx, token_ids=[(7 * i + j) % 97 + 1 for j in range(q)])
             for i in range(batch)]
-    out = []
+    wall, cpu = [], []
     for k in range(repeats + 1):
         if device == "cuda":
             torch.cuda.synchronize()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         runner.run(rows)
         if device == "cuda":
             torch.cuda.synchronize()
         if k:
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
+            wall.append((time.perf_counter() - t) * 1e3)
+            cpu.append((time.thread_time() - c) * 1e3)
+    return wall, cpu
 
 
 def measure(shape: str, device: str = "cpu", dtype: str = "auto", batches=None,
@@ -148,14 +151,16 @@ def measure(shape: str, device: str = "cpu", dtype: str = "auto", batches=None,
     for ctx in contexts:
         for b in batches:
             for q in tokens_per_row:
-                ms = time_step(runner, b, q, ctx, repeats, device)
+                ms, cpu = time_step(runner, b, q, ctx, repeats, device)
                 ms_sorted = sorted(ms)
                 p = {"batch_size": b, "tokens_per_row": q, "context_len": ctx,
                      "step_ms": statistics.median(ms),
                      "step_ms_p90": ms_sorted[min(len(ms) - 1, int(0.9 * len(ms)))],
+                     "cpu_ms": statistics.median(cpu) if device == "cpu" else None,
                      "batch_tokens": b * q}
                 points.append(p)
-                log(f"  B={b:>4} q={q:>2} ctx={ctx:>5}: {p['step_ms']:.2f} ms")
+                log(f"  B={b:>4} q={q:>2} ctx={ctx:>5}: {p['step_ms']:.2f} ms wall"
+                    + (f", {p['cpu_ms']:.2f} ms CPU" if p["cpu_ms"] is not None else ""))
     return {"shape": shape, "device": device, "dtype": str(tdtype).replace("torch.", ""),
             "config": cfg, "num_params": model.num_params(), "torch": torch.__version__,
             "threads": torch.get_num_threads() if device == "cpu" else None,
