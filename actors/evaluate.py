@@ -39,17 +39,17 @@ import numpy as np
 from actors.engine.types import SamplingParams, SpecStats
 from configs import metric_names as M
 from configs.jsonio import write_json
-from configs.paths import REPO_ROOT
+from configs.paths import MODELS_DIR, PROMPTS_DIR
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "autoregressive": ("autoregressive", {}),
     "ngram": ("ngram", {}),
     "draft_model": ("draft_model", {}),
     "dflash": ("dflash", {}),
-    "dflash_deep": ("dflash", {"drafter": str(REPO_ROOT / "models" / "dflash_deep")}),
+    "dflash_deep": ("dflash", {"drafter": str(MODELS_DIR / "dflash_deep")}),
     "dflash2": ("dflash2", {}),
     "dflash2_conv_only": ("dflash2", {"use_selector": False}),
-    "dflash2_selector_only": ("dflash2", {"drafter": str(REPO_ROOT / "models" / "dflash"),
+    "dflash2_selector_only": ("dflash2", {"drafter": str(MODELS_DIR / "dflash"),
                                           "use_selector": True}),
     "dspark": ("dspark", {}),
     "dspark_scheduled": ("dspark", {"scheduler": True}),
@@ -61,9 +61,9 @@ BLOCK_FAMILY = ("dflash", "dflash2", "dspark")
 
 def default_prompts(per_domain: int) -> list[dict]:
     rows = [json.loads(line) for line in
-            (REPO_ROOT / "data/prompts/heldout_eval.jsonl").read_text().splitlines() if line]
+            (PROMPTS_DIR / "heldout_eval.jsonl").read_text().splitlines() if line]
     he = [json.loads(line) for line in
-          (REPO_ROOT / "data/prompts/humaneval.jsonl").read_text().splitlines() if line]
+          (PROMPTS_DIR / "humaneval.jsonl").read_text().splitlines() if line]
     rows += [{"id": r.get("prompt_id", f"he-{i}"), "domain": "humaneval", "prompt": r["prompt"]}
              for i, r in enumerate(he)]
     by = defaultdict(list)
@@ -131,7 +131,7 @@ def _trace_metrics(trace: list[dict], prompts, outs, n_pos: int) -> dict:
 def evaluate(strategies, rows, max_tokens: int) -> dict:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(REPO_ROOT / "models" / "target"))
+    tok = AutoTokenizer.from_pretrained(str(MODELS_DIR / "target"))
     domains = defaultdict(list)
     for r in rows:
         domains[r.get("domain", "all")].append(tok(r["prompt"], add_special_tokens=False)["input_ids"])

@@ -32,12 +32,12 @@ from typing import Any
 
 import yaml
 
-from configs.paths import REPO_ROOT
+from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.serve_config import ServeAppConfig
 
 APP_IMPORT_PATH = "actors.serve.app:build_app"
-DEFAULT_BASE_CONFIG = REPO_ROOT / "configs" / "serve.yaml"
-DEFAULT_CLUSTER_YAML = REPO_ROOT / "cluster" / "cluster.yaml"
+DEFAULT_BASE_CONFIG = CONFIGS_DIR / "serve.yaml"
+DEFAULT_CLUSTER_YAML = PACKAGE_ROOT / "cluster" / "cluster.yaml"
 
 
 class ServePlanError(ValueError):

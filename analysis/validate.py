@@ -36,13 +36,13 @@ import yaml
 
 from analysis import metrics
 from configs import metric_names as mn
-from configs.paths import REPO_ROOT
+from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.tiers import Slo
 
 DEFAULT_DURATION_S = 60.0
 DEFAULT_WARMUP_S = 5.0
 INFLIGHT_CAP = 512          # open-loop cell's cap on requests in flight
-SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
+SERVE_YAML = CONFIGS_DIR / "serve.yaml"
 
 
 @dataclass(frozen=True)
@@ -137,18 +137,18 @@ def _cluster_up(config: dict, workdir: Path) -> tuple[str, Callable[[], None]]:
     path = workdir / f"serve-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+        [str(PACKAGE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     env.pop("RAY_ADDRESS", None)   # never deploy onto somebody else's cluster
     p = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path), "--port",
                         str(port)], capture_output=True, text=True, timeout=1200, env=env,
-                       cwd=REPO_ROOT)
+                       cwd=PACKAGE_ROOT)
     lines = [ln.strip() for ln in p.stdout.splitlines() if ln.strip()]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"cluster up failed (exit {p.returncode}): {p.stderr[-1500:]}")
 
     def stop() -> None:
         subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+                       capture_output=True, text=True, timeout=300, env=env, cwd=PACKAGE_ROOT)
     return lines[-1], stop
 
 
@@ -157,7 +157,7 @@ def _loadgen(url: str, strategy: str, tier: str, output_class: str, tiers_path: 
     p = subprocess.run([sys.executable, "-m", "loadgen", "--tier", tier, "--output", output_class,
                         "--target", url, "--strategies", strategy, "--tiers-file", str(tiers_path),
                         "--profile", "validate", "--results", str(results), "--run-id", run_id],
-                       capture_output=True, text=True, timeout=3600, cwd=REPO_ROOT)
+                       capture_output=True, text=True, timeout=3600, cwd=PACKAGE_ROOT)
     run_dir = results / run_id
     if not (run_dir / "requests.parquet").is_file():
         raise RuntimeError(f"loadgen wrote no requests (exit {p.returncode}): "

@@ -37,9 +37,9 @@ import yaml
 
 from configs.jsonio import write_json
 from configs.net import free_ports
-from configs.paths import REPO_ROOT
+from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "serve.yaml"
+DEFAULT_CONFIG = CONFIGS_DIR / "serve.yaml"
 DEFAULT_PORT = 8000
 HOST = "127.0.0.1"
 
@@ -123,7 +123,7 @@ def start_head(num_cpus: int | None) -> dict:
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH"))
                                         if p)
     logf = state_dir() / f"ray-head-{ports['port']}.log"
     log(f"starting a Ray head (gcs {HOST}:{ports['port']}, dashboard "

@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-from configs.paths import REPO_ROOT
+from configs.paths import PACKAGE_ROOT
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     # "local" rather than None: None silently joins whatever cluster /tmp/ray last recorded,
     # which may be stale (seen here: a dead GCS from another process made ray.init hang).
     ray.init(address=a.address or "local", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}} if not a.address else None)
+             runtime_env={"env_vars": {"PYTHONPATH": str(PACKAGE_ROOT)}} if not a.address else None)
     master_host = a.master_host or ray.util.get_node_ip_address()
 
     @ray.remote(num_cpus=a.num_cpus, max_restarts=0)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         def __init__(self, cmd: list[str], extra_env: dict[str, str]) -> None:
             env = dict(os.environ)
             env.update(extra_env)
-            self.proc = subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT) if REPO_ROOT.is_dir() else None)
+            self.proc = subprocess.Popen(cmd, env=env, cwd=str(PACKAGE_ROOT))
 
         def pid(self) -> int:
             return self.proc.pid
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                     self.proc.wait(5)
             return self.proc.returncode
 
-    extra_env = {"SPECLOAD_WORKER": "1", "PYTHONPATH": str(REPO_ROOT)}
+    extra_env = {"SPECLOAD_WORKER": "1", "PYTHONPATH": str(PACKAGE_ROOT)}
     actors = [LocustWorker.remote(worker_command(master_host, a.master_port), extra_env) for _ in range(a.n)]
     try:
         ray.get([w.pid.remote() for w in actors], timeout=300)

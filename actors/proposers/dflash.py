@@ -25,7 +25,7 @@ from actors.drafters.model import load_drafter
 from actors.engine.kv_cache import KVSlotPool
 from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
-from configs.paths import REPO_ROOT
+from configs.paths import MODELS_DIR
 
 
 class DFlashOptions(ProposerOptions):
@@ -102,7 +102,7 @@ class BlockDraftProposer(Proposer):
                  options):
         super().__init__(target, num_speculative_tokens, max_num_seqs, max_model_len,
                          draft_model, options)
-        path = Path(options.drafter or draft_model or REPO_ROOT / "models" / self.name)
+        path = Path(options.drafter or draft_model or MODELS_DIR / self.name)
         self.drafter = load_drafter(path, target, **self.load_overrides())
         cfg = self.drafter.config
         self.aux_layers = cfg.target_layer_ids
