@@ -32,6 +32,7 @@ from loadgen import service
 from loadgen.cells import CellPlan, shuffled_prompts
 from loadgen.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
 from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
+from loadgen.progress import Progress
 from loadgen.summary import SUMMARY_CSV, clock
 
 EXIT_CONFIG = 2
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
     ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
                                                  "default: start/reuse the local service")
+    ap.add_argument("--local-port", type=int, default=8000,
+                    help="without --target: port of the local service to start or reuse (default 8000)")
+    ap.add_argument("--local-config", default="",
+                    help="without --target: Serve config the local service deploys "
+                         "(default: the packaged configs/serve.yaml)")
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
     ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
     ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
@@ -132,89 +138,6 @@ def _strategies(args: argparse.Namespace, target: str, auth: Auth) -> list[str]:
     return known + [m for m in models if m not in known]
 
 
-class _Progress:
-    """What the user sees while the run goes.
-
-    One plain line per finished cell (``cell i/N ...`` with elapsed time and an
-    ETA), printed as it finishes, so a log file or CI shows progress as it
-    happens. In a terminal, a live bar for the running cell only sits below those
-    lines (it never scrolls out of a 24-row screen, and a finished cell never
-    keeps a stale "in flight" count). Refreshed from the driver loop (no refresh
-    thread under gevent).
-    """
-
-    def __init__(self, console: Any, total_cells: int, planned_cell_s: float, live: bool,
-                 at_most: bool = False) -> None:
-        self.console = console
-        self.total = total_cells
-        self.at_most = at_most      # --sweep: total is an upper bound (the sweep may stop early)
-        self.planned_cell_s = planned_cell_s
-        self.live = live
-        self.t0 = time.time()
-        self.finished = 0
-        self.p = None
-        if live:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.p = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), TimeElapsedColumn(),
-                              TextColumn("{task.fields[stats]}"), console=console, auto_refresh=False,
-                              transient=True)
-        self.task = None
-        self.plan: CellPlan | None = None
-        self._last = 0.0
-
-    def __enter__(self) -> "_Progress":
-        if self.p is not None:
-            self.p.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.p is not None:
-            self.p.stop()
-
-    def _total(self) -> str:
-        return f"{self.total} max" if self.at_most else str(self.total)
-
-    def _eta(self, now: float) -> float:
-        per_cell = (now - self.t0) / self.finished if self.finished else self.planned_cell_s
-        left_in_cell = max(0.0, self.plan.deadline_ts - now) if self.plan is not None else 0.0
-        return left_in_cell + max(0, self.total - self.finished - 1) * per_cell
-
-    def new_cell(self, label: str, plan: CellPlan) -> None:
-        self.plan = plan
-        if self.p is not None:
-            self.task = self.p.add_task(f"cell {self.finished + 1}/{self._total()} {label}",
-                                        total=plan.deadline_ts - plan.start_ts, stats="")
-
-    def tick(self, now: float, runner: Any) -> None:
-        if self.p is None or self.task is None or self.plan is None or now - self._last < 0.5:
-            return
-        self._last = now
-        ok = runner.cell_ok
-        self.p.update(self.task, completed=min(max(0.0, now - self.plan.start_ts),
-                                               self.plan.deadline_ts - self.plan.start_ts),
-                      stats=f"ok {ok} | failed {runner.cell_rows - ok} | in flight {runner.in_flight()}"
-                            f" | ETA {clock(self._eta(now))}")
-        self.p.refresh()
-
-    def done(self, summary: Any) -> None:
-        """The cell finished: drop its live bar, print its one line."""
-        from loadgen.summary import cell_line, eta_seconds
-
-        self.finished += 1
-        if self.p is not None and self.task is not None:
-            self.p.remove_task(self.task)
-            self.task = None
-        elapsed = time.time() - self.t0
-        line = cell_line(self.finished, self.total, summary, elapsed,
-                         eta_seconds(self.finished, self.total, elapsed, self.planned_cell_s),
-                         at_most=self.at_most)
-        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
-        if self.p is not None:
-            self.p.refresh()
-        sys.stdout.flush()
-
-
 def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
     """Add run_id, tier, output_class, users and repeat (by step time inside a cell window)
     to step rows."""
@@ -285,193 +208,269 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, console, tty, profile, prompts, local)
     finally:
         if not args.target:
+            down = "python -m cluster down" + (f" --port {args.local_port}" if args.local_port != 8000 else "")
             if local["url"]:
                 console.print(f"the local service is still up at {local['url']} (reused by the next run); "
-                              "stop it with `python -m cluster down`", highlight=False)
+                              f"stop it with `{down}`", highlight=False)
             else:
                 console.print("if `python -m cluster up` left anything running, stop it with "
-                              "`python -m cluster down`", highlight=False)
+                              f"`{down}`", highlight=False)
             sys.stdout.flush()
+
+
+@dataclasses.dataclass
+class _RunState:
+    """Everything one run accumulates, shared by its phases."""
+
+    args: argparse.Namespace
+    console: Any
+    profile: Any
+    prompts: list
+    target: str
+    strategies: list[str]
+    auth: Auth
+    tiers: list[str]
+    outputs: list[str]
+    levels: list[int]
+    run_id: str = ""
+    run_dir: Path = Path()
+    writer: Any = None
+    manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
+    summaries: list = dataclasses.field(default_factory=list)
+    steps: list[dict] = dataclasses.field(default_factory=list)
+    cell_windows: list[dict] = dataclasses.field(default_factory=list)
+    fetched: dict[str, float] = dataclasses.field(default_factory=dict)  # strategy -> newest step ts
+    status: str = "finished"
+    n_steps: int = 0
+    stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
 
 
 def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
          local: dict[str, Any]) -> int:
-    tiers = list(TIER_NAMES) if args.tier == "all" else [args.tier]
-    outputs = list(OUTPUT_CLASSES) if args.output == "all" else [args.output]
-    levels: list[int] = []
-    if args.sweep:
-        levels = sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
-    auth = _auth(args)
+    """Phases: connect -> open the run directory -> drive every cell -> close -> print."""
     try:
-        if args.target:
-            target = args.target.rstrip("/")
-        else:
-            console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
-            target = service.start_local_service(
-                on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
-            local["url"] = target
-        strategies = _strategies(args, target, auth)
-        if args.sweep and M.AUTOREGRESSIVE not in strategies:
-            strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
+        target, strategies, auth = _connect(args, console, local)
     except service.ServiceError as err:
         console.print(f"[red]target error:[/] {err}", highlight=False)
         return EXIT_CONFIG
+    st = _RunState(args, console, profile, prompts, target, strategies, auth,
+                   tiers=list(TIER_NAMES) if args.tier == "all" else [args.tier],
+                   outputs=list(OUTPUT_CLASSES) if args.output == "all" else [args.output],
+                   levels=sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
+                   if args.sweep else [])
+    n_cells, planned_cell_s = _open_run(st)
+    _catch_signals(st.stop)
+    runner = None
+    try:
+        from loadgen.locust_runner import LoadRunner
 
-    from loadgen.locust_runner import LoadRunner
-    from loadgen.summary import add_speedups, legend, render_table, summarize_cell, write_csv
-    from loadgen.writer import RequestWriter, environment_info, write_manifest, write_steps
+        runner = LoadRunner(args.workers, on_row=st.writer.add, should_stop=lambda: st.stop["stop"],
+                            ray_address=args.ray_address)
+        with Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
+            _drive(st, runner, progress)
+    except KeyboardInterrupt:
+        st.status = "interrupted"
+        console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
+    finally:
+        _close_run(st, runner)
+    return _print_outcome(st)
 
+
+def _connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tuple[str, list[str], Auth]:
+    """The target's base URL (starting or reusing the local service without --target) and
+    the strategies to run; raises service.ServiceError."""
+    auth = _auth(args)
+    if args.target:
+        target = args.target.rstrip("/")
+    else:
+        console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
+        target = service.start_local_service(
+            port=args.local_port, config=args.local_config or None,
+            on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+        local["url"] = target
+    strategies = _strategies(args, target, auth)
+    if args.sweep and M.AUTOREGRESSIVE not in strategies:
+        strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
+    return target, strategies, auth
+
+
+def _open_run(st: _RunState) -> tuple[int, float]:
+    """Create the run directory, the request writer and the first manifest; print the plan.
+    Returns (cells planned, planned seconds per cell)."""
+    from loadgen.writer import RequestWriter, environment_info, write_manifest
+
+    args, profile, tiers, outputs = st.args, st.profile, st.tiers, st.outputs
     label = SWEEP_TIER if args.sweep else args.tier
-    run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
-    run_dir = Path(args.results) / run_id
-    run_dir.mkdir(parents=True, exist_ok=False)
+    st.run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
+    st.run_dir = Path(args.results) / st.run_id
+    st.run_dir.mkdir(parents=True, exist_ok=False)
     # cells to run (a sweep stops early: its count is an upper bound) and the planned time per cell:
     # offered load + half the drain timeout (the ETA uses it until cells have finished)
     if args.sweep:
-        n_cells = len(strategies) * len(outputs) * len(levels) * args.repeats
+        n_cells = len(st.strategies) * len(outputs) * len(st.levels) * args.repeats
         durations = [args.duration or profile.cell(tiers[0], oc).duration_s for oc in outputs]
     else:
-        n_cells = len(strategies) * len(tiers) * len(outputs) * args.repeats
+        n_cells = len(st.strategies) * len(tiers) * len(outputs) * args.repeats
         durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
     planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
-    console.print(f"specload run [bold]{run_id}[/]: {len(strategies)} strategies, {n_cells} cells"
-                  f"{' at most' if args.sweep else ''} against {target}, about "
-                  f"{clock(n_cells * planned_cell_s)} planned; results in {run_dir}", highlight=False)
-    writer = RequestWriter(run_dir / "requests.parquet")
-    manifest: dict[str, Any] = {
-        "run_id": run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
-        "target": target, "strategies": strategies, "tiers": tiers, "outputs": outputs,
+    st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
+                     f"{' at most' if args.sweep else ''} against {st.target}, about "
+                     f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
+    st.writer = RequestWriter(st.run_dir / "requests.parquet")
+    st.manifest = {
+        "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
+        "target": st.target, "strategies": st.strategies, "tiers": tiers, "outputs": outputs,
         "args": _manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
-        "dataset": args.dataset, "num_prompts": len(prompts), "cells": [],
+        "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],
         # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
         "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
         "schema_version": MANIFEST_SCHEMA_VERSION, "repeats": args.repeats,
         **environment_info()}
     if args.sweep:
-        manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
-        manifest["sweep"] = {"template_tier": tiers[0], "levels": levels, "factor": args.sweep_factor,
-                             "stopped": {}}
-    write_manifest(run_dir / "manifest.json", manifest)
+        st.manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
+        st.manifest["sweep"] = {"template_tier": tiers[0], "levels": st.levels, "factor": args.sweep_factor,
+                                "stopped": {}}
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+    return n_cells, planned_cell_s
 
-    # Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
-    # a raw KeyboardInterrupt can land in a user greenlet and never reach this frame. A second
-    # Ctrl-C exits at once (the Parquet footer is then lost).
-    stop_flag = {"stop": False}
 
+def _catch_signals(stop: dict[str, bool]) -> None:
+    """Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
+    a raw KeyboardInterrupt can land in a user greenlet and never reach this frame. A second
+    Ctrl-C exits at once (the Parquet footer is then lost)."""
     def _on_signal(*_: Any) -> None:
-        if stop_flag["stop"]:
+        if stop["stop"]:
             os._exit(EXIT_INTERRUPTED)
-        stop_flag["stop"] = True
+        stop["stop"] = True
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    summaries = []
-    fetched: dict[str, float] = {}   # strategy -> newest step ts fetched
-    run_t0 = time.time()
-    steps: list[dict] = []
-    cell_windows: list[dict] = []
-    runner = None
-    status = "finished"
-    try:
-        runner = LoadRunner(args.workers, on_row=writer.add, should_stop=lambda: stop_flag["stop"],
-                            ray_address=args.ray_address)
-        lead_s = 0.2 if args.workers <= 0 else 1.0
-        with _Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
-            def tick(now: float, r: Any) -> None:
-                # no Parquet flush while load is offered: converting thousands of rows blocks the
-                # gevent loop for 100+ ms and would delay every in-flight chunk's timestamp
-                progress.tick(now, r)
 
-            if args.sweep:
-                state = SweepState()
-                order = sweep_cells(strategies, outputs, tiers[0], levels, state, args.repeats)
-            else:
-                state, order = None, grid_cells(strategies, tiers, outputs, args.repeats)
-            for spec in order:
-                strategy, tier, oc = spec.strategy, spec.tier, spec.output_class
-                cell = profile.cell(spec.template_tier, oc)
-                users = spec.users if spec.users is not None else cell.users
-                duration = args.duration if args.duration else cell.duration_s
-                t0 = time.time() + lead_s
-                plan = CellPlan(
-                    run_id=run_id, strategy=strategy, model=args.model or strategy, tier=tier,
-                    output_class=oc, dataset=args.dataset, base_url=target, arrival=cell.arrival,
-                    users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
-                    prompts=[[p.prompt_id, p.text, p.max_tokens] for p in prompts],
-                    max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
-                    sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
-                    request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
-                    cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
-                    headers=auth.headers, insecure=auth.insecure)
-                rep = f" r{spec.repeat}" if args.repeats > 1 else ""
-                sweep_users = f" u{users}" if args.sweep else ""
-                progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
-                cell_t0 = time.time()
-                cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, tick)
-                writer.flush()
-                cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc,
-                                     "users": users, "repeat": spec.repeat,
-                                     "t0": cell_t0, "t1": time.time()})
-                s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
-                                   arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
-                                   slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
-                s.repeat = spec.repeat
-                s.duration_s = time.time() - cell_t0
-                summaries.append(s)
-                add_speedups(summaries)
-                progress.done(s)
-                if state is not None:
-                    state.record(strategy, oc, users, s.output_tokens_per_s,
-                                 s.n_ok / s.n_requests if s.n_requests else 0.0)
-                for w in s.warnings:
-                    console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
-                manifest["cells"] = [dataclasses.asdict(x) for x in summaries]
-                if state is not None:
-                    manifest["sweep"]["stopped"] = {f"{k[0]}/{k[1]}": v for k, v in state.stopped.items()}
-                write_manifest(run_dir / "manifest.json", manifest)
-                write_csv(run_dir / SUMMARY_CSV, summaries)
-                # per cell: the replica's step ring buffer holds minutes, not a whole run
-                since = max(cell_t0 - 1.0, fetched.get(strategy, 0.0))
-                new_rows = service.fetch_step_log(target, strategy, since, headers=auth.headers,
-                                                  insecure=auth.insecure)
-                if new_rows:
-                    fetched[strategy] = max(r.get(M.STEP_TS, 0.0) for r in new_rows)
-                steps.extend(new_rows)
-            for strategy in strategies:  # rows pushed after the last fetch (flush lag)
-                steps.extend(service.fetch_step_log(target, strategy, fetched.get(strategy, run_t0),
-                                                    headers=auth.headers, insecure=auth.insecure))
-    except KeyboardInterrupt:
-        status = "interrupted"
-        console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
-    finally:
-        if runner is not None:
-            runner.close()
-        writer.close()
-        n_steps = 0
-        try:
-            n_steps = write_steps(run_dir / "steps.parquet", _label_steps(steps, run_id, cell_windows))
-        except Exception as err:  # noqa: BLE001  (step rows of an unexpected shape must not lose the run)
-            console.print(f"[yellow]warning[/] could not write steps.parquet: {err}")
-        add_speedups(summaries)
-        manifest.update(status=status, finished_ts=time.time(), requests=writer.rows_written, steps=n_steps,
-                        cells=[dataclasses.asdict(x) for x in summaries])
-        write_manifest(run_dir / "manifest.json", manifest)
-        write_csv(run_dir / SUMMARY_CSV, summaries)
+
+def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
+    """Run every cell in order (a sweep decides its next cell from the last results)."""
+    if st.args.sweep:
+        sweep = SweepState()
+        order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
+    else:
+        sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats)
+    for spec in order:
+        s, cell_t0 = _run_cell(st, spec, runner, progress)
+        if sweep is not None:
+            sweep.record(spec.strategy, spec.output_class, s.users, s.output_tokens_per_s,
+                         s.n_ok / s.n_requests if s.n_requests else 0.0)
+        _record_cell(st, s, sweep)
+        # per cell: the replica's step ring buffer holds minutes, not a whole run
+        _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
+    for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
+        _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
+
+
+def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tuple[Any, float]:
+    """Offer one cell's load and summarise it; returns (CellSummary, cell start unix s)."""
+    from loadgen.summary import add_speedups, summarize_cell
+
+    args, profile = st.args, st.profile
+    strategy, tier, oc = spec.strategy, spec.tier, spec.output_class
+    cell = profile.cell(spec.template_tier, oc)
+    users = spec.users if spec.users is not None else cell.users
+    duration = args.duration if args.duration else cell.duration_s
+    t0 = time.time() + (0.2 if args.workers <= 0 else 1.0)
+    plan = CellPlan(
+        run_id=st.run_id, strategy=strategy, model=args.model or strategy, tier=tier,
+        output_class=oc, dataset=args.dataset, base_url=st.target, arrival=cell.arrival,
+        users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
+        prompts=[[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
+        max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
+        sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
+        request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
+        cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
+        headers=st.auth.headers, insecure=st.auth.insecure)
+    rep = f" r{spec.repeat}" if args.repeats > 1 else ""
+    sweep_users = f" u{users}" if args.sweep else ""
+    progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
+    cell_t0 = time.time()
+    # no Parquet flush while load is offered: converting thousands of rows blocks the
+    # gevent loop for 100+ ms and would delay every in-flight chunk's timestamp
+    cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, progress.tick)
+    st.writer.flush()
+    st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
+                            "repeat": spec.repeat, "t0": cell_t0, "t1": time.time()})
+    s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
+                       arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
+                       slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
+    s.repeat = spec.repeat
+    s.duration_s = time.time() - cell_t0
+    st.summaries.append(s)
+    add_speedups(st.summaries)
+    progress.done(s)
+    for w in s.warnings:
+        st.console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
+    return s, cell_t0
+
+
+def _record_cell(st: _RunState, s: Any, sweep: SweepState | None) -> None:
+    """After each cell: manifest and summary.csv on disk, so a crash keeps what finished."""
+    from loadgen.summary import write_csv
+    from loadgen.writer import write_manifest
+
+    st.manifest["cells"] = [dataclasses.asdict(x) for x in st.summaries]
+    if sweep is not None:
+        st.manifest["sweep"]["stopped"] = {f"{k[0]}/{k[1]}": v for k, v in sweep.stopped.items()}
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+    write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
+
+
+def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
+    """Append the target's step rows of ``strategy`` (served name) newer than ``since``."""
+    rows = service.fetch_step_log(st.target, strategy, since, headers=st.auth.headers,
+                                  insecure=st.auth.insecure)
+    if rows:
+        st.fetched[strategy] = max(st.fetched.get(strategy, 0.0),
+                                   max(r.get(M.STEP_TS, 0.0) for r in rows))
+    st.steps.extend(rows)
+
+
+def _close_run(st: _RunState, runner: Any) -> None:
+    """Stop the load runner, close requests.parquet, write steps.parquet and the final manifest."""
+    from loadgen.summary import add_speedups, write_csv
+    from loadgen.writer import write_manifest, write_steps
+
+    if runner is not None:
+        runner.close()
+    st.writer.close()
+    try:
+        st.n_steps = write_steps(st.run_dir / "steps.parquet",
+                                 _label_steps(st.steps, st.run_id, st.cell_windows))
+    except Exception as err:  # noqa: BLE001  (step rows of an unexpected shape must not lose the run)
+        st.console.print(f"[yellow]warning[/] could not write steps.parquet: {err}")
+    add_speedups(st.summaries)
+    st.manifest.update(status=st.status, finished_ts=time.time(), requests=st.writer.rows_written,
+                       steps=st.n_steps, cells=[dataclasses.asdict(x) for x in st.summaries])
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+    write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
+
+
+def _print_outcome(st: _RunState) -> int:
+    """The summary table, failures, the optional report and the results path; the exit code."""
+    from loadgen.summary import legend, render_table
+
+    console, summaries = st.console, st.summaries
     if summaries:
         table, shown = render_table(summaries, max_width=console.width)
         console.print(table)
-        console.print(f"Columns: {legend(shown)} Every column, p99s included: {run_dir / SUMMARY_CSV}",
+        console.print(f"Columns: {legend(shown)} Every column, p99s included: {st.run_dir / SUMMARY_CSV}",
                       highlight=False)
-    console.print(f"requests: {writer.rows_written}, steps: {n_steps}, "
-                  f"wall time {clock(time.time() - manifest['started_ts'])}", highlight=False)
+    console.print(f"requests: {st.writer.rows_written}, steps: {st.n_steps}, "
+                  f"wall time {clock(time.time() - st.manifest['started_ts'])}", highlight=False)
     empty = [f"{s.strategy}/{s.tier}/{s.output_class}" for s in summaries if not s.n_ok]
     if empty:
         console.print(f"[red]no successful request[/] in {', '.join(empty)}; see the `error` "
-                      f"column of {run_dir / 'requests.parquet'}", highlight=False)
-    if args.report and writer.rows_written and len(empty) < len(summaries):
-        _report(run_dir, console)
-    print(f"results: {run_dir}", flush=True)
-    if status == "interrupted":
+                      f"column of {st.run_dir / 'requests.parquet'}", highlight=False)
+    if st.args.report and st.writer.rows_written and len(empty) < len(summaries):
+        _report(st.run_dir, console)
+    print(f"results: {st.run_dir}", flush=True)
+    if st.status == "interrupted":
         return EXIT_INTERRUPTED
     return EXIT_NO_SUCCESS if summaries and len(empty) == len(summaries) else 0
 

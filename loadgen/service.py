@@ -22,8 +22,12 @@ class ServiceError(RuntimeError):
     """The target could not be started or reached."""
 
 
-def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None) -> str:
+def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None,
+                        port: int | None = None, config: str | None = None) -> str:
     """Start or reuse the embedded local service (``python -m cluster up``); returns its base URL.
+
+    ``port`` / ``config``: ``cluster up --port`` / ``--config`` (default 8000 and
+    the packaged ``configs/serve.yaml``).
 
     ``cluster up`` prints the base URL on its last stdout line and returns while
     the service keeps running (it reuses a running one). Its progress lines
@@ -31,7 +35,12 @@ def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None]
     to ``on_line`` as they come, so a user sees the start-up instead of silence.
     Raises ServiceError with its stderr tail when it fails.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "cluster", "up"], stdout=subprocess.PIPE,
+    cmd = [sys.executable, "-m", "cluster", "up"]
+    if port is not None:
+        cmd += ["--port", str(port)]
+    if config:
+        cmd += ["--config", str(config)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     err_lines: list[str] = []
