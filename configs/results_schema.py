@@ -127,7 +127,6 @@ STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_REPEAT, "int32", doc="cell's repeat"),
 )
 STEP_COLUMNS: tuple[Column, ...] = ENGINE_STEP_COLUMNS + STEP_LABEL_COLUMNS
-assert tuple(c.name for c in ENGINE_STEP_COLUMNS) == M.STEP_LOG_COLUMNS
 
 
 def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
