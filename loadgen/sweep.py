@@ -6,9 +6,11 @@ to max_users, run ``autoregressive`` at that level, then every strategy still
 active. A strategy stops after the first level where its speedup vs
 autoregressive (same level, output class and repeat) falls below 1
 (``below_1``: the crossover is then bracketed by this level and the previous
-one), where its tokens/s grew by less than ``SATURATION_GAIN`` over the
-previous level (``saturated``: the replica is full; more users only queue),
-or where fewer than half its requests succeeded (``failing``). The sweep ends
+one), where the service saturated (``saturated``: neither its tokens/s nor
+autoregressive's grew by ``SATURATION_GAIN`` over the previous level, so the
+speedup can no longer move; a strategy that saturates while autoregressive
+still grows keeps going, since that is how the crossover is reached), or where
+fewer than half its requests succeeded (``failing``). The sweep ends
 when no strategy is active. Cells carry tier ``sweep`` and their users level;
 every other setting (duration, max_tokens, SLOs) comes from the template tier.
 """
@@ -62,6 +64,7 @@ class SweepState:
     last_tps: dict[tuple[str, str], float] = field(default_factory=dict)
     tps: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     ok_share: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
+    prev_ar: dict[str, float] = field(default_factory=dict)   # output class -> AR tokens/s, previous level
 
     def record(self, strategy: str, output_class: str, users: int, tokens_per_s: float,
                ok_share: float) -> None:
@@ -84,12 +87,25 @@ class SweepState:
             ar = self._mean(self.tps, (M.AUTOREGRESSIVE, output_class, users))
             if ar > 0 and tps / ar < 1.0:
                 reason = "below_1"
-        if reason is None and key in self.last_tps and not tps > (1 + SATURATION_GAIN) * self.last_tps[key]:
-            reason = "saturated"
+        if reason is None and self._flat(key, tps):
+            ar_key = (M.AUTOREGRESSIVE, output_class)
+            ar_flat = strategy == M.AUTOREGRESSIVE or self._flat(
+                ar_key, self._mean(self.tps, (M.AUTOREGRESSIVE, output_class, users)))
+            if ar_flat:
+                reason = "saturated"
         self.last_tps[key] = tps
         if reason is not None:
             self.stopped[key] = reason
         return reason
+
+    def _flat(self, key: tuple[str, str], tps: float) -> bool:
+        """tokens/s at this level grew by < SATURATION_GAIN over the previous level's."""
+        prev = self.last_tps.get(key) if key[0] != M.AUTOREGRESSIVE else self.prev_ar.get(key[1])
+        return prev is not None and not tps > (1 + SATURATION_GAIN) * prev
+
+    def next_level(self, output_class: str, users: int) -> None:
+        """Remember autoregressive's tokens/s at ``users`` as the previous level's."""
+        self.prev_ar[output_class] = self._mean(self.tps, (M.AUTOREGRESSIVE, output_class, users))
 
     def active(self, strategy: str, output_class: str) -> bool:
         return (strategy, output_class) not in self.stopped
@@ -126,3 +142,4 @@ def sweep_cells(strategies: list[str], outputs: list[str], template_tier: str, l
                 state.decide(s, oc, users)
             if not others:
                 state.decide(M.AUTOREGRESSIVE, oc, users)
+            state.next_level(oc, users)

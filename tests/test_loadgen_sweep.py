@@ -51,6 +51,16 @@ def test_sweep_stops_each_strategy_at_its_crossover_or_saturation():
     assert [u for s, u, _ in ran if s == M.AUTOREGRESSIVE] == [1, 2, 4, 8, 16]
 
 
+def test_sweep_goes_on_while_only_the_strategy_saturates():
+    # dspark's replica is full from 1 user, autoregressive still grows: its speedup falls,
+    # so the sweep keeps going until it crosses 1 (the old rule stopped at 2 as "saturated")
+    s_tps = {1: 300.0, 2: 305.0, 4: 310.0, 8: 312.0}
+    state, ran = _drive(lambda s, n: 100.0 * n if s == M.AUTOREGRESSIVE else s_tps[n],
+                        [M.AUTOREGRESSIVE, M.DSPARK], [1, 2, 4, 8])
+    assert [u for s, u, _ in ran if s == M.DSPARK] == [1, 2, 4]
+    assert state.stopped[(M.DSPARK, "long")] == "below_1"
+
+
 def test_sweep_repeats_and_grid_order():
     _, ran = _drive(lambda s, n: 100.0 * n, [M.AUTOREGRESSIVE, M.NGRAM], [1, 2], repeats=2)
     assert ran[:4] == [(M.AUTOREGRESSIVE, 1, 0), (M.AUTOREGRESSIVE, 1, 1), (M.NGRAM, 1, 0),
