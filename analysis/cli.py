@@ -31,32 +31,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="report.md, report.html and recommendation.json")
-    r.add_argument("results_dir", help="a run directory or a parent of several")
-    r.add_argument("--out", help="output directory (default: RESULTS_DIR)")
+    r.add_argument("results_dir", help="a run directory (or, with --merge, a parent of several)")
+    r.add_argument("--out", help="output directory (default: RESULTS_DIR/report, where "
+                   "`python -m loadgen --report` writes too)")
+    r.add_argument("--merge", action="store_true",
+                   help="pool every run found under RESULTS_DIR into one report (listed in the output)")
     r.add_argument("--baseline", help="baseline results (run dir or parent) for the degradation check")
     r.add_argument("--slo-ttft-ms", type=_positive("--slo-ttft-ms"), help="TTFT SLO, ms (all tiers)")
     r.add_argument("--slo-tpot-ms", type=_positive("--slo-tpot-ms"), help="TPOT SLO, ms (all tiers)")
     r.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     q = sub.add_parser("plan", help="replicas per strategy for a target load under SLOs")
     q.add_argument("results_dir")
-    q.add_argument("--qps", type=_positive("--qps"), required=True, help="target requests/s")
-    q.add_argument("--tier", required=True, help="tier whose traffic is planned")
-    q.add_argument("--slo-ttft-ms", type=_positive("--slo-ttft-ms"), required=True)
-    q.add_argument("--slo-tpot-ms", type=_positive("--slo-tpot-ms"), required=True)
+    # numbers are checked after parsing (_plan_errors) so every bad argument is reported at once
+    q.add_argument("--qps", help="target requests/s (required)")
+    q.add_argument("--tier", help="tier whose traffic is planned (required)")
+    q.add_argument("--slo-ttft-ms", help="TTFT SLO, ms (default: the tier's SLO in the run manifest)")
+    q.add_argument("--slo-tpot-ms", help="TPOT SLO, ms (default: the tier's SLO in the run manifest)")
     q.add_argument("--gpu", choices=["h100", "h200"], help="model the step cost on this GPU")
-    q.add_argument("--model-params", type=_positive("--model-params"),
+    q.add_argument("--model-params",
                    help="target model parameters (e.g. 8e9); needed with --gpu")
     q.add_argument("--cost-curve", help='measured curve JSON {"gpu","model","points":[...]}')
-    q.add_argument("--attainment", type=_positive("--attainment"), default=0.9,
+    q.add_argument("--attainment", default="0.9",
                    help="share of requests that must meet the SLOs (default 0.9)")
-    q.add_argument("--overhead-ms", type=float, default=1.0, help="per-step overhead on the GPU, ms")
-    q.add_argument("--max-batch", type=int, default=1024,
+    q.add_argument("--overhead-ms", default="1.0", help="per-step overhead on the GPU, ms")
+    q.add_argument("--max-batch", default="1024",
                    help="largest batch (concurrent requests per replica) the GPU plan considers")
     q.add_argument("--model-shape", help="with --gpu: the target's shape for the KV-cache memory cap: "
                    "a name (qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a config.json / HF "
                    "model dir; also gives --model-params when that is absent")
-    q.add_argument("--gpu-memory-utilization", type=_positive("--gpu-memory-utilization"),
-                   default=0.9, help="share of GPU memory weights + KV cache may use (default 0.9)")
+    q.add_argument("--gpu-memory-utilization", default="0.9", help="share of GPU memory weights + KV cache may use (default 0.9)")
     q.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the plan as JSON; with --validate, write the validation JSON to FILE")
     q.add_argument("--validate", action="store_true",
@@ -66,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the feasible one needing the fewest replicas)")
     q.add_argument("--output", default=None, choices=("short", "long"),
                    help="with --validate: output class to validate (default: as --strategy)")
-    q.add_argument("--validate-duration", type=_positive("--validate-duration"), default=60.0,
+    q.add_argument("--validate-duration", default="60",
                    help="with --validate: seconds of offered load per replica count (default 60)")
-    q.add_argument("--validate-warmup", type=float, default=5.0,
+    q.add_argument("--validate-warmup", default="5",
                    help="with --validate: seconds at the start left out of attainment (default 5)")
     q.add_argument("--validate-results", default=None,
                    help="with --validate: where the validation runs go (default RESULTS_DIR/validate)")
@@ -101,11 +104,28 @@ def _print_table(title: str, rows: list[dict], columns: list[str]) -> None:
     Console(width=200).print(table)
 
 
-def _report(args) -> int:
-    from analysis.recommend import recommendation_rows
-    from analysis.report import build_report
-    out = build_report(args.results_dir, args.out, args.baseline, args.slo_ttft_ms,
+def _report(args, parser) -> int:
+    from pathlib import Path
+
+    from analysis.load import find_run_dirs
+    from analysis.recommend import headline_lines, recommendation_rows
+    from analysis.report import build_report, default_out_dir
+
+    root = Path(args.results_dir)
+    runs = find_run_dirs(root) if root.is_dir() else []
+    if len(runs) > 1 and not args.merge:
+        listed = "\n  ".join(str(r) for r in runs)
+        parser.error(f"{root} holds {len(runs)} runs:\n  {listed}\npass one run directory, or "
+                     "--merge to pool them all into one report")
+    if len(runs) > 1:
+        print(f"merging {len(runs)} runs:")
+        for r in runs:
+            print(f"  {r}")
+    out = build_report(root, args.out or default_out_dir(root), args.baseline, args.slo_ttft_ms,
                        args.slo_tpot_ms, seed=args.seed)
+    print("recommendation per tier (highest goodput under the SLOs):")
+    for line in headline_lines(out["recommendation"]):
+        print(f"  {line}")
     _print_table("recommendation", recommendation_rows(out["recommendation"]),
                  ["tier", "output_class", "users", "strategy", "goodput_tok_s", "speedup",
                   "runner_up", "margin", "confidence"])
@@ -124,25 +144,85 @@ def _report(args) -> int:
     return out["exit_code"]
 
 
+def _number(errors: list[str], args, name: str, kind=float, positive: bool = True,
+            upper: float | None = None):
+    """Convert ``args.<name>`` in place; append a message naming the flag when it is bad."""
+    flag = "--" + name.replace("_", "-")
+    text = getattr(args, name)
+    if text is None:
+        return
+    try:
+        value = kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+    except (TypeError, ValueError):
+        errors.append(f"{flag} expects {'an integer' if kind is int else 'a number'}, got {text!r}")
+        return
+    if positive and not value > 0:
+        errors.append(f"{flag} must be > 0, got {text!r}")
+    elif upper is not None and value > upper:
+        errors.append(f"{flag} must be <= {upper:g}, got {text!r}")
+    setattr(args, name, value)
+
+
+def _plan_errors(args) -> list[str]:
+    """Every argument error of ``plan`` at once (argparse alone stops at the first)."""
+    errors: list[str] = []
+    for name in ("qps", "tier"):
+        if getattr(args, name) is None:
+            errors.append(f"--{name} is required")
+    for name in ("qps", "slo_ttft_ms", "slo_tpot_ms", "model_params", "attainment",
+                 "validate_duration"):
+        _number(errors, args, name, upper=1.0 if name == "attainment" else None)
+    _number(errors, args, "gpu_memory_utilization", upper=1.0)
+    _number(errors, args, "overhead_ms", positive=False)
+    _number(errors, args, "validate_warmup", positive=False)
+    _number(errors, args, "max_batch", kind=int)
+    if args.gpu and args.model_params is None and args.cost_curve is None and args.model_shape is None:
+        errors.append("--gpu needs --model-params (target parameters, e.g. 8e9), --model-shape "
+                      "or --cost-curve")
+    if args.model_shape is not None and not args.gpu:
+        errors.append("--model-shape only applies with --gpu (the GPU whose memory holds the KV cache)")
+    if args.model_params is not None and not args.gpu:
+        errors.append("--model-params only applies with --gpu")
+    return errors
+
+
+def _plan_slos(args) -> None:
+    """Fill --slo-ttft-ms / --slo-tpot-ms from the run manifest's SLO for --tier; say so."""
+    import json
+    from pathlib import Path
+
+    from analysis.load import MANIFEST_FILE, find_run_dirs
+    from analysis.slo import resolve_slos
+
+    root = Path(args.results_dir)
+    config: dict = {}
+    for d in (find_run_dirs(root) if root.is_dir() else []):
+        if (d / MANIFEST_FILE).is_file():
+            config = json.loads((d / MANIFEST_FILE).read_text()).get("config") or {}
+            if config.get("slo"):
+                break
+    slo = resolve_slos([args.tier], config, args.slo_ttft_ms, args.slo_tpot_ms)[args.tier]
+    where = {"manifest": "from the run manifest", "default": "defaults (the manifest names none)",
+             "flags": "from --slo-ttft-ms / --slo-tpot-ms"}.get(
+        slo.source, f"{slo.source.replace('flags+', 'flag + ')}")
+    if not args.json:
+        print(f"SLO for tier {args.tier}: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms "
+              f"({where}; --slo-ttft-ms / --slo-tpot-ms override)")
+    args.slo_ttft_ms, args.slo_tpot_ms, args.slo_source = slo.ttft_ms, slo.tpot_ms, slo.source
+
+
 def _plan(args, parser) -> int:
     from analysis.plan import plan
-    if args.gpu and args.model_params is None and args.cost_curve is None and args.model_shape is None:
-        parser.error("--gpu needs --model-params (target parameters, e.g. 8e9), --model-shape "
-                     "or --cost-curve")
-    if args.model_shape is not None and not args.gpu:
-        parser.error("--model-shape only applies with --gpu (the GPU whose memory holds the KV cache)")
-    if not args.gpu_memory_utilization <= 1:
-        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.max_batch < 1:
-        parser.error(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.model_params is not None and not args.gpu:
-        parser.error("--model-params only applies with --gpu")
+    errors = _plan_errors(args)
+    if errors:
+        parser.error("\n  ".join([f"{len(errors)} argument error(s):"] + errors))
+    _plan_slos(args)
     try:
         out = plan(args.results_dir, args.qps, args.tier, args.slo_ttft_ms, args.slo_tpot_ms,
                    gpu=args.gpu, model_params=args.model_params, cost_curve=args.cost_curve,
                    attainment=args.attainment, overhead_ms=args.overhead_ms,
                    max_batch=args.max_batch, model_shape=args.model_shape,
-                   gpu_memory_utilization=args.gpu_memory_utilization)
+                   gpu_memory_utilization=args.gpu_memory_utilization, slo_source=args.slo_source)
     except ValueError as exc:
         if isinstance(exc, ResultsError):
             raise
@@ -192,7 +272,7 @@ def _validate(args, out: dict, parser) -> int:
     profile = next((r.manifest.get("profile") for r in results.runs if r.manifest.get("profile")), None)
     res = va.validate_plan(
         choice, args.qps, args.tier, Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms,
-                                         source="flags"),
+                                         source=args.slo_source),
         args.attainment, va.run_max_tokens(profile, args.tier, choice.output_class),
         Path(args.validate_results or Path(args.results_dir) / "validate"),
         duration_s=args.validate_duration, warmup_s=args.validate_warmup)
@@ -233,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "report":
-            return _report(args)
+            return _report(args, parser)
         if args.command == "backtest":
             from analysis.backtest_cli import run_backtest
             return run_backtest(args, parser, _print_table)

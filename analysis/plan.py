@@ -204,8 +204,12 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
          cost_curve: str | Path | None = None, attainment: float = DEFAULT_ATTAINMENT,
          overhead_ms: float = DEFAULT_OVERHEAD_MS, max_batch: int = DEFAULT_MAX_BATCH,
          model_shape: str | None = None,
-         gpu_memory_utilization: float = memory.DEFAULT_GPU_MEMORY_UTILIZATION) -> dict:
+         gpu_memory_utilization: float = memory.DEFAULT_GPU_MEMORY_UTILIZATION,
+         slo_source: str = "flags") -> dict:
     """Plan replicas for ``qps`` requests/s of ``tier`` traffic under the SLOs.
+
+    ``slo_source`` says where the SLO came from (``flags``, ``manifest``, ...; see
+    ``analysis.slo.resolve_slos``); it is recorded in the returned ``slo``.
 
     Returns {"qps", "tier", "slo", "measured": [rows], "gpu_plan": [rows] or None,
     "assumptions": [str], "memory": [rows] or None}. ``model_shape`` (a name in
@@ -219,7 +223,7 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     tiers = sorted(req[mn.REQ_TIER].unique())
     if tier not in tiers:
         raise ValueError(f"tier {tier!r} is not in the results (found {tiers}); pass one of them.")
-    slo = Slo(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, source="flags")
+    slo = Slo(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, source=slo_source)
     flagged = metrics.with_slo_flags(req, {t: slo for t in tiers})
     cells = metrics.cell_table(flagged)
     classes = sorted(req.loc[req[mn.REQ_TIER].eq(tier), mn.REQ_OUTPUT_CLASS].unique())
