@@ -269,11 +269,11 @@ def _validate(args, out: dict, parser) -> int:
     except ValueError as exc:
         parser.error(f"--validate/--strategy: {exc}")
     results = load_results(args.results_dir)
-    profile = next((r.manifest.get("profile") for r in results.runs if r.manifest.get("profile")), None)
+    manifest = next((r.manifest for r in results.runs if r.manifest.get("profile")), None)
     res = va.validate_plan(
         choice, args.qps, args.tier, Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms,
                                          source=args.slo_source),
-        args.attainment, va.run_max_tokens(profile, args.tier, choice.output_class),
+        args.attainment, va.run_max_tokens(manifest, args.tier, choice.output_class),
         Path(args.validate_results or Path(args.results_dir) / "validate"),
         duration_s=args.validate_duration, warmup_s=args.validate_warmup)
     print(f"plan {'HOLDS' if res['holds'] else 'FAILS'}: {res['strategy']} x {res['replicas']} at "

@@ -37,7 +37,7 @@ import yaml
 from analysis import metrics
 from configs import metric_names as mn
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
-from configs.tiers import Slo
+from configs.tiers import TIER_NAMES, Slo
 
 DEFAULT_DURATION_S = 60.0
 DEFAULT_WARMUP_S = 5.0
@@ -120,14 +120,23 @@ def tiers_file(tier: str, output_class: str, qps: float, duration_s: float, slo:
         "tiers": {"low": t, "mid": t, "high": t}}}}
 
 
-def run_max_tokens(manifest_profile: dict | None, tier: str, output_class: str):
-    """max_tokens of the planned tier/output class as the run used it (manifest profile),
-    else the shipped default profile's."""
+def load_tier(tier: str, manifest: dict | None = None) -> str:
+    """The tier file tier whose cell the validation runs: ``tier`` itself, or for a
+    sweep run (tier ``sweep``) the sweep's template tier (default ``high``)."""
+    if tier in TIER_NAMES:
+        return tier
+    return ((manifest or {}).get("sweep") or {}).get("template_tier") or "high"
+
+
+def run_max_tokens(manifest: dict | None, tier: str, output_class: str):
+    """max_tokens of the planned tier/output class as the run used it (manifest
+    profile; a sweep's template tier), else the shipped default profile's."""
+    t = load_tier(tier, manifest)
     try:
-        return manifest_profile["tiers"][tier][output_class]["max_tokens"]
+        return manifest["profile"]["tiers"][t][output_class]["max_tokens"]
     except (TypeError, KeyError):
         from configs.tiers import load_tiers
-        return load_tiers().profile(None).cell(tier, output_class).max_tokens.model_dump()
+        return load_tiers().profile(None).cell(t, output_class).max_tokens.model_dump()
 
 
 def _cluster_up(config: dict, workdir: Path) -> tuple[str, Callable[[], None]]:
@@ -187,8 +196,8 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
             return _cluster_up(serve_config(strategy, replicas), work)
     if drive is None:
         def drive(url, run_id):
-            return _loadgen(url, choice.strategy, tier, choice.output_class, tiers_path,
-                            out_dir, run_id)
+            return _loadgen(url, choice.strategy, load_tier(tier), choice.output_class,
+                            tiers_path, out_dir, run_id)
     result = {"strategy": choice.strategy, "output_class": choice.output_class, "tier": tier,
               "replicas": choice.replicas, "qps": qps, "slo_target": target,
               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},

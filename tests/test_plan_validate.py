@@ -66,6 +66,16 @@ def test_generated_serve_config_and_tier_file_validate(tmp_path):
     assert cell.slo.ttft_ms == 1000 and cell.max_tokens.max == 128
 
 
+def test_max_tokens_from_the_run_and_sweep_template():
+    man = {"profile": {"tiers": {"high": {"long": {"max_tokens": {"dist": "fixed", "value": 77}}}}},
+           "sweep": {"template_tier": "high"}}
+    assert va.run_max_tokens(man, "high", "long") == {"dist": "fixed", "value": 77}
+    assert va.run_max_tokens(man, "sweep", "long") == {"dist": "fixed", "value": 77}
+    assert va.load_tier("sweep", {}) == "high" and va.load_tier("mid") == "mid"
+    shipped = va.run_max_tokens(None, "low", "short")
+    assert shipped["dist"] == "fixed" and shipped["value"] >= 1
+
+
 def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
     share = {2: 0.95, 1: 0.40}
     deployed = []
