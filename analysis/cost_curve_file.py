@@ -4,7 +4,8 @@ Format: ``{"shape", "device", "points": [{"batch_size", "tokens_per_row",
 "context_len", "step_ms"}, ...]}``. The plan needs step ms as a function of the
 batch tokens a step verifies, so the grid is reduced to one curve: the points
 at the context length closest to ``context_len`` (default: the largest
-measured, the conservative choice), the median step ms per distinct batch
+measured, the conservative choice), on a CPU device the thread CPU time
+``cpu_ms`` when every point has it (else wall ``step_ms``), the median per distinct batch
 tokens made non-decreasing (running maximum) (= batch_size x tokens_per_row; several (B, q) pairs can give the same
 count), interpolated piecewise-linearly by ``analysis.plan.PointsCurve``.
 """
@@ -24,6 +25,7 @@ class GridPoint(BaseModel):
     tokens_per_row: int = Field(ge=1)
     context_len: int = Field(ge=0)
     step_ms: float = Field(gt=0)
+    cpu_ms: float | None = Field(default=None, gt=0)
 
 
 class GridCurveFile(BaseModel):
@@ -49,7 +51,10 @@ def grid_to_points(data: dict, context_len: float | None = None) -> tuple[list[t
     ctxs = sorted(df["context_len"].unique())
     ctx = ctxs[-1] if context_len is None else min(ctxs, key=lambda c: abs(c - context_len))
     sel = df[df["context_len"].eq(ctx)].assign(t=lambda d: d["batch_size"] * d["tokens_per_row"])
-    agg = sel.groupby("t")["step_ms"].median().sort_index()
+    # a CPU curve measured on a shared machine: the thread's CPU time is the step's cost,
+    # wall time adds the waits for a core that another machine would not have
+    col = "cpu_ms" if spec.device == "cpu" and sel["cpu_ms"].notna().all() else "step_ms"
+    agg = sel.groupby("t")[col].median().sort_index()
     # a forward over more tokens never costs less: timing noise must not give the
     # extrapolated last segment a negative slope
     agg[:] = np.maximum.accumulate(agg.to_numpy())
@@ -57,7 +62,7 @@ def grid_to_points(data: dict, context_len: float | None = None) -> tuple[list[t
         raise ValueError(f"cost curve {spec.shape}: fewer than 2 distinct batch-token counts at "
                          f"context {ctx}")
     return ([(float(t), float(m)) for t, m in agg.items()],
-            {"shape": spec.shape, "device": spec.device, "context_len": int(ctx)})
+            {"shape": spec.shape, "device": spec.device, "context_len": int(ctx), "clock": col})
 
 
 def read(path: str | Path) -> dict:
