@@ -25,6 +25,8 @@ class Analysis:
     capacity: pd.DataFrame
     target_curve: capacity.CostCurve | None
     recommendation: dict
+    outages: pd.DataFrame | None = None     # analysis.faults.outages: failed / rejected per cell
+    timeline: pd.DataFrame | None = None    # analysis.faults.timeline: per strategy, 1 s bins
     degradation: pd.DataFrame | None = None
     baseline_root: str | None = None
     capacity_model: dict = field(default_factory=dict)  # analysis.capacity_section output

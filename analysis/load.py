@@ -1,7 +1,11 @@
 """Load the load generator's results: ``requests.parquet``, ``steps.parquet`` and
 ``manifest.json`` from one run directory or from a parent of several.
 
-A run directory is any directory that holds ``requests.parquet``. Columns the
+A run directory is any directory that holds ``requests.parquet`` or per-cell files
+``cells/*.parquet`` (the load generator's writer keeps every cell file readable
+while the cell runs and merges them into ``requests.parquet``; after a ``kill -9``
+the cell files hold rows up to the last second, so they are read when present).
+Columns the
 server did not report (third-party engines report no speculative statistics
 and write no step log) are added as missing values, so every later stage can
 rely on the full column set of ``configs.results_schema``. A file written
@@ -23,6 +27,7 @@ from configs import results_schema as S
 REQUESTS_FILE = "requests.parquet"
 STEPS_FILE = "steps.parquet"
 MANIFEST_FILE = "manifest.json"
+CELLS_DIR = "cells"
 
 # Columns and types come from configs/results_schema.py (the writer's schema too).
 REQUIRED_COLUMNS = S.required(S.REQUEST_COLUMNS)
@@ -68,9 +73,27 @@ class Results:
 
 def find_run_dirs(root: Path) -> list[Path]:
     """Directories under (or equal to) ``root`` holding ``requests.parquet``, sorted."""
-    if (root / REQUESTS_FILE).is_file():
+    if (root / REQUESTS_FILE).is_file() or _cell_files(root):
         return [root]
-    return sorted(p.parent for p in root.rglob(REQUESTS_FILE))
+    found = {p.parent for p in root.rglob(REQUESTS_FILE)}
+    found |= {p.parent.parent for p in root.rglob(f"{CELLS_DIR}/*.parquet")}
+    return sorted(found)
+
+
+def _cell_files(path: Path) -> list[Path]:
+    d = path / CELLS_DIR
+    return sorted(d.glob("*.parquet")) if d.is_dir() else []
+
+
+def read_requests(path: Path) -> pd.DataFrame:
+    """A run's request rows: its cell files when present (complete even after a kill), else
+    ``requests.parquet``."""
+    cells = _cell_files(path)
+    if cells:
+        frames = [_read(p) for p in cells]
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else _read(cells[0])
+    return _read(path / REQUESTS_FILE)
 
 
 def _check_version(path: Path, version: int | None) -> None:
@@ -104,6 +127,8 @@ def _normalise_requests(df: pd.DataFrame, run_id: str, path: Path) -> pd.DataFra
     for col in LIST_COLUMNS:
         if col not in df.columns:
             df[col] = None
+    df[mn.REQ_RETRIES] = (pd.to_numeric(df[mn.REQ_RETRIES], errors="coerce").fillna(0).astype(int)
+                          if mn.REQ_RETRIES in df.columns else 0)
     for col, default in ((mn.REQ_STATUS, "ok"), (mn.REQ_DATASET, "unknown"),
                          (mn.REQ_ERROR, None), (mn.REQ_PROMPT_ID, None)):
         if col not in df.columns:
@@ -144,14 +169,14 @@ def load_run(path: Path) -> Run:
     """Read one run directory. Raises ``ResultsError`` when requests.parquet is absent."""
     path = Path(path)
     req_path = path / REQUESTS_FILE
-    if not req_path.is_file():
+    if not req_path.is_file() and not _cell_files(path):
         raise ResultsError(f"{path}: no {REQUESTS_FILE}; expected a run directory written "
                            f"by `python -m loadgen`.")
     manifest: dict = {}
     if (path / MANIFEST_FILE).is_file():
         manifest = json.loads((path / MANIFEST_FILE).read_text())
     _check_version(path / MANIFEST_FILE, manifest.get("schema_version"))
-    raw = _read(req_path)
+    raw = read_requests(path)
     run_id = str(manifest.get("run_id") or
                  (raw[mn.REQ_RUN_ID].dropna().iloc[0] if mn.REQ_RUN_ID in raw.columns
                   and raw[mn.REQ_RUN_ID].notna().any() else path.name))

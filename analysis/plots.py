@@ -159,3 +159,40 @@ def step_cost(steps: pd.DataFrame, target: CostCurve | None) -> bytes | None:
            ylabel="step time (ms)")
     ax.legend(fontsize=8)
     return _png(fig)
+
+
+def outage_timeline(timeline: pd.DataFrame | None, outages: pd.DataFrame | None) -> bytes | None:
+    """Output tokens/s and error rate over the run, one panel per strategy; outage windows shaded.
+
+    Drawn only when some request failed or was rejected (a clean run needs no time line).
+    """
+    if timeline is None or timeline.empty or outages is None or outages.empty:
+        return None
+    t0 = timeline.attrs.get("t0", 0.0)
+    strategies = sorted(timeline[mn.REQ_STRATEGY].unique())
+    fig = Figure(figsize=(6.0, 2.6 * len(strategies)))
+    axes = fig.subplots(len(strategies), 1, squeeze=False, sharex=True)[:, 0]
+    for ax, strategy in zip(axes, strategies):
+        g = timeline[timeline[mn.REQ_STRATEGY].eq(strategy)]
+        ax.plot(g["t_s"], g["output_tokens_per_s"], color="tab:blue", drawstyle="steps-post",
+                label="output tokens/s (ok)")
+        ax.set_ylabel("tokens/s", color="tab:blue")
+        err = ax.twinx()
+        err.plot(g["t_s"], g["error_rate"], color="tab:red", drawstyle="steps-post", label="error rate")
+        if g["n_rejected"].any():
+            rej = g["n_rejected"] / g["n_ended"].where(g["n_ended"] > 0)
+            err.plot(g["t_s"], rej.fillna(0), color="tab:orange", ls="--", drawstyle="steps-post",
+                     label="rejected (429) share")
+        err.set_ylim(-0.02, 1.05)
+        err.set_ylabel("share of requests ended", color="tab:red")
+        o = outages[outages[mn.REQ_STRATEGY].eq(strategy) & outages["outage_s"].notna()]
+        for _, r in o.iterrows():
+            ax.axvspan(r["outage_start_ts"] - t0, r["outage_end_ts"] - t0, color="tab:red", alpha=0.15)
+            ax.text(r["outage_start_ts"] - t0, 0, f" outage {r['outage_s']:.1f} s", fontsize=8,
+                    va="bottom", color="tab:red")
+        ax.set_title(f"{strategy}: throughput and errors over time (1 s bins, by request end)", fontsize=9)
+        lines = ax.get_legend_handles_labels()
+        lines2 = err.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("seconds since the run's first request")
+    return _png(fig)

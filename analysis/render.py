@@ -37,6 +37,8 @@ FIGURE_TITLES = {
     "step_residuals": "Step cost model residuals per strategy (decode / with prefill)",
     "backtest_speedup_short": "Backtest, short outputs: predicted vs measured speedup",
     "backtest_speedup_long": "Backtest, long outputs: predicted vs measured speedup",
+    "timeline": "Outage window: output tokens/s and error rate over time, one panel per strategy "
+                "(shaded: outage)",
 }
 
 
@@ -106,6 +108,13 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
          "offline (`python -m actors.evaluate`).",
          records(a.positions)),
     ]
+    outage_rows = records(a.outages) if a.outages is not None else []
+    out.insert(1, ("Faults and outages", "Cells with failed requests (the service accepted them "
+                   "and did not finish: error, timeout, disconnected) or rejected ones (HTTP 429, "
+                   "load shed on purpose). Outage: from the first failure to the first token of a "
+                   "successful request after the last failure (recovered = that token came within "
+                   "the cell). A recommendation over such a cell rests on a degraded run.",
+                   outage_rows))
     if a.degradation is not None:
         out.insert(1, ("Degradation vs baseline", f"Baseline {a.baseline_root}: flagged when "
                        "acceptance length or goodput dropped by more than 10 %.",

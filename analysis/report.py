@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import capacity, metrics, plots, render
+from analysis import capacity, faults, metrics, plots, render
 from analysis.analysis import Analysis
 from analysis.capacity_section import capacity_figures
 from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
@@ -61,6 +61,8 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     curve, predicted = predict_crossovers(results.steps, flagged, cap)
     crossover = metrics.crossover_measured(cells).merge(predicted, on=mn.REQ_STRATEGY, how="outer")
     rec = recommend(flagged, cells, slos, n_boot=n_boot, seed=seed)
+    outage = faults.outages(flagged)
+    faults.annotate_degraded(rec, outage)
     degradation = None
     if baseline is not None:
         base = load_results(baseline)
@@ -75,6 +77,7 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
                     positions=metrics.per_position(flagged), crossover=crossover,
                     knees=metrics.throughput_latency_knee(cells), capacity=cap,
                     target_curve=curve, recommendation=rec, degradation=degradation,
+                    outages=outage, timeline=faults.timeline(flagged),
                     baseline_root=str(baseline) if baseline is not None else None,
                     capacity_model=capacity_section(results))
 
@@ -90,6 +93,7 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "verification": plots.verification_vs_batch(a.results.steps),
         "step_cost": plots.step_cost(a.results.steps, a.target_curve),
         **capacity_figures(a.capacity_model),
+        "timeline": plots.outage_timeline(a.timeline, a.outages),
     }
 
 

@@ -109,6 +109,7 @@ REQ_NUM_CHUNKS = "num_chunks"                  # stream chunks that carried non-
 REQ_ARRIVAL = "arrival"                        # "closed" (fixed users) | "open" (Poisson)
 REQ_RATE_RPS = "request_rate_rps"              # open-loop arrival rate, requests/s (null if closed)
 REQ_REPEAT = "repeat"                          # 0-based repeat of the cell (loadgen --repeats)
+REQ_RETRIES = "retries"                        # times this request was re-sent after a 429 (--retry N)
 
 # request status values (REQ_STATUS)
 STATUS_OK = "ok"
@@ -116,7 +117,12 @@ STATUS_ERROR = "error"                         # HTTP error or an error object i
 STATUS_TIMEOUT = "timeout"                     # client-side request timeout
 STATUS_DISCONNECTED = "disconnected"           # stream closed before [DONE] / finish_reason
 STATUS_CANCELLED = "cancelled"                 # still in flight when the cell was stopped
-REQ_STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_CANCELLED)
+STATUS_REJECTED = "rejected"                   # HTTP 429 (overloaded, Retry-After): shed, not an error
+REQ_STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_CANCELLED,
+                STATUS_REJECTED)
+# Statuses that mean the service failed a request it accepted (a degraded run): not
+# `rejected` (load shedding by design) and not `cancelled` (the cell was stopped).
+FAILURE_STATUSES = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED)
 
 # --- per-cell figures (one strategy x tier x output class x users) ----------
 # One scheme for the live summary (loadgen/summary.py: manifest "cells",

@@ -92,6 +92,7 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.VERIFY_MS, "float64", "ms", "verification time summed over the request's steps"),
     _c(M.QUEUE_MS, "float64", "ms", "arrival -> first scheduled, server side"),
     _c(M.REQ_REPEAT, "int32", doc="0-based repeat of the cell (--repeats)"),
+    _c(M.REQ_RETRIES, "int32", doc="re-sends after HTTP 429 (--retry N); 0 without retries"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from email.utils import parsedate_to_datetime
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ class CellPlan:
     repeat: int = 0                # 0-based repeat of this cell (--repeats)
     headers: dict[str, str] = field(default_factory=dict)  # --header / --api-key; never written to disk
     insecure: bool = False         # https: skip certificate verification (--insecure)
+    max_retries: int = 0           # re-sends of a request answered 429 (0: record it as rejected at once)
+    retry_backoff_s: float = 0.5   # first retry delay, doubled per retry; never below Retry-After
+    mix: list[str] = field(default_factory=list)  # models to interleave (request i -> mix[i % len]); [] = model
 
     def __repr__(self) -> str:  # headers may hold credentials: never in a log line or traceback
         return f"CellPlan(cell_id={self.cell_id!r}, base_url={self.base_url!r}, headers=<redacted>)"
@@ -62,6 +66,31 @@ def shuffled_prompts(prompts: list, seed: int) -> list:
     order = list(prompts)
     random.Random(seed).shuffle(order)
     return order
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (RFC 9110 section 10.2.3: delay-seconds or an HTTP date); None if absent/bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def retry_delay_s(attempt: int, retry_after_s: float | None, backoff_s: float, cap_s: float = 30.0) -> float:
+    """Seconds to wait before re-send ``attempt`` (1-based) of a request answered 429.
+
+    Exponential backoff ``backoff_s * 2**(attempt-1)``, capped at ``cap_s``, and
+    never shorter than the server's ``Retry-After`` (RFC 9110 section 10.2.3).
+    """
+    return max(min(backoff_s * 2 ** (attempt - 1), cap_s), retry_after_s or 0.0)
 
 
 def poisson_schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
@@ -83,6 +112,7 @@ class Job:
     scheduled_ts: float | None
     prompt_id: str
     body: dict[str, Any]
+    strategy: str = ""             # row's strategy (the plan's, or the mix entry this request went to)
 
 
 class Dispenser:
@@ -112,8 +142,9 @@ class Dispenser:
         p = self.plan
         pid, text, ds_max = p.prompts[index % len(p.prompts)]
         max_tokens = ds_max or self._mt.sample(random.Random(f"max-tokens-{p.seed}-{index}"))
+        model = p.mix[index % len(p.mix)] if p.mix else p.model
         body: dict[str, Any] = {
-            "model": p.model, "prompt": text, "max_tokens": int(max_tokens),
+            "model": model, "prompt": text, "max_tokens": int(max_tokens),
             "temperature": p.sampling.get("temperature", 0.0),
             "top_p": p.sampling.get("top_p", 1.0), "top_k": p.sampling.get("top_k", 0),
             "stream": True, "stream_options": {"include_usage": True},
@@ -123,7 +154,7 @@ class Dispenser:
         if p.sampling.get("stop"):
             body["stop"] = p.sampling["stop"]
         body.update(p.extra_body)
-        return Job(index, scheduled_ts, pid, body)
+        return Job(index, scheduled_ts, pid, body, model if p.mix else p.strategy)
 
     def next(self, now: float | None = None) -> Job | None:
         """The next request for this process, or None when the cell has no more to send."""

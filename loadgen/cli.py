@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "values are never written to the manifest or logs")
     ap.add_argument("--insecure", action="store_true",
                     help="https targets: skip TLS certificate verification (off by default)")
+    ap.add_argument("--retry", type=int, default=0, metavar="N",
+                    help="re-send a request answered 429 up to N times (exponential backoff from "
+                         "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
+                         "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
+    ap.add_argument("--retry-backoff-s", type=float, default=0.5, help="first retry delay, seconds (doubles)")
     ap.add_argument("--report", action="store_true",
                     help="after the run, write the analysis report (python -m analysis report) "
                          "into the run directory and print the recommendation table")
@@ -242,6 +247,7 @@ class _RunState:
     fetched: dict[str, float] = dataclasses.field(default_factory=dict)  # strategy -> newest step ts
     status: str = "finished"
     n_steps: int = 0
+    cell_no: int = 0
     stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
 
 
@@ -266,6 +272,11 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
 
         runner = LoadRunner(args.workers, on_row=st.writer.add, should_stop=lambda: st.stop["stop"],
                             ray_address=args.ray_address)
+        if args.workers > 0:   # pids and nodes of the load workers (fault tests kill one by pid)
+            from loadgen.writer import write_manifest
+
+            st.manifest["load_workers"] = runner.worker_info
+            write_manifest(st.run_dir / "manifest.json", st.manifest)
         with Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
             _drive(st, runner, progress)
     except KeyboardInterrupt:
@@ -297,7 +308,7 @@ def _connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> t
 def _open_run(st: _RunState) -> tuple[int, float]:
     """Create the run directory, the request writer and the first manifest; print the plan.
     Returns (cells planned, planned seconds per cell)."""
-    from loadgen.writer import RequestWriter, environment_info, write_manifest
+    from loadgen.writer import RowSink, environment_info, write_manifest
 
     args, profile, tiers, outputs = st.args, st.profile, st.tiers, st.outputs
     label = SWEEP_TIER if args.sweep else args.tier
@@ -316,7 +327,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
     st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
                      f"{' at most' if args.sweep else ''} against {st.target}, about "
                      f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
-    st.writer = RequestWriter(st.run_dir / "requests.parquet")
+    st.writer = RowSink(st.run_dir)
     st.manifest = {
         "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
         "target": st.target, "strategies": st.strategies, "tiers": tiers, "outputs": outputs,
@@ -325,6 +336,8 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
         "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
         "schema_version": MANIFEST_SCHEMA_VERSION, "repeats": args.repeats,
+        "writer_pid": st.writer.pid, "driver_pid": os.getpid(), "load_workers": [], "worker_losses": [],
+        "retry": {"max_retries": args.retry, "backoff_s": args.retry_backoff_s},
         **environment_info()}
     if args.sweep:
         st.manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
@@ -337,7 +350,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
 def _catch_signals(stop: dict[str, bool]) -> None:
     """Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
     a raw KeyboardInterrupt can land in a user greenlet and never reach this frame. A second
-    Ctrl-C exits at once (the Parquet footer is then lost)."""
+    Ctrl-C exits at once (the writer process still finishes the request files)."""
     def _on_signal(*_: Any) -> None:
         if stop["stop"]:
             os._exit(EXIT_INTERRUPTED)
@@ -385,21 +398,32 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
         sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
         request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
         cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
-        headers=st.auth.headers, insecure=st.auth.insecure)
+        headers=st.auth.headers, insecure=st.auth.insecure,
+        max_retries=args.retry, retry_backoff_s=args.retry_backoff_s)
     rep = f" r{spec.repeat}" if args.repeats > 1 else ""
     sweep_users = f" u{users}" if args.sweep else ""
     progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
     cell_t0 = time.time()
-    # no Parquet flush while load is offered: converting thousands of rows blocks the
-    # gevent loop for 100+ ms and would delay every in-flight chunk's timestamp
-    cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, progress.tick)
-    st.writer.flush()
+    # rows go to the writer process as they complete (cells/NNN-...parquet, a row group a second);
+    # no Arrow conversion in this gevent loop, which would delay in-flight chunks' timestamps
+    st.cell_no += 1
+    st.writer.start_cell(f"{st.cell_no:03d}-{strategy}-{tier}-{oc}-u{users}-r{spec.repeat}")
+    try:
+        cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, progress.tick)
+    finally:
+        st.writer.end_cell()
+        _record_losses(st, runner)
     st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
                             "repeat": spec.repeat, "t0": cell_t0, "t1": time.time()})
     s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
                        arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
                        slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
     s.repeat = spec.repeat
+    for loss in runner.worker_losses:
+        if loss["cell_id"] == plan.cell_id:
+            s.warnings.append(f"load worker {loss['worker_index']} lost: its {loss['in_flight_at_last_report']} "
+                              f"in-flight request(s) have no row ({loss['rows_delivered']} rows it sent are "
+                              "kept); the cell finished on the other workers")
     s.duration_s = time.time() - cell_t0
     st.summaries.append(s)
     add_speedups(st.summaries)
@@ -419,6 +443,16 @@ def _record_cell(st: _RunState, s: Any, sweep: SweepState | None) -> None:
         st.manifest["sweep"]["stopped"] = {f"{k[0]}/{k[1]}": v for k, v in sweep.stopped.items()}
     write_manifest(st.run_dir / "manifest.json", st.manifest)
     write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
+
+
+def _record_losses(st: _RunState, runner: Any) -> None:
+    """Load workers lost so far (``LoadRunner.worker_losses``) into the manifest, at once."""
+    from loadgen.writer import write_manifest
+
+    losses = list(getattr(runner, "worker_losses", []))
+    if losses != st.manifest.get("worker_losses"):
+        st.manifest["worker_losses"] = losses
+        write_manifest(st.run_dir / "manifest.json", st.manifest)
 
 
 def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
@@ -446,7 +480,8 @@ def _close_run(st: _RunState, runner: Any) -> None:
         st.console.print(f"[yellow]warning[/] could not write steps.parquet: {err}")
     add_speedups(st.summaries)
     st.manifest.update(status=st.status, finished_ts=time.time(), requests=st.writer.rows_written,
-                       steps=st.n_steps, cells=[dataclasses.asdict(x) for x in st.summaries])
+                       steps=st.n_steps, cells=[dataclasses.asdict(x) for x in st.summaries],
+                       worker_losses=list(getattr(runner, "worker_losses", [])))
     write_manifest(st.run_dir / "manifest.json", st.manifest)
     write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
 
@@ -507,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--duration must be > 0 seconds, got {args.duration}")
     if args.workers < 0:
         parser.error(f"--workers must be >= 0 (0 = in-process), got {args.workers}")
+    if args.retry < 0:
+        parser.error(f"--retry must be >= 0 (re-sends after a 429), got {args.retry}")
+    if not args.retry_backoff_s >= 0:
+        parser.error(f"--retry-backoff-s must be >= 0 seconds, got {args.retry_backoff_s}")
     for h in args.header:
         try:
             parse_header(h)

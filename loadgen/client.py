@@ -5,7 +5,9 @@ returns as soon as a line is buffered, so each chunk is stamped when it
 arrives); the response time never stops at the headers. Every outcome is a
 row: ``ok``, ``error`` (HTTP status or an error object in the stream),
 ``timeout`` (whole-request client timeout), ``disconnected`` (stream closed
-before ``[DONE]``/finish) or ``cancelled`` (the cell was stopped mid-request).
+before ``[DONE]``/finish), ``rejected`` (HTTP 429: the server shed the request;
+its ``Retry-After`` is returned under ``RETRY_AFTER_KEY`` for the retry policy)
+or ``cancelled`` (the cell was stopped mid-request).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from geventhttpclient import HTTPClient
 
 from configs import metric_names as M
 from loadgen.service import ssl_context
+from loadgen.cells import parse_retry_after
 from loadgen.timing import SSEParser, StreamRecorder
 
 COMPLETIONS_PATH = "/v1/completions"
+RETRY_AFTER_KEY = "_retry_after_s"   # in a rejected row's fields: the server's Retry-After, seconds (None: absent)
 
 
 def make_http_client(base_url: str, timeout_s: float, headers: dict[str, str] | None = None,
@@ -69,6 +73,10 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
         resp = http.post(path, body=payload, headers={"Content-Type": "application/json"})
         if resp.status_code != 200:
             text = resp.read()[:300].decode("utf-8", errors="replace")
+            if resp.status_code == 429:
+                row = rec.row(time.time(), M.STATUS_REJECTED, f"HTTP 429: {text}")
+                row[RETRY_AFTER_KEY] = parse_retry_after(resp.get("retry-after"))
+                return row, True
             return rec.row(time.time(), M.STATUS_ERROR, f"HTTP {resp.status_code}: {text}"), True
         parser = SSEParser()
         while True:

@@ -7,6 +7,13 @@ process with gevent's monkey-patching). Workers receive each cell's plan as a
 custom message and stream rows back; the master drains on their in-flight
 counts before stopping the cell.
 
+A worker that stops sending heartbeats (its actor or process died) is marked
+missing by Locust after about 3 s; the runner then records a loss in
+``worker_losses`` (worker index, pids, when, its last reported in-flight count
+= requests lost without a row, rows it had delivered, which are all kept), stops
+waiting for it in the drain, and later cells split the requests over the live
+workers only.
+
 Imports locust: only the ``python -m loadgen`` process imports this module.
 """
 
@@ -57,6 +64,11 @@ class LoadRunner:
         self._cell_id = ""
         self._worker_inflight: dict[int, tuple[float, int]] = {}
         self._helper: subprocess.Popen | None = None
+        self.worker_info: list[dict[str, Any]] = []       # per worker: index, actor_pid, locust_pid, node_ip
+        self.worker_losses: list[dict[str, Any]] = []
+        self._rows_by_worker: dict[int, int] = {}
+        self._lost: set[str] = set()
+        self._helper_ready = False
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
         if n_workers <= 0:
@@ -78,8 +90,9 @@ class LoadRunner:
         if self.ray_address:
             cmd += ["--address", self.ray_address]
         self._helper = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        gevent.spawn(self._read_helper)
         deadline = time.time() + timeout_s
-        while self.runner.worker_count < self.n_workers:
+        while self.runner.worker_count < self.n_workers or not self._helper_ready:
             if self._helper.poll() is not None:
                 out = self._helper.stdout.read() if self._helper.stdout else ""
                 raise RuntimeError(f"Ray worker helper exited ({self._helper.returncode}) with "
@@ -92,6 +105,46 @@ class LoadRunner:
                 raise KeyboardInterrupt("stopped while waiting for workers")
             gevent.sleep(0.5)
 
+    def _read_helper(self) -> None:
+        """Collect the helper's ``WORKER i actor_pid locust_pid ip`` and ``READY`` lines."""
+        out = self._helper.stdout if self._helper else None
+        if out is None:
+            return
+        for line in out:
+            parts = line.split()
+            if parts[:1] == ["WORKER"] and len(parts) >= 5:
+                self.worker_info.append({"actor": int(parts[1]), "actor_pid": int(parts[2]),
+                                         "locust_pid": int(parts[3]), "node_ip": parts[4]})
+            elif parts[:1] == ["READY"]:
+                self._helper_ready = True
+            elif parts[:1] == ["ERROR"]:
+                log.error("Ray worker helper: %s", line.strip())
+
+    def _live_indices(self) -> list[int]:
+        """Locust worker indices of the workers not marked missing."""
+        idx = self.runner.worker_indexes
+        return sorted(idx[c.id] for c in self.runner.clients.values()
+                      if c.state != "missing" and c.id in idx)
+
+    def _check_workers(self, cell_id: str) -> None:
+        """Record each worker newly marked missing (no heartbeat for ~3 s) as a loss."""
+        if self.n_workers <= 0:
+            return
+        for c in list(self.runner.clients.values()):
+            if c.state != "missing" or c.id in self._lost:
+                continue
+            self._lost.add(c.id)
+            index = self.runner.worker_indexes.get(c.id, -1)
+            last_ts, in_flight = self._worker_inflight.get(index, (None, 0))
+            loss = {"worker_index": index, "client_id": c.id, "cell_id": cell_id, "lost_ts": time.time(),
+                    "last_report_ts": last_ts, "in_flight_at_last_report": in_flight,
+                    "rows_delivered": self._rows_by_worker.get(index, 0),
+                    "live_workers": len(self._live_indices())}
+            self._worker_inflight.pop(index, None)
+            log.warning("load worker %d (%s) lost: %d in-flight request(s) lost, %d rows kept",
+                        index, c.id, in_flight, loss["rows_delivered"])
+            self.worker_losses.append(loss)
+
     def _check_stop(self) -> None:
         if self.should_stop():
             raise KeyboardInterrupt("stop requested")
@@ -101,9 +154,14 @@ class LoadRunner:
         if data.get("cell_id") != self._cell_id:
             log.warning("dropping %d late rows of cell %s", len(data.get("rows", [])), data.get("cell_id"))
             return
-        for row in data.get("rows", []):
+        worker = int(data.get("worker", -1))
+        rows = data.get("rows", [])
+        for row in rows:
             self._sink(row)
-        self._worker_inflight[int(data.get("worker", -1))] = (float(data.get("ts", 0)), int(data.get("in_flight", 0)))
+        self._rows_by_worker[worker] = self._rows_by_worker.get(worker, 0) + len(rows)
+        if self.runner.worker_indexes and worker not in self._live_indices():
+            return   # a report that raced the loss: keep its rows, not its in-flight count
+        self._worker_inflight[worker] = (float(data.get("ts", 0)), int(data.get("in_flight", 0)))
 
     # --- one cell --------------------------------------------------------------
     def _sink(self, row: dict[str, Any]) -> None:
@@ -146,10 +204,15 @@ class LoadRunner:
         self._worker_inflight = {}
         self._spawned_at = None
         cpu: list[float] = []
+        live = self._live_indices() if self.n_workers > 0 else []
         if self.n_workers <= 0:
             self.env.specload = CellContext(plan, self._sink)
         else:
-            self.runner.send_message(CELL_MESSAGE, {"plan": plan.to_dict(), "n_workers": self.n_workers})
+            if not live:
+                raise RuntimeError(f"every load worker is lost ({len(self.worker_losses)} losses); "
+                                   "nothing can send this cell")
+            self.runner.send_message(CELL_MESSAGE, {"plan": plan.to_dict(), "n_workers": len(live),
+                                                    "ranks": {str(i): r for r, i in enumerate(live)}})
         self.env.host = plan.base_url
         start = time.time()
         self._proc.cpu_percent(None)
@@ -159,6 +222,7 @@ class LoadRunner:
             while (now := time.time()) < plan.deadline_ts:
                 gevent.sleep(min(0.5, max(0.0, plan.deadline_ts - now)))
                 cpu.append(self._cpu_sample())
+                self._check_workers(plan.cell_id)
                 self._check_stop()
                 if tick:
                     tick(time.time(), self)
@@ -167,9 +231,12 @@ class LoadRunner:
                 if self.n_workers <= 0:
                     if self.in_flight() == 0:
                         break
-                elif len(self._worker_inflight) >= self.n_workers and all(
-                        ts >= plan.deadline_ts and n == 0 for ts, n in self._worker_inflight.values()):
-                    break
+                else:
+                    self._check_workers(plan.cell_id)
+                    live = self._live_indices()
+                    if live and all(i in self._worker_inflight and self._worker_inflight[i][0] >= plan.deadline_ts
+                                    and self._worker_inflight[i][1] == 0 for i in live):
+                        break
                 gevent.sleep(0.1)
                 self._check_stop()
                 if tick:

@@ -9,7 +9,8 @@ in its *own* process, started by the driver: the driver has imported Locust
 
 Starts a private local Ray instance, or connects to the cluster at ``--address``
 / RAY_ADDRESS (``auto``: the cluster this node belongs to), places
-N actors with ``num_cpus`` 0.1 each, prints ``READY <n>`` and waits until
+N actors with ``num_cpus`` 0.1 each, prints one ``WORKER <i> <actor_pid> <locust_pid> <node_ip>``
+line per actor and then ``READY <n> <master_host>``, and waits until
 stdin closes or SIGTERM/SIGINT, then stops the workers and shuts Ray down if
 it started it. Each actor's process connects back to the master at the
 driver node's IP. Remote nodes need the repository importable (same path or
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         def pid(self) -> int:
             return self.proc.pid
 
+        def facts(self) -> tuple[int, int, str]:
+            """(this actor's process id, its ``locust --worker`` pid, node IP)."""
+            return os.getpid(), self.proc.pid, ray.util.get_node_ip_address()
+
         def stop(self) -> int | None:
             if self.proc.poll() is None:
                 self.proc.terminate()
@@ -81,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     extra_env = {"SPECLOAD_WORKER": "1", "PYTHONPATH": str(PACKAGE_ROOT)}
     actors = [LocustWorker.remote(worker_command(master_host, a.master_port), extra_env) for _ in range(a.n)]
     try:
-        ray.get([w.pid.remote() for w in actors], timeout=300)
+        facts = ray.get([w.facts.remote() for w in actors], timeout=300)
     except Exception as err:  # noqa: BLE001
         print(f"ERROR could not place {a.n} worker actors ({err}); the cluster may lack "
               f"{a.n * a.num_cpus:g} free CPUs", flush=True)
         ray.shutdown()
         return 1
+    for i, (actor_pid, locust_pid, ip) in enumerate(facts):
+        print(f"WORKER {i} {actor_pid} {locust_pid} {ip}", flush=True)
     print(f"READY {a.n} {master_host}", flush=True)
 
     stop = threading.Event()
@@ -94,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     stop.wait()
-    try:
-        ray.get([w.stop.remote() for w in actors], timeout=30)
-    except Exception:  # noqa: BLE001  (best effort: actors die with the job anyway)
-        pass
+    for w in actors:   # one by one: a dead actor (a lost worker) must not skip the others
+        try:
+            ray.get(w.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001  (best effort: actors die with the job anyway)
+            pass
     if started:
         ray.shutdown()
     return 0

@@ -20,11 +20,11 @@ import gevent
 from locust import User, constant, task
 
 from configs import metric_names as M
-from loadgen.cells import CellPlan, Dispenser, Job
-from loadgen.client import COMPLETIONS_PATH, make_http_client, path_prefix, stream_completion
+from loadgen.cells import CellPlan, Dispenser, Job, retry_delay_s
+from loadgen.client import COMPLETIONS_PATH, RETRY_AFTER_KEY, make_http_client, path_prefix, stream_completion
 
 ROWS_MESSAGE = "specload_rows"   # worker -> master: {"cell_id", "rows", "in_flight", "worker", "ts"}
-CELL_MESSAGE = "specload_cell"   # master -> workers: {"plan": CellPlan dict, "n_workers": N}
+CELL_MESSAGE = "specload_cell"   # master -> workers: {"plan": CellPlan dict, "n_workers": N, "ranks": {index: rank}}
 
 
 class CellContext:
@@ -41,7 +41,7 @@ class CellContext:
 
     def base_row(self, job: Job) -> dict[str, Any]:
         p = self.plan
-        return {M.REQ_RUN_ID: p.run_id, M.REQ_STRATEGY: p.strategy, M.REQ_TIER: p.tier,
+        return {M.REQ_RUN_ID: p.run_id, M.REQ_STRATEGY: job.strategy or p.strategy, M.REQ_TIER: p.tier,
                 M.REQ_OUTPUT_CLASS: p.output_class, M.REQ_DATASET: p.dataset, M.REQ_PROMPT_ID: job.prompt_id,
                 M.REQ_USERS: p.users, M.REQ_ARRIVAL: p.arrival, M.REQ_RATE_RPS: p.rate_rps,
                 M.REQ_REQUEST_INDEX: job.index, M.REQ_MAX_TOKENS: job.body.get("max_tokens"),
@@ -111,18 +111,33 @@ class CompletionUser(User):
         if job.scheduled_ts is not None and (delay := job.scheduled_ts - time.time()) > 0:
             gevent.sleep(delay)
         plan = ctx.plan
-        http = self._client(plan)
         ctx.in_flight += 1
         ctx.sent += 1
+        retries = 0
+        first_ts = job.scheduled_ts if job.scheduled_ts is not None else time.time()
         try:
-            fields, conn_ok = stream_completion(
-                http, path_prefix(plan.base_url) + COMPLETIONS_PATH, job.body, job.scheduled_ts,
-                plan.request_timeout_s, on_cancel=lambda r: ctx.emit(job, r))
+            while True:
+                http = self._client(plan)
+                fields, conn_ok = stream_completion(
+                    http, path_prefix(plan.base_url) + COMPLETIONS_PATH, job.body, first_ts,
+                    plan.request_timeout_s,
+                    on_cancel=lambda r: ctx.emit(job, dict(r, **{M.REQ_RETRIES: retries})))
+                if not conn_ok:
+                    http.close()
+                    self._http = None
+                retry_after = fields.pop(RETRY_AFTER_KEY, None)
+                if fields[M.REQ_STATUS] != M.STATUS_REJECTED or retries >= plan.max_retries:
+                    break
+                # opt-in retry of a 429: back off, never sooner than Retry-After, never past the
+                # deadline; latency keeps counting from the first scheduled send
+                delay = retry_delay_s(retries + 1, retry_after, plan.retry_backoff_s)
+                if time.time() + delay >= plan.deadline_ts:
+                    break
+                gevent.sleep(delay)
+                retries += 1
         finally:
             ctx.in_flight -= 1
-        if not conn_ok:
-            http.close()
-            self._http = None
+        fields[M.REQ_RETRIES] = retries
         row = ctx.emit(job, fields)
         self._report(row)
 
@@ -144,7 +159,14 @@ def install_worker_hooks(environment: Any, flush_interval_s: float = 0.25) -> No
     Rows are batched and sent every ``flush_interval_s`` seconds with this
     worker's in-flight count (the master drains on it), and flushed on stop,
     before the worker reports "client_stopped", so the master has every row.
+    The cell's request indices are split by this worker's rank among the live
+    workers (``ranks``; a lost worker's share goes to the others in later cells).
+    When the process that started this worker (the Ray actor) dies, the worker
+    exits too: a lost actor is a lost worker, never an orphan still sending load.
     """
+    import os
+
+    parent = os.getppid()
     runner = environment.runner
     buffer: list[dict[str, Any]] = []
     state: dict[str, Any] = {"cell_id": None}
@@ -159,12 +181,15 @@ def install_worker_hooks(environment: Any, flush_interval_s: float = 0.25) -> No
     def on_cell(environment: Any, msg: Any, **_: Any) -> None:
         plan = CellPlan.from_dict(msg.data["plan"])
         state["cell_id"] = plan.cell_id
-        environment.specload = CellContext(plan, buffer.append, max(runner.worker_index, 0),
-                                           int(msg.data["n_workers"]))
+        index = max(runner.worker_index, 0)
+        rank = int((msg.data.get("ranks") or {}).get(str(index), index))
+        environment.specload = CellContext(plan, buffer.append, rank, int(msg.data["n_workers"]))
 
     def flusher() -> None:
         while True:
             gevent.sleep(flush_interval_s)
+            if os.getppid() != parent:
+                os._exit(70)   # our actor died: die with it (rows not yet sent are lost with it)
             if getattr(environment, "specload", None) is not None:
                 flush()
 

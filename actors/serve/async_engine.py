@@ -119,6 +119,16 @@ class AsyncLLMEngine:
         return int(self.engine.num_running)
 
     @property
+    def step_log_size(self) -> int:
+        """Rows in the step-log ring buffer now (<= step_log_capacity)."""
+        return len(self._step_log)
+
+    @property
+    def step_log_capacity(self) -> int:
+        """Rows the step-log ring buffer keeps at most."""
+        return int(self._step_log.maxlen or 0)
+
+    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None and not self._stop
 

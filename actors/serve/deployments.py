@@ -216,9 +216,14 @@ class StrategyServer:
         self.engine.check_health()
 
     async def info(self) -> dict:
-        """Static and live facts: strategy, max_model_len (tokens), waiting, running."""
+        """Static and live facts: strategy, max_model_len (tokens), waiting, running, and for
+        fault and soak checks the replica's process id, step-log rows held / capacity and
+        step rows not yet pushed to the store (all bounded)."""
         return {"strategy": self.strategy, "max_model_len": self.engine.max_model_len,
-                "num_waiting": self.engine.num_waiting, "num_running": self.engine.num_running}
+                "num_waiting": self.engine.num_waiting, "num_running": self.engine.num_running,
+                "pid": os.getpid(), "step_log_rows": self.engine.step_log_size,
+                "step_log_capacity": self.engine.step_log_capacity,
+                "pending_step_rows": len(self._pending_rows)}
 
     async def step_log(self, since: float | None = None, limit: int | None = None) -> list[dict]:
         """This replica's own ring buffer (rows with ts > since, unix seconds)."""
