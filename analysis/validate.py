@@ -139,21 +139,30 @@ def run_max_tokens(manifest: dict | None, tier: str, output_class: str):
         return load_tiers().profile(None).cell(t, output_class).max_tokens.model_dump()
 
 
-def _cluster_up(config: dict, workdir: Path) -> tuple[str, Callable[[], None]]:
-    """Deploy ``config`` on a private Ray head and a free port; returns (url, stop)."""
+def _cluster_up(config: dict, workdir: Path, attempts: int = 3) -> tuple[str, Callable[[], None]]:
+    """Deploy ``config`` on a private Ray head and a free port; returns (url, stop).
+
+    An overloaded machine can time a Ray head out during start-up; each attempt
+    takes a new port. Raises RuntimeError with the last stderr tail after ``attempts``."""
     from configs.net import free_port
-    port = free_port()
-    path = workdir / f"serve-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(PACKAGE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     env.pop("RAY_ADDRESS", None)   # never deploy onto somebody else's cluster
-    p = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path), "--port",
-                        str(port)], capture_output=True, text=True, timeout=1200, env=env,
-                       cwd=PACKAGE_ROOT)
-    lines = [ln.strip() for ln in p.stdout.splitlines() if ln.strip()]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"cluster up failed (exit {p.returncode}): {p.stderr[-1500:]}")
+    for attempt in range(attempts):
+        port = free_port()
+        path = workdir / f"serve-{port}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        p = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path), "--port",
+                            str(port)], capture_output=True, text=True, timeout=1200, env=env,
+                           cwd=PACKAGE_ROOT)
+        lines = [ln.strip() for ln in p.stdout.splitlines() if ln.strip()]
+        if p.returncode == 0 and lines:
+            break
+        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=PACKAGE_ROOT)
+        if attempt == attempts - 1:
+            raise RuntimeError(f"cluster up failed {attempts} times (last exit {p.returncode}): "
+                               f"{p.stderr[-1500:]}")
 
     def stop() -> None:
         subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)],
