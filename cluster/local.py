@@ -18,8 +18,9 @@
 State files live in ``$XDG_RUNTIME_DIR/specload`` (or the temp dir,
 ``specload-<uid>``), one per HTTP port: ``cluster-<port>.json``. ``down``
 deletes the Serve applications and, if ``up`` started the Ray head, sends it
-SIGTERM (Ray's own handler stops every process of that head), then removes
-the state file.
+SIGTERM (Ray's own handler stops every process of that head), removes Ray's
+current-cluster file when it still names that head (``ray status`` would
+otherwise wait for it), then removes the state file.
 """
 
 from __future__ import annotations
@@ -214,10 +215,22 @@ def app_errors(dashboard: str) -> str | None:
     return None
 
 
+def ingress_api_key(cfg: dict) -> str | None:
+    """The key the ingress will require: ``ingress.api_key`` of the config, else
+    ``$SPECLOAD_API_KEY`` (the Ray head started here passes its environment on)."""
+    for app in cfg.get("applications") or []:
+        key = ((app.get("args") or {}).get("ingress") or {}).get("api_key")
+        if key:
+            return str(key)
+    return os.environ.get("SPECLOAD_API_KEY") or None
+
+
 def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
-               timeout_s: float) -> None:
+               timeout_s: float, api_key: str | None = None) -> None:
     """Until every strategy answers a 1-token greedy completion."""
     import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     pending = list(strategies)
     t0 = time.monotonic()
@@ -230,7 +243,7 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
             raise SystemExit(f"deploy failed: {err}")
         for name in list(pending):
             try:
-                r = httpx.post(base_url + "/v1/completions", timeout=30, json={
+                r = httpx.post(base_url + "/v1/completions", timeout=30, headers=headers, json={
                     "model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
                 if r.status_code == 200:
                     pending.remove(name)
@@ -278,7 +291,7 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
     write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
     deploy(state["dashboard"], cfg)
-    wait_ready(base_url, strategies, state["dashboard"], timeout_s)
+    wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
     return base_url
 
 
@@ -308,5 +321,33 @@ def down(port: int = DEFAULT_PORT, timeout_s: float = 60) -> bool:
         if _alive(pid):   # its session holds only what it started
             log("the Ray head ignored SIGTERM; killing its process group")
             os.killpg(pid, signal.SIGKILL)
+    if state.get("started_ray") and state.get("address"):
+        forget_ray_address(state["address"])
     path.unlink(missing_ok=True)
+    return True
+
+
+def ray_address_file() -> Path:
+    """Ray's "current cluster" file (``<ray temp dir>/ray_current_cluster``): ``ray start``
+    writes the head's GCS address there, and ``ray status`` / ``ray.init("auto")`` read it."""
+    try:
+        from ray._private.utils import get_ray_address_file
+
+        return Path(get_ray_address_file(None))
+    except ImportError:   # Ray's default temp dir
+        return Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
+def forget_ray_address(address: str) -> bool:
+    """Remove Ray's current-cluster file if it still names ``address`` (the head ``up``
+    started and ``down`` stopped): left behind, it makes ``ray status`` wait ~35 s for a
+    dead head and print a traceback. A file naming another head is left alone."""
+    f = ray_address_file()
+    try:
+        if f.read_text().strip() != address:
+            return False
+        f.unlink()
+    except OSError:
+        return False
+    log(f"removed {f} (it named the stopped head {address})")
     return True

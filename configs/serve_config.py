@@ -126,6 +126,10 @@ class IngressOptions(BaseModel):
     ray_actor_options: RayActorOptions = Field(
         default_factory=lambda: RayActorOptions(num_cpus=0.1))
     retry_after_s: int = Field(1, ge=0, description="Retry-After header on 429")
+    api_key: str | None = Field(None, min_length=1, description=(
+        "require 'Authorization: Bearer <key>' on every route but /health (401 otherwise); "
+        "default: $SPECLOAD_API_KEY in the ingress replica's environment, else open. Prefer the "
+        "environment variable: a key written here is in the config file in clear"))
 
 
 class ServeAppConfig(BaseModel):

@@ -114,9 +114,12 @@ class Auth:
 
 
 def _auth(args: argparse.Namespace) -> Auth:
-    """Headers from ``--header`` and ``--api-key`` / ``$OPENAI_API_KEY`` (Authorization: Bearer)."""
+    """Headers from ``--header`` and ``--api-key`` / ``$OPENAI_API_KEY`` (Authorization: Bearer);
+    without ``--target``, ``$SPECLOAD_API_KEY`` (the key the local service requires) as a last resort."""
     headers = dict(parse_header(h) for h in args.header or [])
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if not key and not args.target:   # the local service's own key, if it was given one
+        key = os.environ.get("SPECLOAD_API_KEY")
     if key and not any(k.lower() == "authorization" for k in headers):
         headers["Authorization"] = f"Bearer {key}"
     return Auth(headers, bool(args.insecure))

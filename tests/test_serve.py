@@ -379,3 +379,56 @@ def test_framework_errors_use_openai_shape(client, method, path, status):
     err = r.json()["error"]
     assert err["message"] and err["type"]
     assert client.get("/health").status_code == 200
+
+
+def test_api_key_on_the_service(service, tmp_path):
+    """A second app with an ingress key: 401 in OpenAI's shape without it, 200 with it;
+    the load generator sends it (--api-key) and writes it nowhere."""
+    import subprocess
+    import sys
+
+    from actors.serve.app import build_app
+    from tests.serve_fixtures import REPO
+
+    key = "sk-serve-test-7d3e91"
+    args = {"strategies": [{"name": "keyed", "engine": {"strategy": "autoregressive",
+                                                        "num_speculative_tokens": 0, "max_num_seqs": 4,
+                                                        "max_model_len": 4096, "step_ms": 2},
+                            "ray_actor_options": {"num_cpus": 0.1}}],
+            "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "api_key": key},
+            "engine_factory": "tests.fake_engine:make_fake_engine"}
+    serve.run(build_app(args), name="keyed", route_prefix="/keyed")
+    try:
+        base = service[0] + "/keyed"
+        body = {"model": "keyed", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            for r in (httpx.get(base + "/v1/models", headers=headers, timeout=30),
+                      httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=30),
+                      httpx.get(base + "/specload/step_log", headers=headers, timeout=30)):
+                assert r.status_code == 401, r.text
+                err = r.json()["error"]
+                assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+                assert key not in r.text
+        auth = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(base + "/health", timeout=30).status_code == 200      # open for probes
+        assert httpx.get(base + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == "keyed"
+        r = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # the load generator against it: key sent on every call, in no file written
+        tiers = tmp_path / "tiers.yaml"
+        cell = {"users": 2, "spawn_rate": 100, "duration_s": 1, "max_tokens": 4,
+                "slo": {"ttft_ms": 5000, "tpot_ms": 1000}}
+        import yaml
+        tiers.write_text(yaml.safe_dump({"default_profile": "t", "profiles": {"t": {
+            "request_timeout_s": 30, "drain_timeout_s": 5,
+            "tiers": {t: {"short": cell, "long": cell} for t in ("low", "mid", "high")}}}}))
+        p = subprocess.run([sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short",
+                            "--target", base, "--tiers-file", str(tiers), "--results",
+                            str(tmp_path / "res"), "--api-key", key], capture_output=True, text=True,
+                           timeout=120, cwd=REPO)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert "cell 1/1 keyed low/short: ok" in p.stdout and key not in p.stdout + p.stderr
+        files = [f for f in (tmp_path / "res").rglob("*") if f.is_file()]
+        assert files and not [f for f in files if key.encode() in f.read_bytes()]
+    finally:
+        serve.delete("keyed")

@@ -129,4 +129,4 @@ def build_app(args: dict[str, Any]):
         max_ongoing_requests=max(1, max_ongoing // ing.num_replicas + 1),
         ray_actor_options=ing.ray_actor_options.model_dump(exclude_none=True,
                                                            exclude={"resources"}),
-    ).bind(handles, store, ing.retry_after_s)
+    ).bind(handles, store, ing.retry_after_s, ing.api_key)

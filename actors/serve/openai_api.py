@@ -27,6 +27,11 @@ Extensions to OpenAI's body (vLLM does the same for token ids):
   queue_ms, num_steps) in the non-stream response, in the stream chunk
   carrying ``finish_reason`` and in the usage chunk.
 
+API key (optional): with ``ingress.api_key`` in the Serve config, or
+``SPECLOAD_API_KEY`` in the replica's environment, every route but ``/health``
+wants ``Authorization: Bearer <key>`` and answers 401 otherwise
+(``code: invalid_api_key``, OpenAI's shape), as vLLM / SGLang ``--api-key`` do.
+
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 malformed JSON or invalid parameters 400 (prompt over the context:
 ``code: context_length_exceeded``), unknown model 404, engine queue full 429
@@ -34,8 +39,10 @@ with ``Retry-After`` (seconds), strategy unavailable 503.
 """
 
 
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, Literal
@@ -128,6 +135,21 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
 
 
 # ---------------------------------------------------------------- helpers
+API_KEY_ENV = "SPECLOAD_API_KEY"
+
+
+def api_key_error(authorization: str | None, expected: str | None) -> JSONResponse | None:
+    """401 (OpenAI shape) unless ``authorization`` is ``Bearer <expected>``; None when
+    it is, or when no key is configured. Constant-time comparison."""
+    if not expected:
+        return None
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode()):
+        return None
+    return error_response(401, "incorrect or missing API key: send the header "
+                          "'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
 def error_response(status: int, message: str, err_type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
@@ -173,9 +195,12 @@ class OpenAIIngress:
 
     strategies: {name: DeploymentHandle of a StrategyServer}. step_store:
     StepLogStore handle or None. retry_after_s: Retry-After on 429 (seconds).
+    api_key: required bearer key (default ``$SPECLOAD_API_KEY`` here; none: open).
     """
 
-    def __init__(self, strategies: dict, step_store: Any = None, retry_after_s: int = 1):
+    def __init__(self, strategies: dict, step_store: Any = None, retry_after_s: int = 1,
+                 api_key: str | None = None):
+        self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._handles = dict(strategies)
         self._store = step_store
         self._retry_after_s = retry_after_s
@@ -194,7 +219,9 @@ class OpenAIIngress:
         return {"status": "ok", "strategies": sorted(self._handles)}
 
     @api.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
         data = []
         for name in sorted(self._handles):
             data.append({"id": name, "object": "model", "created": self._created,
@@ -203,12 +230,16 @@ class OpenAIIngress:
         return {"object": "list", "data": data}
 
     @api.get("/specload/info")
-    async def info(self):
+    async def info(self, request: Request):
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
         return {name: await h.info.remote() for name, h in sorted(self._handles.items())}
 
     @api.get("/specload/step_log")
-    async def step_log(self, strategy: str | None = None, since: float | None = None,
+    async def step_log(self, request: Request, strategy: str | None = None, since: float | None = None,
                        limit: int | None = None):
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
         if strategy is not None and strategy not in self._handles:
             return self._unknown_model(strategy)
         if self._store is None:
@@ -239,6 +270,8 @@ class OpenAIIngress:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool):
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
