@@ -31,3 +31,4 @@ class Analysis:
     baseline_root: str | None = None
     capacity_model: dict = field(default_factory=dict)  # analysis.capacity_section output
     figures: dict[str, bytes | None] = field(default_factory=dict)
+    checks: dict[str, list[str]] = field(default_factory=dict)  # analysis.checks: {figure: [sentences]}

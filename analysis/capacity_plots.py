@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from analysis import backtest as bt_mod
-from analysis.plots import _axes, _png
+from analysis.plots import _axes, _png, strategy_color
 from configs import metric_names as mn
 
 
@@ -44,7 +44,7 @@ def backtest_speedup(bt: dict, output_class: str) -> bytes | None:
     top = bt["holdout_users"]
     grid = np.geomspace(1.0, top * 2.0, 200)
     for i, (strategy, g) in enumerate(spec.groupby(mn.REQ_STRATEGY, sort=True)):
-        color = f"C{i}"
+        color = strategy_color(strategy)
         meas = g.groupby(mn.REQ_USERS)["speedup"].mean()
         ax.plot(meas.index, meas.to_numpy(), "o", color=color, label=f"{strategy} measured")
         pred = bt_mod.predicted_speedup(bt["models"], strategy, output_class, grid)

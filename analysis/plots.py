@@ -19,6 +19,18 @@ from analysis.metrics import OUTPUT_TOKENS_PER_S, SPEEDUP
 from configs import metric_names as mn
 
 DPI = 80
+# One colour per strategy in every figure (matplotlib's tab10, in the canonical strategy order);
+# other names (third-party models) get the remaining colours by a stable hash of the name.
+STRATEGY_COLORS = dict(zip(mn.STRATEGIES, ("tab:gray", "tab:blue", "tab:orange", "tab:green",
+                                           "tab:red", "tab:purple")))
+_SPARE_COLORS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
+def strategy_color(strategy: str) -> str:
+    """The colour of ``strategy`` in every figure of the report."""
+    if strategy in STRATEGY_COLORS:
+        return STRATEGY_COLORS[strategy]
+    return _SPARE_COLORS[sum(map(ord, str(strategy))) % len(_SPARE_COLORS)]
 
 
 def _png(fig: Figure) -> bytes:
@@ -29,7 +41,8 @@ def _png(fig: Figure) -> bytes:
 
 
 def _axes(n: int, width: float = 5.0, height: float = 3.6):
-    fig = Figure(figsize=(width * max(n, 1), height))
+    # constrained layout keeps tick labels, titles and legends from overlapping
+    fig = Figure(figsize=(width * max(n, 1), height), layout="constrained")
     axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
     return fig, axes
 
@@ -44,7 +57,8 @@ def speedup_vs_users(cells: pd.DataFrame, crossover: pd.DataFrame) -> bytes | No
     for ax, oc in zip(axes, classes):
         for strategy, g in spec[spec[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
             curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
-            line, = ax.plot(curve.index, curve.values, marker="o", label=strategy)
+            line, = ax.plot(curve.index, curve.values, marker="o", label=strategy,
+                            color=strategy_color(strategy))
             x = crossover[(crossover[mn.REQ_STRATEGY] == strategy)
                           & (crossover[mn.REQ_OUTPUT_CLASS] == oc)]["crossover_users"]
             if len(x) and pd.notna(x.iloc[0]):
@@ -66,7 +80,8 @@ def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None
     for ax, oc in zip(axes, classes):
         for strategy, g in cells[cells[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
             curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
-            line, = ax.plot(curve[OUTPUT_TOKENS_PER_S], curve["e2e_ms_p50"], marker="o", label=strategy)
+            line, = ax.plot(curve[OUTPUT_TOKENS_PER_S], curve["e2e_ms_p50"], marker="o", label=strategy,
+                            color=strategy_color(strategy))
             k = knees[(knees[mn.REQ_STRATEGY] == strategy) & (knees[mn.REQ_OUTPUT_CLASS] == oc)]
             if len(k):
                 ax.plot(k["knee_tokens_per_s"], k["knee_e2e_ms_p50"], marker="*", ms=14,
@@ -86,7 +101,9 @@ def goodput_bars(rec_rows: list[dict], rec: dict) -> bytes | None:
         by = rec[row["tier"]][row["output_class"]]["goodput_by_strategy"]
         names = list(by)
         ax.bar(range(len(names)), [by[n] for n in names],
-               color=["tab:green" if n == row["strategy"] else "tab:gray" for n in names])
+               color=[strategy_color(n) for n in names],
+               edgecolor=["black" if n == row["strategy"] else "none" for n in names],
+               linewidth=2, hatch=None)
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
         ax.set(title=f"{row['tier']} / {row['output_class']}", ylabel="goodput (tokens/s)")
     return _png(fig)
@@ -100,7 +117,8 @@ def acceptance_hist(flagged: pd.DataFrame) -> bytes | None:
     fig, axes = _axes(1, width=6.0)
     ax = axes[0]
     for strategy, g in taus.groupby(mn.REQ_STRATEGY):
-        ax.hist(g[mn.ACCEPTANCE_LENGTH].dropna(), bins=20, alpha=0.5, label=strategy)
+        ax.hist(g[mn.ACCEPTANCE_LENGTH].dropna(), bins=20, alpha=0.5, label=strategy,
+                color=strategy_color(strategy))
     ax.set(title="acceptance length per request", xlabel="tau = 1 + accepted / drafts",
            ylabel="requests")
     ax.legend(fontsize=8)
@@ -114,8 +132,8 @@ def per_position_plot(pos: pd.DataFrame) -> bytes | None:
         return None
     fig, axes = _axes(2)
     for strategy, g in pos.groupby(mn.REQ_STRATEGY):
-        axes[0].plot(g["position"], g["uncond"], marker="o", label=strategy)
-        axes[1].plot(g["position"], g["cond"], marker="o", label=strategy)
+        axes[0].plot(g["position"], g["uncond"], marker="o", label=strategy, color=strategy_color(strategy))
+        axes[1].plot(g["position"], g["cond"], marker="o", label=strategy, color=strategy_color(strategy))
     axes[0].set(title="UNCONDITIONAL: accepted at i / drafts", xlabel="draft position i",
                 ylabel="acceptance rate", ylim=(0, 1.05))
     axes[1].set(title="CONDITIONAL: accepted at i / accepted at i-1", xlabel="draft position i",
@@ -134,7 +152,7 @@ def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
     ax = axes[0]
     for strategy, g in df.groupby(mn.STEP_STRATEGY):
         curve = g.groupby(mn.STEP_BATCH_SIZE)[mn.STEP_VERIFICATION_TOKENS].mean()
-        ax.plot(curve.index, curve.values, marker=".", label=strategy)
+        ax.plot(curve.index, curve.values, marker=".", label=strategy, color=strategy_color(strategy))
     ax.set(title="verification tokens per step vs batch size", xlabel="batch size (requests)",
            ylabel="verification tokens / step")
     ax.legend(fontsize=8)
@@ -150,7 +168,8 @@ def step_cost(steps: pd.DataFrame, target: CostCurve | None) -> bytes | None:
     ax = axes[0]
     for strategy, g in df.groupby(mn.STEP_STRATEGY):
         g = g.sample(min(len(g), 2000), random_state=0)
-        ax.scatter(g[BATCH_TOKENS], g[mn.STEP_MS], s=6, alpha=0.4, label=strategy)
+        ax.scatter(g[BATCH_TOKENS], g[mn.STEP_MS], s=6, alpha=0.4, label=strategy,
+                   color=strategy_color(strategy))
     if target is not None:
         t = np.linspace(0, df[BATCH_TOKENS].max() * 1.05, 200)
         ax.plot(t, target(t), color="black",

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from analysis.recommend import recommendation_rows
+from analysis.checks import R2_MIN
+from analysis.recommend import cell_order, headline_lines, recommendation_rows
 from configs import metric_names as mn
 from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 
@@ -27,7 +28,7 @@ CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "users", "n_reques
                 "itl_ms_p99", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
                 mn.ACCEPTANCE_LENGTH, "tau_p10", "tau_p50", "tau_p90"]
 FIGURE_TITLES = {
-    "goodput": "Goodput per strategy (green = recommended)",
+    "goodput": "Goodput per strategy (black outline = recommended; one colour per strategy in every figure)",
     "speedup": "Speedup vs concurrency (dotted: measured crossover)",
     "throughput_latency": "Throughput-latency curve and knee",
     "acceptance": "Acceptance length distribution",
@@ -73,7 +74,7 @@ def records(df: pd.DataFrame | None) -> list[dict]:
 def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
     """(section title, explanation, rows) for every table of the report."""
     slo_rows = [{"tier": t, "ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "source": s.source}
-                for t, s in a.slos.items()]
+                for t, s in sorted(a.slos.items(), key=lambda kv: cell_order((kv[0], "")))]
     curve = a.target_curve
     curve_rows = [curve.as_dict()] if curve is not None else []
     out = [
@@ -102,7 +103,7 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
         ("Per-cell metrics", "Per run x strategy x tier x output class x users. tokens/s over "
          "the cell's wall time (first scheduled send to last end). ITL p50/p90 are over "
          "requests' median ITL, p99 over requests' p99 ITL.",
-         records(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]])),
+         records(_tier_sorted(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]]))),
         ("Per-position acceptance", "uncond = accepted at i / drafts (vLLM); cond = accepted at "
          "i / accepted at i-1 (DFlash 2, DSpark). Drafter top-k coverage is measured "
          "offline (`python -m actors.evaluate`).",
@@ -137,10 +138,36 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
     return out
 
 
+def _empty(v) -> bool:
+    return v is None or v == "" or (isinstance(v, float) and math.isnan(v)) or (
+        isinstance(v, (list, tuple)) and not v)
+
+
+def _tier_sorted(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in low / mid / high order (then output class short / long) within each strategy."""
+    if df.empty or "tier" not in df:
+        return df
+    key = df.apply(lambda r: cell_order((r["tier"], r.get("output_class", ""))), axis=1)
+    lead = [c for c in ("run_id", "strategy") if c in df]
+    order = sorted(range(len(df)), key=lambda i: (*[str(df.iloc[i][c]) for c in lead], key.iloc[i],
+                                                   df.iloc[i].get("users", 0)))
+    return df.iloc[order]
+
+
+def shown_columns(rows: list[dict]) -> list[str]:
+    """The columns of ``rows`` that hold a value in at least one row (always-empty ones go)."""
+    cols = list(rows[0]) if rows else []
+    return [c for c in cols if any(not _empty(r.get(c)) for r in rows)]
+
+
+def _checks(a: Analysis) -> list[str]:
+    return [line for lines in a.checks.values() for line in lines]
+
+
 def _md_table(rows: list[dict]) -> str:
     if not rows:
         return "_no data_\n"
-    cols = list(rows[0])
+    cols = shown_columns(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -151,7 +178,14 @@ def markdown(a: Analysis) -> str:
     parts = ["# specload capacity report\n",
              f"Results: `{a.results.root}` ({len(a.results.runs)} run(s), "
              f"{len(a.results.requests)} requests, {len(a.results.steps)} engine steps). "
-             "Figures: see report.html.\n"]
+             "Figures: see report.html.\n",
+             "## Answer\n", "Per tier: the strategy to run, how sure we are (bootstrap confidence) "
+             "and by how much it wins (goodput margin over the runner-up).\n",
+             "\n".join(f"- {line}" for line in headline_lines(a.recommendation)) + "\n"]
+    checks = _checks(a)
+    if checks:
+        parts += ["## Model checks\n", "Where a prediction contradicts a measurement, or a fit "
+                  f"explains little (r² < {R2_MIN}):\n", "\n".join(f"- {c}" for c in checks) + "\n"]
     for title, text, rows in _tables(a):
         parts += [f"## {title}\n", text + "\n", _md_table(rows)]
     return "\n".join(parts)
@@ -160,7 +194,7 @@ def markdown(a: Analysis) -> str:
 def _html_table(rows: list[dict], table_id: str) -> str:
     if not rows:
         return "<p><em>no data</em></p>"
-    cols = list(rows[0])
+    cols = shown_columns(rows)
     head = "".join(f"<th>{_html.escape(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{_html.escape(fmt(r.get(c)))}</td>" for c in cols)
                    + "</tr>" for r in rows)
@@ -169,7 +203,8 @@ def _html_table(rows: list[dict], table_id: str) -> str:
 
 CSS = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
        "font-size:12px;margin-bottom:1em}td,th{border:1px solid #ccc;padding:3px 6px;"
-       "text-align:right}th{background:#eee}section{overflow-x:auto}img{max-width:100%}")
+       "text-align:right}th{background:#eee}section{overflow-x:auto}img{max-width:100%}"
+       ".warn{color:#8a4b00;font-weight:bold}")
 
 
 def html(a: Analysis) -> str:
@@ -179,7 +214,18 @@ def html(a: Analysis) -> str:
              f"<style>{CSS}</style></head><body><h1>specload capacity report</h1>",
              f"<p>Results: <code>{_html.escape(str(a.results.root))}</code>, "
              f"{len(a.results.runs)} run(s), {len(a.results.requests)} requests, "
-             f"{len(a.results.steps)} engine steps.</p>"]
+             f"{len(a.results.steps)} engine steps.</p>",
+             "<section id=\"answer\"><h2>Answer</h2><p>Per tier: the strategy to run, how sure we "
+             "are (bootstrap confidence) and by how much it wins (goodput margin over the "
+             "runner-up).</p><ul>"
+             + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(a.recommendation))
+             + "</ul></section>"]
+    checks = _checks(a)
+    if checks:
+        parts.append("<section id=\"checks\"><h2>Model checks</h2><p>Where a prediction contradicts "
+                     f"a measurement, or a fit explains little (r² &lt; {R2_MIN}):</p><ul>"
+                     + "".join(f"<li class=\"warn\">{_html.escape(c)}</li>" for c in checks)
+                     + "</ul></section>")
     for title, text, rows in _tables(a):
         table_id = title.split(" ")[0].lower().replace("-", "_")
         parts.append(f"<section><h2>{_html.escape(title)}</h2><p>{_html.escape(text)}</p>"
@@ -189,9 +235,11 @@ def html(a: Analysis) -> str:
             for key, png in a.figures.items():
                 if png:
                     b64 = base64.b64encode(png).decode("ascii")
+                    notes = "".join(f"<p class=\"warn\">{_html.escape(n)}</p>"
+                                    for n in a.checks.get(key, []))
                     parts.append(f"<figure><figcaption>{_html.escape(FIGURE_TITLES.get(key, key))}"
                                  f"</figcaption><img id=\"fig-{key}\" alt=\"{key}\" "
-                                 f"src=\"data:image/png;base64,{b64}\"></figure>")
+                                 f"src=\"data:image/png;base64,{b64}\">{notes}</figure>")
             parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)

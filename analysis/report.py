@@ -17,6 +17,7 @@ import pandas as pd
 from analysis import capacity, faults, metrics, plots, render
 from analysis.analysis import Analysis
 from analysis.capacity_section import capacity_figures
+from analysis.checks import model_checks
 from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
 from analysis.load import Results, load_results
 from analysis.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION, recommend,
@@ -126,6 +127,7 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
     results = load_results(results_dir)
     a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot)
     a.figures = make_figures(a)
+    a.checks = model_checks(a)
     out = Path(out_dir) if out_dir is not None else default_out_dir(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "report.md", "html": out / "report.html",

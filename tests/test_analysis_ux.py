@@ -75,3 +75,37 @@ def test_report_merges_only_with_merge(two_runs, capsys, monkeypatch):
     lines = [ln.strip() for ln in out.splitlines() if " / short: " in ln]
     assert [ln.split()[0] for ln in lines] == ["low", "mid", "high"]
     assert "run ngram; 25.0% more goodput than autoregressive (sure: confidence 99%)" in lines[0]
+
+
+def test_checks_flag_contradictions_and_weak_fits():
+    """The issue's case: predicted to stop winning at 10.6 users, measured 1.51x at 16; r² 0.28."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from analysis.capacity import CostCurve
+    from analysis.checks import model_checks
+
+    cells = pd.DataFrame({"strategy": ["autoregressive"] * 3 + ["draft_model"] * 3 + ["ngram"] * 3,
+                          "output_class": ["short"] * 9, "users": [1, 4, 16] * 3,
+                          "speedup": [1.0, 1.0, 1.0, 1.2, 1.35, 1.51, 1.1, 0.95, 0.8]})
+    crossover = pd.DataFrame({"strategy": ["draft_model", "ngram"], "output_class": ["short"] * 2,
+                              "predicted_crossover_users": [10.6, None], "tau": [2.0, 1.5]})
+    bt = {"rows": [{"strategy": "ngram", "output_class": "short", "metric": "speedup", "users": 16,
+                    "predicted": 1.2, "measured": 0.8},
+                   {"strategy": "ngram", "output_class": "short", "metric": "tpot_ms_p50", "users": 16,
+                    "predicted": 10.0, "measured": 10.5}]}
+    a = SimpleNamespace(cells=cells, crossover=crossover,
+                        target_curve=CostCurve(floor_ms=1.0, slope_ms_per_token=0.1, knee_tokens=8, r2=0.28),
+                        capacity_model={"backtest": bt, "step_models": {
+                            "ngram": SimpleNamespace(r2_step=0.95), "draft_model": SimpleNamespace(r2_step=0.5)}})
+    checks = model_checks(a)
+    assert checks["speedup"] == [
+        "The model predicts draft_model stops beating autoregressive at 10.6 users (short outputs), but "
+        "its measured speedup is 1.51x at 16 users: the prediction contradicts the measurement.",
+        "The model predicts ngram keeps beating autoregressive at every concurrency (short outputs), but "
+        "its measured speedup is 0.95x at 4 users: the prediction contradicts the measurement."]
+    assert len(checks["backtest_speedup_short"]) == 1 and "1.20x, measured 0.80x" in checks[
+        "backtest_speedup_short"][0]
+    assert "r² 0.28" in checks["step_cost"][0]
+    assert len(checks["step_residuals"]) == 1 and "draft_model has r² 0.50" in checks["step_residuals"][0]
