@@ -52,6 +52,9 @@ DRAFT_MS = "draft_ms"                          # proposer wall time, ms
 VERIFY_MS = "verify_ms"                        # target forward + acceptance, ms
 QUEUE_MS = "queue_ms"                          # arrival -> first scheduled, ms
 SPEC_DECODE_FIELD = "spec_decode"              # extension field in API responses
+TOKEN_TS_FIELD = "token_ts"    # per-choice extension: engine emit time (unix s) of each token_ids entry
+STREAM_INTERVAL_FIELD = "stream_interval"        # request extension: tokens per streamed chunk
+STREAM_INTERVAL_MS_FIELD = "stream_interval_ms"  # request extension: or a chunk per this many ms
 
 # --- engine step log (one row per engine step) --------------------------------
 STEP_TS = "ts"                                 # unix seconds at step end

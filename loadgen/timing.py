@@ -20,6 +20,14 @@ Definitions (docs/design.md, "Metric definitions"):
   token, which holds for prefill) are spread evenly over the later chunks; the
   p50/p99 are then token-weighted percentiles of gap/tokens. ITL never
   includes TTFT.
+- Per-token emit timestamps: when every content chunk carries
+  ``choices[0].token_ts`` (specload's extension: the engine's emit time of
+  each token, unix s; tokens of one engine step share a time), the ITL is
+  computed per engine step instead of per chunk, so it stays per token
+  whatever the server's ``stream_interval``: each chunk is split into its
+  steps, step g placed at ``chunk arrival - (last ts in chunk - ts of g)``
+  on the client clock, and each step's gap from the previous one is spread
+  over its tokens. With one chunk per step this is the per-chunk rule.
 """
 
 from __future__ import annotations
@@ -107,6 +115,10 @@ class StreamRecorder:
     error: str | None = None
     _usage_completion_seen: int = 0
     _pending_tokens: int = 0      # tokens of empty-text chunks (token_ids), credited to the next content chunk
+    # per-token engine emit times (token_ts extension), per content chunk; None once
+    # a content chunk came without them (then ITL falls back to chunk arrivals)
+    chunk_token_ts: list[list[float]] | None = field(default_factory=list)
+    _pending_ts: list[float] = field(default_factory=list)
 
     def on_data(self, data: str, ts: float) -> None:
         """Handle one SSE ``data`` payload that arrived at ``ts`` (unix s)."""
@@ -126,6 +138,7 @@ class StreamRecorder:
             return
         text = ""
         token_ids = None
+        token_ts = None
         for choice in obj.get("choices") or []:
             piece = choice.get("text")
             if piece is None:  # chat-completions shape, tolerated
@@ -133,6 +146,8 @@ class StreamRecorder:
             text += piece or ""
             if choice.get("token_ids") is not None:
                 token_ids = choice["token_ids"]
+            if isinstance(choice.get(M.TOKEN_TS_FIELD), list):
+                token_ts = choice[M.TOKEN_TS_FIELD]
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         spec = obj.get(M.SPEC_DECODE_FIELD) or {}
@@ -144,12 +159,23 @@ class StreamRecorder:
             n = len(token_ids)
         elif text and isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             n = usage["completion_tokens"] - self._usage_completion_seen
+        ts_ok = (isinstance(token_ids, list) and isinstance(token_ts, list)
+                 and len(token_ts) == len(token_ids)
+                 and all(isinstance(t, (int, float)) for t in token_ts))
         if text:
             self.chunk_ts.append(ts)
             self.chunk_tokens.append(None if n is None else n + self._pending_tokens)
             self._pending_tokens = 0
+            if self.chunk_token_ts is not None:
+                if ts_ok and (token_ts or self._pending_ts):
+                    self.chunk_token_ts.append(self._pending_ts + [float(t) for t in token_ts])
+                else:
+                    self.chunk_token_ts = None
+            self._pending_ts = []
         elif n:  # tokens whose text is not out yet (e.g. half a UTF-8 character): count them later
             self._pending_tokens += n
+            if ts_ok:
+                self._pending_ts.extend(float(t) for t in token_ts)
         if isinstance(usage, dict):
             self.usage = usage
             if isinstance(usage.get("completion_tokens"), int):
@@ -163,8 +189,32 @@ class StreamRecorder:
         """The server said the stream is over ([DONE], or a finish_reason plus usage)."""
         return self.done or (self.finish_reason is not None and self.usage is not None)
 
+    def step_times(self) -> tuple[list[float], list[int]] | None:
+        """Per engine step (client-clock time in unix s, tokens), rebuilt from the
+        ``token_ts`` extension; None when a content chunk lacked it."""
+        if not self.chunk_token_ts or len(self.chunk_token_ts) != len(self.chunk_ts):
+            return None
+        times: list[float] = []
+        counts: list[int] = []
+        for arrival, tts in zip(self.chunk_ts, self.chunk_token_ts):
+            last = tts[-1]
+            for i, t in enumerate(tts):
+                if i and t == tts[i - 1]:
+                    counts[-1] += 1   # same engine step as the previous token
+                else:
+                    times.append(arrival - (last - t))
+                    counts.append(1)
+        return times, counts
+
     def itl_samples(self, output_tokens: int | None) -> tuple[list[float], list[float]]:
-        """(per-token ITL values in ms, token weights) over content chunks after the first."""
+        """(per-token ITL values in ms, token weights) over content chunks after the
+        first; per engine step instead when every chunk carried ``token_ts``."""
+        steps = self.step_times()
+        if steps is not None:
+            times, counts = steps
+            gaps = [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
+            later = [float(c) for c in counts[1:]]
+            return [g / c for g, c in zip(gaps, later)], later
         gaps = [(b - a) * 1000.0 for a, b in zip(self.chunk_ts, self.chunk_ts[1:])]
         if not gaps:
             return [], []

@@ -87,6 +87,40 @@ def test_itl_spreads_gap_over_exact_per_chunk_tokens():
     assert max(vals) < 1000.0
 
 
+def _ts_chunk(ids: list[int], ts: list[float]) -> str:
+    return json.dumps({"choices": [{"text": "x" * len(ids), "token_ids": ids,
+                                    M.TOKEN_TS_FIELD: ts}]})
+
+
+def test_itl_from_token_ts_is_per_token_whatever_the_stream_interval():
+    """The engine emitted steps at 10.00 (prefill token), 10.02 (3 tokens: one speculative
+    step), 10.03, 10.07 (2 tokens). Streamed one chunk per step, or held into chunks of
+    >= 4 tokens (stream_interval 4, arriving 5 ms after their last token), the ITL
+    samples are the same per-token values; without token_ts the chunked stream would
+    smear them."""
+    steps = [(10.00, 1), (10.02, 3), (10.03, 1), (10.07, 2)]
+    per_step = StreamRecorder(scheduled_ts=9.9)
+    tid = 0
+    for t, n in steps:
+        per_step.on_data(_ts_chunk(list(range(tid, tid + n)), [t] * n), t + 0.005)
+        tid += n
+    flat = [t for t, n in steps for _ in range(n)]
+    chunked = StreamRecorder(scheduled_ts=9.9)
+    chunked.on_data(_ts_chunk([0], flat[:1]), 10.005)               # first token at once
+    chunked.on_data(_ts_chunk([1, 2, 3, 4], flat[1:5]), 10.035)     # steps 2 and 3
+    chunked.on_data(_ts_chunk([5, 6], flat[5:]), 10.075)            # last (finish)
+    want = ([20.0 / 3, 10.0, 20.0], [3.0, 1.0, 2.0])
+    for rec in (per_step, chunked):
+        vals, wts = rec.itl_samples(7)
+        assert vals == pytest.approx(want[0]) and wts == want[1]
+    assert chunked.row(10.08, M.STATUS_OK)[M.REQ_TTFT_MS] == pytest.approx(105.0)
+    # a chunk without token_ts: back to the per-chunk rule (gap spread over its tokens)
+    legacy = StreamRecorder(scheduled_ts=9.9)
+    legacy.on_data(_ts_chunk([0], flat[:1]), 10.005)
+    legacy.on_data(json.dumps({"choices": [{"text": "abcd", "token_ids": [1, 2, 3, 4]}]}), 10.035)
+    assert legacy.itl_samples(5)[0] == pytest.approx([7.5])
+
+
 def test_token_ids_and_continuous_usage_give_per_chunk_counts():
     rec = StreamRecorder(scheduled_ts=0.0)
     rec.on_data(json.dumps({"choices": [{"text": "a", "token_ids": [1]}]}), 0.1)

@@ -21,11 +21,12 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
-from actors.engine.sampling import make_generator, process_logits, sample
+from actors.engine.sampling import make_generator
 from actors.engine.scheduler import Request, ScheduledDecode, ScheduledPrefill, Scheduler
 from actors.engine.strategies import get_proposer_class
-from actors.engine.types import DraftProposal, ProposeInput, RequestOutput, SamplingParams
-from actors.engine.verifier import verify
+from actors.engine.types import (DraftProposal, ProposeInput, RequestOutput, SamplingParams,
+                                 VerificationResult)
+from actors.engine.verifier import verify_batch
 from configs import metric_names as M
 
 logger = logging.getLogger(__name__)
@@ -276,9 +277,17 @@ class LLMEngine:
             # what the padded forward computes: B x longest row, each row attending its KV
             stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
             stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
-            for (r, p), row, f in zip(live, rows, fwd):
-                if f is not None:
-                    self._accept(r, p, row, f[0], f[1], stats)
+            ok = [(r, p, row, f) for (r, p), row, f in zip(live, rows, fwd) if f is not None]
+            # every verdict of the batch from one device-to-host transfer (a batch that
+            # raises is retried request by request, so a bad row fails alone)
+            verdicts = self._isolated("sample", lambda items: verify_batch(
+                [f[0] for _, _, _, f in items], [len(row.token_ids) for _, _, row, _ in items],
+                [p.token_ids for _, p, _, _ in items], [p.probs for _, p, _, _ in items],
+                [r.params for r, _, _, _ in items], [r.generator for r, _, _, _ in items]),
+                [r for r, _, _, _ in ok], ok)
+            for (r, p, row, f), res in zip(ok, verdicts):
+                if res is not None:
+                    self._accept(r, p, row, res, f[1], stats)
         draft_ms, verify_ms = (tv - td) * 1e3, (time.perf_counter() - tv) * 1e3
         stats.draft_ms, stats.verify_ms = draft_ms, verify_ms
         stats.verify_cpu_ms = (time.thread_time() - cv) * 1e3
@@ -286,19 +295,17 @@ class LLMEngine:
             r.stats.draft_ms += draft_ms
             r.stats.verify_ms += verify_ms
 
-    def _accept(self, r: Request, p: DraftProposal, row: RowInput, logits: torch.Tensor,
+    def _accept(self, r: Request, p: DraftProposal, row: RowInput, res: VerificationResult,
                 aux: torch.Tensor | None, stats: "_StepCounters") -> None:
-        """Verify one request's draft against its target logits [1+d, V]; keep the
-        accepted prefix plus one target token and roll the rest out of the cache.
+        """Apply one request's verdict (``verify_batch``): keep the accepted prefix
+        plus one target token and roll the rest out of the cache.
 
         Counts what the user received: of the accepted drafts + bonus token only
         ``kept`` survive EOS / max_tokens / a stop string; the step's own token
         is one of them, the other kept - 1 are accepted drafts. A fault fails
         ``r`` alone (not counted)."""
-        phase = "sample"
+        phase = "accept"
         try:
-            self._hook(phase, r.request_id)
-            res = verify(logits, p.token_ids, p.probs, r.params, r.generator)
             committed = row.token_ids[:1 + res.num_accepted]
             self.kv.rollback(r.request_id, row.start + len(committed))
             r.num_computed = self.kv.length(r.request_id)
@@ -328,28 +335,37 @@ class LLMEngine:
                 for r, p in zip(reqs, prefills)]
         fwd = self._isolated("forward", lambda rws: self._forward(rws, last_only=True),
                              reqs, rows)
+        done: list[tuple[Request, torch.Tensor]] = []  # prompt finished: first token due
         for r, p, row, f in zip(reqs, prefills, rows, fwd):
             if f is None:
                 touched[r.request_id] = r
                 continue
-            phase = "observe"
             try:
                 r.num_computed = self.kv.length(r.request_id)
                 stats.prefill_tokens += len(p.chunk)
                 self.proposer.observe_target(r.request_id, row.start, p.chunk, f[1])
-                if r.in_prefill:
-                    continue
-                touched[r.request_id] = r  # prompt done: the first output token
-                phase = "sample"
-                self._hook(phase, r.request_id)
-                probs = process_logits(f[0][-1], r.params)
-                tok = int(probs.argmax()) if r.params.greedy else int(sample(probs, r.generator))
-                phase = "detokenize"
-                self._hook(phase, r.request_id)
-                stats.prefill_emitted_tokens += self._append(r, [tok])
             except Exception as exc:  # noqa: BLE001
                 touched[r.request_id] = r
-                self._fail(r, phase, exc)
+                self._fail(r, "observe", exc)
+                continue
+            if not r.in_prefill:
+                touched[r.request_id] = r
+                done.append((r, f[0][-1:]))
+        if not done:
+            return
+        # the first tokens: a verification with no drafts, all rows in one transfer
+        firsts = self._isolated("sample", lambda items: verify_batch(
+            [lg for _, lg in items], [1] * len(items), [[] for _ in items],
+            [None] * len(items), [r.params for r, _ in items],
+            [r.generator for r, _ in items]), [r for r, _ in done], done)
+        for (r, _), res in zip(done, firsts):
+            if res is None:
+                continue
+            try:
+                self._hook("detokenize", r.request_id)
+                stats.prefill_emitted_tokens += self._append(r, res.emitted)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(r, "detokenize", exc)
 
     def _finish(self, touched: list[Request]) -> list[RequestOutput]:
         """Deltas for the requests that emitted; finished ones leave the engine."""
@@ -382,8 +398,10 @@ class LLMEngine:
         """Append emitted tokens, applying EOS / max_tokens / context / stop strings.
         Returns how many were kept (>= 1 when ``tokens`` is not empty)."""
         kept = 0
+        now = time.time()
         for t in tokens:
             r.output_ids.append(t)
+            r.token_ts.append(now)
             kept += 1
             if t == self.eos_token_id and not r.params.ignore_eos:
                 r.finish_reason = "stop"
@@ -413,6 +431,7 @@ class LLMEngine:
                                        frm) is not None:
                         kept -= len(r.output_ids) - j
                         del r.output_ids[j:]
+                        del r.token_ts[j:]
                         break
                 r.finish_reason = "stop"
         r.text = text
@@ -438,12 +457,14 @@ class LLMEngine:
         new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
         r.sent_chars = max(r.sent_chars, end)
         if r.finish_reason == "error":
-            new_ids = []
+            new_ids, new_ts = [], []
         else:
             new_ids = r.output_ids[r.sent_tokens:]
+            new_ts = r.token_ts[r.sent_tokens:]
             r.sent_tokens = len(r.output_ids)
         return RequestOutput(r.request_id, new_ids, new_text, finished, r.finish_reason,
-                             len(r.prompt_ids), r.sent_tokens, r.stats, error=r.error)
+                             len(r.prompt_ids), r.sent_tokens, r.stats, error=r.error,
+                             token_ts=new_ts)
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],

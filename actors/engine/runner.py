@@ -53,6 +53,21 @@ class ModelRunner:
         ``last_only``); aux[i] is [len_i, A*H] target hidden states of
         ``aux_layers`` or None when no aux layers were asked for.
         """
+        logits, aux = self.run_padded(rows, last_only, aux_layers)
+        lens = [len(r.token_ids) for r in rows]
+        if last_only:
+            per_row = [logits[i] for i in range(len(rows))]
+        else:
+            per_row = [logits[i, :lens[i]] for i in range(len(rows))]
+        return per_row, aux
+
+    @torch.inference_mode()
+    def run_padded(self, rows: list[RowInput], last_only: bool = False,
+                   aux_layers: tuple[int, ...] = ()
+                   ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """As ``run`` but logits stay one padded tensor: [B, Q, V] float32 (Q =
+        longest row; positions past a row's length are padding), or [B, 1, V]
+        with ``last_only``; the batched verifier reads it in one transfer."""
         B = len(rows)
         lens = [len(r.token_ids) for r in rows]
         Q = max(lens)
@@ -69,12 +84,7 @@ class ModelRunner:
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
         out: ForwardOutput = self.model(ids.to(self.device), cache=self.cache, meta=meta,
                                         logits_index=idx, aux_layers=aux_layers)
-        logits = out.logits.float()
-        if last_only:
-            per_row = [logits[i] for i in range(B)]
-        else:
-            per_row = [logits[i, :lens[i]] for i in range(B)]
         aux = None
         if out.aux_hidden is not None:
             aux = [out.aux_hidden[i, :lens[i]] for i in range(B)]
-        return per_row, aux
+        return out.logits.float(), aux

@@ -32,6 +32,7 @@ class Request:
     generator: torch.Generator | None
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
+    token_ts: list[float] = field(default_factory=list)  # unix s, one per output id
     num_computed: int = 0
     slot: int = -1
     first_scheduled: float | None = None

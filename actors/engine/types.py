@@ -173,6 +173,10 @@ class RequestOutput:
     while a multi-byte character is incomplete); stats: the request's
     cumulative SpecStats, final when ``finished``.
     finish_reason: None, "stop" (EOS or stop string), "length", or "abort".
+    token_ts: [len(new_token_ids)] unix seconds at which the engine emitted
+    each new token (tokens of one speculative step share their step's time);
+    the server forwards them so a client's ITL stays per token whatever the
+    streaming interval.
     """
 
     request_id: str
@@ -184,3 +188,4 @@ class RequestOutput:
     num_output_tokens: int
     stats: SpecStats
     error: str | None = None
+    token_ts: list[float] = field(default_factory=list)

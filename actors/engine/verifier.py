@@ -78,3 +78,71 @@ def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | N
     if params.greedy:
         return verify_greedy(logits.argmax(-1).tolist(), draft)
     return verify_sampling(process_logits(logits, params), draft, draft_probs, generator)
+
+
+def verify_batch(logits: torch.Tensor | list[torch.Tensor], lens: list[int],
+                 drafts: list[list[int]],
+                 draft_probs: list[torch.Tensor | None], params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[VerificationResult]:
+    """Verify a whole batch with ONE device-to-host transfer.
+
+    logits: [B, Q, V] raw target logits of the padded verification forward
+    (row b's positions ``0 .. lens[b]-1`` are ``[last, d_1 .. d_n]``, so
+    ``lens[b] == len(drafts[b]) + 1``), or a list of B per-row [>= lens[b], V]
+    tensors (views of that forward's output); drafts[b]: [n_b] proposed tokens;
+    draft_probs[b]: [n_b, V] q or None (one-hot q); params / generators: per
+    row. Greedy rows need only the argmax, sampled rows their processed p
+    (and q); everything crosses to the host packed in one float32 tensor, so
+    on a GPU the step synchronises once instead of once per request. The
+    per-row acceptance is then exactly ``verify_greedy`` / ``verify_sampling``
+    (same draws from each request's generator, so a seeded request gives the
+    same tokens as the per-row path). Raises ValueError on inconsistent lens.
+    """
+    from actors.engine.sampling import process_logits
+
+    B = len(logits)
+    if not (len(lens) == len(drafts) == len(draft_probs) == len(params) == len(generators) == B):
+        raise ValueError(f"verify_batch: {B} logit rows but lens/drafts/draft_probs/params/"
+                         f"generators have {len(lens)}/{len(drafts)}/{len(draft_probs)}/"
+                         f"{len(params)}/{len(generators)}")
+    for b, (n, d) in enumerate(zip(lens, drafts)):
+        if n != len(d) + 1:
+            raise ValueError(f"verify_batch: row {b} has {n} logit positions for "
+                             f"{len(d)} draft tokens; expected {len(d) + 1}")
+    V = logits[0].shape[-1] if B else 0
+    if isinstance(logits, torch.Tensor):
+        Q = logits.shape[1]
+        parts = [logits.argmax(-1).flatten().float()]  # ids < 2**24 are exact in float32
+        starts = [b * Q for b in range(B)]
+    else:  # per-row tensors: per-row argmaxes, still one transfer
+        parts = [torch.cat([lg[:n].argmax(-1) for lg, n in zip(logits, lens)]).float()]
+        starts = [sum(lens[:b]) for b in range(B)]
+    layout = []  # per sampled row: (offset of p, offset of q or -1)
+    off = parts[0].numel()
+    for b in range(B):
+        if params[b].greedy:
+            layout.append(None)
+            continue
+        p = process_logits(logits[b][:lens[b]], params[b])
+        parts.append(p.flatten())
+        po = off
+        off += p.numel()
+        qo = -1
+        if draft_probs[b] is not None and len(drafts[b]):
+            parts.append(draft_probs[b].float().flatten())
+            qo = off
+            off += draft_probs[b].numel()
+        layout.append((po, qo))
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
+    argmax = host[:parts[0].numel()].long().tolist()
+    out = []
+    for b in range(B):
+        if layout[b] is None:
+            out.append(verify_greedy(argmax[starts[b]:starts[b] + lens[b]], drafts[b]))
+            continue
+        po, qo = layout[b]
+        n = lens[b]
+        p = host[po:po + n * V].view(n, V)
+        q = None if qo < 0 else host[qo:qo + (n - 1) * V].view(n - 1, V)
+        out.append(verify_sampling(p, drafts[b], q, generators[b]))
+    return out

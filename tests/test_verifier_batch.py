@@ -1,0 +1,50 @@
+"""The batched verifier (one host transfer per step) decides exactly as the per-row one."""
+
+from __future__ import annotations
+
+import torch
+
+from actors.engine.sampling import make_generator
+from actors.engine.types import SamplingParams
+from actors.engine.verifier import verify, verify_batch
+
+
+def test_verify_batch_equals_per_row_verify():
+    torch.manual_seed(0)
+    V, B, Q = 50, 6, 5
+    logits = torch.randn(B, Q, V) * 3
+    lens = [5, 1, 3, 5, 2, 4]
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=1.2, top_k=3)]
+    drafts, qs = [], []
+    for b, n in enumerate(lens):
+        # half the drafts copy the target's argmax so both outcomes happen
+        am = logits[b, :n - 1].argmax(-1).tolist()
+        d = [t if i % 2 == 0 else (t + 1) % V for i, t in enumerate(am)]
+        drafts.append(d)
+        qs.append(torch.softmax(torch.randn(n - 1, V), -1) if b in (2, 5) and d else None)
+    for seed in range(20):
+        gens_a = [None if p.greedy else make_generator(seed * 10 + b) for b, p in enumerate(params)]
+        gens_b = [None if p.greedy else make_generator(seed * 10 + b) for b, p in enumerate(params)]
+        gens_c = [None if p.greedy else make_generator(seed * 10 + b) for b, p in enumerate(params)]
+        got = verify_batch(logits, lens, drafts, qs, params, gens_a)
+        # the per-row form (views of one forward, as the engine passes them) agrees
+        rows = verify_batch([logits[b, :n] for b, n in enumerate(lens)], lens, drafts, qs,
+                            params, gens_c)
+        assert [(r.num_accepted, r.emitted) for r in rows] == \
+               [(r.num_accepted, r.emitted) for r in got]
+        want = [verify(logits[b, :lens[b]], drafts[b], qs[b], params[b], gens_b[b])
+                for b in range(B)]
+        assert [(r.num_accepted, r.emitted) for r in got] == \
+               [(r.num_accepted, r.emitted) for r in want]
+    # greedy rows accept exactly the matching prefix
+    assert got[0].num_accepted == 1 and got[0].emitted[0] == drafts[0][0]
+    assert got[1].num_accepted == 0 and got[1].emitted == [int(logits[1, 0].argmax())]
+
+
+def test_verify_batch_rejects_inconsistent_lengths():
+    import pytest
+
+    with pytest.raises(ValueError, match="row 0 has 3 logit positions for 1 draft"):
+        verify_batch(torch.zeros(1, 3, 4), [3], [[1]], [None], [SamplingParams()], [None])
