@@ -132,6 +132,20 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight (fp32 inputs): the engine folds the weight into
+    the next projection, so a norm costs one kernel less per call."""
+    ms = x.pow(2).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(eps)
+    return x * ms.rsqrt_()
+
+
+def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in three kernels instead of seven: ``rotate_half(x) * sin``
+    equals ``roll(x, D/2) * [-sin_1, sin_2]`` (the halves swapped, the first one's
+    sign folded into the table). x: [..., D]; cos, sin_signed broadcastable."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, Q, D]; cos/sin: [B, 1, Q, D]."""
     half = x.shape[-1] // 2
@@ -155,6 +169,9 @@ class BatchMeta:
     write_rows: torch.Tensor | None = None   # [B, Q] slot of each new token
     write_pos: torch.Tensor | None = None    # [B, Q] cache position of each new token
     single: tuple[int, int] | None = None    # (slot, start) when B == 1: views, no gathers
+    # set by callers that know it on the host (ModelRunner): rows use the consecutive
+    # slots lo..hi-1 in order, so attention reads a view of the cache, not a gather
+    slot_range: tuple[int, int] | None = None
 
 
 class Attention(nn.Module):
@@ -172,41 +189,65 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def fuse(self) -> None:
-        """Inference only: one GEMM for q, k and v (fewer kernel launches per step)."""
-        self._qkv_w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+    def fuse(self, norm_weight: torch.Tensor | None = None) -> None:
+        """Inference only: one GEMM for q, k and v (fewer kernel launches per step).
+
+        norm_weight: [H] the input RMSNorm's weight, folded into the fused
+        weight's columns ((x * w) @ W^T == x @ (W * w)^T), so the caller runs
+        the norm without it. The q/k norms become one norm over both with a
+        per-head weight [h + kvh, D].
+        """
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        self._qkv_w = w if norm_weight is None else w * norm_weight[None, :]
         self._qkv_b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                        if self.q_proj.bias is not None else None)
+        self._fused_norm = norm_weight is not None
+        if self.qk_norm:
+            self._qk_norm_w = torch.cat([self.q_norm.weight.expand(self.h, self.d),
+                                         self.k_norm.weight.expand(self.kvh, self.d)])
 
     def forward(self, x, cos, sin, mask, cache_kv=None, meta: BatchMeta | None = None):
         """x: [B, Q, H]; mask: bool [B, 1, Q, K] (True = attend) or None for causal."""
         B, Q, _ = x.shape
         h, kvh, d = self.h, self.kvh, self.d
         if not self.training and getattr(self, "_qkv_w", None) is not None:
+            # inference: one GEMM, one q/k norm, rope in three kernels (cos, sin_signed:
+            # CausalLM._rope's signed table)
             qkv = F.linear(x, self._qkv_w, self._qkv_b).view(B, Q, h + 2 * kvh, d)
-            q, k, v = qkv.split([h, kvh, kvh], dim=2)
+            qk, v = qkv[:, :, :h + kvh], qkv[:, :, h + kvh:]
+            if self.qk_norm:
+                qk = rms_unweighted(qk, self.q_norm.eps) * self._qk_norm_w
+            qk = apply_rope_signed(qk.transpose(1, 2), cos, sin)
         else:
             q = self.q_proj(x).view(B, Q, h, d)
             k = self.k_proj(x).view(B, Q, kvh, d)
             v = self.v_proj(x).view(B, Q, kvh, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # one rope call
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # one rope call
         q, k = qk[:, :h], qk[:, h:]
         v = v.transpose(1, 2)
         if cache_kv is not None:
             ck, cv = cache_kv
+            same = ck.dtype == q.dtype
             if meta.single is not None:  # batch 1: slice views instead of index gathers
                 slot, st = meta.single
                 ck[slot, st:st + Q] = k[0].transpose(0, 1)
                 cv[slot, st:st + Q] = v[0].transpose(0, 1)
-                k = ck[slot, :meta.kv_len].transpose(0, 1)[None].to(q.dtype)
-                v = cv[slot, :meta.kv_len].transpose(0, 1)[None].to(q.dtype)
+                k = ck[slot, :meta.kv_len].transpose(0, 1)[None]
+                v = cv[slot, :meta.kv_len].transpose(0, 1)[None]
             else:
                 ck[meta.write_rows, meta.write_pos] = k.transpose(1, 2).to(ck.dtype)
                 cv[meta.write_rows, meta.write_pos] = v.transpose(1, 2).to(cv.dtype)
-                k = ck[meta.slots, :meta.kv_len].transpose(1, 2).to(q.dtype)
-                v = cv[meta.slots, :meta.kv_len].transpose(1, 2).to(q.dtype)
+                if meta.slot_range is not None:  # consecutive slots: a view, no copy
+                    lo, hi = meta.slot_range
+                    k = ck[lo:hi, :meta.kv_len].transpose(1, 2)
+                    v = cv[lo:hi, :meta.kv_len].transpose(1, 2)
+                else:
+                    k = ck[meta.slots, :meta.kv_len].transpose(1, 2)
+                    v = cv[meta.slots, :meta.kv_len].transpose(1, 2)
+            if not same:
+                k, v = k.to(q.dtype), v.to(q.dtype)
         # mask None: causal from position 0 without a cache; with a cache it means
         # "attend to everything" (one new token of one row).
         out = F.scaled_dot_product_attention(
@@ -222,9 +263,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def fuse(self) -> None:
-        """Inference only: one GEMM for gate and up projections."""
-        self._gate_up_w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+    def fuse(self, norm_weight: torch.Tensor | None = None) -> None:
+        """Inference only: one GEMM for gate and up projections (``norm_weight``:
+        [H] the preceding RMSNorm's weight, folded in as in ``Attention.fuse``)."""
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self._gate_up_w = w if norm_weight is None else w * norm_weight[None, :]
 
     def forward(self, x):
         if not self.training and getattr(self, "_gate_up_w", None) is not None:
@@ -241,7 +284,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """Inference only: fused GEMMs with both RMSNorm weights folded into them."""
+        fold = self.input_layernorm.weight.dtype == torch.float32
+        self.self_attn.fuse(self.input_layernorm.weight if fold else None)
+        self.mlp.fuse(self.post_attention_layernorm.weight if fold else None)
+        self._folded = fold
+
     def forward(self, x, cos, sin, mask, cache_kv=None, meta=None):
+        if not self.training and getattr(self, "_folded", False) \
+                and getattr(self.self_attn, "_qkv_w", None) is not None:
+            eps = self.input_layernorm.eps
+            x = x + self.self_attn(rms_unweighted(x, eps), cos, sin, mask, cache_kv, meta)
+            return x + self.mlp(rms_unweighted(x, eps))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -316,11 +371,11 @@ class CausalLM(nn.Module):
         with torch.no_grad():
             for layer in self.model.layers:
                 if enabled:
-                    layer.self_attn.fuse()
-                    layer.mlp.fuse()
+                    layer.fuse()
                 else:
                     layer.self_attn._qkv_w = layer.self_attn._qkv_b = None
                     layer.mlp._gate_up_w = None
+                    layer._folded = False
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write ``config.json`` + ``model.safetensors`` (HF layout) in ``dtype``."""
@@ -336,19 +391,31 @@ class CausalLM(nn.Module):
         d["torch_dtype"] = str(dtype).replace("torch.", "")
         (path / "config.json").write_text(json.dumps(d, indent=2))
 
-    def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, Q, D] from a table built once per device/dtype (positions < max)."""
+    def _rope(self, pos: torch.Tensor, dtype: torch.dtype, signed: bool = False,
+              max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, Q, D] from a table built once per device/dtype (positions < max).
+
+        signed: sin with its first half negated (``apply_rope_signed``'s table).
+        max_pos: the largest position when the caller knows it (no device sync).
+        """
         key = (pos.device, dtype)
         table = getattr(self, "_rope_table", None)
         if table is None or table[0] != key:
             n = self.config.max_position_embeddings
             all_pos = torch.arange(n, device=pos.device)[None]
             c, s_ = rope_cos_sin(all_pos, self.config.head_dim, self.config.rope_theta, dtype)
-            table = (key, c[0, 0], s_[0, 0])  # [n, D] each
+            c, s_ = c[0, 0], s_[0, 0]  # [n, D] each
+            half = s_.shape[-1] // 2
+            table = (key, c, s_, torch.cat([-s_[:, :half], s_[:, half:]], -1))
             self._rope_table = table
-        if int(pos.max()) >= table[1].shape[0]:  # past the table: compute directly
-            return rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
-        return table[1][pos][:, None], table[2][pos][:, None]
+        top = int(pos.max()) if max_pos is None else max_pos
+        if top >= table[1].shape[0]:  # past the table: compute directly
+            c, s_ = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
+            if signed:
+                half = s_.shape[-1] // 2
+                s_ = torch.cat([-s_[..., :half], s_[..., half:]], -1)
+            return c, s_
+        return table[1][pos][:, None], table[3 if signed else 2][pos][:, None]
 
     @property
     def device(self) -> torch.device:
@@ -383,13 +450,19 @@ class CausalLM(nn.Module):
             pos = meta.starts[:, None] + torch.arange(Q, device=dev)
             meta.write_pos = pos
             meta.write_rows = meta.slots[:, None].expand(B, Q)
-            meta.single = (int(meta.slots[0]), int(meta.starts[0])) if B == 1 else None
+            if B == 1 and meta.single is None:
+                meta.single = (int(meta.slots[0]), int(meta.starts[0]))
+            elif B > 1:
+                meta.single = None
             if B == 1 and Q == 1:
                 mask = None
             else:
                 kpos = torch.arange(meta.kv_len, device=dev)
                 mask = (kpos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, K]
-        cos, sin = self._rope(pos, x.dtype)
+        fused = not self.training and getattr(self.model.layers[0].self_attn, "_qkv_w",
+                                              None) is not None
+        cos, sin = self._rope(pos, x.dtype, signed=fused,
+                              max_pos=meta.kv_len - 1 if cache is not None else None)
         aux = []
         for i, layer in enumerate(self.model.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None

@@ -71,14 +71,18 @@ class ModelRunner:
         B = len(rows)
         lens = [len(r.token_ids) for r in rows]
         Q = max(lens)
-        ids = torch.full((B, Q), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :lens[i]] = torch.tensor(r.token_ids, dtype=torch.long)
-        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
-        meta = BatchMeta(slots=torch.tensor([r.slot for r in rows], dtype=torch.long,
-                                            device=self.device),
-                         starts=starts.to(self.device),
-                         kv_len=int((starts + Q).max()))
+        # everything the forward needs from the host, built in Python: one tensor
+        # per field, no per-row copies, no device syncs inside the model
+        ids = torch.tensor([r.token_ids + [self.pad_id] * (Q - n) for r, n in zip(rows, lens)],
+                           dtype=torch.long)
+        starts = [r.start for r in rows]
+        slots = [r.slot for r in rows]
+        lo = slots[0]
+        meta = BatchMeta(slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+                         starts=torch.tensor(starts, dtype=torch.long, device=self.device),
+                         kv_len=max(starts) + Q,
+                         single=(lo, starts[0]) if B == 1 else None,
+                         slot_range=(lo, lo + B) if slots == list(range(lo, lo + B)) else None)
         idx = None
         if last_only:
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
