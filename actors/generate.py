@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from actors.engine.config import EngineConfig
     from actors.engine.llm_engine import LLMEngine, run_requests
+    from actors.engine.errors import InvalidRequest
     from actors.engine.types import SamplingParams
 
     if a.batch_size < 1:
@@ -78,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             params.append(SamplingParams(
                 max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                 seed=None if a.seed is None else a.seed + i))
-        except ValueError as e:
-            field = str(e).split()[0]
-            ap.error(f"--{field.replace('_', '-')}: {e}")
+        except InvalidRequest as e:   # names the field: --max-tokens, --top-p, ...
+            ap.error(f"--{(e.param or 'max_tokens').replace('_', '-')}: {e}")
     kw = {}
     if a.num_speculative_tokens is not None:
         kw["num_speculative_tokens"] = a.num_speculative_tokens

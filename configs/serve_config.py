@@ -13,7 +13,13 @@ args:
 ```
 
 ``engine`` holds ``actors.engine.config.EngineConfig`` fields; it is validated by
-EngineConfig itself when the app is built (unknown keys are errors there too).
+EngineConfig itself when the app is built (unknown keys are errors there too),
+``strategy_options`` included: EngineConfig checks them against the strategy's
+own pydantic options model (``Proposer.Options``), so a typo such as
+``prompt_lookup_mx`` fails ``serve run`` / ``serve deploy`` / ``cluster up``
+at deploy time, naming the strategy and the key, not at replica start. (This
+schema sits below the engine in the layer order, so it cannot import the
+proposers itself; ``actors.serve.app.build_app`` runs both checks.)
 Model paths that are relative are taken relative to the repository root.
 
 max_ongoing_requests: Serve admits at most this many concurrent calls per
@@ -87,6 +93,10 @@ class StrategyEntry(BaseModel):
     max_ongoing_requests: int | Literal["auto"] = "auto"
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
     step_log_capacity: int = Field(8192, ge=0, description="rows kept per replica")
+    # Serve calls the replica's check_health every period; 3 failures in a row (a
+    # dead engine loop) and Serve replaces the replica: ~6 s here, not Ray's ~30 s.
+    health_check_period_s: float = Field(2.0, gt=0, description="seconds")
+    health_check_timeout_s: float = Field(10.0, gt=0, description="seconds")
 
     @model_validator(mode="after")
     def _check(self):

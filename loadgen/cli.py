@@ -125,12 +125,23 @@ def _auth(args: argparse.Namespace) -> Auth:
     return Auth(headers, bool(args.insecure))
 
 
-def _strategies(args: argparse.Namespace, target: str, auth: Auth) -> list[str]:
-    # Preflight: an unreachable target or an unknown model fails here with a clear
-    # message instead of thousands of refused requests.
-    models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
+def _strategies(args: argparse.Namespace, target: str, auth: Auth, console: Any = None) -> list[str]:
+    """Strategies to drive. Without --strategies / --model they come from the target's
+    ``/v1/models`` (discovery; a failure names the URL). With them, discovery is
+    skipped when the target answers without a model list (a server or gateway
+    without ``/v1/models``) and only used, when it has one, to catch a misspelt
+    name; an unreachable target still fails here, before any cell runs."""
     asked = ([s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies
              else [args.model] if args.model else [])
+    if asked:
+        try:
+            models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
+        except service.DiscoveryUnavailable as err:   # unreachable still fails
+            if console is not None:
+                console.print(f"[yellow]{err}; using {asked} as given[/]", highlight=False)
+            return asked
+    else:
+        models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
     unknown = [s for s in asked if models and s not in models and not args.model]
     if args.model and models and args.model not in models:
         unknown = [args.model]
@@ -294,15 +305,15 @@ def _connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> t
     """The target's base URL (starting or reusing the local service without --target) and
     the strategies to run; raises service.ServiceError."""
     auth = _auth(args)
-    if args.target:
-        target = args.target.rstrip("/")
+    if args.target:   # with or without /v1, with or without a trailing slash
+        target = service.normalize_base_url(args.target)
     else:
         console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
         target = service.start_local_service(
             port=args.local_port, config=args.local_config or None,
             on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
         local["url"] = target
-    strategies = _strategies(args, target, auth)
+    strategies = _strategies(args, target, auth, console)
     if args.sweep and M.AUTOREGRESSIVE not in strategies:
         strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
     return target, strategies, auth

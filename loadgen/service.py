@@ -22,6 +22,10 @@ class ServiceError(RuntimeError):
     """The target could not be started or reached."""
 
 
+class DiscoveryUnavailable(ServiceError):
+    """The target answered but has no usable ``/v1/models`` (``--strategies`` skips it)."""
+
+
 def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None,
                         port: int | None = None, config: str | None = None) -> str:
     """Start or reuse the embedded local service (``python -m cluster up``); returns its base URL.
@@ -75,6 +79,23 @@ def ssl_context(insecure: bool = False) -> ssl.SSLContext:
     return ctx
 
 
+def normalize_base_url(url: str) -> str:
+    """The server's base URL from what a user pastes: ``http://h:8000``,
+    ``http://h:8000/``, ``http://h:8000/v1`` and ``http://h:8000/v1/`` all give
+    ``http://h:8000`` (every path here adds ``/v1/...`` itself). A path prefix
+    in front of ``/v1`` (a gateway's ``/openai/v1``) is kept. Raises
+    ServiceError naming ``--target`` for a URL that is not http(s)://host."""
+    raw = url.strip()
+    parts = urllib.parse.urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ServiceError(f"--target: expected a base URL such as http://127.0.0.1:8000 "
+                           f"(with or without /v1), got {url!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-len("/v1")]
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", "")).rstrip("/")
+
+
 def _get_json(url: str, timeout_s: float, headers: dict[str, str] | None = None,
               insecure: bool = False) -> Any:
     req = urllib.request.Request(url, headers=dict(headers or {}))
@@ -87,19 +108,31 @@ def _get_json(url: str, timeout_s: float, headers: dict[str, str] | None = None,
 
 def list_models(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
                 insecure: bool = False) -> list[str]:
-    """Model ids from ``GET /v1/models`` (specload: one per strategy); ServiceError if unreachable.
+    """Model ids from ``GET /v1/models`` (specload: one per strategy).
 
-    A 401 / 403 names ``--api-key`` (the server wants a key, or another one).
+    Every failure names the URL. Unreachable, or a 401 / 403 (which names
+    ``--api-key``): ServiceError. The server answered without a model list
+    (another HTTP error, not JSON): DiscoveryUnavailable, which
+    ``--strategies a,b`` skips.
     """
+    url = f"{base_url}/v1/models"
     try:
-        data = _get_json(f"{base_url}/v1/models", timeout_s, headers, insecure)
+        data = _get_json(url, timeout_s, headers, insecure)
     except urllib.error.HTTPError as err:
-        hint = ("; pass --api-key KEY (or set OPENAI_API_KEY) or --header 'Authorization: ...'"
-                if err.code in (401, 403) else "")
-        raise ServiceError(f"GET {base_url}/v1/models answered HTTP {err.code}{hint}") from None
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        raise ServiceError(f"GET {base_url}/v1/models failed ({err}); is the server up? "
-                           "Pass --strategies a,b to skip discovery") from None
+        if err.code in (401, 403):
+            raise ServiceError(f"GET {url} answered HTTP {err.code}; pass --api-key KEY (or "
+                               "set OPENAI_API_KEY) or --header 'Authorization: ...'") from None
+        raise DiscoveryUnavailable(f"model discovery failed: GET {url} -> HTTP {err.code}; "
+                                   "pass --strategies a,b to skip discovery") from None
+    except (urllib.error.URLError, OSError) as err:
+        raise ServiceError(f"model discovery failed: GET {url} -> {err}; is the server up "
+                           "at that URL?") from None
+    except ValueError as err:
+        raise DiscoveryUnavailable(f"model discovery failed: GET {url} is not JSON ({err}); "
+                                   "pass --strategies a,b to skip discovery") from None
+    if not isinstance(data, dict):
+        raise DiscoveryUnavailable(f"model discovery failed: GET {url} did not return an "
+                                   "OpenAI model list; pass --strategies a,b to skip discovery")
     return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
 
 

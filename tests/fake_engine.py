@@ -9,10 +9,12 @@ speculative decoder. ``step_ms`` simulates compute time (sleep, no CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass, field
 
+from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.types import RequestOutput, SamplingParams, SpecStats
 from configs import metric_names as mn
 
@@ -20,8 +22,6 @@ VOCAB = [f"w{i}" for i in range(50)]
 EOS = len(VOCAB)
 
 
-class QueueFullError(RuntimeError):
-    """Mirror of actors.engine.llm_engine.QueueFullError for the fake engine."""
 
 
 class FakeTokenizer:
@@ -77,14 +77,17 @@ class FakeEngine:
     def add_request(self, request_id, prompt, params: SamplingParams) -> int:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequest("prompt must not be empty", param="prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}")
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; max_model_len is "
+                                 f"{self.max_model_len}", param="prompt",
+                                 code="context_length_exceeded")
         if request_id in self._ids:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
         if len(self._waiting) >= self.max_waiting:
-            raise QueueFullError(f"{len(self._waiting)} requests waiting (max_waiting)")
+            raise QueueFull(f"{len(self._waiting)} requests waiting (max_waiting)")
+        if params.max_tokens is None:  # the rest of the context, as the real engine
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         self._ids.add(request_id)
         self._waiting.append(_Req(request_id, ids, params, time.monotonic()))
         return len(ids)

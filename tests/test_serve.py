@@ -190,6 +190,30 @@ def test_stop_and_token_id_prompt(client):
     assert ids["usage"]["prompt_tokens"] == 4
 
 
+# ------------------------------------------------------------------ nulls, extreme params
+def test_null_fields_and_extreme_params(client, strategies):
+    """Issue 9 faults 1 and 3 over HTTP: explicit nulls mean the defaults (they were 400s);
+    temperature 1e-40 / top_p 1e-9 / top_k 1 are greedy-equivalent 200s (1e-40 was a 500)."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "top_k", "seed", "stop",
+                               "stream_options", "max_tokens", "logprobs", "echo",
+                               "presence_penalty", "frequency_penalty", "logit_bias",
+                               "best_of", "suffix", "user", "ignore_eos")}
+    r = client.post("/v1/completions", json={"model": "ngram", "prompt": PROMPTS[0], **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 16   # OpenAI's completions default
+    chat = client.post("/v1/chat/completions", json={
+        "model": "ngram", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        **{k: v for k, v in nulls.items() if k not in ("echo", "best_of", "suffix",
+                                                       "max_tokens")}})
+    assert chat.status_code == 200, chat.text
+    for model in strategies:
+        ref = complete(client, model, PROMPTS[0], max_tokens=16)["choices"][0]["token_ids"]
+        for kw in ({"temperature": 1e-40, "seed": 1}, {"temperature": 1.0, "top_p": 1e-9},
+                   {"temperature": 1.0, "top_k": 1}):
+            out = complete(client, model, PROMPTS[0], max_tokens=16, **kw)
+            assert out["choices"][0]["token_ids"] == ref, (model, kw)
+
+
 # ------------------------------------------------------------------ bad input
 BAD = [
     ("{not json", 400, None, None),

@@ -10,7 +10,8 @@ import pytest
 from actors.engine.types import SamplingParams
 from actors.serve.async_engine import AsyncLLMEngine, EngineDeadError
 from configs import metric_names as mn
-from tests.fake_engine import FakeEngine, QueueFullError
+from actors.engine.errors import QueueFull as QueueFullError
+from tests.fake_engine import FakeEngine
 from tests.serve_fixtures import use_real_engine
 
 

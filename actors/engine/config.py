@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from configs.paths import MODELS_DIR
 
@@ -53,12 +53,26 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        from actors.engine.strategies import PROPOSERS
+        from actors.engine.strategies import PROPOSERS, get_proposer_class
 
         if self.strategy not in PROPOSERS:
             raise ValueError(f"strategy {self.strategy!r} is unknown; expected one of "
                              f"{sorted(PROPOSERS)}")
+        # The proposer's own pydantic options model (unknown keys are errors), so a
+        # typo in configs/serve.yaml fails when the app is built (build_app), not
+        # when a replica starts.
+        cls = get_proposer_class(self.strategy)
+        try:
+            cls.Options(**self.strategy_options)
+        except ValidationError as e:
+            raise ValueError(f"strategy_options for {self.strategy}: {e}") from None
         return self
+
+    def strategy_options_model(self):
+        """The validated options of this strategy (its proposer's ``Options`` model)."""
+        from actors.engine.strategies import get_proposer_class
+
+        return get_proposer_class(self.strategy).Options(**self.strategy_options)
 
     def resolved_device(self) -> str:
         import torch

@@ -11,6 +11,7 @@ row to the step log (``on_step``). The engine sets no process-wide state
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
 from actors.engine.sampling import make_generator
@@ -31,8 +33,7 @@ from configs import metric_names as M
 
 logger = logging.getLogger(__name__)
 
-class QueueFullError(RuntimeError):
-    """Raised by ``add_request`` when ``max_waiting`` requests already wait (HTTP 429)."""
+QueueFullError = QueueFull  # raised by ``add_request`` when max_waiting requests wait (429)
 
 
 @dataclass
@@ -56,10 +57,10 @@ class _StepCounters:
 class LLMEngine:
     """Continuous-batching engine with a pluggable proposer.
 
-    Raises ValueError (naming the field) from ``add_request`` on bad input; a
-    bad request never touches the running batch. A fault while serving one
-    request (drafting, the target forward, sampling, detokenizing, the stop
-    check) finishes that request alone with finish_reason "error" (``step``).
+    Raises InvalidRequest (a ValueError with ``param``) from ``add_request`` on
+    bad input; a bad request never touches the running batch. A fault while
+    serving one request (drafting, the target forward, sampling, detokenizing,
+    the stop check) finishes that request alone with finish_reason "error".
     """
 
     # Tests inject a fault into one request through this: called as
@@ -81,10 +82,7 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
             else mc.eos_token_id
         cls = get_proposer_class(config.strategy)
-        try:
-            options = cls.Options(**config.strategy_options)
-        except Exception as e:  # pydantic ValidationError -> name the section
-            raise ValueError(f"strategy_options for {config.strategy}: {e}") from e
+        options = config.strategy_options_model()  # validated by EngineConfig
         k = config.num_speculative_tokens
         self.num_speculative_tokens = cls.default_num_speculative_tokens if k is None else k
         self.proposer = cls(self.model, self.num_speculative_tokens, config.max_num_seqs,
@@ -116,33 +114,36 @@ class LLMEngine:
                     params: SamplingParams) -> int:
         """Queue a request; returns its prompt length in tokens.
 
-        Raises ValueError naming the field (``prompt``, ``request_id``) for an
+        Raises InvalidRequest naming the field (``param="prompt"``) for an
         empty prompt, a prompt that leaves no room to generate within
         ``max_model_len``, token ids out of the vocabulary, or a duplicate id;
         QueueFullError when ``max_waiting`` requests already wait.
         """
         if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
+            raise InvalidRequest("params must be a SamplingParams")
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must be a non-empty string")
+                raise InvalidRequest("prompt must be a non-empty string", param="prompt")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.model.config.vocab_size
                    for t in ids):
-                raise ValueError(f"prompt token ids must be ints in [0, "
-                                 f"{self.model.config.vocab_size})")
+                raise InvalidRequest(f"prompt token ids must be ints in [0, "
+                                     f"{self.model.config.vocab_size})", param="prompt")
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequest("prompt must not be empty", param="prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which leaves no room to generate")
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is "
+                                 f"{self.max_model_len}, which leaves no room to generate",
+                                 param="prompt", code="context_length_exceeded")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are waiting "
                                  f"(max_waiting={self.config.max_waiting})")
+        if params.max_tokens is None:  # the rest of the context (OpenAI chat, vLLM)
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         gen = None if params.greedy else make_generator(params.seed)
         req = Request(request_id, ids, params, gen)
         self.requests[request_id] = req

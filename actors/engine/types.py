@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.engine.errors import InvalidRequest
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would
 # overflow float32 (max 3.4e38) for T ~ 1e-40, and the limit distribution is the argmax.
 GREEDY_TEMPERATURE = 1e-5
@@ -28,10 +30,11 @@ class SamplingParams:
     top-k. ``seed`` makes the request's sampling reproducible whatever else is
     in the batch. ``max_tokens`` may exceed the context: the engine stops at
     ``max_model_len`` with finish_reason "length".
-    Raises ValueError naming the field on invalid values (see ``validate``).
+    Raises InvalidRequest (a ValueError) with ``param`` = the field on invalid
+    values (see ``validate``).
     """
 
-    max_tokens: int = 64
+    max_tokens: int | None = 64   # None: up to the end of the context (max_model_len)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -47,20 +50,27 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (
+                not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                or self.max_tokens <= 0):
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+                                 param="max_tokens")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                                 param="temperature")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}",
+                                 param="top_p")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}",
+                                 param="top_k")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer or null, got {self.seed!r}",
+                                 param="seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise InvalidRequest(f"stop must be non-empty strings, got {self.stop!r}",
+                                 param="stop")
 
     @property
     def greedy(self) -> bool:

@@ -101,9 +101,15 @@ def build_app(args: dict[str, Any]):
             continue
         engine = resolve_engine_config(entry.engine)
         if real:   # fail at deploy time, in the deployer's terms, not in a replica
+            from pydantic import ValidationError
+
             from actors.engine.config import EngineConfig
 
-            EngineConfig(**engine)
+            try:   # EngineConfig also validates strategy_options with the proposer's model
+                EngineConfig(**engine)
+            except ValidationError as exc:
+                raise ValueError(f"configs: strategy {entry.name!r} engine section is "
+                                 f"invalid: {exc}") from None
         opts = entry.ray_actor_options.model_dump(exclude_none=True)
         if not opts.get("resources"):
             opts.pop("resources", None)
@@ -113,7 +119,8 @@ def build_app(args: dict[str, Any]):
             else {"num_replicas": entry.num_replicas or 1})
         handles[entry.name] = StrategyServer.options(
             name=f"strategy-{entry.name}", max_ongoing_requests=entry.resolved_max_ongoing_requests(),
-            ray_actor_options=opts, **scaling,
+            ray_actor_options=opts, health_check_period_s=entry.health_check_period_s,
+            health_check_timeout_s=entry.health_check_timeout_s, **scaling,
         ).bind(entry.name, engine, cfg.engine_factory, store, entry.step_log_capacity)
     if not handles:
         raise ValueError(f"no strategy can be served; skipped: {skipped}. Train the models "

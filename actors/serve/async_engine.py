@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from actors.engine.errors import EngineDead
 from actors.engine.types import RequestOutput, SamplingParams, SpecStats
 from configs import metric_names as mn
 
@@ -37,8 +38,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_STEP_LOG_CAPACITY = 8192   # rows kept per replica (about 1 MB of dicts)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shutdown or a crash); no request can be served."""
+EngineDeadError = EngineDead  # the engine thread has stopped (shutdown or a crash)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 - ``StrategyServer``: one class, bound once per strategy with a different
   engine config (``actors.serve.app.build_app``). Each replica owns an
   ``AsyncLLMEngine`` (continuous batching on a background thread) and
-  streams compact dict chunks to the HTTP ingress.
+  streams the typed messages of ``actors.serve.protocol`` to the HTTP ingress.
 - ``StepLogStore``: one replica holding the app-wide step log (a bounded ring
   buffer). Every strategy replica keeps its own ring buffer too and pushes new
   rows to the store every ``STEP_FLUSH_S`` seconds, so
@@ -25,7 +25,9 @@ from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 
+from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.types import SamplingParams
+from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
 
 logger = logging.getLogger("ray.serve")
@@ -56,32 +58,6 @@ def make_llm_engine(engine_config: dict) -> Any:
     from actors.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**engine_config))
-
-
-def is_queue_full(exc: BaseException) -> bool:
-    """True for the engine's QueueFullError (matched by name so fake engines qualify)."""
-    return any(c.__name__ == "QueueFullError" for c in type(exc).__mro__)
-
-
-def error_chunk(status: int, message: str, err_type: str, param: str | None = None,
-                code: str | None = None) -> dict:
-    """First chunk of a refused request: the ingress turns it into an HTTP error."""
-    return {"error": {"status": status, "message": message, "type": err_type,
-                      "param": param, "code": code}}
-
-
-_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-                "prompt")
-
-
-def _guess_param(message: str) -> str | None:
-    """The request field an engine / SamplingParams ValueError names (they start with it)."""
-    words = message.replace(":", " ").split()
-    if words and words[0] in _PARAM_NAMES:
-        return words[0]
-    if "prompt" in message or "max_model_len" in message or words[:1] == ["request_id"]:
-        return "prompt"
-    return next((p for p in _PARAM_NAMES if p in message), None)
 
 
 class _Metrics:
@@ -212,8 +188,17 @@ class StrategyServer:
                     logger.exception("step-log push failed (%d rows dropped)", len(rows))
 
     def check_health(self) -> None:
-        """Serve health check: fails (replica restarted) when the engine thread died."""
+        """Serve health check: raises EngineDead when the engine loop died, so Serve
+        replaces the replica (after 3 failed checks, ``health_check_period_s`` apart)."""
         self.engine.check_health()
+
+    async def health(self) -> dict:
+        """For the ingress's ``GET /health``: {"alive": bool, "error": str | None}."""
+        try:
+            self.engine.check_health()
+        except Exception as exc:  # noqa: BLE001 - EngineDead with the cause
+            return {"alive": False, "error": str(exc)}
+        return {"alive": True, "error": None}
 
     async def info(self) -> dict:
         """Static and live facts: strategy, max_model_len (tokens), waiting, running, and for
@@ -230,40 +215,29 @@ class StrategyServer:
         return self.engine.step_log(since_ts=since, limit=limit)
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: dict) -> AsyncIterator[dict]:
-        """Stream one request as dict chunks.
+                       params: dict) -> AsyncIterator[ReplicaMessage]:
+        """Stream one request as typed messages (``actors.serve.protocol``).
 
-        The first chunk is ``{"admitted": num_prompt_tokens}`` or an
-        ``error_chunk`` (then nothing follows). Then ``{"ids": [...], "text":
-        str}`` deltas; chunks that queued up while the consumer was busy are
-        merged, so one chunk may carry several tokens. The last chunk adds
-        ``finish_reason``, ``num_output_tokens`` and ``spec_decode`` (the
-        request's SpecStats dict). Cancelling the consumer aborts the request
+        First ``Admitted`` or an ``ErrorMessage`` (then nothing follows). Then
+        ``Delta`` messages; deltas that queued up while the consumer was busy
+        are merged, so one may carry several tokens. The last one is a
+        ``Finished`` (finish reason, completion tokens, SpecStats dict) or an
+        ``ErrorMessage`` when the request failed part-way (the engine and the
+        other requests go on). Cancelling the consumer aborts the request
         (frees its batch slot and KV cache).
         """
         try:
             sp = SamplingParams(**params)
-        except (TypeError, ValueError) as exc:
-            yield error_chunk(400, str(exc), "invalid_request_error", _guess_param(str(exc)))
-            return
-        try:
             n_prompt, queue = await self.engine.add_request(request_id, prompt, sp)
-        except ValueError as exc:
-            msg = str(exc)
-            over = any(w in msg.lower() for w in ("context", "max_model_len", "too long"))
-            yield error_chunk(400, msg, "invalid_request_error", _guess_param(msg),
-                              "context_length_exceeded" if over else None)
+        except TypeError as exc:  # an unexpected SamplingParams keyword
+            yield ErrorMessage(400, str(exc), "invalid_request_error")
             return
-        except Exception as exc:
-            if is_queue_full(exc):
-                yield error_chunk(429, f"{self.strategy} is overloaded: {exc}",
-                                  "rate_limit_error", None, "queue_full")
-            else:
+        except Exception as exc:  # InvalidRequest 400, QueueFull 429, EngineDead 503
+            if not isinstance(exc, (InvalidRequest, QueueFull)):
                 logger.exception("add_request failed")
-                yield error_chunk(503, f"{self.strategy} engine unavailable: {exc!r}",
-                                  "server_error", None, "engine_unavailable")
+            yield ErrorMessage.from_exception(exc, self.strategy)
             return
-        yield {"admitted": n_prompt}
+        yield Admitted(n_prompt)
         finished = False
         try:
             while not finished:
@@ -273,24 +247,26 @@ class StrategyServer:
                     batch.append(queue.get_nowait())
                 ids: list[int] = []
                 text = []
-                chunk: dict = {}
+                msg: ReplicaMessage | None = None
                 for out in batch:
                     if isinstance(out, BaseException):
-                        chunk.update(finish_reason="error", error=str(out))
-                        finished = True
+                        msg = ErrorMessage.from_exception(out, self.strategy)
+                        break
+                    if out.finish_reason == "error":
+                        msg = ErrorMessage(500, f"{self.strategy}: generation failed: "
+                                           f"{out.error}", "server_error", None,
+                                           "engine_error")
                         break
                     ids.extend(out.new_token_ids)
                     text.append(out.new_text)
                     if out.finished:
-                        finished = True
                         stats = out.stats.to_dict()
                         self._metrics.observe_request(stats)
-                        chunk.update(finish_reason=out.finish_reason,
-                                     num_output_tokens=out.num_output_tokens,
-                                     spec_decode=stats, error=out.error)
+                        msg = Finished(ids, "".join(text), out.finish_reason,
+                                       out.num_output_tokens, stats)
                         break
-                chunk.update(ids=ids, text="".join(text))
-                yield chunk
+                finished = msg is not None
+                yield msg if msg is not None else Delta(ids, "".join(text))
         finally:
             if not finished:
                 self.engine.abort(request_id)

@@ -7,8 +7,10 @@ Routes:
   lines ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a
   last chunk with ``usage`` (empty ``choices``).
 - ``GET /v1/models``: the deployed strategies (``model`` = strategy name).
-- ``GET /health``: 200 while the ingress runs (``?deep=1`` also asks every
-  strategy; 503 if one does not answer).
+- ``GET /health``: 200 when every strategy's engine loop is alive; 503
+  (OpenAI error shape, naming the strategies) when one is dead or does not
+  answer, so an operator or a load balancer sees it at once (the replica's own
+  Serve health check fails too, and Serve replaces it).
 - ``GET /specload/info``: per strategy max_model_len (tokens), waiting, running.
 - ``GET /specload/step_log?strategy=&since=&limit=``: ``{"rows": [...]}``, the
   engine step rows (``configs.metric_names.STEP_LOG_COLUMNS`` + ``seq``) of
@@ -35,36 +37,80 @@ wants ``Authorization: Bearer <key>`` and answers 401 otherwise
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 malformed JSON or invalid parameters 400 (prompt over the context:
 ``code: context_length_exceeded``), unknown model 404, engine queue full 429
-with ``Retry-After`` (seconds), strategy unavailable 503.
+with ``Retry-After`` (seconds), a fault while serving one request 500
+(``code: engine_error``; in a stream, an error event then ``[DONE]``), engine
+down 503. The replicas talk to this ingress in the typed messages of
+``actors.serve.protocol``; explicit ``null`` means the default for every
+optional field (see the audit table below).
 """
 
 
+import asyncio
 import hmac
 import json
 import logging
 import os
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
+                      StrictStr, ValidationError)
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.engine.errors import InvalidRequest
+from actors.serve.protocol import ErrorMessage, Finished
 from configs import metric_names as mn
 
 logger = logging.getLogger("ray.serve")
+
+HEALTH_TIMEOUT_S = 5.0   # a strategy that does not answer /health within this is down
 
 api = FastAPI(title="specload", description="OpenAI-compatible speculative decoding service")
 
 
 # ---------------------------------------------------------------- request schemas
+# Audited against OpenAI's API reference (completions and chat completions, create):
+# every optional field OpenAI marks "or null" accepts null, and null means the
+# default (vLLM does the same). Types are strict: an integer field refuses 1.5,
+# true and "1"; a number field refuses true and "0.5". The defaults:
+#   field              completions        chat                 nullable
+#   max_tokens         16                 rest of the context  yes
+#   max_completion_tokens  -              rest of the context  yes (chat; wins over max_tokens)
+#   temperature        1                  1                    yes
+#   top_p              1                  1                    yes
+#   n                  1 (only 1)         1 (only 1)           yes
+#   stream             false              false                yes
+#   stream_options     null               null                 yes (include_usage false)
+#   stop               null               null                 yes (string or list)
+#   seed               null               null                 yes
+#   echo               false (only false) -                    yes
+#   logprobs           null (unsupported) false (unsupported)  yes
+#   top_k, ignore_eos  0 (off), false     same (vLLM extensions) yes
+#   presence_penalty, frequency_penalty, repetition_penalty, logit_bias, best_of,
+#   suffix, tools, tool_choice, response_format: accepted only at null or their
+#   neutral value (``_UNSUPPORTED``); anything else is a 400 naming the field.
+# Unknown fields (user, metadata, store, ...) are ignored, as vLLM does.
+
+
+def _number(v: Any) -> Any:
+    """JSON number only: bool and strings are refused (pydantic would coerce them)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"must be a number, got {v!r}")
+    return float(v)
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool | None = None
 
 
 # Fields that change the output and that the engine does not implement: rejected
@@ -78,46 +124,116 @@ _UNSUPPORTED: dict[str, tuple] = {
 
 
 class _Common(BaseModel):
-    """Fields shared by both endpoints (OpenAI defaults; top_k and ignore_eos as in vLLM).
+    """Fields shared by both endpoints (OpenAI's; top_k and ignore_eos as in vLLM).
+    Every optional field is nullable; ``None`` means the default (table above).
     Unknown fields are ignored, like vLLM, so stock OpenAI clients work."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
-    ignore_eos: bool = False
+    n: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
     logprobs: Any = None
 
-    def sampling(self) -> dict:
-        """SamplingParams kwargs (the replica validates them again)."""
+    def sampling(self, max_tokens: int | None) -> dict:
+        """SamplingParams kwargs, defaults filled in (the replica validates them again).
+        max_tokens None: up to the end of the context (the engine fills it in)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": tuple(stop), "ignore_eos": self.ignore_eos}
+        return {"max_tokens": max_tokens,
+                "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": self.top_k or 0, "seed": self.seed, "stop": tuple(stop),
+                "ignore_eos": bool(self.ignore_eos)}
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: StrictBool | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = ""
+    content: StrictStr | list[dict] | None = ""
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: model, prompt (text or token ids), SamplingParams kwargs."""
+
+    model: str
+    prompt: str | list[int]
+    params: dict
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: Any, chat: bool) -> ParsedRequest:
+    """Validate an OpenAI request body (JSON already decoded).
+
+    Raises InvalidRequest naming ``param`` for anything the engine cannot honour:
+    a wrong type, an unsupported field at a non-neutral value, n != 1, logprobs,
+    echo, batched or empty prompts. Unknown models are the caller's check.
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    for name, neutral in _UNSUPPORTED.items():
+        if name in body and body[name] not in neutral:
+            raise InvalidRequest(f"{name} is not supported by specload (it would change the "
+                                 f"output); drop it or send {neutral[0]!r}", param=name)
+    try:
+        req = (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)
+                         and p not in _PYDANTIC_TYPE_TAGS) or None
+        raise InvalidRequest(f"{param}: {err.get('msg')} (got {err.get('input')!r})",
+                             param=param) from None
+    if req.n not in (None, 1):
+        raise InvalidRequest(f"n must be 1 (got {req.n})", param="n")
+    if req.logprobs not in (None, False, 0):
+        raise InvalidRequest("logprobs is not supported", param="logprobs")
+    if chat:
+        prompt: Any = chat_prompt(req.messages)
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)  # None: the rest of the context, as OpenAI / vLLM
+    else:
+        if req.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("batched prompts are not supported; send one prompt "
+                                     "per request", param="prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        max_tokens = (COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None
+                      else req.max_tokens)
+    return ParsedRequest(req.model, prompt, req.sampling(max_tokens), bool(req.stream),
+                         bool(req.stream_options and req.stream_options.include_usage))
+
+
+# pydantic's union branch names in error locations (``stop.str``, ``prompt.list[int]``)
+_PYDANTIC_TYPE_TAGS = {"str", "int", "list[str]", "list[int]", "list[list[int]]",
+                       "function-before[_number(), float]", "dict[any,any]", "list[dict]",
+                       "list[dict[any,any]]"}
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
@@ -181,13 +297,125 @@ def _sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def _validation_error(exc: ValidationError) -> JSONResponse:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or None
-    return error_response(400, f"{param}: {err.get('msg')} (got {err.get('input')!r})",
-                          param=param)
+def health_response(states: dict[str, dict]) -> JSONResponse | dict:
+    """``GET /health`` from each strategy's ``StrategyServer.health()`` answer:
+    200 ``{"status": "ok"}`` when all are alive, else 503 naming the dead ones."""
+    dead = {n: st.get("error") for n, st in sorted(states.items()) if not st.get("alive")}
+    if dead:
+        return error_response(503, f"engine down in strategies {sorted(dead)}: {dead}",
+                              "server_error", code="engine_unavailable")
+    return {"status": "ok", "strategies": sorted(states)}
 
 
+# ---------------------------------------------------------------- replica messages -> HTTP
+# Module-level so the whole replica -> body path is testable without Ray: ``messages``
+# is the async iterator of ``actors.serve.protocol`` messages after ``Admitted``.
+@dataclass(frozen=True)
+class ResponseContext:
+    """What a response body needs besides the messages."""
+
+    rid: str
+    model: str
+    created: int
+    chat: bool
+    n_prompt: int
+
+
+def _cancel(gen) -> None:
+    """Stop the replica's stream (a Serve response generator, or any async generator)."""
+    if hasattr(gen, "cancel"):
+        gen.cancel()
+    elif hasattr(gen, "aclose"):
+        asyncio.ensure_future(gen.aclose())
+
+
+def _usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out}
+
+
+async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
+    """The non-stream response body, or the ErrorMessage that ended the request."""
+    ids: list[int] = []
+    text: list[str] = []
+    last: Finished | ErrorMessage | None = None
+    try:
+        async for msg in messages:
+            if isinstance(msg, ErrorMessage):
+                last = msg
+                break
+            ids.extend(msg.token_ids)
+            text.append(msg.text)
+            if isinstance(msg, Finished):
+                last = msg
+                break
+    finally:
+        if last is None:
+            _cancel(messages)
+    if last is None:
+        return ErrorMessage(500, f"{ctx.model}: the replica ended the stream without "
+                            "finishing", "server_error", None, "engine_error")
+    if isinstance(last, ErrorMessage):
+        return last
+    body = "".join(text)
+    if ctx.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": body},
+                  "finish_reason": last.finish_reason, "token_ids": ids}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": body, "logprobs": None,
+                  "finish_reason": last.finish_reason, "token_ids": ids}
+        obj = "text_completion"
+    return {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
+            "choices": [choice], "usage": _usage(ctx.n_prompt, last.num_output_tokens),
+            mn.SPEC_DECODE_FIELD: last.spec_decode}
+
+
+async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
+    """SSE lines of a streamed response; a request that fails part-way gets an
+    OpenAI error event ``data: {"error": {...}}`` and then ``data: [DONE]``."""
+    obj = "chat.completion.chunk" if ctx.chat else "text_completion"
+    head = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model}
+    done = False
+    try:
+        if ctx.chat:   # OpenAI sends the role first, without content
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                             "finish_reason": None, "token_ids": []}]})
+        async for msg in messages:
+            if isinstance(msg, ErrorMessage):   # the request failed part-way
+                done = True
+                yield _sse(msg.body())
+                break
+            finish = msg.finish_reason if isinstance(msg, Finished) else None
+            if not msg.token_ids and not msg.text and finish is None:
+                continue
+            if ctx.chat:
+                choice = {"index": 0, "delta": {"content": msg.text},
+                          "finish_reason": finish, "token_ids": msg.token_ids}
+            else:
+                choice = {"index": 0, "text": msg.text, "logprobs": None,
+                          "finish_reason": finish, "token_ids": msg.token_ids}
+            out = {**head, "choices": [choice]}
+            if finish is not None:
+                done = True
+                out[mn.SPEC_DECODE_FIELD] = msg.spec_decode
+                yield _sse(out)
+                if include_usage:
+                    yield _sse({**head, "choices": [],
+                                "usage": _usage(ctx.n_prompt, msg.num_output_tokens),
+                                mn.SPEC_DECODE_FIELD: msg.spec_decode})
+                break
+            yield _sse(out)
+        yield _sse("[DONE]")
+    finally:
+        if not done:   # client went away (or we failed): free the engine slot now
+            _cancel(messages)
+
+
+# Everything the routes call is defined above the ingress class: serve.ingress
+# serializes the FastAPI app (and the globals its routes see) when the class is
+# decorated, so a helper defined below it would be missing in the replica.
 @serve.deployment
 @serve.ingress(api)
 class OpenAIIngress:
@@ -210,13 +438,17 @@ class OpenAIIngress:
     # ------------------------------------------------------------ info routes
     @api.get("/health")
     async def health(self, deep: int = 0):
-        if deep:
+        """200 when every strategy's engine loop is alive; 503 naming the strategies
+        whose engine is dead or that do not answer within HEALTH_TIMEOUT_S.
+        (``deep`` is accepted for compatibility: every call asks every strategy.)"""
+        async def one(name, h):
             try:
-                for h in self._handles.values():
-                    await h.info.remote()
-            except Exception as exc:  # a strategy not answering
-                return error_response(503, f"strategy unavailable: {exc!r}", "server_error")
-        return {"status": "ok", "strategies": sorted(self._handles)}
+                return name, await asyncio.wait_for(h.health.remote(), HEALTH_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - not answering counts as down
+                return name, {"alive": False, "error": f"not answering: {exc!r}"}
+
+        return health_response(dict(await asyncio.gather(
+            *(one(n, h) for n, h in self._handles.items()))))
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -276,149 +508,32 @@ class OpenAIIngress:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(400, f"request body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        for field, neutral in _UNSUPPORTED.items():
-            if field in body and body[field] not in neutral:
-                return error_response(400, f"{field} is not supported by specload (it would "
-                                      f"change the output); drop it or send {neutral[0]!r}",
-                                      param=field)
-        for field in ("max_tokens", "max_completion_tokens", "n", "top_k", "seed"):
-            if isinstance(body.get(field), (bool, float)):
-                return error_response(400, f"{field} must be an integer, got "
-                                      f"{body[field]!r}", param=field)
         try:
-            req = (ChatRequest if chat else CompletionRequest).model_validate(body)
-        except ValidationError as exc:
-            return _validation_error(exc)
+            req = parse_request(body, chat)
+        except InvalidRequest as exc:
+            return error_response(400, str(exc), param=exc.param, code=exc.code)
         if req.model not in self._handles:
             return self._unknown_model(req.model)
-        if req.n != 1:
-            return error_response(400, f"n must be 1 (got {req.n})", param="n")
-        if req.logprobs not in (None, False, 0):
-            return error_response(400, "logprobs is not supported", param="logprobs")
-        if chat:
-            prompt: Any = chat_prompt(req.messages)
-            if req.max_completion_tokens is not None:
-                req.max_tokens = req.max_completion_tokens
-        else:
-            if req.echo:
-                return error_response(400, "echo is not supported", param="echo")
-            prompt = req.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                if len(prompt) != 1:
-                    return error_response(400, "batched prompts are not supported; send "
-                                          "one prompt per request", param="prompt")
-                prompt = prompt[0]
-            if isinstance(prompt, (str, list)) and len(prompt) == 0:
-                return error_response(400, "prompt must not be empty", param="prompt")
-        if req.max_tokens is None:
-            req.max_tokens = 16
-        params = req.sampling()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = self._handles[req.model].options(stream=True).generate.remote(rid, prompt, params)
+        gen = self._handles[req.model].options(stream=True).generate.remote(
+            rid, req.prompt, req.params)
         try:
             first = await gen.__anext__()
         except Exception as exc:
-            gen.cancel()
+            _cancel(gen)
             logger.exception("strategy %s failed to admit", req.model)
             return error_response(503, f"strategy {req.model!r} unavailable: {exc!r}",
                                   "server_error", code="engine_unavailable")
-        if "error" in first:
-            e = first["error"]
-            headers = ({"Retry-After": str(self._retry_after_s)} if e["status"] == 429
-                       else None)
-            return error_response(e["status"], e["message"], e["type"], e["param"],
-                                  e["code"], headers)
-        n_prompt = first["admitted"]
-        ctx = dict(rid=rid, model=req.model, created=int(time.time()), chat=chat,
-                   n_prompt=n_prompt)
+        if isinstance(first, ErrorMessage):
+            return self._error(first)
+        ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(gen, ctx, include_usage),
+            return StreamingResponse(sse_events(gen, ctx, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect(gen, ctx)
+        out = await collect_body(gen, ctx)
+        return self._error(out) if isinstance(out, ErrorMessage) else out
 
-    @staticmethod
-    def _usage(n_prompt: int, n_out: int) -> dict:
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                "total_tokens": n_prompt + n_out}
-
-    async def _collect(self, gen, ctx: dict):
-        ids: list[int] = []
-        text: list[str] = []
-        last: dict = {}
-        done = False
-        try:
-            async for chunk in gen:
-                ids.extend(chunk["ids"])
-                text.append(chunk["text"])
-                if "finish_reason" in chunk:
-                    last = chunk
-                    done = True
-        finally:
-            if not done:
-                gen.cancel()
-        if last.get("finish_reason") == "error":
-            return error_response(500, f"generation failed: {last.get('error')}",
-                                  "server_error", code="engine_error")
-        n_out = last.get("num_output_tokens", len(ids))
-        body = ("".join(text))
-        if ctx["chat"]:
-            choice = {"index": 0, "message": {"role": "assistant", "content": body},
-                      "finish_reason": last.get("finish_reason"), "token_ids": ids}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": body, "logprobs": None,
-                      "finish_reason": last.get("finish_reason"), "token_ids": ids}
-            obj = "text_completion"
-        return {"id": ctx["rid"], "object": obj, "created": ctx["created"],
-                "model": ctx["model"], "choices": [choice],
-                "usage": self._usage(ctx["n_prompt"], n_out),
-                mn.SPEC_DECODE_FIELD: last.get("spec_decode")}
-
-    async def _stream(self, gen, ctx: dict, include_usage: bool):
-        chat = ctx["chat"]
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": ctx["rid"], "object": obj, "created": ctx["created"],
-                "model": ctx["model"]}
-        done = False
-        try:
-            if chat:   # OpenAI sends the role first, without content
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                     "content": ""},
-                                                 "finish_reason": None, "token_ids": []}]})
-            async for chunk in gen:
-                finish = chunk.get("finish_reason")
-                if finish == "error":
-                    done = True
-                    yield _sse({"error": {"message": f"generation failed: {chunk.get('error')}",
-                                          "type": "server_error", "param": None,
-                                          "code": "engine_error"}})
-                    break
-                if not chunk["ids"] and not chunk["text"] and finish is None:
-                    continue
-                if chat:
-                    choice = {"index": 0, "delta": {"content": chunk["text"]},
-                              "finish_reason": finish, "token_ids": chunk["ids"]}
-                else:
-                    choice = {"index": 0, "text": chunk["text"], "logprobs": None,
-                              "finish_reason": finish, "token_ids": chunk["ids"]}
-                out = {**head, "choices": [choice]}
-                if finish is not None:
-                    done = True
-                    out[mn.SPEC_DECODE_FIELD] = chunk.get("spec_decode")
-                    yield _sse(out)
-                    if include_usage:
-                        yield _sse({**head, "choices": [],
-                                    "usage": self._usage(ctx["n_prompt"],
-                                                         chunk.get("num_output_tokens", 0)),
-                                    mn.SPEC_DECODE_FIELD: chunk.get("spec_decode")})
-                    break
-                yield _sse(out)
-            yield _sse("[DONE]")
-        finally:
-            if not done:   # client went away (or we failed): free the engine slot now
-                gen.cancel()
-
+    def _error(self, e: ErrorMessage) -> JSONResponse:
+        headers = {"Retry-After": str(self._retry_after_s)} if e.status == 429 else None
+        return error_response(e.status, e.message, e.type, e.param, e.code, headers)

@@ -1,0 +1,37 @@
+"""Typed errors shared by the engine, the replicas and the HTTP ingress.
+
+The engine raises them, the strategy replica turns them into an
+``actors.serve.protocol.ErrorMessage`` and the ingress into an OpenAI error
+body; nobody classifies an error by parsing its message or its class name.
+
+- ``InvalidRequest`` (a ``ValueError``): the request is wrong; HTTP 400 with
+  ``param`` (the request field at fault) and an optional ``code`` such as
+  ``context_length_exceeded``.
+- ``QueueFull``: the engine's waiting queue is at ``max_waiting``; HTTP 429
+  with ``Retry-After``.
+- ``EngineDead``: the engine thread stopped (crash or shutdown); HTTP 503, and
+  the replica's health check fails so Serve replaces it.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """A bad request parameter. ``param``: the OpenAI request field at fault (or None);
+    ``code``: an OpenAI error code (e.g. ``context_length_exceeded``) or None."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def __reduce__(self):  # keep param / code across pickling (Ray)
+        return (type(self), (str(self), self.param, self.code))
+
+
+class QueueFull(RuntimeError):
+    """``max_waiting`` requests already wait for a batch slot (HTTP 429)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no request can be served (HTTP 503)."""

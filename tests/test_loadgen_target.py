@@ -1,0 +1,95 @@
+"""``--target`` as users paste it (issue 9 fault 5): with or without ``/v1``, with or
+without a trailing slash; discovery failures name the URL; ``--strategies`` skips
+discovery on a server without ``/v1/models``. A real HTTP server on a free port."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from configs.net import free_port
+from loadgen import service
+from loadgen.cli import Auth, _strategies
+
+NO_AUTH = Auth({})
+
+
+def _server(with_models: bool):
+    paths: list[str] = []
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            paths.append(self.path)
+            if with_models and self.path == "/v1/models":
+                body = json.dumps({"object": "list", "data": [{"id": "ngram"},
+                                                              {"id": "autoregressive"}]})
+                self.send_response(200)
+            else:
+                body = json.dumps({"error": {"message": "not found"}})
+                self.send_response(404)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, paths
+
+
+@pytest.fixture
+def models_server():
+    srv, paths = _server(True)
+    yield f"http://127.0.0.1:{srv.server_port}", paths
+    srv.shutdown()
+
+
+@pytest.fixture
+def bare_server():
+    srv, paths = _server(False)
+    yield f"http://127.0.0.1:{srv.server_port}", paths
+    srv.shutdown()
+
+
+def _args(strategies=""):
+    return argparse.Namespace(strategies=strategies, model="")
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/", "//", " "])
+def test_target_with_or_without_v1(models_server, suffix):
+    base, paths = models_server
+    target = service.normalize_base_url(base + suffix)
+    assert target == base
+    assert _strategies(_args(), target, NO_AUTH) == ["autoregressive", "ngram"]  # canonical order
+    assert paths == ["/v1/models"]
+
+
+def test_normalize_keeps_a_gateway_prefix_and_refuses_non_urls():
+    assert service.normalize_base_url("https://gw.example/openai/v1/") == \
+        "https://gw.example/openai"
+    for bad in ("127.0.0.1:8000", "ftp://h/v1", "http://"):
+        with pytest.raises(service.ServiceError, match="--target"):
+            service.normalize_base_url(bad)
+
+
+def test_discovery_failure_names_the_url(bare_server):
+    base, _ = bare_server
+    with pytest.raises(service.ServiceError, match=f"GET {base}/v1/models -> HTTP 404"):
+        _strategies(_args(), base, NO_AUTH)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(service.ServiceError, match=f"GET {dead}/v1/models"):
+        _strategies(_args("ngram"), dead, NO_AUTH)   # unreachable: fails even with --strategies
+
+
+def test_strategies_skip_discovery(bare_server, models_server):
+    base, paths = bare_server
+    assert _strategies(_args("a, b"), base, NO_AUTH) == ["a", "b"]
+    good, _ = models_server
+    with pytest.raises(service.ServiceError, match="--strategies: 'ngarm' not served"):
+        _strategies(_args("ngarm"), good, NO_AUTH)   # a misspelt name is still caught when it can be
