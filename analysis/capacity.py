@@ -8,7 +8,11 @@
   (Williams, Waterman & Patterson 2009, CACM 52(4)) applied to one forward.
   Fit: weighted least squares for (a, c >= 0) at each candidate knee, the
   knee chosen by grid search over the observed token counts.
-- Wasted share = (verification tokens - emitted tokens) / verification tokens.
+- Wasted share = (verification tokens - emitted tokens) / verification tokens
+  >= 0: emitted tokens are what verification delivered (the step log's
+  ``emitted_tokens``; each request's first token comes from prefill and is
+  counted apart in ``prefill_emitted_tokens``), so autoregressive shows
+  emitted = verification = 1.00 per request-step and a wasted share of 0.
 - Capacity per emitted token = verification tokens / emitted token and engine
   ms / emitted token.
 - Predicted crossover: the concurrency N where
