@@ -276,10 +276,14 @@ def _validate(args, out: dict, parser) -> int:
         args.attainment, va.run_max_tokens(manifest, args.tier, choice.output_class),
         Path(args.validate_results or Path(args.results_dir) / "validate"),
         duration_s=args.validate_duration, warmup_s=args.validate_warmup)
-    print(f"plan {'HOLDS' if res['holds'] else 'FAILS'}: {res['strategy']} x {res['replicas']} at "
-          f"{res['qps']:g} req/s: SLO attainment {res['attainment']:.1%} (target "
-          f"{res['slo_target']:.0%}); with {res['replicas'] - 1}: {res['attainment_minus_one']:.1%} "
-          f"({'fails as it should' if res['tight'] else 'still meets the target: the plan over-provisions'})")
+    def pct(v):
+        return "not measured (deploy failed)" if v is None else f"{v:.1%}"
+    verdict = {True: "HOLDS", False: "FAILS", None: "UNKNOWN"}[res["holds"]]
+    tight = {True: "fails as it should", False: "still meets the target: the plan over-provisions",
+             None: "no figure"}[res["tight"]]
+    print(f"plan {verdict}: {res['strategy']} x {res['replicas']} at {res['qps']:g} req/s: SLO "
+          f"attainment {pct(res['attainment'])} (target {res['slo_target']:.0%}); with "
+          f"{res['replicas'] - 1}: {pct(res['attainment_minus_one'])} ({tight})")
     if args.json and args.json != "-":
         write_json(args.json, res)
         print(f"json: {args.json}")

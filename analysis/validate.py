@@ -190,7 +190,8 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     """Run the plan with N and N - 1 replicas; returns the ``--validate --json`` dict:
     {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target",
     "output_class", "tier", "holds", "tight", "requests", "requests_minus_one",
-    "duration_s", "warmup_s", "runs"}.
+    "duration_s", "warmup_s", "runs"}; a replica count that could not be deployed
+    gets attainment None (holds / tight None) and its error under "errors".
 
     ``deploy(strategy, replicas) -> (url, stop)`` and ``drive(url, run_id) -> run_dir``
     default to ``python -m cluster up`` and ``python -m loadgen`` subprocesses."""
@@ -218,7 +219,13 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
             continue
         log(f"validate: {choice.strategy} x {n} replica(s), {qps:g} req/s Poisson for "
             f"{duration_s:g} s ({tier}/{choice.output_class})")
-        url, stop = deploy(choice.strategy, n)
+        try:
+            url, stop = deploy(choice.strategy, n)
+        except RuntimeError as exc:  # keep what was measured; say why this count has no figure
+            result[key], result[count_key] = None, 0
+            result.setdefault("errors", {})[str(n)] = str(exc)[-500:]
+            log(f"validate: {n} replica(s) could not be deployed: {str(exc)[-300:]}")
+            continue
         try:
             run_dir = drive(url, f"validate-{choice.strategy}-{n}")
         finally:
@@ -228,8 +235,9 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
         result[key], result[count_key] = att, count
         result["runs"][str(n)] = str(run_dir)
         log(f"validate: {n} replica(s): attainment {att:.1%} over {count} requests")
-    result["holds"] = bool(np.isfinite(result["attainment"]) and result["attainment"] >= target)
-    result["tight"] = bool(result["attainment_minus_one"] < target)
+    att, att_m1 = result["attainment"], result["attainment_minus_one"]
+    result["holds"] = None if att is None else bool(np.isfinite(att) and att >= target)
+    result["tight"] = None if att_m1 is None else bool(att_m1 < target)
     return result
 
 

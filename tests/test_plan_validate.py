@@ -104,6 +104,19 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
                            32, tmp_path / "out1", warmup_s=0.0, deploy=deploy,
                            drive=lambda url, rid: drive(url, rid + "-b"), log=lambda m: None)
     assert res["attainment_minus_one"] == 0.0 and res["requests_minus_one"] == 0 and res["holds"]
+    # a count that cannot be deployed keeps the other's figure and says why
+
+    def flaky(strategy, n):
+        if n == 1:
+            raise RuntimeError("ray head timed out")
+        return deploy(strategy, n)
+    share[2] = 0.95
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 1.3, "high", SLO, 0.9,
+                           32, tmp_path / "out2", warmup_s=0.0, deploy=flaky,
+                           drive=lambda url, rid: drive(url, rid + "-c"), log=lambda m: None)
+    assert res["attainment"] == pytest.approx(0.95) and res["holds"]
+    assert res["attainment_minus_one"] is None and res["tight"] is None
+    assert "timed out" in res["errors"]["1"]
 
 
 @pytest.mark.slow
