@@ -438,7 +438,6 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
             s.warnings.append(f"load worker {loss['worker_index']} lost: its {loss['in_flight_at_last_report']} "
                               f"in-flight request(s) have no row ({loss['rows_delivered']} rows it sent are "
                               "kept); the cell finished on the other workers")
-    s.duration_s = time.time() - cell_t0
     st.summaries.append(s)
     add_speedups(st.summaries)
     progress.done(s)

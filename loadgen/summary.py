@@ -1,8 +1,10 @@
 """Per-cell numbers for the live summary: achieved concurrency, throughput, latency percentiles.
 
 Pure Python over request rows (dicts keyed by metric_names); the full analysis
-lives in ``analysis/``. Throughput = output tokens of ``ok`` requests / (last
-end - first send) of the cell, tokens/s.
+lives in ``analysis/``. The definitions are the report's (analysis/metrics.py), so a
+figure reads the same on the console, in summary.csv, the manifest and the report:
+throughput = output tokens of ``ok`` requests / (last end - first scheduled send) of
+the cell, tokens/s; SLO attainment = requests meeting both SLOs / all requests.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class CellSummary:
     achieved_concurrency: float = math.nan
     output_tokens_per_s: float = math.nan
     goodput_rps: float = math.nan
-    slo_attainment: float = math.nan        # share of ok requests meeting both SLOs
+    slo_attainment: float = math.nan        # share of all requests meeting both SLOs
     ttft_ms_p50: float = math.nan
     ttft_ms_p99: float = math.nan
     tpot_ms_p50: float = math.nan
@@ -82,8 +84,19 @@ class CellSummary:
     cpu_max_percent: float = math.nan
     speedup: float = math.nan               # output_tokens_per_s / autoregressive's, same cell
     repeat: int = 0                         # 0-based repeat (--repeats)
-    duration_s: float = math.nan            # cell wall time: start -> end of drain, s
+    duration_s: float = math.nan            # first scheduled send -> last end of any row, s
     warnings: list[str] = field(default_factory=list)
+
+
+def meets_slo(row: dict[str, Any], slo: Slo) -> bool:
+    """An ok request meets the SLO when TTFT <= slo.ttft_ms and TPOT <= slo.tpot_ms; a
+    one-token output has no TPOT and is judged on TTFT alone (as analysis.metrics.meets_slo)."""
+    ttft, tpot = row.get(M.REQ_TTFT_MS), row.get(M.REQ_TPOT_MS)
+    if ttft is None or not ttft <= slo.ttft_ms:
+        return False
+    if tpot is None:
+        return (row.get(M.REQ_OUTPUT_TOKENS) or 0) <= 1
+    return tpot <= slo.tpot_ms
 
 
 def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, output_class: str, arrival: str,
@@ -97,16 +110,19 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
     ok = [r for r in rows if r[M.REQ_STATUS] == M.STATUS_OK]
     s.n_ok = len(ok)
     s.achieved_concurrency = achieved_concurrency(rows, *window)
-    sent = [r[M.REQ_SENT_TS] for r in rows if r.get(M.REQ_SENT_TS) is not None]
-    ends = [r[M.REQ_END_TS] for r in ok]
-    if ok and sent:
-        span = max(ends) - min(sent)
-        if span > 0:
-            s.output_tokens_per_s = sum(r.get(M.REQ_OUTPUT_TOKENS) or 0 for r in ok) / span
-            good = [r for r in ok if (r.get(M.REQ_TTFT_MS) or math.inf) <= slo.ttft_ms
-                    and (r.get(M.REQ_TPOT_MS) if r.get(M.REQ_TPOT_MS) is not None else 0.0) <= slo.tpot_ms]
-            s.goodput_rps = len(good) / span
-            s.slo_attainment = len(good) / len(ok)
+    # The same definitions as the report (analysis/metrics.py): the cell's wall time runs from
+    # the first scheduled send to the last end of any row; SLO attainment is over all requests.
+    starts = [r[M.REQ_SCHEDULED_TS] if r.get(M.REQ_SCHEDULED_TS) is not None else r.get(M.REQ_SENT_TS)
+              for r in rows]
+    starts = [t for t in starts if t is not None]
+    ends = [r[M.REQ_END_TS] for r in rows if r.get(M.REQ_END_TS) is not None]
+    if starts and ends:
+        s.duration_s = max(ends) - min(starts)
+    if ok and s.duration_s > 0:
+        s.output_tokens_per_s = sum(r.get(M.REQ_OUTPUT_TOKENS) or 0 for r in ok) / s.duration_s
+        good = [r for r in ok if meets_slo(r, slo)]
+        s.goodput_rps = len(good) / s.duration_s
+        s.slo_attainment = len(good) / len(rows)
     s.ttft_ms_p50 = _pct([r.get(M.REQ_TTFT_MS) for r in ok], 50)
     s.ttft_ms_p99 = _pct([r.get(M.REQ_TTFT_MS) for r in ok], 99)
     s.tpot_ms_p50 = _pct([r.get(M.REQ_TPOT_MS) for r in ok], 50)
@@ -172,12 +188,12 @@ CONSOLE_COLUMNS: tuple[tuple[str, Any, str], ...] = (
      "achieved concurrency: time-weighted mean of requests in flight"),
     ("ok/total", lambda s: f"{s.n_ok}/{s.n_requests}", "successful / all requests of the cell"),
     ("tok/s", lambda s: _num(s.output_tokens_per_s, ".1f"),
-     "output tokens/s of ok requests over the cell (first send to last end)"),
+     "output tokens/s of ok requests over the cell (first scheduled send to last end)"),
     ("speedup", lambda s: _num(s.speedup, ".2f") + ("x" if not math.isnan(s.speedup) else ""),
      "tok/s / autoregressive's tok/s in the same tier and output class"),
     ("TTFT", lambda s: _num(s.ttft_ms_p50, ".0f"), "time to first token, p50, ms"),
     ("TPOT", lambda s: _num(s.tpot_ms_p50, ".1f"), "time per output token after the first, p50, ms"),
-    ("SLO", lambda s: _pct_str(s.slo_attainment), "share of ok requests meeting both the TTFT and TPOT SLOs"),
+    ("SLO", lambda s: _pct_str(s.slo_attainment), "share of requests meeting both the TTFT and TPOT SLOs"),
     ("tau", lambda s: _num(s.acceptance_length, ".2f"),
      "acceptance length: tokens per verification step (1.00 = no speculation, - = not reported)"),
     ("CPU%", lambda s: _num(s.cpu_mean_percent, ".0f"),

@@ -107,6 +107,19 @@ def test_run_output_json_and_secrets(tmp_path):
     man = loads_strict((run_dir / "manifest.json").read_text())
     assert {M.CELL_OUTPUT_TOKENS_PER_S, M.CELL_TTFT_MS_P50, M.CELL_N_OK} <= set(man["cells"][0])
     assert "output_tok_s" not in man["cells"][0]
+    # one definition per figure: the console / summary.csv numbers are the report's
+    from analysis import metrics
+    from analysis.load import load_results
+    from analysis.slo import resolve_slos
+
+    res = load_results(run_dir)
+    flagged = metrics.with_slo_flags(res.requests, resolve_slos(["low", "mid", "high"], res.manifest_config))
+    report_cells = metrics.cell_table(flagged).set_index(["strategy", "tier"])
+    for r in rows:
+        rc = report_cells.loc[(r["strategy"], r["tier"])]
+        for name in (M.CELL_OUTPUT_TOKENS_PER_S, M.CELL_SLO_ATTAINMENT, M.CELL_TTFT_MS_P50, M.ACCEPTANCE_LENGTH,
+                     M.CELL_SPEEDUP):
+            assert float(r[name]) == pytest.approx(float(rc[name]), rel=1e-4), (name, r["strategy"], r["tier"])
     # credentials: in no file written, in no log line; the manifest says they were redacted
     for f in run_dir.rglob("*"):
         if f.is_file():
