@@ -69,7 +69,8 @@ from configs import metric_names as mn
 
 logger = logging.getLogger("ray.serve")
 
-HEALTH_TIMEOUT_S = 5.0   # a strategy that does not answer /health within this is down
+HEALTH_TIMEOUT_S = 2.0   # a strategy that does not answer /health within this is down (below
+                         # the 3 s of cluster up's probe, cluster/local.py service_health)
 
 api = FastAPI(title="specload", description="OpenAI-compatible speculative decoding service")
 
