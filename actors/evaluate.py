@@ -56,7 +56,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 DEFAULT_STRATEGIES = ("autoregressive", "dflash", "dflash_deep", "dflash2", "dflash2_conv_only",
                       "dflash2_selector_only", "dspark", "dspark_scheduled")
-BLOCK_FAMILY = ("dflash", "dflash2", "dspark")
+BLOCK_FAMILY = M.BLOCK_DRAFTER_STRATEGIES
 
 
 def default_prompts(per_domain: int) -> list[dict]:

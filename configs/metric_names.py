@@ -28,6 +28,7 @@ DFLASH = "dflash"
 DFLASH2 = "dflash2"
 DSPARK = "dspark"
 STRATEGIES = (AUTOREGRESSIVE, DRAFT_MODEL, NGRAM, DFLASH, DFLASH2, DSPARK)  # canonical order, baseline first
+BLOCK_DRAFTER_STRATEGIES = (DFLASH, DFLASH2, DSPARK)   # the parallel (block) drafter family
 
 # The one strategy table: id -> "module:Class" of its proposer. Adding a strategy is
 # one file under actors/proposers/ and one line here. Import paths are strings so

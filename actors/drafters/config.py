@@ -12,7 +12,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-METHODS = ("dflash", "dflash2", "dspark")
+from configs.metric_names import BLOCK_DRAFTER_STRATEGIES
+
+METHODS = BLOCK_DRAFTER_STRATEGIES   # a drafter's ``method`` is its strategy id
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from actors.engine.config import EngineConfig
+from actors.engine.detokenizer import Detokenizer
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
@@ -79,8 +80,9 @@ class LLMEngine:
         mc = self.model.config
         self.max_model_len = min(config.max_model_len or min(mc.max_position_embeddings, 4096),
                                  mc.max_position_embeddings)
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
             else mc.eos_token_id
+        self.detok = Detokenizer(self.tokenizer, eos, self.max_model_len)
         cls = get_proposer_class(config.strategy)
         options = config.strategy_options_model()  # validated by EngineConfig
         k = config.num_speculative_tokens
@@ -97,6 +99,15 @@ class LLMEngine:
                                    config.max_waiting)
         self.requests: dict[str, Request] = {}
         self.on_step = on_step
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The token that ends a request (held by the detokenizer, which applies it)."""
+        return self.detok.eos_token_id
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int | None) -> None:
+        self.detok.eos_token_id = value
 
     # -- request lifecycle ------------------------------------------------------
     @property
@@ -315,7 +326,7 @@ class LLMEngine:
                                          aux[:len(committed)] if aux is not None else None)
             phase = "detokenize"
             self._hook(phase, r.request_id)
-            kept = self._append(r, res.emitted)
+            kept = self.detok.append(r, res.emitted)
         except Exception as exc:  # noqa: BLE001
             self._fail(r, phase, exc)
             return
@@ -364,13 +375,13 @@ class LLMEngine:
                 continue
             try:
                 self._hook("detokenize", r.request_id)
-                stats.prefill_emitted_tokens += self._append(r, res.emitted)
+                stats.prefill_emitted_tokens += self.detok.append(r, res.emitted)
             except Exception as exc:  # noqa: BLE001
                 self._fail(r, "detokenize", exc)
 
     def _finish(self, touched: list[Request]) -> list[RequestOutput]:
         """Deltas for the requests that emitted; finished ones leave the engine."""
-        outputs = [self._output(r) for r in touched]
+        outputs = [self.detok.delta(r) for r in touched]
         for r in touched:
             if r.finish_reason is not None:
                 self.requests.pop(r.request_id, None)
@@ -394,78 +405,6 @@ class LLMEngine:
             M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: stats.padded_tokens,
             M.STEP_CONTEXT_TOKENS: stats.context_tokens,
             M.STEP_CPU_MS: (time.thread_time() - c0) * 1e3, M.STEP_VERIFY_CPU_MS: stats.verify_cpu_ms}
-
-    def _append(self, r: Request, tokens: list[int]) -> int:
-        """Append emitted tokens, applying EOS / max_tokens / context / stop strings.
-        Returns how many were kept (>= 1 when ``tokens`` is not empty)."""
-        kept = 0
-        now = time.time()
-        for t in tokens:
-            r.output_ids.append(t)
-            r.token_ts.append(now)
-            kept += 1
-            if t == self.eos_token_id and not r.params.ignore_eos:
-                r.finish_reason = "stop"
-                break
-            if len(r.output_ids) >= r.params.max_tokens:
-                r.finish_reason = "length"
-                break
-            if len(r.all_ids) >= self.max_model_len:
-                r.finish_reason = "length"
-                break
-        ids = r.output_ids
-        if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop":
-            ids = ids[:-1]  # EOS is not part of the text
-        text = self.tokenizer.decode(ids)
-        if r.params.stop:
-            # The earlier text held no stop string, so a new match ends in the new text:
-            # search from (longest stop - 1) characters before where that stable text
-            # ended (a trailing U+FFFD is an incomplete character that may change).
-            longest = max(len(s) for s in r.params.stop)
-            frm = max(0, len(r.text.rstrip("\ufffd")) - longest + 1)
-            hit = self._find_stop(text, r.params.stop, frm)
-            if hit is not None:
-                text = text[:hit]
-                # keep the shortest id prefix whose text reaches the stop string
-                for j in range(len(r.output_ids) - kept + 1, len(r.output_ids) + 1):
-                    if self._find_stop(self.tokenizer.decode(r.output_ids[:j]), r.params.stop,
-                                       frm) is not None:
-                        kept -= len(r.output_ids) - j
-                        del r.output_ids[j:]
-                        del r.token_ts[j:]
-                        break
-                r.finish_reason = "stop"
-        r.text = text
-        return kept
-
-    @staticmethod
-    def _find_stop(text: str, stops: tuple[str, ...], frm: int) -> int | None:
-        """Smallest index >= ``frm`` where any stop string starts in ``text`` (None: none)."""
-        hits = [i for i in (text.find(s, frm) for s in stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _output(self, r: Request) -> RequestOutput:
-        finished = r.finish_reason is not None
-        text = r.text
-        end = len(text)
-        if r.finish_reason == "error":
-            end = r.sent_chars  # nothing more of a failed request's text is sent
-        elif not finished:
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))  # hold back an incomplete UTF-8 character
-            if r.params.stop:  # hold back what may be the start of a stop string
-                end = max(0, end - max(len(s) for s in r.params.stop) + 1)
-        new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
-        r.sent_chars = max(r.sent_chars, end)
-        if r.finish_reason == "error":
-            new_ids, new_ts = [], []
-        else:
-            new_ids = r.output_ids[r.sent_tokens:]
-            new_ts = r.token_ts[r.sent_tokens:]
-            r.sent_tokens = len(r.output_ids)
-        return RequestOutput(r.request_id, new_ids, new_text, finished, r.finish_reason,
-                             len(r.prompt_ids), r.sent_tokens, r.stats, error=r.error,
-                             token_ts=new_ts)
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],
