@@ -248,12 +248,27 @@ def test_local_service_bring_up_is_stubbable(monkeypatch):
     """`python -m cluster up` prints the URL last; failures name the command and the way out."""
     import loadgen.service as svc
 
-    def fake_run(out, rc=0):
-        return lambda *a, **k: subprocess.CompletedProcess(a, rc, stdout=out, stderr="boom")
+    import io
 
-    monkeypatch.setattr(svc.subprocess, "run", fake_run("starting...\nhttp://127.0.0.1:8000/\n"))
+    calls = []
+
+    def fake_popen(out, rc=0):
+        class Proc:
+            def __init__(self, cmd, **_):
+                calls.append(cmd)
+                self.stdout, self.stderr = io.StringIO(out), io.StringIO("[cluster] boom\n")
+                self.returncode = rc
+
+            def wait(self):
+                return self.returncode
+
+        return Proc
+
+    monkeypatch.setattr(svc.subprocess, "Popen", fake_popen("starting...\nhttp://127.0.0.1:8000/\n"))
     assert svc.start_local_service() == "http://127.0.0.1:8000"
-    monkeypatch.setattr(svc.subprocess, "run", fake_run("", rc=1))
+    svc.start_local_service(port=8123, config="my.yaml")
+    assert calls[0][-2:] == ["cluster", "up"] and calls[1][-4:] == ["--port", "8123", "--config", "my.yaml"]
+    monkeypatch.setattr(svc.subprocess, "Popen", fake_popen("", rc=1))
     with pytest.raises(svc.ServiceError, match="--target"):
         svc.start_local_service()
     assert svc.fetch_step_log("http://127.0.0.1:9", "x", 0.0, timeout_s=2) == []   # nothing listening
