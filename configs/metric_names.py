@@ -122,11 +122,13 @@ STATUS_TIMEOUT = "timeout"                     # client-side request timeout
 STATUS_DISCONNECTED = "disconnected"           # stream closed before [DONE] / finish_reason
 STATUS_CANCELLED = "cancelled"                 # still in flight when the cell was stopped
 STATUS_REJECTED = "rejected"                   # HTTP 429 (overloaded, Retry-After): shed, not an error
+STATUS_REPLICA_LOST = "replica_lost"           # the strategy replica serving it died (its process or node lost)
 REQ_STATUSES = (STATUS_OK, STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_CANCELLED,
-                STATUS_REJECTED)
+                STATUS_REJECTED, STATUS_REPLICA_LOST)
 # Statuses that mean the service failed a request it accepted (a degraded run): not
 # `rejected` (load shedding by design) and not `cancelled` (the cell was stopped).
-FAILURE_STATUSES = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED)
+FAILURE_STATUSES = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_REPLICA_LOST)
+ERROR_CODE_REPLICA_LOST = "replica_lost"       # OpenAI error `code` the ingress sends for a dead replica
 
 # --- per-cell figures (one strategy x tier x output class x users) ----------
 # One scheme for the live summary (loadgen/summary.py: manifest "cells",

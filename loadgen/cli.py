@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
     ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
     ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
+    ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
+                    help="with --workers: Ray SPREAD over the nodes (default), per-node (worker i on "
+                         "node i mod nodes: --workers = number of nodes gives one per node), or pack")
     ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
                     "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
     ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
@@ -285,11 +288,12 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
         from loadgen.locust_runner import LoadRunner
 
         runner = LoadRunner(args.workers, on_row=st.writer.add, should_stop=lambda: st.stop["stop"],
-                            ray_address=args.ray_address)
+                            ray_address=args.ray_address, worker_placement=args.worker_placement)
         if args.workers > 0:   # pids and nodes of the load workers (fault tests kill one by pid)
             from loadgen.writer import write_manifest
 
             st.manifest["load_workers"] = runner.worker_info
+            st.manifest["worker_placement"] = args.worker_placement
             write_manifest(st.run_dir / "manifest.json", st.manifest)
         with Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
             _drive(st, runner, progress)
@@ -438,6 +442,7 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
             s.warnings.append(f"load worker {loss['worker_index']} lost: its {loss['in_flight_at_last_report']} "
                               f"in-flight request(s) have no row ({loss['rows_delivered']} rows it sent are "
                               "kept); the cell finished on the other workers")
+    s.workers = cell_run.workers   # per Locust worker: node, CPU %, achieved users, rows
     st.summaries.append(s)
     add_speedups(st.summaries)
     progress.done(s)

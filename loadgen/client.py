@@ -3,7 +3,8 @@
 The body is read line by line to the very end of the stream (``readline``
 returns as soon as a line is buffered, so each chunk is stamped when it
 arrives); the response time never stops at the headers. Every outcome is a
-row: ``ok``, ``error`` (HTTP status or an error object in the stream),
+row: ``ok``, ``error`` (HTTP status or an error object in the stream), ``replica_lost``
+(the error code says the replica serving it died),
 ``timeout`` (whole-request client timeout), ``disconnected`` (stream closed
 before ``[DONE]``/finish), ``rejected`` (HTTP 429: the server shed the request;
 its ``Retry-After`` is returned under ``RETRY_AFTER_KEY`` for the retry policy)
@@ -77,7 +78,9 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
                 row = rec.row(time.time(), M.STATUS_REJECTED, f"HTTP 429: {text}")
                 row[RETRY_AFTER_KEY] = parse_retry_after(resp.get("retry-after"))
                 return row, True
-            return rec.row(time.time(), M.STATUS_ERROR, f"HTTP {resp.status_code}: {text}"), True
+            lost = f'"code":"{M.ERROR_CODE_REPLICA_LOST}"' in text.replace(" ", "")
+            return rec.row(time.time(), M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR,
+                           f"HTTP {resp.status_code}: {text}"), True
         parser = SSEParser()
         while True:
             line = resp.readline(b"\n")
@@ -92,7 +95,8 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
                 break
         end = time.time()
         if rec.error:
-            return rec.row(end, M.STATUS_ERROR), False
+            lost = rec.error_code == M.ERROR_CODE_REPLICA_LOST
+            return rec.row(end, M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR), False
         if not rec.complete:
             return rec.row(end, M.STATUS_DISCONNECTED, "stream ended before [DONE] or finish_reason"), False
         resp.read()  # the chunked terminator, so the connection can be reused

@@ -46,6 +46,9 @@ class CellRun:
     window: tuple[float, float]        # unix s: spawn complete (or start) .. deadline
     cpu_samples: list[float] = field(default_factory=list)
     interrupted: bool = False
+    # --workers N: per Locust worker {worker_index, client_id, ray_node_id, cpu_percent_mean,
+    # cpu_percent_max (its own heartbeat: % of one core), users_max, users_last, rows, lost}
+    workers: list[dict[str, Any]] = field(default_factory=list)
 
 
 class LoadRunner:
@@ -53,8 +56,11 @@ class LoadRunner:
 
     def __init__(self, n_workers: int = 0, on_row: Callable[[dict[str, Any]], None] | None = None,
                  worker_start_timeout_s: float = 300.0, should_stop: Callable[[], bool] = lambda: False,
-                 ray_address: str = "") -> None:
+                 ray_address: str = "", worker_placement: str = "spread") -> None:
         self.n_workers = n_workers
+        self.worker_placement = worker_placement   # loadgen.ray_workers --placement
+        self._node_by_worker: dict[int, str] = {}  # Locust worker index -> Ray node id (its rows say)
+        self._worker_samples: dict[str, dict[str, list]] = {}   # client id -> {"cpu": [...], "users": [...]}
         self.should_stop = should_stop
         self.ray_address = ray_address
         self.on_row = on_row or (lambda r: None)
@@ -67,6 +73,7 @@ class LoadRunner:
         self.worker_info: list[dict[str, Any]] = []       # per worker: index, actor_pid, locust_pid, node_ip
         self.worker_losses: list[dict[str, Any]] = []
         self._rows_by_worker: dict[int, int] = {}
+        self._rows_at_start: dict[int, int] = {}
         self._lost: set[str] = set()
         self._helper_ready = False
         self._proc = psutil.Process()
@@ -89,6 +96,7 @@ class LoadRunner:
         cmd = [sys.executable, "-m", "loadgen.ray_workers", "--n", str(self.n_workers), "--master-port", str(port)]
         if self.ray_address:
             cmd += ["--address", self.ray_address]
+        cmd += ["--placement", self.worker_placement]
         self._helper = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         gevent.spawn(self._read_helper)
         deadline = time.time() + timeout_s
@@ -114,7 +122,8 @@ class LoadRunner:
             parts = line.split()
             if parts[:1] == ["WORKER"] and len(parts) >= 5:
                 self.worker_info.append({"actor": int(parts[1]), "actor_pid": int(parts[2]),
-                                         "locust_pid": int(parts[3]), "node_ip": parts[4]})
+                                         "locust_pid": int(parts[3]), "node_ip": parts[4],
+                                         "ray_node_id": parts[5] if len(parts) > 5 else None})
             elif parts[:1] == ["READY"]:
                 self._helper_ready = True
             elif parts[:1] == ["ERROR"]:
@@ -155,6 +164,8 @@ class LoadRunner:
             log.warning("dropping %d late rows of cell %s", len(data.get("rows", [])), data.get("cell_id"))
             return
         worker = int(data.get("worker", -1))
+        if data.get("node"):
+            self._node_by_worker[worker] = str(data["node"])
         rows = data.get("rows", [])
         for row in rows:
             self._sink(row)
@@ -185,9 +196,28 @@ class LoadRunner:
     def _cpu_sample(self) -> float:
         own = self._proc.cpu_percent(None)
         if self.n_workers > 0:
-            workers = [c.cpu_usage for c in self.runner.clients.values()]
-            return max([own] + workers)
+            live = [c for c in self.runner.clients.values() if c.state != "missing"]
+            for c in live:   # per worker: its CPU (own heartbeat) and the users it runs
+                smp = self._worker_samples.setdefault(str(c.id), {"cpu": [], "users": []})
+                smp["cpu"].append(float(c.cpu_usage))
+                smp["users"].append(int(c.user_count))
+            return max([own] + [c.cpu_usage for c in live])
         return own
+
+    def _worker_stats(self) -> list[dict[str, Any]]:
+        """This cell's per-worker figures (CellRun.workers)."""
+        out = []
+        for cid, smp in self._worker_samples.items():
+            index = self.runner.worker_indexes.get(cid, -1)
+            cpu = smp["cpu"] or [0.0]
+            out.append({"worker_index": index, "client_id": cid,
+                        "ray_node_id": self._node_by_worker.get(index),
+                        "cpu_percent_mean": round(sum(cpu) / len(cpu), 1), "cpu_percent_max": round(max(cpu), 1),
+                        "users_max": max(smp["users"] or [0]),
+                        "users_last": smp["users"][-1] if smp["users"] else 0,
+                        "rows": self._rows_by_worker.get(index, 0) - self._rows_at_start.get(index, 0),
+                        "lost": cid in self._lost})
+        return sorted(out, key=lambda w: w["worker_index"])
 
     def run_cell(self, plan: CellPlan, spawn_rate: float, drain_timeout_s: float,
                  tick: Callable[[float, "LoadRunner"], None] | None = None) -> CellRun:
@@ -203,6 +233,8 @@ class LoadRunner:
         self._cell_id = plan.cell_id
         self._worker_inflight = {}
         self._spawned_at = None
+        self._worker_samples = {}
+        self._rows_at_start = dict(self._rows_by_worker)
         cpu: list[float] = []
         live = self._live_indices() if self.n_workers > 0 else []
         if self.n_workers <= 0:
@@ -249,7 +281,8 @@ class LoadRunner:
         window_start = max(self._spawned_at or start, plan.start_ts)
         if window_start >= plan.deadline_ts:
             window_start = max(start, plan.start_ts)
-        run = CellRun(list(self._cell_rows), (window_start, plan.deadline_ts), cpu, interrupted)
+        run = CellRun(list(self._cell_rows), (window_start, plan.deadline_ts), cpu, interrupted,
+                      self._worker_stats() if self.n_workers > 0 else [])
         if interrupted:
             raise KeyboardInterrupt(run)
         return run

@@ -86,6 +86,9 @@ class CellSummary:
     repeat: int = 0                         # 0-based repeat (--repeats)
     duration_s: float = math.nan            # first scheduled send -> last end of any row, s
     warnings: list[str] = field(default_factory=list)
+    # --workers N: per Locust worker {worker_index, client_id, ray_node_id, cpu_percent_mean/max,
+    # users_max/last, rows, lost} (loadgen.locust_runner.CellRun.workers)
+    workers: list[dict] = field(default_factory=list)
 
 
 def meets_slo(row: dict[str, Any], slo: Slo) -> bool:
@@ -254,7 +257,8 @@ def legend(headers: list[str]) -> str:
 # --- summary.csv -------------------------------------------------------------------
 def csv_columns() -> list[str]:
     """summary.csv's columns: every CellSummary field (by_status flattened to status_<name>)."""
-    names = [f.name for f in dataclasses.fields(CellSummary) if f.name not in ("by_status", "warnings")]
+    names = [f.name for f in dataclasses.fields(CellSummary)
+             if f.name not in ("by_status", "warnings", "workers")]   # per-worker stats: manifest.json
     return names + [f"status_{st}" for st in M.REQ_STATUSES] + ["warnings"]
 
 

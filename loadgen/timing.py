@@ -113,6 +113,7 @@ class StreamRecorder:
     finish_reason: str | None = None
     done: bool = False                                          # saw data: [DONE]
     error: str | None = None
+    error_code: str | None = None                               # the error object's `code`
     _usage_completion_seen: int = 0
     _pending_tokens: int = 0      # tokens of empty-text chunks (token_ids), credited to the next content chunk
     # per-token engine emit times (token_ts extension), per content chunk; None once
@@ -135,6 +136,7 @@ class StreamRecorder:
         if obj.get("error"):
             err = obj["error"]
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:500]
+            self.error_code = err.get("code") if isinstance(err, dict) else None
             return
         text = ""
         token_ids = None

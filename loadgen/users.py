@@ -13,6 +13,7 @@ scheduled time (no coordinated omission).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from configs import metric_names as M
 from loadgen.cells import CellPlan, Dispenser, Job, retry_delay_s
 from loadgen.client import COMPLETIONS_PATH, RETRY_AFTER_KEY, make_http_client, path_prefix, stream_completion
 
-ROWS_MESSAGE = "specload_rows"   # worker -> master: {"cell_id", "rows", "in_flight", "worker", "ts"}
+ROWS_MESSAGE = "specload_rows"   # worker -> master: {"cell_id", "rows", "in_flight", "worker", "ts", "node"}
 CELL_MESSAGE = "specload_cell"   # master -> workers: {"plan": CellPlan dict, "n_workers": N, "ranks": {index: rank}}
 
 
@@ -176,7 +177,9 @@ def install_worker_hooks(environment: Any, flush_interval_s: float = 0.25) -> No
         rows = buffer[:]
         del buffer[:]
         runner.send_message(ROWS_MESSAGE, {"cell_id": state["cell_id"], "rows": rows, "worker": runner.worker_index,
-                                           "in_flight": ctx.in_flight if ctx else 0, "ts": time.time()})
+                                           "in_flight": ctx.in_flight if ctx else 0, "ts": time.time(),
+                                           # set by loadgen.ray_workers: the Ray node this worker runs on
+                                           "node": os.environ.get("SPECLOAD_RAY_NODE_ID", "")})
 
     def on_cell(environment: Any, msg: Any, **_: Any) -> None:
         plan = CellPlan.from_dict(msg.data["plan"])

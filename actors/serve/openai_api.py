@@ -335,6 +335,48 @@ def _usage(n_prompt: int, n_out: int) -> dict:
             "total_tokens": n_prompt + n_out}
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """True when ``exc`` means the strategy replica (its process or its node) died.
+
+    Ray raises ``RayActorError`` (``ActorDiedError``, ``ActorUnavailableError``) to
+    callers of a dead actor, ``WorkerCrashedError`` / ``NodeDiedError`` when its
+    worker or node went away. Such requests get HTTP 503 / an error event with the
+    OpenAI error code ``replica_lost``, so a load test counts them apart from
+    engine errors (status ``replica_lost``).
+    """
+    from ray import exceptions as rex
+
+    return isinstance(exc, (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError))
+
+
+def lost_error(model: str, exc: BaseException) -> ErrorMessage:
+    """The ErrorMessage of a request whose replica died (``replica_lost``)."""
+    return ErrorMessage(503, f"{model}: replica lost: {exc!r}"[:500], "server_error", None,
+                        mn.ERROR_CODE_REPLICA_LOST)
+
+
+class guard_replica:
+    """``messages`` (a replica's stream), ending with a ``replica_lost`` ErrorMessage if the
+    replica dies part-way instead of a cut connection; other exceptions propagate.
+    ``cancel()`` cancels the replica's stream (``_cancel``)."""
+
+    def __init__(self, messages, model: str) -> None:
+        self.messages, self.model = messages, model
+
+    def cancel(self) -> None:
+        _cancel(self.messages)
+
+    async def __aiter__(self):
+        try:
+            async for msg in self.messages:
+                yield msg
+        except Exception as exc:  # noqa: BLE001  (classified; others re-raised)
+            if not replica_lost(exc):
+                raise
+            logger.warning("strategy %s: replica lost mid-stream: %r", self.model, exc)
+            yield lost_error(self.model, exc)
+
+
 async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     """The non-stream response body, or the ErrorMessage that ended the request."""
     ids: list[int] = []
@@ -523,16 +565,18 @@ class OpenAIIngress:
         except Exception as exc:
             _cancel(gen)
             logger.exception("strategy %s failed to admit", req.model)
+            if replica_lost(exc):
+                return self._error(lost_error(req.model, exc))
             return error_response(503, f"strategy {req.model!r} unavailable: {exc!r}",
                                   "server_error", code="engine_unavailable")
         if isinstance(first, ErrorMessage):
             return self._error(first)
         ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens)
         if req.stream:
-            return StreamingResponse(sse_events(gen, ctx, req.include_usage),
+            return StreamingResponse(sse_events(guard_replica(gen, req.model), ctx, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        out = await collect_body(gen, ctx)
+        out = await collect_body(guard_replica(gen, req.model), ctx)
         return self._error(out) if isinstance(out, ErrorMessage) else out
 
     def _error(self, e: ErrorMessage) -> JSONResponse:
