@@ -124,6 +124,38 @@ def test_one_request_fault_fails_it_alone(strategy, make_engine, prompts, solo):
     assert again["after"]["ids"] == solo[0]["ids"]
 
 
+@pytest.mark.parametrize("phase", ["propose", "sample"])
+def test_fault_leaves_seeded_sampling_of_neighbours_unchanged(phase, make_engine, prompts,
+                                                              monkeypatch):
+    """A batched phase that raises after drawing random numbers (here: after the real
+    draft sampling / verification ran for the whole batch) is retried request by
+    request with the seeded generators rewound: a sampled neighbour draws exactly
+    what it draws alone."""
+    from actors.engine import llm_engine
+
+    eng = engine_for(make_engine, "draft_model")
+    sp = SamplingParams(max_tokens=N, temperature=0.8, top_p=0.95, seed=11)
+    bad = SamplingParams(max_tokens=N, temperature=0.8, seed=5)
+    alone, _ = drive(eng, [("s", prompts[1], sp)])
+
+    def faulty(fn, params_of):
+        def wrapped(*a):
+            out = fn(*a)   # consumes every row's random numbers first
+            if any(p.seed == 5 for p in params_of(*a)):
+                raise FloatingPointError("injected fault after sampling")
+            return out
+        return wrapped
+    if phase == "sample":
+        monkeypatch.setattr(llm_engine, "verify_batch", faulty(llm_engine.verify_batch,
+                                                               lambda *a: a[4]))
+    else:
+        monkeypatch.setattr(eng.proposer, "propose", faulty(eng.proposer.propose,
+                                                            lambda b: [x.params for x in b]))
+    res, _ = drive(eng, [("s", prompts[1], sp), ("bad", prompts[0], bad)])
+    assert res["bad"]["finish_reason"] == "error" and "injected" in res["bad"]["error"]
+    assert res["s"]["ids"] == alone["s"]["ids"] and res["s"]["error"] is None
+
+
 def test_huge_max_tokens_is_clipped_to_the_context(make_engine, prompts):
     eng = engine_for(make_engine, "ngram", max_model_len=96)
     res, _ = drive(eng, [("big", prompts[1], SamplingParams(max_tokens=10**12,

@@ -204,12 +204,18 @@ class LLMEngine:
             if len(out) != len(its):
                 raise RuntimeError(f"{phase} returned {len(out)} results for {len(its)} requests")
             return out
+        # The batched attempt may have drawn from seeded generators before it raised:
+        # rewind them so a retried request samples exactly what it would have alone.
+        rng = [(g, g.get_state()) for g in {id(r.generator): r.generator for r in reqs
+                                             if r.generator is not None}.values()]
         try:
             return call(reqs, items)
         except Exception as exc:  # noqa: BLE001 - isolate, then fail only the culprit
             if len(items) == 1:
                 self._fail(reqs[0], phase, exc)
                 return [None]
+        for g, state in rng:
+            g.set_state(state)
         out = []
         for r, it in zip(reqs, items):
             try:

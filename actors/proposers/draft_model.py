@@ -86,6 +86,10 @@ class DraftModelProposer(Proposer):
             lim = min(len(st.cached), len(r.token_ids))
             while n < lim and st.cached[n] == r.token_ids[n]:
                 n += 1
+            # always re-feed the last token: its logits give the first draft, and a
+            # propose retried after a failed batch (the engine's fault isolation)
+            # finds its sequence already cached
+            n = min(n, len(r.token_ids) - 1)
             self.pool.rollback(r.request_id, n)
             pending = r.token_ids[n:]
             rows[i] = RowInput(st.slot, self.pool.append(r.request_id, len(pending)), pending)
