@@ -12,12 +12,19 @@ the machine is shared and absolute speed drifts. Keys:
 - draft_model_vs_hf_assisted_b1: engine ``draft_model`` vs HF assisted
   generation (``assistant_model=`` the same draft)
 - {strategy}_vs_engine_ar_b{1,8,32}: each strategy vs engine ``autoregressive``
+- engine_ar_b64_share_of_matmul_roof: engine ``autoregressive`` at batch 64,
+  tokens/s x forward FLOPs per token (``flops_per_token``), over the fp32
+  matmul FLOP/s measured here (a 1024^3 GEMM, same threads)
+
+Every ratio is the median over ``--reps`` (3) interleaved repetitions: each
+repetition runs every row once, HF next to the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -68,6 +75,31 @@ def hf_tps(model, tok, prompts: list[str], batch: int, max_tokens: int, assistan
     return {"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
 
 
+def matmul_roof(threads: int, n: int = 1024, iters: int = 8) -> dict:
+    """The machine's fp32 matmul roof, measured: FLOP/s of an n x n x n GEMM
+    (the best of ``iters`` calls, ``threads`` torch threads)."""
+    a_ = torch.randn(n, n)
+    b_ = torch.randn(n, n)
+    torch.mm(a_, b_)
+    best = float("inf")
+    for _ in range(iters):
+        t = time.perf_counter()
+        torch.mm(a_, b_)
+        best = min(best, time.perf_counter() - t)
+    return {"flop_s": 2 * n ** 3 / best, "threads": threads}
+
+
+def flops_per_token(model, ctx: float) -> float:
+    """Forward FLOPs of one decoded token: 2 x every GEMM weight (projections,
+    MLP, LM head) plus attention's QK^T and PV over ``ctx`` cached tokens."""
+    c = model.config
+    per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                 + c.num_attention_heads * c.head_dim * c.hidden_size
+                 + 3 * c.hidden_size * c.intermediate_size)
+    attn = 2 * c.num_attention_heads * c.head_dim * ctx
+    return 2.0 * (c.num_hidden_layers * (per_layer + attn) + c.hidden_size * c.vocab_size)
+
+
 def main(argv=None) -> int:
     import sys
     args = list(sys.argv[1:] if argv is None else argv)
@@ -81,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--strategies", default=",".join(PROPOSERS))
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
+    ap.add_argument("--roof-batch", type=int, default=64,
+                    help="batch of the engine run compared with the fp32 matmul roof (0 = skip)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
@@ -89,6 +124,10 @@ def main(argv=None) -> int:
         ap.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
     if min(batches) < 1:
         ap.error("--batches: batch sizes must be >= 1")
+    if a.reps < 1:
+        ap.error("--reps must be >= 1")
+    if a.roof_batch < 0:
+        ap.error("--roof-batch must be >= 0")
     strategies = [s for s in a.strategies.split(",") if s]
     if "autoregressive" not in strategies:
         strategies.insert(0, "autoregressive")  # the baseline of every ratio
@@ -101,37 +140,76 @@ def main(argv=None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_TARGET), torch_dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(str(DEFAULT_DRAFT),
                                                     torch_dtype=torch.float32).eval()
-    raw: dict[str, dict] = {}
     p1 = load_prompts(a.prompts_b1)
     pb = {b: load_prompts(max(b * 2, a.prompts_b1)) for b in batches}
     engines = {}
     for s in strategies:
         engines[s] = LLMEngine(EngineConfig(
-            strategy=s, max_num_seqs=max(batches), max_num_batched_tokens=8192,
+            strategy=s, max_num_seqs=max(batches + [a.roof_batch]), max_num_batched_tokens=8192,
             draft_model=str(DEFAULT_DRAFT) if s == "draft_model" else None))
         engine_tps(engines[s], p1[:1], 1, 8)  # warm-up
     hf_tps(hf, tok, p1[:1], 1, 8)
-    raw["hf_generate_b1"] = hf_tps(hf, tok, p1, 1, a.max_tokens)
-    raw["hf_generate_b8"] = hf_tps(hf, tok, pb.get(8, load_prompts(16)), 8, a.max_tokens)
-    raw["hf_assisted_b1"] = hf_tps(hf, tok, p1, 1, a.max_tokens, assistant=hf_draft)
-    for b in batches:
-        for s in strategies:
-            raw[f"{s}_b{b}"] = engine_tps(engines[s], p1 if b == 1 else pb[b], b, a.max_tokens)
-    r = lambda x, y: round(raw[x]["tokens_per_s"] / raw[y]["tokens_per_s"], 3)
+    # Every repetition runs every row once, in the same order (HF next to the engine),
+    # so background load drifts hit both sides of a ratio alike; ratios are taken per
+    # repetition and the median reported.
+    runs: dict[str, list[dict]] = {}
+    for rep in range(a.reps):
+        plan = [("hf_generate_b1", lambda: hf_tps(hf, tok, p1, 1, a.max_tokens)),
+                ("autoregressive_b1", lambda: engine_tps(engines["autoregressive"], p1, 1,
+                                                         a.max_tokens)),
+                ("hf_generate_b8", lambda: hf_tps(hf, tok, pb[8], 8, a.max_tokens)),
+                ("autoregressive_b8", lambda: engine_tps(engines["autoregressive"], pb[8], 8,
+                                                         a.max_tokens))]
+        if "draft_model" in strategies:
+            plan += [("hf_assisted_b1", lambda: hf_tps(hf, tok, p1, 1, a.max_tokens,
+                                                       assistant=hf_draft)),
+                     ("draft_model_b1", lambda: engine_tps(engines["draft_model"], p1, 1,
+                                                           a.max_tokens))]
+        for bsz in batches:
+            for s in strategies:
+                key = f"{s}_b{bsz}"
+                if key not in dict(plan):
+                    plan.append((key, lambda s=s, bsz=bsz: engine_tps(
+                        engines[s], p1 if bsz == 1 else pb[bsz], bsz, a.max_tokens)))
+        if a.roof_batch:
+            plan += [("matmul_roof", lambda: matmul_roof(a.threads)),
+                     (f"autoregressive_b{a.roof_batch}", lambda: engine_tps(
+                         engines["autoregressive"], load_prompts(a.roof_batch), a.roof_batch,
+                         a.max_tokens))]
+        for key, fn in plan:
+            runs.setdefault(key, []).append(fn())
+        print(f"repetition {rep + 1}/{a.reps} done", flush=True)
+    med = lambda xs: statistics.median(xs)
+    raw = {k: {"tokens_per_s": med([r["tokens_per_s"] for r in v]) if "tokens_per_s" in v[0]
+               else None, **{f: med([r[f] for r in v]) for f in ("acceptance_length", "flop_s")
+                             if f in v[0]}, "reps": len(v)}
+           for k, v in runs.items()}
+    r = lambda x, y: round(med([p["tokens_per_s"] / q["tokens_per_s"]
+                                for p, q in zip(runs[x], runs[y])]), 3)
     ratios = {"engine_ar_vs_hf_generate_b1": r("autoregressive_b1", "hf_generate_b1"),
               "engine_ar_vs_hf_generate_b8": r("autoregressive_b8", "hf_generate_b8")}
     if "draft_model" in strategies:
         ratios["draft_model_vs_hf_assisted_b1"] = r("draft_model_b1", "hf_assisted_b1")
     for s in strategies:
-        for b in batches:
-            ratios[f"{s}_vs_engine_ar_b{b}"] = r(f"{s}_b{b}", f"autoregressive_b{b}")
+        for bsz in batches:
+            ratios[f"{s}_vs_engine_ar_b{bsz}"] = r(f"{s}_b{bsz}", f"autoregressive_b{bsz}")
+    if a.roof_batch:
+        fpt = flops_per_token(engines["autoregressive"].model,
+                              ctx=statistics.mean(len(tok(p)["input_ids"]) for p in
+                                                  load_prompts(a.roof_batch)) + a.max_tokens / 2)
+        key = f"autoregressive_b{a.roof_batch}"
+        ratios[f"engine_ar_b{a.roof_batch}_share_of_matmul_roof"] = round(med([
+            e["tokens_per_s"] * fpt / m["flop_s"] for e, m in zip(runs[key],
+                                                               runs["matmul_roof"])]), 4)
+        raw["matmul_roof"]["flops_per_token"] = fpt
     result = {"ratios": ratios, "raw": raw, "max_tokens": a.max_tokens, "threads": a.threads,
+              "reps": a.reps, "note": "ratios: medians over interleaved repetitions",
               "torch": torch.__version__, "device": "cpu"}
     try:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title="specload engine benchmark (output tokens/s ratios, one run)")
+        t = Table(title="specload engine benchmark (output tokens/s ratios, medians of interleaved repetitions)")
         t.add_column("ratio"); t.add_column("value", justify="right")
         for k, v in ratios.items():
             t.add_row(k, f"{v:.3f}")
@@ -139,6 +217,9 @@ def main(argv=None) -> int:
         for c in ("run", "tokens/s", "tau"):
             t2.add_column(c)
         for k, v in raw.items():
+            if v.get("tokens_per_s") is None:   # the matmul roof row
+                t2.add_row(k, f"{v['flop_s'] / 1e9:.1f} GFLOP/s", "")
+                continue
             t2.add_row(k, f"{v['tokens_per_s']:.1f}", f"{v.get('acceptance_length', float('nan')):.2f}")
         Console().print(t); Console().print(t2)
     except ImportError:
