@@ -104,6 +104,37 @@ def test_schedule_lengths_respond_to_cost_and_stay_in_bounds():
     assert 0 < one <= 7 and max(many) <= one and sum(many) < 64 * one
 
 
+def test_vectorised_walks_equal_the_sequential_walks():
+    """DSpark's Markov walk over the candidate table (with the exact fallback for a
+    previous token outside the candidates) and DFlash 2's path walk over the [V, 3r]
+    projection table give the step-by-step walks' tokens, z and logits."""
+    from actors.drafters.decode import markov_walk
+
+    target = _tiny_target()
+    d = _random_drafter(target, use_markov=True, use_selector=True)
+    torch.manual_seed(3)
+    B, n = 5, 7
+    hd = torch.randn(B, n, target.config.hidden_size)
+    anchors = torch.randint(0, target.config.vocab_size, (B,))
+    base = d.lm_logits(hd)
+    seq = markov_walk(d, hd, base, anchors, max_elements=0)
+    for k in (16, 2):  # 2 candidates: most rows leave the table and finish exactly
+        vec = markov_walk(d, hd, base, anchors, candidates=k, max_elements=1 << 22)
+        assert torch.equal(vec[0], seq[0])
+        assert torch.allclose(vec[1], seq[1], atol=1e-5) and torch.allclose(vec[2], seq[2],
+                                                                             atol=1e-4)
+    # the sequential reference itself: step i's argmax feeds step i + 1
+    z = torch.nn.functional.silu(d.markov.prev(d.embed(seq[0][:, 2])) + d.markov.hid(hd[:, 3]))
+    assert torch.equal((base[:, 3] + z.float() @ d.markov_vocab_proj().T).argmax(-1), seq[0][:, 3])
+    top = base.topk(8, -1)
+    logp = top.values - torch.logsumexp(base, -1, keepdim=True)
+    sel = d.selector
+    plain = sel.walk(hd, logp, top.indices, anchors, d.embed)
+    tabled = sel.walk(hd, logp, top.indices, anchors, d.embed,
+                      d.vocab_table("selector", sel.cand, sel.right, sel.left))
+    assert torch.equal(plain, tabled)
+
+
 def _scheduled_proposer(tmp_path, target):
     from actors.proposers.dspark import DSparkOptions, DSparkProposer
 

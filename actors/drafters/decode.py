@@ -53,21 +53,11 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
         # logits_i = lm_head(h_i + U z_i) = base_i + z_i (W_lm U)^T: one batched LM head,
         # then a rank-r vocabulary update per step of the left-to-right walk.
         base = model.lm_logits(hd)  # [B, n, V]
-        proj = model.markov_vocab_proj()  # [V, r]
-        zin = model.markov.hid(hd)  # [B, n, r]
-        prev, toks, zs, logits = anchor_ids, [], [], []
-        for i in range(n):
-            z = F.silu(model.markov.prev(model.embed(prev)) + zin[:, i])
-            li = base[:, i] + z.float() @ proj.T
-            prev = li.argmax(-1)
-            toks.append(prev)
-            zs.append(z)
-            logits.append(li)
-        tokens = torch.stack(toks, 1)
-        logits = torch.stack(logits, 1)
-        topk_ids = logits.topk(top_k, dim=-1).indices
+        tokens, zs, logits = markov_walk(model, hd, base, anchor_ids)
+        # top-1 drafting needs no sort: the walk's tokens are the argmaxes
+        topk_ids = tokens[..., None] if top_k <= 1 else logits.topk(top_k, dim=-1).indices
         if model.confidence is not None:
-            conf = calibrated(model, model.confidence(hd, torch.stack(zs, 1), logits))
+            conf = calibrated(model, model.confidence(hd, zs, logits))
         return BlockDraft(tokens, tokens, topk_ids, conf)
     logits = model.lm_logits(hd)  # [B, n, V]
     if top_k <= 1 and not use_sel:  # plain top-1 drafting: skip the top-k sort
@@ -79,12 +69,102 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     top1 = top.indices[..., 0]
     if use_sel:
         logp = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
-        tokens = model.selector.walk(hd, logp.to(hd.dtype), top.indices, anchor_ids, model.embed)
+        sel = model.selector
+        tokens = sel.walk(hd, logp.to(hd.dtype), top.indices, anchor_ids, model.embed,
+                          model.vocab_table("selector", sel.cand, sel.right, sel.left))
     else:
         tokens = top1
     if model.confidence is not None:
         conf = calibrated(model, model.confidence(hd, None, logits))
     return BlockDraft(tokens, top1, top.indices, conf)
+
+
+# Candidate-table walks cost B x (n-1) x K x V floats; above this the sequential walk
+# (n small steps over B rows) is cheaper (on a GPU; on a CPU it always is).
+MARKOV_TABLE_MAX_ELEMENTS = 1 << 22
+MARKOV_CANDIDATES = 16
+
+
+@torch.no_grad()
+def markov_walk(model, hd: torch.Tensor, base: torch.Tensor, anchor_ids: torch.Tensor,
+                candidates: int = MARKOV_CANDIDATES, max_elements: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DSpark's left-to-right Markov walk (arXiv 2607.05147, Sec. 3.2), batched over rows.
+
+    logits_i = base_i + z_i (W_lm U)^T with z_i = silu(P e(prev_i) + C h_i) and
+    prev_i the argmax at i - 1 (the anchor at 0). hd: [B, n, H] block hidden
+    states; base: [B, n, V] their plain LM-head logits; anchor_ids: [B].
+    Returns (tokens [B, n], z [B, n, r], corrected logits [B, n, V] float).
+
+    ``P e(v)`` comes from a [V, r] table (one gather per step). When the
+    candidate table fits ``max_elements``, the walk is vectorised over the top
+    ``candidates`` tokens of each position's base logits: z and the argmax for
+    every (position, candidate prev) pair in one batched matmul, then a
+    host-side walk that looks each step up; a row whose previous token is not
+    among the candidates continues exactly, step by step, from there. The
+    result is the sequential walk's (same formula per step). max_elements
+    None: the table on a GPU (launches are what costs there), never on a CPU
+    (there the table's K-fold FLOPs cost more than n small steps).
+    """
+    B, n, V = base.shape
+    if max_elements is None:
+        max_elements = MARKOV_TABLE_MAX_ELEMENTS if base.device.type == "cuda" else 0
+    proj = model.markov_vocab_proj()  # [V, r] float
+    pe = model.vocab_table("markov_prev", model.markov.prev)  # [V, r]
+    zin = model.markov.hid(hd)  # [B, n, r]
+
+    def step(prev: torch.Tensor, i: int, rows=slice(None)):
+        z = F.silu(pe[prev] + zin[rows, i])
+        return z, torch.addmm(base[rows, i], z.float(), proj.T)
+
+    z0, l0 = step(anchor_ids, 0)
+    K = min(candidates, V)
+    if n == 1 or B * (n - 1) * K * V > max_elements:
+        prev, toks, zs, logits = l0.argmax(-1), [], [z0], [l0]
+        toks.append(prev)
+        for i in range(1, n):
+            z, li = step(prev, i)
+            prev = li.argmax(-1)
+            toks.append(prev)
+            zs.append(z)
+            logits.append(li)
+        return torch.stack(toks, 1), torch.stack(zs, 1), torch.stack(logits, 1)
+    # candidates for position i's previous token: the top-K of position i-1's base
+    # logits, except at i = 1 where position 0's corrected logits are exact
+    cand = torch.cat([l0.topk(K, -1).indices[:, None],
+                      base[:, 1:-1].topk(K, -1).indices], 1)  # [B, n-1, K]
+    zc = F.silu(pe[cand] + zin[:, 1:, None])  # [B, n-1, K, r]
+    lc = base[:, 1:, None] + zc.float() @ proj.T  # [B, n-1, K, V]
+    nxt = lc.argmax(-1)  # [B, n-1, K]
+    host = torch.cat([l0.argmax(-1), cand.flatten(), nxt.flatten()]).cpu()
+    tok0 = host[:B].tolist()
+    cand_h = host[B:B + cand.numel()].view(B, n - 1, K).tolist()
+    nxt_h = host[B + cand.numel():].view(B, n - 1, K).tolist()
+    toks = [[t] for t in tok0]
+    pick = [[0] * (n - 1) for _ in range(B)]
+    miss: list[tuple[int, int]] = []  # (row, first position not in the table)
+    for b in range(B):
+        prev = tok0[b]
+        for i in range(1, n):
+            row = cand_h[b][i - 1]
+            if prev not in row:
+                miss.append((b, i))
+                break
+            c = row.index(prev)
+            pick[b][i - 1] = c
+            prev = nxt_h[b][i - 1][c]
+            toks[b].append(prev)
+    idx = torch.tensor(pick, device=base.device)[..., None, None]  # [B, n-1, 1, 1]
+    logits = torch.cat([l0[:, None], lc.gather(2, idx.expand(-1, -1, 1, V))[:, :, 0]], 1)
+    zs = torch.cat([z0[:, None], zc.gather(2, idx.expand(-1, -1, 1, zc.shape[-1]))[:, :, 0]], 1)
+    for b, i0 in miss:  # rare: finish this row exactly, one step at a time
+        prev = torch.tensor([toks[b][-1]], device=base.device)
+        for i in range(i0, n):
+            z, li = step(prev, i, slice(b, b + 1))
+            prev = li.argmax(-1)
+            toks[b].append(int(prev))
+            zs[b, i], logits[b, i] = z[0], li[0]
+    return torch.tensor(toks, device=base.device), zs, logits
 
 
 def selector_loss(model, hd: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,

@@ -47,20 +47,35 @@ class PathSelector(nn.Module):
 
     @torch.no_grad()
     def walk(self, h: torch.Tensor, logp: torch.Tensor, cand_ids: torch.Tensor,
-             anchor_ids: torch.Tensor, embed) -> torch.Tensor:
+             anchor_ids: torch.Tensor, embed, table: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy path from the anchor. h: [B, n, H]; logp, cand_ids: [B, n, K];
         anchor_ids: [B]; embed: ids -> vectors. Returns chosen ids [B, n].
+        table: optional [V, 3r] ``cand | right | left`` projections of every
+        token's embedding (``BlockDrafter.vocab_table``): candidates are then
+        looked up instead of embedded and projected.
 
         The previous token at position i is one of position i-1's candidates,
         so every pairwise score is computed up front ([B, n-1, K, K], one
-        batched matmul) and the walk itself is K-way argmaxes on the host.
+        batched matmul, over all rows and candidates at once) and the walk
+        itself is K-way argmaxes on the host after one transfer.
         """
-        e_c = embed(cand_ids)  # [B, n, K, H]
-        u = self.unary(h, logp, e_c)  # [B, n, K]
-        rc, lc = self.right(e_c), self.left(e_c)  # [B, n, K, r]
-        first = u[:, 0] + (self.left(embed(anchor_ids))[:, None, :] * rc[:, 0]).sum(-1)
+        if table is None:
+            e_c = embed(cand_ids)  # [B, n, K, H]
+            u = self.unary(h, logp, e_c)  # [B, n, K]
+            rc, lc = self.right(e_c), self.left(e_c)  # [B, n, K, r]
+            left_anchor = self.left(embed(anchor_ids))
+        else:  # rows of the [V, 3r] table: cand | right | left projections of every token
+            r = self.cand.out_features
+            t = table[cand_ids]  # [B, n, K, 3r]
+            cc, rc, lc = t[..., :r], t[..., r:2 * r], t[..., 2 * r:]
+            u = self.logp_scale * logp + (cc @ self.query(h)[..., None]).squeeze(-1)
+            left_anchor = table[anchor_ids, 2 * r:]
+        first = u[:, 0] + (left_anchor[:, None, :] * rc[:, 0]).sum(-1)
         pair = u[:, 1:, None, :] + lc[:, :-1] @ rc[:, 1:].transpose(-1, -2)  # [B, n-1, K, K]
-        first, pair = first.float().cpu().numpy(), pair.float().cpu().numpy()
+        # one transfer for both (the walk itself is K-way argmaxes on the host)
+        both = torch.cat([first.float().flatten(), pair.float().flatten()]).cpu().numpy()
+        first = both[:first.numel()].reshape(first.shape)
+        pair = both[first.size:].reshape(pair.shape)
         B, n = cand_ids.shape[:2]
         rows = np.arange(B)
         j = first.argmax(-1)

@@ -167,6 +167,22 @@ class BlockDrafter(nn.Module):
             self._mvp_key = key
         return self._mvp
 
+    def vocab_table(self, name: str, *linears: nn.Module) -> torch.Tensor:
+        """``cat([lin(embed(v)) for lin in linears], -1)`` for every token v:
+        [V, sum of out features], computed once and cached until those weights
+        (or the bound embedding) change. A head that projects embedded token ids
+        then gathers rows instead of embedding and projecting per step (one
+        kernel instead of 1 + len(linears))."""
+        ws = [lin.weight for lin in linears]
+        key = (self._shared[0].data_ptr(), self._shared[0]._version,
+               *((w.data_ptr(), w._version) for w in ws))
+        cache = self.__dict__.setdefault("_vocab_tables", {})
+        if name not in cache or cache[name][0] != key:
+            with torch.no_grad():
+                e = self._shared[0].to(self.mask_embed.dtype)
+                cache[name] = (key, torch.cat([lin(e) for lin in linears], -1))
+        return cache[name][1]
+
     def num_params(self, component: str | None = None) -> int:
         mods = {"conv": [m for l in self.layers for m in (l.conv_attn, l.conv_mlp) if m],
                 "selector": [self.selector] if self.selector else [],
@@ -193,7 +209,8 @@ class BlockDrafter(nn.Module):
 
         anchor_ids, anchor_pos: [B, NB] (NB blocks per row laid end to end);
         ctx_kv: per layer (k, v) [B, KVH, C, D]; ctx_mask: bool [B, NB, C], True
-        where a block may read a context position. Returns [B, NB * bs, H].
+        where a block may read a context position, or None (NB == 1 only) when
+        every row may read all C. Returns [B, NB * bs, H].
         """
         B, NB = anchor_ids.shape
         bs = self.config.block_size
@@ -202,7 +219,9 @@ class BlockDrafter(nn.Module):
         x = x.view(B, NB * bs, -1)
         pos = (anchor_pos[..., None] + torch.arange(bs, device=x.device)).view(B, NB * bs)
         cos, sin = self._rope(pos, x.dtype)
-        if NB == 1:  # serving: one block per row, which sees all of itself
+        if ctx_mask is None and NB == 1:  # every row sees all its context and block
+            mask = None
+        elif NB == 1:  # serving: one block per row, which sees all of itself
             mask = torch.cat([ctx_mask.expand(B, bs, -1),
                               ctx_mask.new_ones(B, bs, bs)], dim=-1)[:, None]
         else:

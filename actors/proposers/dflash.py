@@ -84,10 +84,16 @@ class ContextCache:
 
     def gather(self, slots: list[int], rids: list[str]) -> tuple[list[tuple], torch.Tensor]:
         """Context K/V [B, KVH, C, D] per layer (C = longest) and lengths [B]."""
-        lens = torch.tensor([self.pool.length(r) for r in rids])
-        C = max(int(lens.max()), 1)
-        idx = torch.tensor(slots, device=self.k[0].device)
-        return [(k[idx, :, :C], v[idx, :, :C]) for k, v in zip(self.k, self.v)], lens
+        lengths = [self.pool.length(r) for r in rids]
+        C = max(max(lengths), 1)
+        lo = slots[0]
+        if slots == list(range(lo, lo + len(slots))):  # consecutive slots: views, no copy
+            kv = [(k[lo:lo + len(slots), :, :C], v[lo:lo + len(slots), :, :C])
+                  for k, v in zip(self.k, self.v)]
+        else:
+            idx = torch.tensor(slots, device=self.k[0].device)
+            kv = [(k[idx, :, :C], v[idx, :, :C]) for k, v in zip(self.k, self.v)]
+        return kv, torch.tensor(lengths)
 
 
 class BlockDraftProposer(Proposer):
@@ -140,11 +146,13 @@ class BlockDraftProposer(Proposer):
         dev = self.target.device
         slots = [self.cache.slot(r.request_id) for r in batch]
         kv, lens = self.cache.gather(slots, [r.request_id for r in batch])
-        pos = torch.tensor([len(r.token_ids) - 1 for r in batch], device=dev)
+        positions = [len(r.token_ids) - 1 for r in batch]
+        pos = torch.tensor(positions, device=dev)
         anchors = torch.tensor([r.token_ids[-1] for r in batch], device=dev)
         C = kv[0][0].shape[2]
-        seen = torch.minimum(lens.to(dev), pos)  # context strictly before the anchor
-        ctx_mask = (torch.arange(C, device=dev)[None] < seen[:, None])[:, None]
+        seen = [min(n, p) for n, p in zip(lens.tolist(), positions)]  # strictly before the anchor
+        ctx_mask = None if all(n == C for n in seen) else (   # None: every row sees all C
+            torch.arange(C, device=dev)[None] < torch.tensor(seen, device=dev)[:, None])[:, None]
         h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask)
         # Without a trace, candidates beyond the top-1 are only needed by the selector.
         selects = self.use_selector is not False and self.drafter.selector is not None
