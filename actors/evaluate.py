@@ -56,7 +56,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 DEFAULT_STRATEGIES = ("autoregressive", "dflash", "dflash_deep", "dflash2", "dflash2_conv_only",
                       "dflash2_selector_only", "dspark", "dspark_scheduled")
-BLOCK_FAMILY = M.BLOCK_DRAFTER_STRATEGIES
+BLOCK_FAMILY = ("dflash", "dflash2", "dspark")
 
 
 def default_prompts(per_domain: int) -> list[dict]:
@@ -106,7 +106,10 @@ def _trace_metrics(trace: list[dict], prompts, outs, n_pos: int) -> dict:
     top16 = np.zeros(n_pos)
     conf_p, conf_y = [], []
     for rec in trace:
-        rec = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in rec.items()}
+        if rec.get("topk") is None and rec.get("logits") is not None:  # ranked now, untimed
+            rec = dict(rec, topk=rec["logits"].topk(rec.get("top_k", 16), dim=-1).indices)
+        rec = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in rec.items()
+               if k != "logits"}
         i = int(rec["request_id"][1:])
         full = prompts[i] + outs[i]
         truth = full[rec["pos"] + 1: rec["pos"] + 1 + n_pos]

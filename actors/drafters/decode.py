@@ -20,13 +20,16 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class BlockDraft:
     """tokens: [B, n] the drafted path; top1: [B, n] the backbone's (or Markov
-    head's) own argmax per position; topk_ids: [B, n, K] its top-K candidates;
-    confidence: [B, n] calibrated P(accept i | prefix accepted), or None."""
+    head's) own argmax per position; topk_ids: [B, n, K] its top-K candidates
+    (K = 1 when only top-1 was asked for); confidence: [B, n] calibrated
+    P(accept i | prefix accepted), or None; logits: [B, n, V] the position
+    logits the candidates come from (float), for traces that rank them later."""
 
     tokens: torch.Tensor
     top1: torch.Tensor
     topk_ids: torch.Tensor
     confidence: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 def calibrated(model, conf_logit: torch.Tensor) -> torch.Tensor:
@@ -58,13 +61,13 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
         topk_ids = tokens[..., None] if top_k <= 1 else logits.topk(top_k, dim=-1).indices
         if model.confidence is not None:
             conf = calibrated(model, model.confidence(hd, zs, logits))
-        return BlockDraft(tokens, tokens, topk_ids, conf)
+        return BlockDraft(tokens, tokens, topk_ids, conf, logits)
     logits = model.lm_logits(hd)  # [B, n, V]
     if top_k <= 1 and not use_sel:  # plain top-1 drafting: skip the top-k sort
         top1 = logits.argmax(-1)
         conf = (calibrated(model, model.confidence(hd, None, logits))
                 if model.confidence is not None else None)
-        return BlockDraft(top1, top1, top1[..., None], conf)
+        return BlockDraft(top1, top1, top1[..., None], conf, logits)
     top = logits.topk(top_k, dim=-1)
     top1 = top.indices[..., 0]
     if use_sel:
@@ -76,7 +79,7 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
         tokens = top1
     if model.confidence is not None:
         conf = calibrated(model, model.confidence(hd, None, logits))
-    return BlockDraft(tokens, top1, top.indices, conf)
+    return BlockDraft(tokens, top1, top.indices, conf, logits)
 
 
 # Candidate-table walks cost B x (n-1) x K x V floats; above this the sequential walk

@@ -69,6 +69,18 @@ class ModelRunner:
         longest row; positions past a row's length are padding), or [B, 1, V]
         with ``last_only``; the batched verifier reads it in one transfer."""
         B = len(rows)
+        # Rows whose slots are a permutation of a consecutive range run in slot order,
+        # so attention reads the cache as a view (no per-layer gather of every row's
+        # context); the outputs are put back in the callers' order.
+        order = sorted(range(B), key=lambda i: rows[i].slot)
+        lo = rows[order[0]].slot
+        consecutive = all(rows[j].slot == lo + n for n, j in enumerate(order))
+        if consecutive and order != list(range(B)):
+            back = [0] * B
+            for n, j in enumerate(order):
+                back[j] = n
+            logits, aux = self.run_padded([rows[j] for j in order], last_only, aux_layers)
+            return logits[back], (None if aux is None else [aux[n] for n in back])
         lens = [len(r.token_ids) for r in rows]
         Q = max(lens)
         # everything the forward needs from the host, built in Python: one tensor
@@ -77,12 +89,11 @@ class ModelRunner:
                            dtype=torch.long)
         starts = [r.start for r in rows]
         slots = [r.slot for r in rows]
-        lo = slots[0]
         meta = BatchMeta(slots=torch.tensor(slots, dtype=torch.long, device=self.device),
                          starts=torch.tensor(starts, dtype=torch.long, device=self.device),
                          kv_len=max(starts) + Q,
                          single=(lo, starts[0]) if B == 1 else None,
-                         slot_range=(lo, lo + B) if slots == list(range(lo, lo + B)) else None)
+                         slot_range=(lo, lo + B) if consecutive else None)
         idx = None
         if last_only:
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)

@@ -154,9 +154,10 @@ class BlockDraftProposer(Proposer):
         ctx_mask = None if all(n == C for n in seen) else (   # None: every row sees all C
             torch.arange(C, device=dev)[None] < torch.tensor(seen, device=dev)[:, None])[:, None]
         h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask)
-        # Without a trace, candidates beyond the top-1 are only needed by the selector.
+        # Candidates beyond the top-1 are only needed by the selector (a trace ranks
+        # the kept logits at read time, outside the timed step).
         selects = self.use_selector is not False and self.drafter.selector is not None
-        top_k = self.options.top_k if self.trace is not None or selects else 1
+        top_k = self.options.top_k if selects else 1
         return draft_block(self.drafter, h, anchors, top_k, self.use_selector)
 
     def lengths(self, batch: list[ProposeInput], d: BlockDraft) -> list[int]:
@@ -177,7 +178,10 @@ class BlockDraftProposer(Proposer):
             for j, i in enumerate(rows):
                 self.trace.append({"request_id": sub[j].request_id,
                                    "pos": len(sub[j].token_ids) - 1, "path": d.tokens[j],
-                                   "top1": d.top1[j], "topk": d.topk_ids[j],
+                                   "top1": d.top1[j], "top_k": self.options.top_k,
+                                   "topk": d.topk_ids[j]
+                                   if d.topk_ids.shape[-1] >= self.options.top_k else None,
+                                   "logits": d.logits[j] if d.logits is not None else None,
                                    "n": len(out[i].token_ids),
                                    "confidence": None if d.confidence is None
                                    else d.confidence[j]})

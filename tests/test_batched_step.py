@@ -1,4 +1,5 @@
-"""The batched verifier (one host transfer per step) decides exactly as the per-row one."""
+"""The batched step: the verifier (one host transfer per step) decides exactly as the
+per-row one; the runner's cache views give the gathers' logits."""
 
 from __future__ import annotations
 
@@ -48,3 +49,29 @@ def test_verify_batch_rejects_inconsistent_lengths():
 
     with pytest.raises(ValueError, match="row 0 has 3 logit positions for 1 draft"):
         verify_batch(torch.zeros(1, 3, 4), [3], [[1]], [None], [SamplingParams()], [None])
+
+
+def test_runner_views_equal_gathers_in_any_slot_order():
+    """Rows on consecutive slots (in any order) read the cache as a view; the logits
+    equal those of rows on scattered slots (gather path) for the same tokens."""
+    from actors.engine.model import CausalLM, ModelConfig
+    from actors.engine.runner import ModelRunner, RowInput
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
+    model = CausalLM(cfg).eval()
+    model.fuse()
+    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (7, 4, 9)]
+    nxt = [[5, 6], [7], [8, 9, 10]]
+    out = {}
+    for name, slots in (("view", [2, 0, 1]), ("gather", [5, 0, 3])):
+        runner = ModelRunner(model, 6, 64)
+        runner.run([RowInput(s, 0, p) for s, p in zip(slots, prompts)], last_only=True)
+        out[name] = runner.run([RowInput(s, len(p), t) for s, p, t in zip(slots, prompts, nxt)])
+    for a, b in zip(out["view"][0], out["gather"][0]):
+        assert torch.allclose(a, b, atol=1e-5)
+    with torch.inference_mode():  # and both equal a plain forward without a cache
+        ref = model(torch.tensor([prompts[2] + nxt[2]])).logits[0, -3:]
+    assert torch.allclose(out["view"][0][2], ref, atol=1e-4)
