@@ -30,5 +30,7 @@ class Analysis:
     degradation: pd.DataFrame | None = None
     baseline_root: str | None = None
     capacity_model: dict = field(default_factory=dict)  # analysis.capacity_section output
+    questions: dict = field(default_factory=dict)       # analysis.questions output
+    warmup_s: float = 0.0                               # seconds cut from each cell's start
     figures: dict[str, bytes | None] = field(default_factory=dict)
     checks: dict[str, list[str]] = field(default_factory=dict)  # analysis.checks: {figure: [sentences]}

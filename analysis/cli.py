@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slo-ttft-ms", type=_positive("--slo-ttft-ms"), help="TTFT SLO, ms (all tiers)")
     r.add_argument("--slo-tpot-ms", type=_positive("--slo-tpot-ms"), help="TPOT SLO, ms (all tiers)")
     r.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    r.add_argument("--warmup-s", type=float, default=None,
+                   help="exclude the first seconds of every cell (each repeat) as warm-up "
+                        "(default: the run's loadgen --warmup-s, else 0)")
     q = sub.add_parser("plan", help="replicas per strategy for a target load under SLOs")
     q.add_argument("results_dir")
     # numbers are checked after parsing (_plan_errors) so every bad argument is reported at once
@@ -111,6 +114,8 @@ def _report(args, parser) -> int:
     from analysis.recommend import headline_lines, recommendation_rows
     from analysis.report import build_report, default_out_dir
 
+    if args.warmup_s is not None and args.warmup_s < 0:
+        parser.error(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
     root = Path(args.results_dir)
     runs = find_run_dirs(root) if root.is_dir() else []
     if len(runs) > 1 and not args.merge:
@@ -122,7 +127,9 @@ def _report(args, parser) -> int:
         for r in runs:
             print(f"  {r}")
     out = build_report(root, args.out or default_out_dir(root), args.baseline, args.slo_ttft_ms,
-                       args.slo_tpot_ms, seed=args.seed)
+                       args.slo_tpot_ms, seed=args.seed, warmup_s=args.warmup_s)
+    for flag in out.get("flags", []):
+        print(f"WARNING: {flag}")
     print("recommendation per tier (highest goodput under the SLOs):")
     for line in headline_lines(out["recommendation"]):
         print(f"  {line}")

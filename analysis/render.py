@@ -40,6 +40,8 @@ FIGURE_TITLES = {
     "backtest_speedup_long": "Backtest, long outputs: predicted vs measured speedup",
     "timeline": "Outage window: output tokens/s and error rate over time, one panel per strategy "
                 "(shaded: outage)",
+    "throughput_over_time": "Throughput over time per cell (one line per repeat; dashed: warm-up cut)",
+    "acceptance_by_source": "Per-request acceptance length by prompt source",
 }
 
 
@@ -108,6 +110,7 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
          "i / accepted at i-1 (DFlash 2, DSpark). Drafter top-k coverage is measured "
          "offline (`python -m actors.evaluate`).",
          records(a.positions)),
+        *a.questions.get("tables", []),   # output consistency, memory, stability
     ]
     outage_rows = records(a.outages) if a.outages is not None else []
     out.insert(1, ("Faults and outages", "Cells with failed requests (the service accepted them "
@@ -178,10 +181,13 @@ def markdown(a: Analysis) -> str:
     parts = ["# specload capacity report\n",
              f"Results: `{a.results.root}` ({len(a.results.runs)} run(s), "
              f"{len(a.results.requests)} requests, {len(a.results.steps)} engine steps). "
-             "Figures: see report.html.\n",
-             "## Answer\n", "Per tier: the strategy to run, how sure we are (bootstrap confidence) "
-             "and by how much it wins (goodput margin over the runner-up).\n",
-             "\n".join(f"- {line}" for line in headline_lines(a.recommendation)) + "\n"]
+             "Figures: see report.html.\n"]
+    flags = a.questions.get("flags", [])
+    if flags:   # first: a diverging strategy is never silently ranked
+        parts += ["## Warnings\n", "\n".join(f"- **{f}**" for f in flags) + "\n"]
+    parts += ["## Answer\n", "Per tier: the strategy to run, how sure we are (bootstrap confidence) "
+              "and by how much it wins (goodput margin over the runner-up).\n",
+              "\n".join(f"- {line}" for line in headline_lines(a.recommendation)) + "\n"]
     checks = _checks(a)
     if checks:
         parts += ["## Model checks\n", "Where a prediction contradicts a measurement, or a fit "
@@ -214,12 +220,17 @@ def html(a: Analysis) -> str:
              f"<style>{CSS}</style></head><body><h1>specload capacity report</h1>",
              f"<p>Results: <code>{_html.escape(str(a.results.root))}</code>, "
              f"{len(a.results.runs)} run(s), {len(a.results.requests)} requests, "
-             f"{len(a.results.steps)} engine steps.</p>",
-             "<section id=\"answer\"><h2>Answer</h2><p>Per tier: the strategy to run, how sure we "
-             "are (bootstrap confidence) and by how much it wins (goodput margin over the "
-             "runner-up).</p><ul>"
-             + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(a.recommendation))
-             + "</ul></section>"]
+             f"{len(a.results.steps)} engine steps.</p>"]
+    flags = a.questions.get("flags", [])
+    if flags:   # first: a diverging strategy is never silently ranked
+        parts.append('<section id="warnings"><h2>Warnings</h2><ul>'
+                     + "".join(f"<li><strong>{_html.escape(f)}</strong></li>" for f in flags)
+                     + "</ul></section>")
+    parts.append("<section id=\"answer\"><h2>Answer</h2><p>Per tier: the strategy to run, how sure "
+                 "we are (bootstrap confidence) and by how much it wins (goodput margin over the "
+                 "runner-up).</p><ul>"
+                 + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(a.recommendation))
+                 + "</ul></section>")
     checks = _checks(a)
     if checks:
         parts.append("<section id=\"checks\"><h2>Model checks</h2><p>Where a prediction contradicts "

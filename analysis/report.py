@@ -3,23 +3,27 @@
 Stages: load (analysis.load) -> per-request SLO flags and per-cell metrics
 (analysis.metrics) -> step-log capacity model (analysis.capacity) ->
 recommendation (analysis.recommend) -> optional baseline comparison
-(analysis.degradation) -> figures (analysis.plots) -> rendering (analysis.render).
+(analysis.degradation) -> output consistency, memory and stability
+(analysis.questions) -> figures (analysis.plots) -> rendering (analysis.render).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analysis import capacity, faults, metrics, plots, render
+from analysis import capacity, faults, metrics, plots, render, stability
 from analysis.analysis import Analysis
 from analysis.capacity_section import capacity_figures
 from analysis.checks import model_checks
 from analysis.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
-from analysis.load import Results, load_results
+from analysis.consistency import annotate_recommendation
+from analysis.load import Results, ResultsError, load_results
+from analysis.questions import questions_section
 from analysis.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION, recommend,
                                 recommendation_rows)
 from analysis.slo import resolve_slos
@@ -52,8 +56,24 @@ def predict_crossovers(steps: pd.DataFrame, flagged: pd.DataFrame, cap: pd.DataF
 
 def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
             baseline: str | Path | None = None, seed: int = DEFAULT_SEED,
-            n_boot: int = N_BOOTSTRAP, threshold: float = DEFAULT_THRESHOLD) -> Analysis:
-    """Compute every table of the report (no files written)."""
+            n_boot: int = N_BOOTSTRAP, threshold: float = DEFAULT_THRESHOLD,
+            warmup_s: float | None = None) -> Analysis:
+    """Compute every table of the report (no files written).
+
+    warmup_s: seconds excluded from the start of every cell replicate (requests and
+    step rows, ``analysis.stability.apply_warmup``); None: the run manifest's
+    ``args.warmup_s``, else 0. Raises ResultsError when the cut leaves no request.
+    """
+    if warmup_s is None:
+        warmup_s = float(next((r.manifest.get("args", {}).get("warmup_s") or 0
+                               for r in results.runs if r.manifest.get("args")), 0) or 0)
+    dropped = 0
+    if warmup_s:
+        req, steps, dropped = stability.apply_warmup(results.requests, results.steps, warmup_s)
+        if req.empty:
+            raise ResultsError(f"--warmup-s {warmup_s:g} drops every request (each cell is "
+                               "shorter); pass a smaller warm-up")
+        results = dataclasses.replace(results, requests=req, steps=steps)
     tiers = sorted(results.requests[mn.REQ_TIER].unique())
     slos = resolve_slos(tiers, results.manifest_config, slo_ttft_ms, slo_tpot_ms)
     flagged = metrics.with_slo_flags(results.requests, slos)
@@ -64,6 +84,8 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     rec = recommend(flagged, cells, slos, n_boot=n_boot, seed=seed)
     outage = faults.outages(flagged)
     faults.annotate_degraded(rec, outage)
+    answers = questions_section(results, flagged, warmup_s, dropped)
+    annotate_recommendation(rec, answers["diverging"])
     degradation = None
     if baseline is not None:
         base = load_results(baseline)
@@ -80,7 +102,8 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
                     target_curve=curve, recommendation=rec, degradation=degradation,
                     outages=outage, timeline=faults.timeline(flagged),
                     baseline_root=str(baseline) if baseline is not None else None,
-                    capacity_model=capacity_section(results))
+                    capacity_model=capacity_section(results), questions=answers,
+                    warmup_s=warmup_s)
 
 
 def make_figures(a: Analysis) -> dict[str, bytes | None]:
@@ -95,6 +118,7 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "step_cost": plots.step_cost(a.results.steps, a.target_curve),
         **capacity_figures(a.capacity_model),
         "timeline": plots.outage_timeline(a.timeline, a.outages),
+        **a.questions.get("figures", {}),
     }
 
 
@@ -115,17 +139,19 @@ def default_out_dir(results_dir) -> Path:
 
 
 def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo_tpot_ms=None,
-                 seed: int = DEFAULT_SEED, n_boot: int = N_BOOTSTRAP) -> dict:
+                 seed: int = DEFAULT_SEED, n_boot: int = N_BOOTSTRAP,
+                 warmup_s: float | None = None) -> dict:
     """Write report.md, report.html and recommendation.json; return a summary.
 
     ``out_dir`` defaults to ``<results_dir>/report/`` (``default_out_dir``). Returns {"recommendation": {tier:
     {output_class: {...}}}, "paths": {"md", "html", "json"}, "crossover": [rows],
     "degradation": [rows] or None, "degraded": bool, "exit_code": 0 or
-    EXIT_DEGRADED, "slos": {tier: {...}}}. Raises analysis.load.ResultsError
+    EXIT_DEGRADED, "slos": {tier: {...}}, "flags": [str], "diverging": [strategy]}. Raises analysis.load.ResultsError
     for a missing or empty results directory.
     """
     results = load_results(results_dir)
-    a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot)
+    a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot,
+                warmup_s=warmup_s)
     a.figures = make_figures(a)
     a.checks = model_checks(a)
     out = Path(out_dir) if out_dir is not None else default_out_dir(results_dir)
@@ -145,4 +171,6 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
         "degraded": degraded,
         "exit_code": EXIT_DEGRADED if degraded else 0,
         "slos": {t: s.model_dump() for t, s in a.slos.items()},
+        "flags": list(a.questions.get("flags", [])),       # top-of-report warnings
+        "diverging": list(a.questions.get("diverging", [])),
     }

@@ -30,6 +30,7 @@ from configs.results_schema import SCHEMA_VERSION as RESULTS_SCHEMA_VERSION
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
 from loadgen import service
 from loadgen.cells import CellPlan, shuffled_prompts
+from loadgen.consistency import DEFAULT_SAMPLES
 from loadgen.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
 from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
 from loadgen.progress import Progress
@@ -91,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
                          "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
     ap.add_argument("--retry-backoff-s", type=float, default=0.5, help="first retry delay, seconds (doubles)")
+    ap.add_argument("--consistency", type=int, default=DEFAULT_SAMPLES, metavar="N",
+                    help="after the cells, send N greedy requests (the run's first N prompts) to every "
+                         "strategy and compare each output token by token with the baseline's; "
+                         f"writes consistency.json (default {DEFAULT_SAMPLES}; 0 = off)")
+    ap.add_argument("--consistency-sampled", type=int, default=0, metavar="N",
+                    help="also compare each strategy's first-token distributions with the baseline's "
+                         "over N seeded sampled requests (chi-square; default 0 = off)")
+    ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
+                    help="strategy the consistency checks compare with (default autoregressive)")
+    ap.add_argument("--warmup-s", type=float, default=0.0,
+                    help="seconds at the start of every cell the report excludes as warm-up "
+                         "(stored in manifest.json; default 0)")
     ap.add_argument("--report", action="store_true",
                     help="after the run, write the analysis report (python -m analysis report) "
                          "into the run directory and print the recommendation table")
@@ -297,6 +310,7 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
             write_manifest(st.run_dir / "manifest.json", st.manifest)
         with Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
             _drive(st, runner, progress)
+        _check_consistency(st)
     except KeyboardInterrupt:
         st.status = "interrupted"
         console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
@@ -379,7 +393,11 @@ def _catch_signals(stop: dict[str, bool]) -> None:
 
 
 def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
-    """Run every cell in order (a sweep decides its next cell from the last results)."""
+    """Run every cell in order (a sweep decides its next cell from the last results); then
+    each strategy's replica memory report (peaks reset first: this run's only)."""
+    for strategy in st.strategies:
+        service.fetch_memory(st.target, strategy, reset_peak=True, headers=st.auth.headers,
+                             insecure=st.auth.insecure)
     if st.args.sweep:
         sweep = SweepState()
         order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
@@ -395,6 +413,31 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
     for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
         _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
+        report = service.fetch_memory(st.target, strategy, headers=st.auth.headers,
+                                      insecure=st.auth.insecure)
+        if report:  # weights, KV cache, process memory (specload targets only)
+            st.manifest.setdefault("memory", {})[strategy] = report
+
+
+def _check_consistency(st: _RunState) -> None:
+    """Output consistency vs the baseline (``loadgen.consistency``): consistency.json and a
+    manifest summary. Skipped with --model (one name for every strategy) or after Ctrl-C;
+    a failure is a warning, never a lost run."""
+    from loadgen.consistency import run_checks
+
+    args = st.args
+    if args.model or st.stop["stop"]:
+        return
+    try:
+        st.manifest["consistency"] = run_checks(
+            st.target, st.strategies, [[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
+            st.profile, st.tiers[0], st.outputs, st.run_dir, args.consistency,
+            args.consistency_sampled, args.consistency_baseline,
+            say=lambda m: st.console.print(m, highlight=False),
+            headers=st.auth.headers, insecure=st.auth.insecure)
+    except Exception as err:  # noqa: BLE001  (a failed check must not lose the run)
+        st.manifest["consistency"] = {"skipped": f"failed: {err!r}"}
+        st.console.print(f"[yellow]warning[/] consistency check failed: {err!r}")
 
 
 def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tuple[Any, float]:
@@ -554,6 +597,13 @@ def main(argv: list[str] | None = None) -> int:
             sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
         except ValueError as err:
             parser.error(f"--sweep-start/--sweep-factor/--sweep-max-users: {err}")
+    if args.warmup_s < 0:
+        parser.error(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
+    if args.consistency < 0:
+        parser.error(f"--consistency must be >= 0 requests (0 = off), got {args.consistency}")
+    if args.consistency_sampled < 0:
+        parser.error(f"--consistency-sampled must be >= 0 requests (0 = off), got "
+                     f"{args.consistency_sampled}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.duration is not None and not args.duration > 0:

@@ -150,3 +150,25 @@ def fetch_step_log(base_url: str, strategy: str, since_ts: float, timeout_s: flo
         return []
     rows = data.get("rows") if isinstance(data, dict) else None
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def fetch_memory(base_url: str, strategy: str, reset_peak: bool = False, timeout_s: float = 30.0,
+                 headers: dict[str, str] | None = None, insecure: bool = False) -> dict:
+    """One replica's memory report for ``strategy`` (``GET /specload/memory``: weight, KV-cache
+    and process bytes); with ``reset_peak`` (``POST /specload/memory/reset_peak``) the replica
+    restarts its peak counters after answering. {} when the target has no such route
+    (other OpenAI-compatible servers) or does not answer."""
+    q = urllib.parse.urlencode({"strategy": strategy})
+    url = f"{base_url}/specload/memory{'/reset_peak' if reset_peak else ''}?{q}"
+    try:
+        if reset_peak:
+            req = urllib.request.Request(url, data=b"", headers=dict(headers or {}), method="POST")
+            ctx = ssl_context(insecure) if url.startswith("https://") else None
+            with urllib.request.urlopen(req, timeout=timeout_s, context=ctx) as resp:  # noqa: S310
+                data = json.loads(resp.read().decode("utf-8"))
+        else:
+            data = _get_json(url, timeout_s, headers, insecure)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    rep = data.get(strategy) if isinstance(data, dict) else None
+    return rep if isinstance(rep, dict) else {}

@@ -68,7 +68,8 @@ def test_outputs_written(report):
     assert "## Recommendation" in md and "| low | short | 1 | dflash |" in md
     html = (root / "out" / "report.html").read_text()
     assert 'id="recommendation"' in html and "http://" not in html and "https://" not in html
-    assert html.count("data:image/png;base64,") == 10  # 7 + step residuals + 2 backtest
+    # 7 + step residuals + 2 backtest + throughput over time + acceptance by prompt source
+    assert html.count("data:image/png;base64,") == 12
     assert "cond = accepted at i / accepted at i-1" in md and "uncond = accepted at i / drafts" in md
 
 
@@ -134,7 +135,8 @@ def test_missing_spec_columns_and_steps(tmp_path):
     assert out["slos"]["low"]["source"] == "default"
     assert all(r["predicted_crossover_users"] is None for r in out["crossover"])
     html = (tmp_path / "out" / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3  # goodput, speedup, throughput-latency
+    # goodput, speedup, throughput-latency, throughput over time (needs no server stats)
+    assert html.count("data:image/png;base64,") == 4
 
 
 def test_several_runs_pooled(tmp_path):

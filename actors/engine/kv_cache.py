@@ -38,11 +38,22 @@ class KVSlotPool:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._slot: dict[str, int] = {}
         self._length: dict[str, int] = {}
+        self._used = 0          # sum of every request's length, tokens
+        self.peak_used = 0      # most tokens held at once (since start or ``reset_peak``)
 
     @property
     def num_free(self) -> int:
         """Slots not owned by any request."""
         return len(self._free)
+
+    @property
+    def used(self) -> int:
+        """Tokens whose K/V the pool's requests hold now (sum of their lengths)."""
+        return self._used
+
+    def reset_peak(self) -> None:
+        """Restart ``peak_used`` from the tokens held now."""
+        self.peak_used = self._used
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._slot
@@ -68,7 +79,7 @@ class KVSlotPool:
         """Return the request's slot to the pool; an id without a slot is ignored."""
         slot = self._slot.pop(request_id, None)
         if slot is not None:
-            del self._length[request_id]
+            self._used -= self._length.pop(request_id)
             self._free.append(slot)
 
     def slot(self, request_id: str) -> int:
@@ -94,6 +105,8 @@ class KVSlotPool:
             raise ValueError(f"{self.name}: request {request_id!r} holds {start} positions; "
                              f"{n} more would pass max_len {self.max_len}")
         self._length[request_id] = start + n
+        self._used += n
+        self.peak_used = max(self.peak_used, self._used)
         return start
 
     def rollback(self, request_id: str, keep: int) -> int:
@@ -107,6 +120,7 @@ class KVSlotPool:
             raise ValueError(f"{self.name}: cannot roll request {request_id!r} back to {keep} "
                              f"positions; it holds {have}")
         self._length[request_id] = keep
+        self._used -= have - keep
         return have - keep
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from actors.engine import memory as mem
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import Detokenizer
 from actors.engine.errors import InvalidRequest, QueueFull
@@ -99,6 +100,7 @@ class LLMEngine:
                                    config.max_waiting)
         self.requests: dict[str, Request] = {}
         self.on_step = on_step
+        self._memory_static = self._static_memory()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -177,6 +179,54 @@ class LLMEngine:
                 self.proposer.remove_request(req.request_id)
             except Exception:  # noqa: BLE001 - a proposer fault must not stop the loop
                 logger.exception("proposer.remove_request(%s) failed", req.request_id)
+
+    # -- memory -----------------------------------------------------------------
+    def _static_memory(self) -> dict:
+        cfg, cache = self.model.config, self.runner.cache
+        out = {"strategy": self.config.strategy, "replica": self.config.replica_id,
+               "device": str(self.device), "dtype": str(cache.k[0].dtype).replace("torch.", ""),
+               "max_num_seqs": self.config.max_num_seqs, "max_model_len": self.max_model_len,
+               "num_speculative_tokens": self.num_speculative_tokens,
+               "target_weight_bytes": mem.unique_bytes(mem.module_tensors(self.model)),
+               "target_fused_weight_bytes": mem.unique_bytes(mem.fused_tensors(self.model)),
+               "target_kv_allocated_bytes": mem.cache_bytes(cache.k, cache.v),
+               "target_kv_bytes_per_token": mem.kv_bytes_per_token(
+                   cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cache.k[0].dtype)}
+        out.update(self.proposer.memory())
+        return out
+
+    def memory(self) -> dict:
+        """This replica's memory, bytes unless named otherwise.
+
+        Static: target / draft weight bytes (parameters and buffers, shared
+        tensors once; ``*_fused_weight_bytes``: the engine's fused inference
+        copies), KV cache allocated bytes and bytes per token (target cache and
+        the proposer's own). Live, from the caches' slot pools: KV tokens held
+        now and at peak since start or ``reset_peak_memory`` (a step's writes
+        count before the rejected drafts are rolled back),
+        ``*_kv_peak_used_bytes`` = peak tokens x bytes per token; and the
+        process's RSS (CPU) or ``torch.cuda.max_memory_allocated`` (GPU).
+        Safe to call from another thread (it reads counters the engine sets).
+        """
+        out = dict(self._memory_static)
+        dpool = self.proposer.kv_pool()
+        t_now, t_peak = self.kv.used, self.kv.peak_used
+        d_now, d_peak = (dpool.used, dpool.peak_used) if dpool is not None else (0, 0)
+        out.update(target_kv_tokens_used=t_now, target_kv_peak_tokens=t_peak,
+                   target_kv_peak_used_bytes=t_peak * out["target_kv_bytes_per_token"],
+                   draft_kv_tokens_used=d_now, draft_kv_peak_tokens=d_peak,
+                   draft_kv_peak_used_bytes=d_peak * out["draft_kv_bytes_per_token"])
+        out.update(mem.process_memory(self.device))
+        return out
+
+    def reset_peak_memory(self) -> None:
+        """Restart the peak KV counters (and CUDA's peak statistics) from the current values."""
+        self.kv.reset_peak()
+        dpool = self.proposer.kv_pool()
+        if dpool is not None:
+            dpool.reset_peak()
+        if self.device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     # -- fault isolation ----------------------------------------------------------
     # Every per-request phase runs under a guard. A batched phase (propose, the

@@ -77,3 +77,17 @@ class Proposer(ABC):
     def draft_params(self) -> int:
         """Parameters the proposer adds on top of the target (0 when none)."""
         return 0
+
+    def memory(self) -> dict:
+        """Static memory the proposer adds on top of the target, bytes:
+        ``draft_weight_bytes`` (parameters and buffers not shared with the target),
+        ``draft_fused_weight_bytes`` (inference copies such as fused qkv),
+        ``draft_kv_allocated_bytes`` (its own KV / context cache) and
+        ``draft_kv_bytes_per_token``. All 0 for proposers without a model."""
+        return {"draft_weight_bytes": 0, "draft_fused_weight_bytes": 0,
+                "draft_kv_allocated_bytes": 0, "draft_kv_bytes_per_token": 0}
+
+    def kv_pool(self):
+        """The ``KVSlotPool`` of the proposer's own cache (tokens held now / at peak),
+        or None when it has no cache."""
+        return None

@@ -22,6 +22,7 @@ from pydantic import Field
 
 from actors.drafters.decode import BlockDraft, draft_block
 from actors.drafters.model import load_drafter
+from actors.engine import memory as mem
 from actors.engine.kv_cache import KVSlotPool
 from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
@@ -123,6 +124,18 @@ class BlockDraftProposer(Proposer):
 
     def draft_params(self) -> int:
         return self.drafter.num_params()
+
+    def memory(self) -> dict:
+        shared = {mem.storage_key(t) for t in mem.module_tensors(self.target)}
+        c = self.cache
+        _, kvh, _, d = c.k[0].shape
+        return {"draft_weight_bytes": mem.unique_bytes(mem.module_tensors(self.drafter), shared),
+                "draft_fused_weight_bytes": 0,
+                "draft_kv_allocated_bytes": mem.cache_bytes(c.k, c.v),
+                "draft_kv_bytes_per_token": mem.kv_bytes_per_token(len(c.k), kvh, d, c.k[0].dtype)}
+
+    def kv_pool(self):
+        return self.cache.pool
 
     # -- request lifecycle ------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int]) -> None:

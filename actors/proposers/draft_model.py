@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.engine import memory as mem
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
 from actors.engine.sampling import process_logits, sample
@@ -58,6 +59,18 @@ class DraftModelProposer(Proposer):
 
     def draft_params(self) -> int:
         return self.draft.num_params()
+
+    def memory(self) -> dict:
+        shared = {mem.storage_key(t) for t in mem.module_tensors(self.target)}
+        cfg, cache = self.draft.config, self.runner.cache
+        return {"draft_weight_bytes": mem.unique_bytes(mem.module_tensors(self.draft), shared),
+                "draft_fused_weight_bytes": mem.unique_bytes(mem.fused_tensors(self.draft)),
+                "draft_kv_allocated_bytes": mem.cache_bytes(cache.k, cache.v),
+                "draft_kv_bytes_per_token": mem.kv_bytes_per_token(
+                    cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cache.k[0].dtype)}
+
+    def kv_pool(self):
+        return self.pool
 
     def add_request(self, request_id, prompt_ids):
         self.state[request_id] = _DraftState(slot=self.pool.allocate(request_id))

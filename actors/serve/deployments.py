@@ -210,6 +210,16 @@ class StrategyServer:
                 "step_log_capacity": self.engine.step_log_capacity,
                 "pending_step_rows": len(self._pending_rows)}
 
+    async def memory(self, reset_peak: bool = False) -> dict:
+        """This replica's memory report (``LLMEngine.memory``: weight, KV-cache and process
+        bytes); ``reset_peak`` restarts the peak counters afterwards. ``{}`` for an engine
+        without a memory report (fake engines)."""
+        engine = self.engine.engine
+        report = engine.memory() if hasattr(engine, "memory") else {}
+        if reset_peak and hasattr(engine, "reset_peak_memory"):
+            engine.reset_peak_memory()
+        return report
+
     async def step_log(self, since: float | None = None, limit: int | None = None) -> list[dict]:
         """This replica's own ring buffer (rows with ts > since, unix seconds)."""
         return self.engine.step_log(since_ts=since, limit=limit)

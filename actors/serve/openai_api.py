@@ -12,6 +12,10 @@ Routes:
   answer, so an operator or a load balancer sees it at once (the replica's own
   Serve health check fails too, and Serve replaces it).
 - ``GET /specload/info``: per strategy max_model_len (tokens), waiting, running.
+- ``GET /specload/memory?strategy=``: ``{strategy: report}``, one replica's weight,
+  KV-cache (allocated, bytes per token, tokens held now / at peak) and process
+  memory (``LLMEngine.memory``); ``POST /specload/memory/reset_peak`` restarts
+  the peak counters (the load generator calls it before each strategy).
 - ``GET /specload/step_log?strategy=&since=&limit=``: ``{"rows": [...]}``, the
   engine step rows (``configs.metric_names.STEP_LOG_COLUMNS`` + ``seq``) of
   every replica, from the app-wide ring buffer (``StepLogStore``; rows reach
@@ -509,6 +513,28 @@ class OpenAIIngress:
         if denied := api_key_error(request.headers.get("authorization"), self._api_key):
             return denied
         return {name: await h.info.remote() for name, h in sorted(self._handles.items())}
+
+    @api.get("/specload/memory")
+    async def memory(self, strategy: str | None = None):
+        """{strategy: memory report} of one replica per strategy (weights, KV cache, process)."""
+        return await self._memory(strategy, reset=False)
+
+    @api.post("/specload/memory/reset_peak")
+    async def memory_reset_peak(self, strategy: str | None = None):
+        """Restart the peak KV / CUDA counters; returns the reports from just before."""
+        return await self._memory(strategy, reset=True)
+
+    async def _memory(self, strategy: str | None, reset: bool):
+        if strategy is not None and strategy not in self._handles:
+            return self._unknown_model(strategy)
+        names = [strategy] if strategy is not None else sorted(self._handles)
+        out = {}
+        for name in names:
+            try:
+                out[name] = await self._handles[name].memory.remote(reset)
+            except Exception as exc:  # a strategy not answering: say so, keep the others
+                out[name] = {"error": repr(exc)}
+        return out
 
     @api.get("/specload/step_log")
     async def step_log(self, request: Request, strategy: str | None = None, since: float | None = None,

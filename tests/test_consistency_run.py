@@ -1,0 +1,86 @@
+"""A real short run against every embedded strategy: consistency.json and memory in the
+manifest (the report's sections are checked on synthetic runs, tests/test_analysis_questions.py).
+
+Starts the real service (``python -m cluster up``, every strategy of
+``configs/serve.yaml``, a free port), runs ``python -m loadgen`` for one short
+low-tier cell per strategy with the greedy consistency check on 8 prompts, and
+checks that every strategy is token-identical to ``autoregressive`` (the
+engine's lossless guarantee, measured through the HTTP API as a user would).
+``python -m cluster down`` runs in teardown whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from configs import metric_names as mn
+from configs.net import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+SAMPLES = 8
+TARGET_BPT = 6 * 2 * 64 * 2 * 4      # embedded target: 6 layers x 2 KV heads x 64 x (K, V) x fp32
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("svc6")
+    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    path = tmp / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path),
+                         "--port", str(port), "--timeout", "300"], cwd=REPO,
+                        capture_output=True, text=True, timeout=420)
+    try:
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        yield up.stdout.strip().splitlines()[-1]
+    finally:
+        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)], cwd=REPO,
+                       capture_output=True, text=True, timeout=180)
+
+
+def test_run_consistency_memory_report(service, tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", service,
+         "--duration", "1", "--consistency", str(SAMPLES), "--results", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_dir = Path(res.stdout.strip().splitlines()[-1].split("results: ", 1)[1])
+    served = [m["id"] for m in json.loads(urllib.request.urlopen(f"{service}/v1/models").read())["data"]]
+    assert set(served) == set(mn.STRATEGIES)       # every embedded strategy is deployed
+
+    cons = json.loads((run_dir / "consistency.json").read_text())
+    assert set(cons) == set(mn.STRATEGIES)
+    for strategy in mn.STRATEGIES:
+        entry = cons[strategy]
+        assert entry["mode"] == "token_ids" and entry["errors"] == 0, (strategy, entry)
+        assert entry["compared"] == SAMPLES, (strategy, entry)
+        assert entry["identical"] == SAMPLES, (strategy, entry["first_divergence"][:3])
+        assert entry["first_divergence"] == []
+    assert cons[mn.AUTOREGRESSIVE]["baseline_self"] is True
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    memory = manifest["memory"]
+    assert set(memory) == set(mn.STRATEGIES)
+    for strategy, rep in memory.items():
+        assert rep["target_kv_bytes_per_token"] == TARGET_BPT
+        assert rep["target_kv_allocated_bytes"] > 0 and rep["target_weight_bytes"] > 0
+        # peaks were reset before the strategy's cell: at least one prompt + output was held
+        assert 0 < rep["target_kv_peak_tokens"] <= rep["max_num_seqs"] * rep["max_model_len"] + 64
+        assert rep["process_rss_bytes"] > rep["target_weight_bytes"]
+    assert memory[mn.AUTOREGRESSIVE]["draft_weight_bytes"] == 0
+    assert memory[mn.NGRAM]["draft_kv_allocated_bytes"] == 0
+    assert memory[mn.DRAFT_MODEL]["draft_kv_bytes_per_token"] == 1 * 2 * 64 * 2 * 4
+    assert memory[mn.DRAFT_MODEL]["draft_kv_peak_tokens"] > 0
+    assert memory[mn.DFLASH]["draft_weight_bytes"] > 0
+    assert {s: v["identical"] for s, v in manifest["consistency"].items()} == \
+        {s: SAMPLES for s in mn.STRATEGIES}
