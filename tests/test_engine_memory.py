@@ -59,3 +59,23 @@ def test_block_drafter_shares_target_tensors(make_engine, strategy):
     assert m["draft_weight_bytes"] == 4 * eng.proposer.drafter.num_params()
     assert m["draft_kv_bytes_per_token"] == DRAFT_BPT       # 1 context layer, 2 KV heads x 64
     assert m["draft_kv_allocated_bytes"] == 2 * 256 * DRAFT_BPT
+
+
+def test_slot_pool_tracks_used_and_peak_tokens():
+    from actors.engine.kv_cache import KVSlotPool
+
+    pool = KVSlotPool(2, 100)
+    pool.allocate("a")
+    pool.allocate("b")
+    pool.append("a", 10)
+    pool.append("b", 5)
+    pool.append("a", 8)                 # a verification row: 1 + 7 drafts written
+    assert pool.used == 23 and pool.peak_used == 23
+    pool.rollback("a", 12)              # 6 rejected drafts leave the cache
+    assert pool.used == 17 and pool.peak_used == 23
+    pool.free("b")
+    assert pool.used == 12
+    pool.reset_peak()
+    assert pool.peak_used == 12
+    pool.append("a", 3)
+    assert pool.peak_used == 15
