@@ -515,16 +515,18 @@ class OpenAIIngress:
         return {name: await h.info.remote() for name, h in sorted(self._handles.items())}
 
     @api.get("/specload/memory")
-    async def memory(self, strategy: str | None = None):
+    async def memory(self, request: Request, strategy: str | None = None):
         """{strategy: memory report} of one replica per strategy (weights, KV cache, process)."""
-        return await self._memory(strategy, reset=False)
+        return await self._memory(request, strategy, reset=False)
 
     @api.post("/specload/memory/reset_peak")
-    async def memory_reset_peak(self, strategy: str | None = None):
+    async def memory_reset_peak(self, request: Request, strategy: str | None = None):
         """Restart the peak KV / CUDA counters; returns the reports from just before."""
-        return await self._memory(strategy, reset=True)
+        return await self._memory(request, strategy, reset=True)
 
-    async def _memory(self, strategy: str | None, reset: bool):
+    async def _memory(self, request: Request, strategy: str | None, reset: bool):
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
         if strategy is not None and strategy not in self._handles:
             return self._unknown_model(strategy)
         names = [strategy] if strategy is not None else sorted(self._handles)
