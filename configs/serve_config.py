@@ -95,6 +95,9 @@ class StrategyEntry(BaseModel):
     step_log_capacity: int = Field(8192, ge=0, description="rows kept per replica")
     # Serve calls the replica's check_health every period; 3 failures in a row (a
     # dead engine loop) and Serve replaces the replica: ~6 s here, not Ray's ~30 s.
+    stream_interval: int = Field(1, ge=1, le=4096, description=(
+        "tokens per streamed chunk (vLLM's stream_interval); 1 = every engine step. "
+        "A request may override it with the stream_interval body field"))
     health_check_period_s: float = Field(2.0, gt=0, description="seconds")
     health_check_timeout_s: float = Field(10.0, gt=0, description="seconds")
 

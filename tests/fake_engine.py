@@ -144,7 +144,8 @@ class FakeEngine:
             if reason:
                 done.append(r)
             outs.append(RequestOutput(r.rid, new, text, reason is not None, reason,
-                                      len(r.prompt_ids), len(r.out), r.stats))
+                                      len(r.prompt_ids), len(r.out), r.stats,
+                                      token_ts=[time.time()] * len(new)))
         batch = len(self._running)
         for r in done:
             self._running.remove(r)

@@ -121,7 +121,8 @@ def build_app(args: dict[str, Any]):
             name=f"strategy-{entry.name}", max_ongoing_requests=entry.resolved_max_ongoing_requests(),
             ray_actor_options=opts, health_check_period_s=entry.health_check_period_s,
             health_check_timeout_s=entry.health_check_timeout_s, **scaling,
-        ).bind(entry.name, engine, cfg.engine_factory, store, entry.step_log_capacity)
+        ).bind(entry.name, engine, cfg.engine_factory, store, entry.step_log_capacity,
+               entry.stream_interval)
     if not handles:
         raise ValueError(f"no strategy can be served; skipped: {skipped}. Train the models "
                          "(see README) or fix the model paths in configs/serve.yaml")

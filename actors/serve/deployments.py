@@ -21,6 +21,7 @@ import collections
 import importlib
 import logging
 import os
+import time
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
@@ -144,7 +145,8 @@ class StrategyServer:
 
     def __init__(self, strategy: str, engine_config: dict,
                  engine_factory: str = "actors.serve.deployments:make_llm_engine",
-                 step_store: Any = None, step_log_capacity: int = 8192):
+                 step_store: Any = None, step_log_capacity: int = 8192,
+                 stream_interval: int = 1):
         from actors.serve.async_engine import AsyncLLMEngine
 
         cfg = dict(engine_config)
@@ -159,6 +161,7 @@ class StrategyServer:
 
         torch.set_num_threads(int(threads))   # one replica must not take every core
         self.strategy = strategy
+        self.stream_interval = max(1, int(stream_interval))  # tokens per streamed delta
         self._metrics = _Metrics(strategy)
         self._pending_rows: collections.deque[dict] = collections.deque(maxlen=100_000)
         factory: Callable[[dict], Any] = import_object(engine_factory)
@@ -224,13 +227,19 @@ class StrategyServer:
         """This replica's own ring buffer (rows with ts > since, unix seconds)."""
         return self.engine.step_log(since_ts=since, limit=limit)
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: dict) -> AsyncIterator[ReplicaMessage]:
+    async def generate(self, request_id: str, prompt: str | list[int], params: dict,
+                       stream_interval: int | None = None,
+                       stream_interval_ms: float | None = None
+                       ) -> AsyncIterator[ReplicaMessage]:
         """Stream one request as typed messages (``actors.serve.protocol``).
 
         First ``Admitted`` or an ``ErrorMessage`` (then nothing follows). Then
-        ``Delta`` messages; deltas that queued up while the consumer was busy
-        are merged, so one may carry several tokens. The last one is a
+        ``Delta`` messages (with each token's engine emit time, ``token_ts``);
+        deltas that queued up while the consumer was busy are merged, so one
+        may carry several tokens. ``stream_interval`` (vLLM's name; default:
+        the deployment's, 1) holds a delta back until it carries that many
+        tokens, or, with ``stream_interval_ms``, until that many ms passed
+        since the last one; the first token is never held. The last one is a
         ``Finished`` (finish reason, completion tokens, SpecStats dict) or an
         ``ErrorMessage`` when the request failed part-way (the engine and the
         other requests go on). Cancelling the consumer aborts the request
@@ -249,14 +258,18 @@ class StrategyServer:
             return
         yield Admitted(n_prompt)
         finished = False
+        interval = self.stream_interval if stream_interval is None else max(1, int(stream_interval))
+        every_s = float(stream_interval_ms) / 1e3 if stream_interval_ms else None
+        ids: list[int] = []
+        ts: list[float] = []
+        text: list[str] = []
+        sent_any, last_sent = False, time.monotonic()
         try:
             while not finished:
                 item = await queue.get()
                 batch = [item]
                 while not queue.empty():       # coalesce what queued up meanwhile
                     batch.append(queue.get_nowait())
-                ids: list[int] = []
-                text = []
                 msg: ReplicaMessage | None = None
                 for out in batch:
                     if isinstance(out, BaseException):
@@ -268,15 +281,25 @@ class StrategyServer:
                                            "engine_error")
                         break
                     ids.extend(out.new_token_ids)
+                    ts.extend(out.token_ts or [])
                     text.append(out.new_text)
                     if out.finished:
                         stats = out.stats.to_dict()
                         self._metrics.observe_request(stats)
-                        msg = Finished(ids, "".join(text), out.finish_reason,
+                        msg = Finished(ids, "".join(text), ts, out.finish_reason,
                                        out.num_output_tokens, stats)
                         break
                 finished = msg is not None
-                yield msg if msg is not None else Delta(ids, "".join(text))
+                if finished:
+                    yield msg
+                    break
+                now = time.monotonic()
+                if sent_any and len(ids) < interval and not (
+                        every_s is not None and now - last_sent >= every_s):
+                    continue                    # hold the tokens for a fuller chunk
+                yield Delta(ids, "".join(text), ts)
+                sent_any, last_sent = True, now
+                ids, ts, text = [], [], []
         finally:
             if not finished:
                 self.engine.abort(request_id)

@@ -24,6 +24,11 @@ Routes:
 
 Extensions to OpenAI's body (vLLM does the same for token ids):
 
+- streamed choices carry ``token_ts``: the engine's emit time (unix s) of each
+  of the chunk's token ids (one speculative step's tokens share it).
+- request fields ``stream_interval`` (tokens per chunk, vLLM's name; default:
+  the strategy's) and ``stream_interval_ms`` (also a chunk once this many ms
+  passed); the first token is never held back.
 - every choice carries ``token_ids``: the token ids of this chunk (stream) or
   of the whole completion, so a client gets exact per-chunk token counts
   (ITL per token) without re-tokenizing.
@@ -147,6 +152,10 @@ class _Common(BaseModel):
     n: StrictInt | None = None
     ignore_eos: StrictBool | None = None
     logprobs: Any = None
+    # specload extensions (vLLM's stream_interval, per request): tokens per streamed
+    # chunk, or also a chunk once this many ms passed; None = the strategy's default
+    stream_interval: StrictInt | None = Field(None, ge=1, le=4096)
+    stream_interval_ms: Number | None = Field(None, gt=0, le=60_000)
 
     def sampling(self, max_tokens: int | None) -> dict:
         """SamplingParams kwargs, defaults filled in (the replica validates them again).
@@ -187,6 +196,8 @@ class ParsedRequest:
     params: dict
     stream: bool
     include_usage: bool
+    stream_interval: int | None = None       # tokens per chunk (None: the strategy's)
+    stream_interval_ms: float | None = None  # or a chunk once this many ms passed
 
 
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
@@ -232,7 +243,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         max_tokens = (COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None
                       else req.max_tokens)
     return ParsedRequest(req.model, prompt, req.sampling(max_tokens), bool(req.stream),
-                         bool(req.stream_options and req.stream_options.include_usage))
+                         bool(req.stream_options and req.stream_options.include_usage),
+                         req.stream_interval, req.stream_interval_ms)
 
 
 # pydantic's union branch names in error locations (``stop.str``, ``prompt.list[int]``)
@@ -443,6 +455,8 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
             else:
                 choice = {"index": 0, "text": msg.text, "logprobs": None,
                           "finish_reason": finish, "token_ids": msg.token_ids}
+            if msg.token_ts and len(msg.token_ts) == len(msg.token_ids):
+                choice[mn.TOKEN_TS_FIELD] = msg.token_ts
             out = {**head, "choices": [choice]}
             if finish is not None:
                 done = True
@@ -587,7 +601,7 @@ class OpenAIIngress:
             return self._unknown_model(req.model)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = self._handles[req.model].options(stream=True).generate.remote(
-            rid, req.prompt, req.params)
+            rid, req.prompt, req.params, req.stream_interval, req.stream_interval_ms)
         try:
             first = await gen.__anext__()
         except Exception as exc:

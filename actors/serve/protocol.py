@@ -37,6 +37,9 @@ class Delta:
 
     token_ids: list[int]
     text: str
+    # engine emit time (unix s) of each token_ids entry (tokens of one speculative
+    # step share it); [] when the engine does not stamp them
+    token_ts: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
