@@ -172,3 +172,13 @@ def fetch_memory(base_url: str, strategy: str, reset_peak: bool = False, timeout
         return {}
     rep = data.get(strategy) if isinstance(data, dict) else None
     return rep if isinstance(rep, dict) else {}
+
+
+def specload_info(base_url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> dict:
+    """``GET /specload/info`` of a specload target: per served strategy its live facts (pid,
+    max_model_len, waiting, running, step-log rows / capacity); {} for other servers."""
+    try:
+        data = _get_json(f"{base_url}/specload/info", timeout_s, headers)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -73,3 +73,308 @@ def test_retry_delay_honours_retry_after():
     assert retry_delay_s(10, None, 0.5, cap_s=5.0) == 5.0
     assert parse_retry_after("2") == 2.0 and parse_retry_after(None) is None
     assert parse_retry_after("soon") is None
+
+
+# ----------------------------------------------------------------- the real service
+TIGHT = "tight"   # autoregressive with 2 batch slots and 2 waiting: overloads at once
+
+
+def _get(url: str, timeout: float = 30.0):
+    import httpx
+
+    return httpx.get(url, timeout=timeout)
+
+
+def _info(url: str) -> dict:
+    return _get(f"{url}/specload/info").json()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """``python -m cluster up`` on a private Ray head: autoregressive, ngram (8 slots) and TIGHT;
+    ``cluster down`` in ``finally`` whatever happens."""
+    import yaml
+
+    from configs.net import free_port
+
+    tmp = tmp_path_factory.mktemp("svc")
+    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    app = cfg["applications"][0]
+    base = {"model": "models/target", "torch_threads": 1, "max_num_seqs": 8, "max_waiting": 64}
+    app["args"]["strategies"] = [
+        {"engine": {"strategy": "autoregressive", "num_speculative_tokens": 0, **base},
+         "ray_actor_options": {"num_cpus": 0.2}},
+        {"engine": {"strategy": "ngram", "num_speculative_tokens": 4, **base},
+         "ray_actor_options": {"num_cpus": 0.2}},
+        {"name": TIGHT, "engine": {"strategy": "autoregressive", "num_speculative_tokens": 0,
+                                   **base, "max_num_seqs": 2, "max_waiting": 2},
+         "ray_actor_options": {"num_cpus": 0.1}},
+    ]
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    path = tmp / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    down = [sys.executable, "-m", "cluster", "down", "--port", str(port)]
+    try:
+        for attempt in range(2):   # Ray gives its raylet 30 s to register: on a loaded box, try twice
+            up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path), "--port",
+                                 str(port), "--timeout", "300"], cwd=REPO, capture_output=True, text=True,
+                                timeout=420)
+            if up.returncode == 0 or "timed out during startup" not in up.stderr:
+                break
+            subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        url = up.stdout.strip().splitlines()[-1]
+        yield url
+    finally:
+        subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
+
+
+def _tiers(tmp: Path, cell: dict, drain_s: float = 8, timeout_s: float = 60) -> Path:
+    import yaml
+
+    base = {"arrival": "closed", "users": 2, "spawn_rate": 100, "duration_s": 10, "max_tokens": 12,
+            "slo": {"ttft_ms": 5000, "tpot_ms": 1000}}
+    c = {**base, **cell}
+    doc = {"default_profile": "faults", "profiles": {"faults": {
+        "request_timeout_s": timeout_s, "drain_timeout_s": drain_s, "max_prompt_chars": 300, "seed": 0,
+        "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0},
+        "tiers": {t: {"short": c, "long": c} for t in ("low", "mid", "high")}}}}
+    f = tmp / "tiers.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    return f
+
+
+def _loadgen(url: str, tiers: Path, results: Path, strategies: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", url,
+            "--tiers-file", str(tiers), "--results", str(results), "--strategies", strategies, *extra]
+
+
+def _run_dir(results: Path) -> Path:
+    (d,) = [p for p in results.iterdir() if p.is_dir()]
+    return d
+
+
+def _wait(cond, timeout_s: float, what: str, every_s: float = 0.2):
+    """Poll ``cond()`` until truthy (returned) or ``timeout_s`` (AssertionError naming ``what``)."""
+    end = time.time() + timeout_s
+    while time.time() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _cell_rows(run_dir: Path, name_part: str) -> int:
+    files = [p for p in (run_dir / "cells").glob("*.parquet") if name_part in p.name] \
+        if (run_dir / "cells").is_dir() else []
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in files)
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+@pytest.mark.slow
+def test_overload_sheds_with_429_and_retry_after(service, tmp_path):
+    """Open loop at 3x the measured capacity of a 2-slot replica: 429 + Retry-After, `rejected`
+    rows apart from errors, retries counted, the replica neither crashes nor grows."""
+    import httpx
+
+    pid = _info(service)[TIGHT]["pid"]
+    body = {"model": TIGHT, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
+    # capacity: 2 slots / e2e of one request (median of 3 sequential ones), requests/s
+    e2e = []
+    for _ in range(3):
+        t = time.time()
+        r = httpx.post(f"{service}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        e2e.append(time.time() - t)
+    capacity = 2 / sorted(e2e)[1]
+    rss0 = _rss_mb(pid)
+    # one burst straight at the API: more than slots + waiting at once
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(12) as ex:
+        res = list(ex.map(lambda _: httpx.post(f"{service}/v1/completions", json=body, timeout=60), range(12)))
+    shed = [r for r in res if r.status_code == 429]
+    assert shed and all(r.status_code in (200, 429) for r in res), [r.status_code for r in res]
+    assert shed[0].headers["retry-after"] == "1" and shed[0].json()["error"]["code"] == "queue_full"
+    # the load generator at 3x capacity, retrying a 429 once
+    tiers = _tiers(tmp_path, {"arrival": "open", "rate_rps": round(3 * capacity, 2), "users": 64,
+                              "spawn_rate": 1000, "duration_s": 8})
+    p = subprocess.run(_loadgen(service, tiers, tmp_path / "res", TIGHT, "--retry", "1",
+                                "--retry-backoff-s", "0.2"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
+    by = df[M.REQ_STATUS].value_counts().to_dict()
+    assert by.get(M.STATUS_REJECTED, 0) > 0 and by.get(M.STATUS_OK, 0) > 0, by
+    assert not df[M.REQ_STATUS].isin(M.FAILURE_STATUSES).any(), by     # shed, never failed
+    rej = df[df[M.REQ_STATUS].eq(M.STATUS_REJECTED)]
+    assert rej[M.REQ_ERROR].str.startswith("HTTP 429").all()
+    retried = df[df[M.REQ_RETRIES] > 0]
+    assert len(retried) > 0 and set(df[M.REQ_RETRIES].unique()) <= {0, 1}
+    # a retry waited for Retry-After (1 s) before its re-send: sent_ts is the last send
+    assert ((retried[M.REQ_SENT_TS] - retried[M.REQ_SCHEDULED_TS]) >= 0.99).all()
+    # never crashed, memory bounded: same process, healthy, RSS within 10% (+20 MB)
+    info = _info(service)[TIGHT]
+    rss1 = _rss_mb(pid)
+    assert info["pid"] == pid and _get(f"{service}/health").status_code == 200
+    assert rss1 <= rss0 * 1.10 + 20, (rss0, rss1)
+    print(f"\nFIGURES overload: capacity {capacity:.2f} req/s, offered {3 * capacity:.2f} req/s, "
+          f"statuses {by}, retried {len(retried)} (ok after retry "
+          f"{int(retried[M.REQ_STATUS].eq(M.STATUS_OK).sum())}), burst 429s {len(shed)}/12, "
+          f"replica RSS {rss0:.0f} -> {rss1:.0f} MB")
+
+
+@pytest.mark.slow
+def test_kill9_of_the_load_generator_keeps_rows_up_to_the_last_second(service, tmp_path):
+    """kill -9 of the driver and of its writer process mid cell: the cell file is readable and
+    holds every row up to ~1 s before the kill."""
+    tiers = _tiers(tmp_path, {"users": 4, "duration_s": 60, "max_tokens": 4})
+    results = tmp_path / "res"
+    proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive"), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
+        _wait(lambda: _cell_rows(run_dir, "autoregressive") >= 20, 120, "20 rows in the cell file")
+        time.sleep(3.0)
+        writer_pid = json.loads((run_dir / "manifest.json").read_text())["writer_pid"]
+        t_kill = time.time()
+        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(writer_pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (cell,) = list((run_dir / "cells").glob("*.parquet"))
+    df = pq.read_table(cell).to_pandas()                      # readable after the kill
+    ok = df[df[M.REQ_STATUS].eq(M.STATUS_OK)]
+    gap = t_kill - df[M.REQ_END_TS].max()
+    rate = len(ok) / (ok[M.REQ_END_TS].max() - ok[M.REQ_SCHEDULED_TS].min())
+    assert len(ok) >= 20 and gap <= 2.0, (len(ok), gap)
+    from analysis.load import load_results
+
+    assert len(load_results(run_dir).requests) == len(df)    # the analysis reads the killed run
+    print(f"\nFIGURES kill -9: {len(df)} rows kept, newest row {gap:.2f} s before the kill, "
+          f"~{gap * rate:.1f} rows lost at {rate:.1f} rows/s")
+
+
+@pytest.mark.slow
+def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
+    """SIGKILL of the ngram replica's process in the middle of its cell: Serve starts a new one,
+    the run finishes, the lost requests are rows with their own status, the report shows the
+    outage window and says the recommendation rests on a degraded run."""
+    old_pid = _info(service)["ngram"]["pid"]
+    tiers = _tiers(tmp_path, {"users": 2, "duration_s": 30, "max_tokens": 12})
+    results = tmp_path / "res"
+    proc = subprocess.Popen(_loadgen(service, tiers, results, "ngram,autoregressive", "--report"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
+        _wait(lambda: _cell_rows(run_dir, "-ngram-") >= 4, 120, "4 ngram rows")
+        t_kill = time.time()
+        os.kill(old_pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    new_pid = _wait(lambda: _info(service)["ngram"]["pid"] != old_pid and _info(service)["ngram"]["pid"],
+                    120, "a new ngram replica")
+    df = pd.read_parquet(run_dir / "requests.parquet")
+    ng = df[df[M.REQ_STRATEGY].eq("ngram")]
+    failed = ng[ng[M.REQ_STATUS].isin(M.FAILURE_STATUSES)]
+    assert len(failed) >= 1 and (failed[M.REQ_END_TS] >= t_kill - 0.5).all(), ng[M.REQ_STATUS].value_counts()
+    assert failed[M.REQ_ERROR].notna().all()
+    back = ng[ng[M.REQ_STATUS].eq(M.STATUS_OK) & (ng[M.REQ_FIRST_TOKEN_TS] > t_kill)]
+    assert len(back) >= 1, "no ngram request served by the new replica within the cell"
+    ar = df[df[M.REQ_STRATEGY].eq("autoregressive")]
+    assert ar[M.REQ_STATUS].eq(M.STATUS_OK).all()             # the other strategy never noticed
+    rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
+    cell = rec["low"]["short"]
+    assert cell["degraded"] and "degraded run" in cell["note"] and "ngram" in cell["degraded_strategies"]
+    outage_s = cell["degraded_strategies"]["ngram"]["outage_s"]
+    assert 0 < outage_s < 120
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "## Faults and outages" in md and ("disconnected" in md or "error" in md)
+    html = (run_dir / "report" / "report.html").read_text()
+    assert 'id="fig-timeline"' in html
+    print(f"\nFIGURES replica kill: pid {old_pid} -> {new_pid}; {len(failed)} request(s) lost "
+          f"({failed[M.REQ_STATUS].value_counts().to_dict()}), outage {outage_s:.1f} s, "
+          f"{len(back)} ok after the replacement, {len(ng)} ngram rows")
+
+
+@pytest.mark.slow
+def test_load_worker_killed_mid_run(service, tmp_path):
+    """SIGKILL of one Locust worker's Ray actor process mid cell: its locust process follows it,
+    the cell finishes on the other worker, the rows it had sent are kept, the manifest records
+    the loss (and the requests it had in flight)."""
+    import psutil
+
+    from cluster.local import state_file
+
+    address = json.loads(state_file(int(service.rsplit(":", 1)[1])).read_text())["address"]
+    tiers = _tiers(tmp_path, {"users": 4, "duration_s": 20, "max_tokens": 8})
+    results = tmp_path / "res"
+    proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive", "--workers", "2",
+                                     "--ray-address", address), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
+        workers = _wait(lambda: json.loads((run_dir / "manifest.json").read_text()).get("load_workers"),
+                        300, "load workers in the manifest", every_s=0.5)
+        _wait(lambda: _cell_rows(run_dir, "autoregressive") >= 10, 120, "10 rows")
+        victim = workers[1]
+        t_kill = time.time()
+        os.kill(victim["actor_pid"], signal.SIGKILL)
+        _wait(lambda: not psutil.pid_exists(victim["locust_pid"])
+              or psutil.Process(victim["locust_pid"]).status() == psutil.STATUS_ZOMBIE, 10,
+              "the killed actor's locust worker to exit")
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    man = json.loads((run_dir / "manifest.json").read_text())
+    (loss,) = man["worker_losses"]
+    assert loss["lost_ts"] >= t_kill and loss["live_workers"] == 1
+    df = pd.read_parquet(run_dir / "requests.parquet")
+    rank = loss["worker_index"]             # both alive at the cell start: rank = worker index
+    dead = df[df[M.REQ_REQUEST_INDEX] % 2 == rank]
+    live = df[df[M.REQ_REQUEST_INDEX] % 2 != rank]
+    assert len(dead) == loss["rows_delivered"] > 0                  # what it sent is kept
+    assert (dead[M.REQ_END_TS] <= t_kill + 0.5).all()
+    assert (live[M.REQ_END_TS] > loss["lost_ts"]).any()             # the other worker went on
+    assert df[M.REQ_STATUS].eq(M.STATUS_OK).all()
+    print(f"\nFIGURES worker kill: {len(dead)} rows of the dead worker kept, "
+          f"{loss['in_flight_at_last_report']} in-flight request(s) lost, detected "
+          f"{loss['lost_ts'] - t_kill:.1f} s after the kill; {len(live)} rows from the live worker")
+
+
+@pytest.mark.slow
+def test_soak_one_minute(service, tmp_path):
+    """``python -m loadgen.soak --minutes 1``: mixed strategies at the mid tier, no errors, RSS
+    within 10% after warm-up, step log bounded, no fd leak, no restart."""
+    tiers = _tiers(tmp_path, {"users": 4, "duration_s": 10, "max_tokens": 16})
+    p = subprocess.run([sys.executable, "-m", "loadgen.soak", "--minutes", "1", "--target", service,
+                        "--strategies", "autoregressive,ngram", "--tiers-file", str(tiers), "--results",
+                        str(tmp_path / "soak"), "--warmup-s", "15", "--chunk-s", "20", "--sample-s", "5"],
+                       cwd=REPO, capture_output=True, text=True, timeout=400)
+    (d,) = list((tmp_path / "soak").iterdir())
+    verdict = json.loads((d / "soak.json").read_text())
+    assert p.returncode == 0, (verdict["problems"], p.stdout[-3000:], p.stderr[-3000:])
+    assert verdict["passed"] and verdict["failed"] == 0 and verdict["by_status"].get("ok", 0) > 10
+    assert set(verdict["replicas"]) >= {"autoregressive", "ngram"}
+    rows = pd.concat([pd.read_parquet(f) for f in sorted((d / "cells").glob("*.parquet"))])
+    assert set(rows[M.REQ_STRATEGY]) == {"autoregressive", "ngram"}     # mixed traffic
+    for name in ("autoregressive", "ngram"):
+        r = verdict["replicas"][name]
+        assert r["rss_growth"] < 0.10 and r["fd_growth"] <= 8 and r["step_log_rows"] <= r["step_log_capacity"]
+    print("\nFIGURES soak 1 min: " + "; ".join(
+        f"{n}: RSS {r['rss_mb_before']:.0f} -> {r['rss_mb_after']:.0f} MB ({r['rss_growth']:+.1%}), fds "
+        f"{r['fds_before']} -> {r['fds_after']}, step log {r['step_log_rows']}/{r['step_log_capacity']}"
+        for n, r in verdict["replicas"].items()) + f"; {verdict['requests']} requests {verdict['by_status']}")
