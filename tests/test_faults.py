@@ -172,6 +172,14 @@ def _cell_rows(run_dir: Path, name_part: str) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in files)
 
 
+def _manifest(run_dir: Path) -> dict:
+    """The run's manifest.json, {} until it is first written."""
+    try:
+        return json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _rss_mb(pid: int) -> float:
     import psutil
 
@@ -242,7 +250,7 @@ def test_kill9_of_the_load_generator_keeps_rows_up_to_the_last_second(service, t
         run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
         _wait(lambda: _cell_rows(run_dir, "autoregressive") >= 20, 120, "20 rows in the cell file")
         time.sleep(3.0)
-        writer_pid = json.loads((run_dir / "manifest.json").read_text())["writer_pid"]
+        writer_pid = _wait(lambda: _manifest(run_dir).get("writer_pid"), 30, "the manifest")
         t_kill = time.time()
         os.kill(proc.pid, signal.SIGKILL)
         os.kill(writer_pid, signal.SIGKILL)
@@ -315,18 +323,16 @@ def test_load_worker_killed_mid_run(service, tmp_path):
     the loss (and the requests it had in flight)."""
     import psutil
 
-    from cluster.local import state_file
-
-    address = json.loads(state_file(int(service.rsplit(":", 1)[1])).read_text())["address"]
     tiers = _tiers(tmp_path, {"users": 4, "duration_s": 20, "max_tokens": 8})
     results = tmp_path / "res"
-    proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive", "--workers", "2",
-                                     "--ray-address", address), cwd=REPO,
+    # the workers' own private local Ray (as `--workers` without --ray-address does for a user)
+    proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive", "--workers", "2"), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
-        workers = _wait(lambda: json.loads((run_dir / "manifest.json").read_text()).get("load_workers"),
-                        300, "load workers in the manifest", every_s=0.5)
+        workers = _wait(lambda: _manifest(run_dir).get("load_workers") or proc.poll() is not None,
+                        400, "load workers in the manifest", every_s=0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
         _wait(lambda: _cell_rows(run_dir, "autoregressive") >= 10, 120, "10 rows")
         victim = workers[1]
         t_kill = time.time()
