@@ -44,14 +44,15 @@ class Column:
     unit: str = ""
     doc: str = ""
     required: bool = False   # the reader refuses a file without it
+    default: Any = None      # the value of a row that lacks it (None: null)
 
     @property
     def numeric(self) -> bool:
         return self.type in ("int32", "int64", "float64")
 
 
-def _c(name, type_, unit="", doc="", required=False) -> Column:
-    return Column(name, type_, unit, doc, required)
+def _c(name, type_, unit="", doc="", required=False, default=None) -> Column:
+    return Column(name, type_, unit, doc, required, default)
 
 
 # --- request rows: requests.parquet, one row per request ----------------------
@@ -92,7 +93,7 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.VERIFY_MS, "float64", "ms", "verification time summed over the request's steps"),
     _c(M.QUEUE_MS, "float64", "ms", "arrival -> first scheduled, server side"),
     _c(M.REQ_REPEAT, "int32", doc="0-based repeat of the cell (--repeats)"),
-    _c(M.REQ_RETRIES, "int32", doc="re-sends after HTTP 429 (--retry N); 0 without retries"),
+    _c(M.REQ_RETRIES, "int32", doc="re-sends after HTTP 429 (--retry N); 0 without retries", default=0),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------
@@ -148,14 +149,14 @@ def units(columns: tuple[Column, ...]) -> dict[str, str]:
 
 
 def coerce_row(columns: tuple[Column, ...], row: dict[str, Any]) -> dict[str, Any]:
-    """Fit a row to ``columns``: missing / NaN -> None, values cast to the column type,
+    """Fit a row to ``columns``: missing / NaN -> the column's default (None unless set), values cast to the column type,
     a value of the wrong kind -> None (a number column) or ``str`` (a string column).
     Keys not in ``columns`` are dropped."""
     out: dict[str, Any] = {}
     for c in columns:
         v = row.get(c.name)
         if v is None or (isinstance(v, float) and v != v):
-            out[c.name] = None
+            out[c.name] = c.default
         elif c.type in ("int32", "int64"):
             out[c.name] = int(v) if isinstance(v, (int, float)) else None
         elif c.type == "float64":

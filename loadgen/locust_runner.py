@@ -302,8 +302,32 @@ class LoadRunner:
                 gevent.sleep(0.1)
             gevent.sleep(0.3)
 
+    def _settle_losses(self, max_wait_s: float = 6.0) -> None:
+        """Before quitting: give Locust's heartbeat check (missing after ~3 missed 1 s beats)
+        time to mark a worker that died late in the last cell, so its loss is recorded even
+        when no later cell would have noticed. Bounded by ``max_wait_s``; returns as soon as
+        every worker has sent a heartbeat within the last beat or two."""
+        if self.n_workers <= 0:
+            return
+        from locust.runners import HEARTBEAT_LIVENESS
+
+        t_end = time.time() + max_wait_s
+        cell = self._cell_id or "after-run"
+        while time.time() < t_end:
+            self._check_workers(cell)
+            pending = [c for c in self.runner.clients.values()
+                       if c.state != "missing" and c.heartbeat < HEARTBEAT_LIVENESS - 1]
+            if not pending:
+                return
+            gevent.sleep(0.5)
+        self._check_workers(cell)
+
     def close(self) -> None:
         """Stop runners and workers; shut down the Ray helper (which shuts Ray down if it started it)."""
+        try:
+            self._settle_losses()
+        except Exception:  # noqa: BLE001  (closing after an interrupt)
+            pass
         try:
             self.runner.quit()
         except Exception:  # noqa: BLE001  (closing after an interrupt)

@@ -317,9 +317,6 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="measured 13:00: the killed worker's share stops and the cell finishes on the "
-                          "other worker, but the Locust master did not mark it missing within the cell, so "
-                          "manifest worker_losses stayed empty (under investigation)", strict=False)
 def test_load_worker_killed_mid_run(service, tmp_path):
     """SIGKILL of one Locust worker's Ray actor process mid cell: its locust process follows it,
     the cell finishes on the other worker, the rows it had sent are kept, the manifest records

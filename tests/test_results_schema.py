@@ -103,3 +103,16 @@ def test_old_step_logs_without_model_fall_back_to_the_strategy(tmp_path):
     res = load_results(tmp_path)
     assert list(res.steps[M.STEP_STRATEGY]) == ["ngram"]
     assert list(res.steps[STEP_PROPOSER]) == ["ngram"]
+
+
+def test_a_row_without_a_defaulted_column_gets_its_default(tmp_path):
+    """Rows from every path (sent, cancelled at the cell's end, never sent) carry the same
+    columns: a column with a defined default (retries: 0) is never null, whoever built the row."""
+    run = tmp_path / "run1"
+    _write_run(run, ["dflash", "dflash"], [])
+    rows = pq.read_table(run / "requests.parquet").to_pylist()
+    assert [r[M.REQ_RETRIES] for r in rows] == [0, 0]            # _request() sets no retries
+    assert rows[0][M.REQ_TTFT_MS] == 50.0 and rows[0][M.REQ_E2E_MS] is None  # no default: null
+    defaulted = {c.name: c.default for c in S.REQUEST_COLUMNS if c.default is not None}
+    assert defaulted == {M.REQ_RETRIES: 0}
+    assert S.coerce_row(S.REQUEST_COLUMNS, {M.REQ_RETRIES: float("nan")})[M.REQ_RETRIES] == 0
