@@ -155,6 +155,12 @@ def _run_dir(results: Path) -> Path:
     return d
 
 
+def _run_dir_once_made(results: Path) -> Path | None:
+    """The run directory, or None while the load generator has not made it yet."""
+    dirs = [p for p in results.iterdir() if p.is_dir()] if results.is_dir() else []
+    return dirs[0] if len(dirs) == 1 else None
+
+
 def _wait(cond, timeout_s: float, what: str, every_s: float = 0.2):
     """Poll ``cond()`` until truthy (returned) or ``timeout_s`` (AssertionError naming ``what``)."""
     end = time.time() + timeout_s
@@ -247,7 +253,7 @@ def test_kill9_of_the_load_generator_keeps_rows_up_to_the_last_second(service, t
     proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive"), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
+        run_dir = _wait(lambda: _run_dir_once_made(results), 120, "run dir")
         _wait(lambda: _cell_rows(run_dir, "autoregressive") >= 20, 120, "20 rows in the cell file")
         time.sleep(3.0)
         writer_pid = _wait(lambda: _manifest(run_dir).get("writer_pid"), 30, "the manifest")
@@ -282,7 +288,7 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
     proc = subprocess.Popen(_loadgen(service, tiers, results, "ngram,autoregressive", "--report"), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
+        run_dir = _wait(lambda: _run_dir_once_made(results), 120, "run dir")
         _wait(lambda: _cell_rows(run_dir, "-ngram-") >= 4, 120, "4 ngram rows")
         t_kill = time.time()
         os.kill(old_pid, signal.SIGKILL)
@@ -329,7 +335,7 @@ def test_load_worker_killed_mid_run(service, tmp_path):
     proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive", "--workers", "2"), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        run_dir = _wait(lambda: results.is_dir() and any(results.iterdir()) and _run_dir(results), 120, "run dir")
+        run_dir = _wait(lambda: _run_dir_once_made(results), 120, "run dir")
         workers = _wait(lambda: _manifest(run_dir).get("load_workers") or proc.poll() is not None,
                         400, "load workers in the manifest", every_s=0.5)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
