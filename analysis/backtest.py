@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis import metrics, stepcost
+from analysis import capacity, metrics, stepcost
 from analysis.load import Results
 from configs import metric_names as mn
 from configs.tiers import Slo
@@ -173,24 +173,8 @@ def predicted_speedup(models: dict, strategy: str, oc: str, users) -> np.ndarray
 def predicted_crossover(models: dict, strategy: str, oc: str, max_users: float = 4096.0):
     """Smallest users level in [1, max_users] where the predicted speedup < 1
     (geometric scan, then bisection to 0.01 users); None if never."""
-    grid = np.geomspace(1.0, max_users, 2000)
-    sp = predicted_speedup(models, strategy, oc, grid)
-    if sp is None:
-        return None
-    below = np.nonzero(sp < 1.0)[0]
-    if below.size == 0:
-        return None
-    i = int(below[0])
-    if i == 0:
-        return 1.0
-    lo, hi = grid[i - 1], grid[i]
-    while hi - lo > 0.01:
-        mid = 0.5 * (lo + hi)
-        if predicted_speedup(models, strategy, oc, mid) < 1.0:
-            hi = mid
-        else:
-            lo = mid
-    return float(hi)
+    return capacity.first_users_below_one(lambda u: predicted_speedup(models, strategy, oc, u),
+                                          max_users, points=2000, tol=0.01)
 
 
 def measured_crossover_interval(cells: pd.DataFrame) -> pd.DataFrame:

@@ -189,28 +189,38 @@ def predicted_speedup(users, curve: CostCurve, tau: float, v: float,
     return tau * ar_ms / spec_ms
 
 
-def predicted_crossover(curve: CostCurve, tau: float, v: float, draft=(0.0, 0.0),
-                        other_ms: float = 0.0, ar_other_ms: float = 0.0,
-                        max_users: float = 1e5) -> float | None:
-    """Smallest concurrency in [1, max_users] with predicted speedup < 1 (bisection
-    to 1e-6 users after a geometric scan); 1.0 if already below 1 at one user;
-    None if it never falls below 1 in range."""
-    def f(n):
-        return predicted_speedup(n, curve, tau, v, draft, other_ms, ar_other_ms) - 1.0
+def first_users_below_one(speedup, max_users: float, points: int = 4000, tol: float = 1e-6) -> float | None:
+    """Smallest users level in [1, max_users] where ``speedup(users) < 1``: a geometric scan of
+    ``points`` levels, then bisection to ``tol`` users. 1.0 if already below 1 at one user;
+    None if it never falls below 1 in range, or if ``speedup`` returns None.
 
-    grid = np.geomspace(1.0, max_users, 4000)
-    vals = f(grid)
-    below = np.nonzero(vals < 0)[0]
+    ``speedup`` takes an array (the scan) and a scalar (the bisection) of users.
+    """
+    grid = np.geomspace(1.0, max_users, points)
+    vals = speedup(grid)
+    if vals is None:
+        return None
+    below = np.nonzero(np.asarray(vals) < 1.0)[0]
     if below.size == 0:
         return None
     i = int(below[0])
     if i == 0:
         return 1.0
     lo, hi = grid[i - 1], grid[i]
-    while hi - lo > 1e-6:
+    while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if f(mid) >= 0 else (lo, mid)
+        lo, hi = (mid, hi) if speedup(mid) >= 1.0 else (lo, mid)
     return float(hi)
+
+
+def predicted_crossover(curve: CostCurve, tau: float, v: float, draft=(0.0, 0.0),
+                        other_ms: float = 0.0, ar_other_ms: float = 0.0,
+                        max_users: float = 1e5) -> float | None:
+    """Smallest concurrency in [1, max_users] with predicted speedup < 1 (bisection
+    to 1e-6 users after a geometric scan); 1.0 if already below 1 at one user;
+    None if it never falls below 1 in range."""
+    return first_users_below_one(
+        lambda n: predicted_speedup(n, curve, tau, v, draft, other_ms, ar_other_ms), max_users)
 
 
 def other_ms(steps: pd.DataFrame) -> dict[str, float]:
