@@ -195,7 +195,7 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
 
     ``deploy(strategy, replicas) -> (url, stop)`` and ``drive(url, run_id) -> run_dir``
     default to ``python -m cluster up`` and ``python -m loadgen`` subprocesses."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()   # the load generator runs with its own cwd
     out_dir.mkdir(parents=True, exist_ok=True)
     tiers_path = out_dir / "validate-tiers.yaml"
     tiers_path.write_text(yaml.safe_dump(tiers_file(tier, choice.output_class, qps, duration_s,
