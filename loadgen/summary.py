@@ -285,7 +285,7 @@ def write_csv(path: Path, summaries: list[CellSummary]) -> Path:
                 if v is None or (isinstance(v, float) and math.isnan(v)):
                     v = ""
                 elif isinstance(v, float):
-                    v = f"{v:.6g}"
+                    v = repr(v)   # full precision: a rounded CSV value would round again differently
                 row.append(v)
             w.writerow(row)
     os.replace(tmp, path)
