@@ -80,6 +80,14 @@ class RayActorOptions(BaseModel):
     resources: dict[str, float] = Field(default_factory=dict)
     runtime_env: dict[str, Any] | None = None
 
+    def serve_options(self, **override: Any) -> dict[str, Any]:
+        """The ``ray_actor_options`` dict for ``Deployment.options`` (unset fields and an empty
+        ``resources`` left out; ``override`` replaces fields, e.g. ``num_cpus=0``)."""
+        opts = {**self.model_dump(exclude_none=True), **override}
+        if not opts.get("resources"):
+            opts.pop("resources", None)
+        return opts
+
 
 class StrategyEntry(BaseModel):
     """One strategy deployment: engine settings plus Serve scaling and resources."""
@@ -137,7 +145,9 @@ class IngressOptions(BaseModel):
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int | Literal["auto"] = "auto"
     ray_actor_options: RayActorOptions = Field(
-        default_factory=lambda: RayActorOptions(num_cpus=0.1))
+        default_factory=lambda: RayActorOptions(num_cpus=0.1), description=(
+            "also places the app-wide step-log store (with num_cpus 0): on a multi-node "
+            "cluster, a custom resource only the head has keeps the whole front there"))
     retry_after_s: int = Field(1, ge=0, description="Retry-After header on 429")
     api_key: str | None = Field(None, min_length=1, description=(
         "require 'Authorization: Bearer <key>' on every route but /health (401 otherwise); "

@@ -4,6 +4,8 @@ no console errors, every plot decodes, the recommendation table is present."""
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -41,8 +43,11 @@ def test_report_renders_in_chromium(tmp_path, browser):
     browser.open(f"file://{paths['html']}")
     got = browser.evaluate(PROBE)
     assert browser.errors == []
-    assert got["n"] == 8 and all(got["decoded"]) and min(got["widths"]) > 100
-    assert "fig-per_position" in got["ids"] and "fig-step_cost" in got["ids"]
+    # every figure the page embeds is seen by the browser, decodes and has a real width
+    written = re.findall(r'<img id="(fig-[^"]+)"', Path(paths["html"]).read_text())
+    assert got["ids"] == written and got["n"] == len(written) >= 8
+    assert all(got["decoded"]) and min(got["widths"]) > 100
+    assert {"fig-per_position", "fig-step_cost", "fig-step_residuals", "fig-goodput"} <= set(got["ids"])
     assert got["rec"] and len(got["rows"]) == 6
     by_tier = {(r[0], r[1]): r[3] for r in got["rows"]}
     assert by_tier[("low", "short")] == "dflash" and by_tier[("high", "long")] == "autoregressive"

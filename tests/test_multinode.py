@@ -1,7 +1,8 @@
 """Multi-node Ray on one machine: replica placement, load workers spread over nodes, node loss.
 
 One module-scoped cluster (``tests.multinode_cluster``): a head (Serve
-controller + HTTP proxy, no strategy resource) and two worker nodes that
+controller + HTTP proxy, and the ingress + step-log store placed there by the
+head-only custom resource ``specload_front``; no strategy resource) and two worker nodes that
 advertise the custom resource ``specload_strategy`` (the stand-in for
 ``num_gpus`` on a GPU cluster). The app is ``configs/serve.yaml``'s
 autoregressive and ngram entries with ``ray_actor_options.resources:
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 RESOURCE = "specload_strategy"
+FRONT = "specload_front"   # only the head has it: the ingress and the step-log store live there
 STRATEGIES = ("autoregressive", "ngram")
 SLO = {"ttft_ms": 5000, "tpot_ms": 1000}
 
@@ -51,7 +53,8 @@ def _app_args() -> dict:
                            "max_waiting": 64}
             e["ray_actor_options"] = {"num_cpus": 0.05, "resources": {RESOURCE: 1}}
             strategies.append(e)
-    return {"strategies": strategies, "ingress": {"ray_actor_options": {"num_cpus": 0.05}},
+    return {"strategies": strategies,
+            "ingress": {"ray_actor_options": {"num_cpus": 0.05, "resources": {FRONT: 0.1}}},
             "engine_factory": "tests.fake_engine:make_fake_engine"}
 
 
@@ -67,7 +70,7 @@ def cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     c = LocalCluster()
     try:
-        c.start_head(num_cpus=1, system_config={"health_check_period_ms": 1000,
+        c.start_head(num_cpus=1, resources={FRONT: 1}, system_config={"health_check_period_ms": 1000,
                                                 "health_check_failure_threshold": 3,
                                                 "agent_register_timeout_ms": 300000})
         c.add_worker("w1", 1, {RESOURCE: 2})
@@ -167,6 +170,8 @@ def test_replicas_on_resource_nodes_head_keeps_proxy_and_controller(cluster):
     assert names["ServeController"] == head
     proxies = [a["Address"]["NodeID"] for a in _alive_actors() if a.get("ActorClassName") == "ProxyActor"]
     assert proxies == [head]                           # proxy_location: HeadOnly
+    # the ingress's custom resource keeps it and the step-log store on the head
+    assert _deployment_nodes("openai-ingress") == {head} == _deployment_nodes("step-log-store")
     print("placement:", {s: [c.node_name(n) for n in ns] for s, ns in placed.items()})
 
 

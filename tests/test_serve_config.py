@@ -99,3 +99,14 @@ def test_build_app_skips_missing_models(caplog, tmp_path):
     assert "strategy table" in missing_reason(StrategyEntry(engine={"strategy": "no_such_strategy"}))
     with pytest.raises(ValueError, match="no strategy can be served"):
         build_app({"strategies": args["strategies"][1:]})
+
+
+def test_actor_options_for_serve_drop_unset_and_empty_resources():
+    from configs.serve_config import RayActorOptions
+
+    assert RayActorOptions(num_cpus=0.1).serve_options() == {"num_cpus": 0.1, "num_gpus": 0.0}
+    pinned = RayActorOptions(num_cpus=0.1, resources={"specload_front": 0.1})
+    assert pinned.serve_options()["resources"] == {"specload_front": 0.1}
+    # the step-log store's options: with the ingress, no CPU, a sliver of its custom resources
+    assert pinned.serve_options(num_cpus=0, resources={"specload_front": 0.001}) == {
+        "num_cpus": 0, "num_gpus": 0.0, "resources": {"specload_front": 0.001}}

@@ -88,9 +88,13 @@ def build_app(args: dict[str, Any]):
 
     cfg = ServeAppConfig.model_validate(args)
     real = cfg.engine_factory == DEFAULT_ENGINE_FACTORY
+    ing = cfg.ingress
+    # the store sits with the ingress (same custom resources), taking no CPU of its own
+    front = ing.ray_actor_options.serve_options(
+        num_cpus=0, num_gpus=0, resources={k: 0.001 for k in ing.ray_actor_options.resources})
     store = StepLogStore.options(
         name="step-log-store", num_replicas=1, max_ongoing_requests=1000,
-        ray_actor_options={"num_cpus": 0}).bind(cfg.step_log_store_capacity)
+        ray_actor_options=front).bind(cfg.step_log_store_capacity)
     handles: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for entry in cfg.strategies:
@@ -110,9 +114,7 @@ def build_app(args: dict[str, Any]):
             except ValidationError as exc:
                 raise ValueError(f"configs: strategy {entry.name!r} engine section is "
                                  f"invalid: {exc}") from None
-        opts = entry.ray_actor_options.model_dump(exclude_none=True)
-        if not opts.get("resources"):
-            opts.pop("resources", None)
+        opts = entry.ray_actor_options.serve_options()
         scaling: dict[str, Any] = (
             {"autoscaling_config": entry.autoscaling_config.model_dump(exclude_none=True)}
             if entry.autoscaling_config is not None
@@ -126,7 +128,6 @@ def build_app(args: dict[str, Any]):
     if not handles:
         raise ValueError(f"no strategy can be served; skipped: {skipped}. Train the models "
                          "(see README) or fix the model paths in configs/serve.yaml")
-    ing = cfg.ingress
     max_ongoing = (ing.max_ongoing_requests if ing.max_ongoing_requests != "auto" else
                    sum(e.resolved_max_ongoing_requests() * (e.num_replicas or (
                        e.autoscaling_config.max_replicas if e.autoscaling_config else 1))
@@ -135,6 +136,5 @@ def build_app(args: dict[str, Any]):
     return OpenAIIngress.options(
         name="openai-ingress", num_replicas=ing.num_replicas,
         max_ongoing_requests=max(1, max_ongoing // ing.num_replicas + 1),
-        ray_actor_options=ing.ray_actor_options.model_dump(exclude_none=True,
-                                                           exclude={"resources"}),
+        ray_actor_options=ing.ray_actor_options.serve_options(),
     ).bind(handles, store, ing.retry_after_s, ing.api_key)
