@@ -10,6 +10,14 @@ overloaded service cannot hide queueing), then repeats with N - 1 replicas.
 SLO attainment = requests meeting both SLOs / requests scheduled (errors,
 timeouts and requests still in flight at the end count as misses); requests
 scheduled in the first ``warmup_s`` seconds are left out (cold replicas).
+
+Every run gets its own run directory (``validate-<strategy>-<N>-<stamp>``): the
+load generator refuses an existing one, and reading a previous validation's
+``requests.parquet`` instead once made two runs at different QPS report the same
+246 requests. The load generator's exit status is checked, and so are the
+arrivals: every row must carry the planned rate, and the number of scheduled
+requests must be a plausible Poisson count for qps x duration
+(``arrivals_check``), else that replica count gets no figure.
 The plan holds when attainment(N) >= target; it is tight when
 attainment(N - 1) < target. N - 1 = 0 replicas serve nothing: attainment 0.
 
@@ -26,6 +34,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +49,7 @@ from configs import metric_names as mn
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.tiers import TIER_NAMES, Slo
 
+ARRIVALS_SIGMAS = 5.0       # a Poisson count further than this from qps x duration is wrong
 DEFAULT_DURATION_S = 60.0
 DEFAULT_WARMUP_S = 5.0
 INFLIGHT_CAP = 512          # open-loop cell's cap on requests in flight
@@ -85,6 +96,48 @@ def attainment(requests: pd.DataFrame, slo: Slo, warmup_s: float = DEFAULT_WARMU
     tiers = sel[mn.REQ_TIER].unique()
     good = metrics.meets_slo(sel, {t: slo for t in tiers})
     return float(good.mean()), int(len(sel))
+
+
+def arrivals_check(scheduled: int, qps: float, duration_s: float,
+                   sigmas: float = ARRIVALS_SIGMAS) -> dict:
+    """Is ``scheduled`` a plausible count of Poisson arrivals at ``qps`` over ``duration_s``?
+
+    The count is Poisson with mean and variance ``qps * duration_s`` (requests); it is
+    accepted within ``sigmas`` standard deviations (+1 for small means). Returns
+    {"expected", "scheduled", "sigma", "ok"}. Raises ValueError for qps or duration <= 0."""
+    if not (qps > 0 and duration_s > 0):
+        raise ValueError(f"qps and duration_s must be > 0, got {qps!r}, {duration_s!r}")
+    mean = float(qps) * float(duration_s)
+    sd = math.sqrt(mean)
+    return {"expected": mean, "scheduled": int(scheduled), "sigma": sd,
+            "ok": bool(abs(scheduled - mean) <= sigmas * sd + 1.0)}
+
+
+def check_run(requests: pd.DataFrame, qps: float, duration_s: float) -> dict:
+    """The arrivals a validation run actually drove: every row at the planned rate
+    (``request_rate_rps``) and a Poisson count of scheduled requests (``arrivals_check``).
+
+    Raises RuntimeError naming what is wrong (a stale or foreign run directory, a load
+    generator that stopped early)."""
+    if requests.empty:
+        raise RuntimeError("the load generator recorded no request")
+    if mn.REQ_RATE_RPS in requests:
+        rates = set(pd.to_numeric(requests[mn.REQ_RATE_RPS], errors="coerce").round(9))
+        if rates != {round(float(qps), 9)}:
+            raise RuntimeError(f"the run's requests were driven at {sorted(rates)} req/s, the "
+                               f"plan's rate is {qps:g}: not this validation's run")
+    check = arrivals_check(len(requests), qps, duration_s)
+    if not check["ok"]:
+        raise RuntimeError(f"{check['scheduled']} requests scheduled; Poisson at {qps:g} req/s for "
+                           f"{duration_s:g} s expects {check['expected']:.0f} +- "
+                           f"{ARRIVALS_SIGMAS:g} x {check['sigma']:.1f}")
+    return check
+
+
+def run_id_for(strategy: str, replicas: int) -> str:
+    """A fresh run id per validation run: ``validate-<strategy>-<N>-<UTC stamp>-<6 hex>``."""
+    return (f"validate-{strategy}-{replicas}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-"
+            f"{uuid.uuid4().hex[:6]}")
 
 
 def serve_config(strategy: str, replicas: int, base: Path = SERVE_YAML) -> dict:
@@ -177,8 +230,8 @@ def _loadgen(url: str, strategy: str, tier: str, output_class: str, tiers_path: 
                         "--profile", "validate", "--results", str(results), "--run-id", run_id],
                        capture_output=True, text=True, timeout=3600, cwd=PACKAGE_ROOT)
     run_dir = results / run_id
-    if not (run_dir / "requests.parquet").is_file():
-        raise RuntimeError(f"loadgen wrote no requests (exit {p.returncode}): "
+    if p.returncode != 0 or not (run_dir / "requests.parquet").is_file():
+        raise RuntimeError(f"loadgen failed (exit {p.returncode}) or wrote no requests: "
                            f"{(p.stdout + p.stderr)[-1500:]}")
     return run_dir
 
@@ -190,8 +243,9 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     """Run the plan with N and N - 1 replicas; returns the ``--validate --json`` dict:
     {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target",
     "output_class", "tier", "holds", "tight", "requests", "requests_minus_one",
-    "duration_s", "warmup_s", "runs"}; a replica count that could not be deployed
-    gets attainment None (holds / tight None) and its error under "errors".
+    "duration_s", "warmup_s", "runs", "arrivals": {N: arrivals_check dict}}; a replica
+    count that could not be deployed or driven (``check_run`` failed) gets attainment
+    None (holds / tight None) and its error under "errors".
 
     ``deploy(strategy, replicas) -> (url, stop)`` and ``drive(url, run_id) -> run_dir``
     default to ``python -m cluster up`` and ``python -m loadgen`` subprocesses."""
@@ -211,7 +265,7 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     result = {"strategy": choice.strategy, "output_class": choice.output_class, "tier": tier,
               "replicas": choice.replicas, "qps": qps, "slo_target": target,
               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-              "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}}
+              "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}, "arrivals": {}}
     for n, key in ((choice.replicas, "attainment"), (choice.replicas - 1, "attainment_minus_one")):
         count_key = "requests" if key == "attainment" else "requests_minus_one"
         if n < 1:
@@ -221,16 +275,17 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
             f"{duration_s:g} s ({tier}/{choice.output_class})")
         try:
             url, stop = deploy(choice.strategy, n)
+            try:
+                run_dir = drive(url, run_id_for(choice.strategy, n))
+            finally:
+                stop()
+            req = pd.read_parquet(Path(run_dir) / "requests.parquet")
+            result["arrivals"][str(n)] = check_run(req, qps, duration_s)
         except RuntimeError as exc:  # keep what was measured; say why this count has no figure
             result[key], result[count_key] = None, 0
             result.setdefault("errors", {})[str(n)] = str(exc)[-500:]
-            log(f"validate: {n} replica(s) could not be deployed: {str(exc)[-300:]}")
+            log(f"validate: {n} replica(s): no figure: {str(exc)[-300:]}")
             continue
-        try:
-            run_dir = drive(url, f"validate-{choice.strategy}-{n}")
-        finally:
-            stop()
-        req = pd.read_parquet(Path(run_dir) / "requests.parquet")
         att, count = attainment(req, slo, warmup_s)
         result[key], result[count_key] = att, count
         result["runs"][str(n)] = str(run_dir)

@@ -4,6 +4,7 @@ N / N-1 verdict, and one pass through the real load generator against the fake s
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,10 +19,12 @@ from configs.tiers import Slo, load_tiers
 SLO = Slo(ttft_ms=1000.0, tpot_ms=100.0, source="flags")
 
 
-def _rows(n: int, good_share: float, t0: float = 1000.0, spacing: float = 0.1) -> pd.DataFrame:
+def _rows(n: int, good_share: float, t0: float = 1000.0, spacing: float = 0.1,
+          rate: float | None = None) -> pd.DataFrame:
     n_good = int(round(n * good_share))
     return pd.DataFrame({
         mn.REQ_TIER: "high", mn.REQ_SCHEDULED_TS: t0 + spacing * np.arange(n),
+        mn.REQ_RATE_RPS: rate if rate is not None else 1.0 / spacing,
         mn.REQ_STATUS: [mn.STATUS_OK] * (n - 2) + [mn.STATUS_TIMEOUT, mn.STATUS_ERROR],
         mn.REQ_TTFT_MS: [100.0] * n_good + [5000.0] * (n - n_good),
         mn.REQ_TPOT_MS: 10.0, mn.REQ_OUTPUT_TOKENS: 30})
@@ -84,24 +87,26 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
         deployed.append((strategy, n))
         return f"http://fake/{n}", lambda: None
 
-    def drive(url, run_id):
+    def drive(url, run_id):   # 200 requests at 2 req/s over 100 s: qps x duration exactly
         n = int(url.rsplit("/", 1)[1])
         d = tmp_path / run_id
-        d.mkdir()
-        _rows(200, share[n]).to_parquet(d / "requests.parquet")
+        d.mkdir()   # a fresh run id each time: an existing directory would raise here
+        _rows(200, share[n], spacing=0.5).to_parquet(d / "requests.parquet")
         return d
 
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 1.3, "high", SLO, 0.9,
-                           32, tmp_path / "out", duration_s=20, warmup_s=0.0, deploy=deploy,
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 2.0, "high", SLO, 0.9,
+                           32, tmp_path / "out", duration_s=100, warmup_s=0.0, deploy=deploy,
                            drive=drive, log=lambda m: None)
     assert deployed == [(mn.AUTOREGRESSIVE, 2), (mn.AUTOREGRESSIVE, 1)]
     assert {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target"} <= set(res)
     assert res["attainment"] == pytest.approx(0.95) and res["attainment_minus_one"] == pytest.approx(0.40)
-    assert res["holds"] and res["tight"] and res["replicas"] == 2 and res["qps"] == 1.3
+    assert res["holds"] and res["tight"] and res["replicas"] == 2 and res["qps"] == 2.0
+    assert res["arrivals"]["2"]["expected"] == 200.0 and res["arrivals"]["2"]["ok"]
+    assert res["runs"]["2"] != res["runs"]["1"]
     # a one-replica plan: N - 1 = 0 replicas serve nothing
     share[1] = 0.97
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 1, 2.0), 1.0, "high", SLO, 0.9,
-                           32, tmp_path / "out1", warmup_s=0.0, deploy=deploy,
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 1, 2.0), 2.0, "high", SLO, 0.9,
+                           32, tmp_path / "out1", duration_s=100, warmup_s=0.0, deploy=deploy,
                            drive=lambda url, rid: drive(url, rid + "-b"), log=lambda m: None)
     assert res["attainment_minus_one"] == 0.0 and res["requests_minus_one"] == 0 and res["holds"]
     # a count that cannot be deployed keeps the other's figure and says why
@@ -111,12 +116,50 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
             raise RuntimeError("ray head timed out")
         return deploy(strategy, n)
     share[2] = 0.95
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 1.3, "high", SLO, 0.9,
-                           32, tmp_path / "out2", warmup_s=0.0, deploy=flaky,
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 2.0, "high", SLO, 0.9,
+                           32, tmp_path / "out2", duration_s=100, warmup_s=0.0, deploy=flaky,
                            drive=lambda url, rid: drive(url, rid + "-c"), log=lambda m: None)
     assert res["attainment"] == pytest.approx(0.95) and res["holds"]
     assert res["attainment_minus_one"] is None and res["tight"] is None
     assert "timed out" in res["errors"]["1"]
+
+
+def test_arrivals_are_qps_times_duration_and_a_stale_run_is_refused(tmp_path):
+    """The open-loop schedule the load generator uses holds ~qps x duration arrivals; a
+    validation that read another run's requests (once: 246 requests at 6.5 and at 9 req/s)
+    or a load generator that stopped early gets no figure."""
+    from loadgen.cells import poisson_schedule
+    for qps, dur in ((1.3, 60.0), (6.5, 45.0), (9.0, 45.0), (40.0, 30.0)):
+        counts = [len(poisson_schedule(qps, dur, seed)) for seed in range(20)]
+        mean = qps * dur
+        assert abs(np.mean(counts) - mean) < 3 * math.sqrt(mean / len(counts)) + 1
+        assert all(va.arrivals_check(c, qps, dur)["ok"] for c in counts)
+        sched = poisson_schedule(qps, dur, 0)
+        assert 0 < sched[0] and sched[-1] < dur and sched[-1] > 0.8 * dur  # the whole duration
+    chk = va.arrivals_check(246, 9.0, 45.0)
+    assert chk["expected"] == 405.0 and chk["sigma"] == pytest.approx(20.125, abs=1e-3)
+    assert not chk["ok"] and va.arrivals_check(246, 6.5, 45.0)["ok"]
+    with pytest.raises(ValueError):
+        va.arrivals_check(10, 0.0, 45.0)
+    # a run driven at another rate (a stale directory) and a short run are refused
+    with pytest.raises(RuntimeError, match="not this validation's run"):
+        va.check_run(_rows(292, 1.0, spacing=1 / 6.5), 9.0, 45.0)
+    with pytest.raises(RuntimeError, match="expects 405"):
+        va.check_run(_rows(246, 1.0, spacing=45 / 246, rate=9.0), 9.0, 45.0)
+    assert va.check_run(_rows(400, 1.0, spacing=45 / 400, rate=9.0), 9.0, 45.0)["ok"]
+    assert va.run_id_for("ar", 2) != va.run_id_for("ar", 2)
+
+    def deploy(strategy, n):
+        return "http://fake", lambda: None
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    _rows(292, 1.0, spacing=1 / 6.5).to_parquet(stale / "requests.parquet")
+    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 9.0, "high", SLO, 0.9,
+                           32, tmp_path / "out", duration_s=45, warmup_s=0.0, deploy=deploy,
+                           drive=lambda url, rid: stale, log=lambda m: None)
+    assert res["attainment"] is None and res["holds"] is None
+    assert "not this validation's run" in res["errors"]["2"]
 
 
 @pytest.mark.slow
@@ -130,5 +173,6 @@ def test_validate_drives_open_loop_load_through_loadgen(tmp_path):
     assert res["attainment"] == 1.0 and res["attainment_minus_one"] == 1.0
     assert res["holds"] and not res["tight"]
     assert 6 <= res["requests"] <= 30   # Poisson at 8/s for 2 s
-    df = pd.read_parquet(tmp_path / "out" / "validate-autoregressive-2" / "requests.parquet")
+    assert res["arrivals"]["2"]["ok"] and res["arrivals"]["1"]["ok"]
+    df = pd.read_parquet(Path(res["runs"]["2"]) / "requests.parquet")
     assert set(df[mn.REQ_ARRIVAL]) == {"open"} and df[mn.REQ_RATE_RPS].eq(8.0).all()
