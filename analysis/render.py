@@ -128,6 +128,13 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
         return m.get("started") or (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + " UTC"
                                     if isinstance(ts, (int, float)) else None)
 
+    def _routes(m: dict):
+        routes = m.get("routes")
+        if not isinstance(routes, dict):
+            return None
+        return ", ".join(f"{k}: {v.get('route') if isinstance(v, dict) else v}"
+                         for k, v in routes.items())
+
     def _sha(m: dict):
         git = m.get("git")
         return m.get("git_sha") or (git.get("sha") if isinstance(git, dict) else None)
@@ -136,8 +143,11 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
              "git_sha": _sha(r.manifest), "schema_version": r.manifest.get("schema_version"),
              "requests": len(r.requests),
              "steps": len(r.steps), "versions": r.manifest.get("versions"),
-             "machine": r.manifest.get("machine")} for r in a.results.runs]
-    out.append(("Runs", "Run directories read.", runs))
+             "machine": r.manifest.get("machine"), "routes": _routes(r.manifest)}
+            for r in a.results.runs]
+    out.append(("Runs", "Run directories read. routes: the HTTP route each strategy was measured "
+                "on (strategy: its own one-hop route, <target>/strategies/<name>/v1/...; "
+                "model-field: <target>/v1/... with the model field, through the ingress).", runs))
     return out
 
 

@@ -10,8 +10,12 @@
    another Ray on the box), ``PYTHONPATH`` including the repo so replicas
    import ``actors`` without an install.
 3. Deploys ``configs/serve.yaml`` (HTTP port overridden by ``--port``) through
-   the dashboard's Serve REST API, exactly like ``serve deploy``.
-4. Waits until every servable strategy answers a 1-token completion, records
+   the dashboard's Serve REST API, like ``serve deploy``, in the one-hop layout
+   (``one_hop_config``): each strategy its own application at
+   ``/strategies/<name>`` whose replica answers HTTP itself, and the ingress
+   at ``/`` with the ``model``-field routes, reaching the same replicas.
+4. Waits until every servable strategy answers a 1-token completion on both
+   routes, records
    what it started in a state file and prints the base URL as its last stdout
    line.
 
@@ -108,6 +112,17 @@ def expected_strategies(cfg: dict) -> list[str]:
             else:
                 names.append(e.name)
     return names
+
+
+def one_hop_config(cfg: dict) -> dict:
+    """``cfg`` with every ``build_app`` application split into one application per
+    strategy plus the model-field ingress (``actors.serve.app.split_application``)."""
+    from actors.serve.app import APP_IMPORT_PATH, split_application
+
+    apps: list[dict] = []
+    for app in cfg["applications"]:
+        apps.extend(split_application(app) if app.get("import_path") == APP_IMPORT_PATH else [app])
+    return dict(cfg, applications=apps)
 
 
 def start_head(num_cpus: int | None) -> dict:
@@ -227,10 +242,12 @@ def ingress_api_key(cfg: dict) -> str | None:
 
 def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
                timeout_s: float, api_key: str | None = None) -> None:
-    """Until every strategy answers a 1-token greedy completion."""
+    """Until every strategy answers a 1-token greedy completion on its model-field route
+    and on its own route (when ``GET /specload/routes`` lists one)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    routes: dict | None = None
 
     pending = list(strategies)
     t0 = time.monotonic()
@@ -243,15 +260,22 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
             raise SystemExit(f"deploy failed: {err}")
         for name in list(pending):
             try:
-                r = httpx.post(base_url + "/v1/completions", timeout=30, headers=headers, json={
-                    "model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+                if routes is None:
+                    routes = httpx.get(base_url + "/specload/routes", timeout=30,
+                                       headers=headers).json()["routes"]
+                for prefix in ("", routes.get(name) or ""):
+                    r = httpx.post(base_url + prefix + "/v1/completions", timeout=30,
+                                   headers=headers, json={"model": name, "prompt": "Hello",
+                                                          "max_tokens": 1, "temperature": 0})
+                    if r.status_code != 200:
+                        break
                 if r.status_code == 200:
                     pending.remove(name)
                     log(f"deployment strategy-{name} ready ({len(strategies) - len(pending)}/"
                         f"{len(strategies)}, {time.monotonic() - t0:.0f} s)")
                 else:
                     last = f"{name}: HTTP {r.status_code} {r.text[:200]}"
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 last = f"{name}: {exc!r}"
         if pending:
             time.sleep(1)
@@ -290,7 +314,7 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
             raise
     write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
-    deploy(state["dashboard"], cfg)
+    deploy(state["dashboard"], one_hop_config(cfg))
     wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
     return base_url
 

@@ -165,6 +165,10 @@ class ServeAppConfig(BaseModel):
     skip_missing_models: bool = True
     engine_factory: str = DEFAULT_ENGINE_FACTORY
     step_log_store_capacity: int = Field(100_000, ge=0, description="rows kept app-wide")
+    strategy_apps: dict[str, str] = Field(default_factory=dict, description=(
+        "strategy name -> the Serve application it runs as (its one-hop route, "
+        "<route_prefix>/strategies/<name>); the ingress reaches those by application. "
+        "Set by actors.serve.app.split_application (python -m cluster up), not by hand"))
 
     @model_validator(mode="after")
     def _unique(self):

@@ -2,7 +2,8 @@
 
     python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b] [--repeats K]
     python -m loadgen --sweep [--tier TEMPLATE] [--sweep-max-users N] [--sweep-factor F] ...
-        [--target URL] [--model NAME] [--duration SECONDS] [--workers N] [--profile cpu|gpu]
+        [--target URL] [--route auto|strategy|model-field] [--model NAME] [--duration SECONDS]
+        [--workers N] [--profile cpu|gpu]
         [--dataset NAME|FILE.jsonl] [--results DIR] [--tiers-file FILE]
 
 Without ``--target`` the embedded local service is started or reused
@@ -41,6 +42,7 @@ EXIT_INTERRUPTED = 130
 EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
 # one version for the run directory (manifest, request rows, step rows): configs/results_schema.py
 MANIFEST_SCHEMA_VERSION = RESULTS_SCHEMA_VERSION
+ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "auto", "strategy", "model-field"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="without --target: Serve config the local service deploys "
                          "(default: the packaged configs/serve.yaml)")
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
+    ap.add_argument("--route", default=ROUTE_AUTO, choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD),
+                    help="HTTP route of the load: strategy = each strategy's own one-hop route "
+                         "(<target>/strategies/<name>/v1/...; the strategy replica answers it without "
+                         "a second Ray hop); model-field = <target>/v1/... with the model field "
+                         "(through the ingress); auto (default) = strategy when the target lists the "
+                         "route (GET /specload/routes), else model-field. manifest.json routes "
+                         "records the choice per strategy")
     ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
     ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
     ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
@@ -173,6 +182,34 @@ def _strategies(args: argparse.Namespace, target: str, auth: Auth, console: Any 
     return known + [m for m in models if m not in known]
 
 
+def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
+                  model_override: str = "") -> dict[str, str | None]:
+    """Strategy -> path of the one-hop route its load takes (relative to the target), or
+    None for the model-field route. ``route``: the ``--route`` value; ``routes``: what the
+    target lists (``service.strategy_routes``). A ``--model`` override always takes the
+    model-field route (its name need not be a strategy's). Raises ServiceError naming
+    ``--route`` when ``strategy`` is asked for and a strategy has no such route."""
+    if route == ROUTE_STRATEGY:
+        missing = [s for s in strategies if s not in routes or model_override]
+        if missing:
+            raise service.ServiceError(
+                f"--route strategy: the target lists no one-hop route for {missing} "
+                f"(GET /specload/routes: {routes or 'none'}{'; --model is set' if model_override else ''}); "
+                "use --route auto or model-field")
+    if route == ROUTE_MODEL_FIELD or model_override:
+        return {s: None for s in strategies}
+    return {s: routes.get(s) for s in strategies}
+
+
+def _route_names(prefixes: dict[str, str | None]) -> str:
+    return ", ".join(sorted({ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD for p in prefixes.values()}))
+
+
+def route_url(target: str, path: str | None) -> str:
+    """Base URL of a strategy's load: ``target`` + its one-hop route path, or ``target``."""
+    return target + path if path else target
+
+
 def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
     """Add run_id, tier, output_class, users and repeat (by step time inside a cell window)
     to step rows."""
@@ -264,6 +301,7 @@ class _RunState:
     target: str
     strategies: list[str]
     auth: Auth
+    prefixes: dict[str, str | None]   # strategy -> one-hop route path (None: the model field)
     tiers: list[str]
     outputs: list[str]
     levels: list[int]
@@ -286,10 +324,13 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
     """Phases: connect -> open the run directory -> drive every cell -> close -> print."""
     try:
         target, strategies, auth = _connect(args, console, local)
+        prefixes = choose_routes(args.route, strategies, {} if args.route == ROUTE_MODEL_FIELD else
+                                 service.strategy_routes(target, headers=auth.headers,
+                                                         insecure=auth.insecure), args.model)
     except service.ServiceError as err:
         console.print(f"[red]target error:[/] {err}", highlight=False)
         return EXIT_CONFIG
-    st = _RunState(args, console, profile, prompts, target, strategies, auth,
+    st = _RunState(args, console, profile, prompts, target, strategies, auth, prefixes,
                    tiers=list(TIER_NAMES) if args.tier == "all" else [args.tier],
                    outputs=list(OUTPUT_CLASSES) if args.output == "all" else [args.output],
                    levels=sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
@@ -357,12 +398,15 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
     planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
     st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
-                     f"{' at most' if args.sweep else ''} against {st.target}, about "
+                     f"{' at most' if args.sweep else ''} against {st.target} (route: {_route_names(st.prefixes)}), about "
                      f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
     st.writer = RowSink(st.run_dir)
     st.manifest = {
         "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
         "target": st.target, "strategies": st.strategies, "tiers": tiers, "outputs": outputs,
+        # the HTTP route each strategy was measured on: its own (one hop) or the model field
+        "routes": {s: {"route": ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD,
+                       "base_url": route_url(st.target, p)} for s, p in st.prefixes.items()},
         "args": _manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
         "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],
         # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
@@ -452,7 +496,8 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     t0 = time.time() + (0.2 if args.workers <= 0 else 1.0)
     plan = CellPlan(
         run_id=st.run_id, strategy=strategy, model=args.model or strategy, tier=tier,
-        output_class=oc, dataset=args.dataset, base_url=st.target, arrival=cell.arrival,
+        output_class=oc, dataset=args.dataset, base_url=route_url(st.target, st.prefixes.get(strategy)),
+        arrival=cell.arrival,
         users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
         prompts=[[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
         max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,

@@ -17,6 +17,11 @@ returns the server-side truth per request keyed by ``"<model>:<seed>"``:
 receive, first-content-write and end times (unix s). ``/v1/models`` and
 ``/specload/step_log`` are served too.
 
+``--strategy-routes`` also serves specload's one-hop routes: ``GET
+/specload/routes`` lists ``/strategies/<model>`` per model and ``POST
+/strategies/<model>/v1/completions`` streams as above; the truth records the
+path each request came on (``path``).
+
 ``--api-key K`` requires ``Authorization: Bearer K`` on ``/v1/*`` and
 ``/specload/*`` (401 in OpenAI's error shape otherwise); ``GET /fake/auth``
 counts accepted and rejected requests and echoes the ``X-*`` headers seen.
@@ -46,7 +51,8 @@ class FakeServer:
 
     def __init__(self, ttft_ms: float, gap_ms: float, tokens_per_chunk: int, models: list[str],
                  fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
-                 prompt_tokens: int = 17, api_key: str | None = None) -> None:
+                 prompt_tokens: int = 17, api_key: str | None = None,
+                 strategy_routes: bool = False) -> None:
         self.ttft_s = ttft_ms / 1000.0
         self.gap_s = gap_ms / 1000.0
         self.tpc = max(1, tokens_per_chunk)
@@ -61,11 +67,12 @@ class FakeServer:
         self.truth: dict[str, dict] = {}
         self.steps: list[dict] = []
         self.api_key = api_key
+        self.strategy_routes = strategy_routes
         self.auth = {"accepted": 0, "rejected": 0, "x_headers": {}}
 
     @web.middleware
     async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith(("/v1/", "/specload/")):
+        if request.path.startswith(("/v1/", "/specload/", "/strategies/")):
             self.auth["x_headers"].update({k: v for k, v in request.headers.items() if k.lower().startswith("x-")})
             if self.api_key is not None:
                 if request.headers.get("Authorization") != f"Bearer {self.api_key}":
@@ -150,7 +157,7 @@ class FakeServer:
             await resp.write(b"data: [DONE]\n\n")
             end = time.time()
             self.truth[key] = {"recv_ts": recv, "first_content_ts": first, "end_ts": end,
-                               "completion_tokens": sent, "status": "ok"}
+                               "completion_tokens": sent, "status": "ok", "path": request.path}
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError):  # the client went away (cancelled)
@@ -160,6 +167,9 @@ class FakeServer:
 
     async def models_list(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def routes(self, request: web.Request) -> web.Response:
+        return web.json_response({"routes": {m: f"/strategies/{m}" for m in self.models}})
 
     async def step_log(self, request: web.Request) -> web.Response:
         strategy = request.query.get("strategy")
@@ -179,6 +189,9 @@ class FakeServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models_list)
         app.router.add_get("/specload/step_log", self.step_log)
+        if self.strategy_routes:
+            app.router.add_get("/specload/routes", self.routes)
+            app.router.add_post("/strategies/{model}/v1/completions", self.completions)
         app.router.add_post("/fake/stall", self.stall)
         app.router.add_get("/fake/timings", self.timings)
         app.router.add_get("/fake/auth", self.auth_counts)
@@ -247,11 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-chunk-tokens", action="store_true",
                     help="add spec_decode.num_tokens to every content chunk")
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /specload")
+    ap.add_argument("--strategy-routes", action="store_true",
+                    help="also serve /specload/routes and /strategies/<model>/v1/completions")
     ap.add_argument("--tls-cert", default=None, help="PEM certificate: serve https (with --tls-key)")
     ap.add_argument("--tls-key", default=None)
     a = ap.parse_args(argv)
     srv = FakeServer(a.ttft_ms, a.gap_ms, a.tokens_per_chunk, a.models.split(","), a.fail_every,
-                     a.disconnect_every, a.per_chunk_tokens, api_key=a.api_key)
+                     a.disconnect_every, a.per_chunk_tokens, api_key=a.api_key,
+                     strategy_routes=a.strategy_routes)
     try:
         asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
     except KeyboardInterrupt:

@@ -136,6 +136,22 @@ def list_models(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] 
     return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
 
 
+def strategy_routes(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
+                    insecure: bool = False) -> dict[str, str]:
+    """Strategy -> path of its own one-hop route relative to ``base_url``
+    (``GET /specload/routes``: ``/strategies/<name>``, whose ``/v1/completions`` the
+    strategy replica serves itself). {} when the target lists none (another
+    OpenAI-compatible server, or a specload service deployed as one application)."""
+    try:
+        data = _get_json(f"{base_url}/specload/routes", timeout_s, headers, insecure)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    routes = data.get("routes") if isinstance(data, dict) else None
+    if not isinstance(routes, dict):
+        return {}
+    return {str(k): v for k, v in routes.items() if isinstance(v, str) and v.startswith("/")}
+
+
 def fetch_step_log(base_url: str, strategy: str, since_ts: float, timeout_s: float = 30.0,
                    headers: dict[str, str] | None = None, insecure: bool = False) -> list[dict]:
     """Engine step rows (metric_names STEP_*) since ``since_ts`` (unix s); [] when the target has none.

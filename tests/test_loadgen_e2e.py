@@ -101,12 +101,22 @@ def test_closed_loop_timing_matches_server_truth(tmp_path):
     assert ok[M.NUM_ACCEPTED_TOKENS_PER_POS].iloc[0].tolist() == [5, 5]
 
 
-def test_failures_are_rows_and_do_not_distort_ok_rows(tmp_path):
+@pytest.mark.parametrize("route", ["model-field", "strategy"])
+def test_failures_are_rows_and_do_not_distort_ok_rows(tmp_path, route):
+    """Also the route choice: --route auto takes each strategy's one-hop route when the
+    target lists it (GET /specload/routes), else the model field; the manifest says which."""
+    extra = ("--strategy-routes",) if route == "strategy" else ()
     with fake_server.running("--ttft-ms", "100", "--gap-ms", "20", "--fail-every", "3",
-                             "--disconnect-every", "5") as url:
+                             "--disconnect-every", "5", *extra) as url:
         tiers = _tiers(tmp_path, {"users": 3, "duration_s": 3, "max_tokens": 12})
-        _run(_cmd(url, tiers, tmp_path / "res", "--output", "short"))
+        # no consistency requests (they take the model field): the truth is the load's only
+        _run(_cmd(url, tiers, tmp_path / "res", "--output", "short", "--consistency", "0"))
         truth = _truth(url)
+    path = "/strategies/autoregressive/v1/completions" if route == "strategy" else "/v1/completions"
+    assert {t["path"] for t in truth.values() if t["status"] == "ok"} == {path}
+    man = json.loads((_run_dir(tmp_path / "res") / "manifest.json").read_text())
+    assert man["routes"] == {"autoregressive": {
+        "route": route, "base_url": url + ("/strategies/autoregressive" if route == "strategy" else "")}}
     df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
     counts = df[M.REQ_STATUS].value_counts().to_dict()
     server = pd.Series([t["status"] for t in truth.values()]).value_counts().to_dict()
@@ -148,6 +158,27 @@ def test_open_loop_stall_shows_in_latency(tmp_path):
     calm = ok[ok[M.REQ_SCHEDULED_TS] < stall_end - 1.2]
     assert calm[M.REQ_TTFT_MS].median() < 100
     assert "send lag" in out                # the open-loop warning fired
+
+
+def test_route_choice(tmp_path):
+    """--route: auto takes a listed one-hop route, model-field never does, a --model override
+    needs the model field; --route strategy without a listed route exits 2 naming the flag."""
+    from loadgen.cli import choose_routes
+    from loadgen.service import ServiceError
+
+    listed = {"autoregressive": "/strategies/autoregressive"}
+    assert choose_routes("auto", ["autoregressive", "ngram"], listed) == {
+        "autoregressive": "/strategies/autoregressive", "ngram": None}
+    assert choose_routes("model-field", ["autoregressive"], listed) == {"autoregressive": None}
+    assert choose_routes("auto", ["autoregressive"], listed, "served-name") == {"autoregressive": None}
+    assert choose_routes("strategy", ["autoregressive"], listed) == listed
+    with pytest.raises(ServiceError, match="--route strategy"):
+        choose_routes("strategy", ["autoregressive", "ngram"], listed)
+    with fake_server.running() as url:
+        tiers = _tiers(tmp_path, {})
+        p = subprocess.run(_cmd(url, tiers, tmp_path / "res", "--route", "strategy"),
+                           capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert p.returncode == 2 and "--route strategy" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("sig, name", [(signal.SIGINT, "ctrl-c"), (signal.SIGTERM, "timeout")])

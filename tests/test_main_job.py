@@ -64,6 +64,11 @@ def test_loadgen_to_report(service, tmp_path):
     # the server's speculative stats reached the client rows
     ng = ok[ok["strategy"] == "ngram"]
     assert ng["num_draft_tokens"].sum() > 0
+    # cluster up deploys the one-hop layout and --route auto measured each strategy on it
+    routes = json.loads((run_dir / "manifest.json").read_text())["routes"]
+    assert routes == {s: {"route": "strategy", "base_url": f"{service}/strategies/{s}"}
+                      for s in ("autoregressive", "ngram")}
+    assert "autoregressive: strategy" in (run_dir / "report" / "report.md").read_text()
     steps = pd.read_parquet(run_dir / "steps.parquet")
     assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
     rec = json.loads((run_dir / "report" / "recommendation.json").read_text())

@@ -1,4 +1,7 @@
-"""HTTP end to end through Ray Serve on a local Ray (one module-scoped app).
+"""HTTP end to end through Ray Serve on a local Ray (one module-scoped service, in the
+one-hop layout: each strategy its own application at ``/strategies/<name>`` plus the
+model-field ingress at ``/``). Tests that touch a generation route run on both routes
+(``route`` fixture): the strategy's own route and the ingress's ``model`` field.
 
 Metrics are checked on Ray's Prometheus export port (the node's
 ``metrics_export_port``, reporting every second here): the spec-decode
@@ -27,7 +30,7 @@ PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import 
 @pytest.fixture(scope="module")
 def service():
     """(base_url, metrics_url, args, real): a Serve app on a free 127.0.0.1 port."""
-    from actors.serve.app import build_app
+    from actors.serve.app import run_applications
 
     real = use_real_engine()
     args = app_args(real)
@@ -39,7 +42,7 @@ def service():
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="specload", route_prefix="/")
+        run_applications(args, name="specload", route_prefix="/")
         yield (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics",
                args, real)
     finally:
@@ -59,24 +62,39 @@ def strategies(service) -> list[str]:
             if s.get("name") != ONE_SLOT]
 
 
-def complete(client, model, prompt, **kw) -> dict:
+ROUTES = ("strategy", "model-field")
+
+
+@pytest.fixture(params=ROUTES)
+def route(request) -> str:
+    """Which HTTP route a generation test takes: the strategy's own (one hop) or the
+    ingress's ``/v1`` with the ``model`` field."""
+    return request.param
+
+
+def v1(route: str, model: str, path: str = "completions") -> str:
+    """The path of ``/v1/<path>`` for ``model`` on ``route``."""
+    return (f"/strategies/{model}" if route == "strategy" else "") + f"/v1/{path}"
+
+
+def complete(client, model, prompt, route="model-field", **kw) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
-    r = client.post("/v1/completions", json=body)
+    r = client.post(v1(route, model), json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def stream(client, model, prompt, **kw) -> list:
+def stream(client, model, prompt, route="model-field", **kw) -> list:
     body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **kw}
-    with client.stream("POST", "/v1/completions", json=body) as r:
+    with client.stream("POST", v1(route, model), json=body) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         return parse_sse(r.iter_lines())
 
 
-def assert_alive(client, model="autoregressive"):
-    out = complete(client, model, "hello", max_tokens=2)
+def assert_alive(client, model="autoregressive", route="model-field"):
+    out = complete(client, model, "hello", route, max_tokens=2)
     assert out["usage"]["completion_tokens"] >= 1
 
 
@@ -87,13 +105,21 @@ def test_models_and_health(client, strategies):
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert set(strategies) | {ONE_SLOT} == set(ids)
     assert all(isinstance(m["max_model_len"], int) for m in client.get("/v1/models").json()["data"])
+    routes = client.get("/specload/routes").json()["routes"]
+    assert routes == {m: f"/strategies/{m}" for m in ids}
+    for m in ids:   # each strategy's own route: its health and its one model
+        assert client.get(f"/strategies/{m}/health").json() == {"status": "ok", "strategies": [m]}
+        (card,) = client.get(f"/strategies/{m}/v1/models").json()["data"]
+        assert card["id"] == m and isinstance(card["max_model_len"], int)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_stream_equals_non_stream(client, strategies, prompt):
+def test_stream_equals_non_stream(client, strategies, prompt, route):
     for model in strategies:
-        full = complete(client, model, prompt)
-        events = stream(client, model, prompt)
+        full = complete(client, model, prompt, route)
+        other = complete(client, model, prompt, "model-field" if route == "strategy" else "strategy")
+        assert other["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
+        events = stream(client, model, prompt, route)
         assert events[-1] == "[DONE]"
         chunks = [e for e in events[:-1] if e["choices"]]
         text = "".join(c["choices"][0]["text"] for c in chunks)
@@ -154,15 +180,16 @@ def test_greedy_equals_engine_and_across_strategies(service, client, strategies)
         assert ref["token_ids"] == direct_ids
 
 
-def test_chat_completions(client):
+def test_chat_completions(client, route):
     body = {"model": "ngram", "temperature": 0, "max_tokens": 8,
             "messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "Say hello"}]}
-    full = client.post("/v1/chat/completions", json=body).json()
+    path = v1(route, "ngram", "chat/completions")
+    full = client.post(path, json=body).json()
     assert full["object"] == "chat.completion"
     msg = full["choices"][0]["message"]
     assert msg["role"] == "assistant" and full[mn.SPEC_DECODE_FIELD] is not None
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
         events = parse_sse(r.iter_lines())
     assert events[-1] == "[DONE]"
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -239,10 +266,11 @@ BAD = [
 
 @pytest.mark.parametrize("body,status,param,code", BAD)
 @pytest.mark.parametrize("stream_flag", [False, True])
-def test_bad_input(client, body, status, param, code, stream_flag):
+def test_bad_input(client, body, status, param, code, stream_flag, route):
+    """The same 4xx bodies on both routes (a strategy's route refuses other models: 404)."""
     if stream_flag and body.startswith("{\"model\""):
         body = json.dumps({**json.loads(body), "stream": True})
-    r = client.post("/v1/completions", content=body,
+    r = client.post(v1(route, "ngram"), content=body,
                     headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -252,21 +280,21 @@ def test_bad_input(client, body, status, param, code, stream_flag):
         assert err["param"] == param, err
     if code is not None:
         assert err["code"] == code
-    assert_alive(client, "ngram")
+    assert_alive(client, "ngram", route)
 
 
-def test_bad_chat(client):
-    r = client.post("/v1/chat/completions", json={"model": "ngram", "messages": []})
+def test_bad_chat(client, route):
+    r = client.post(v1(route, "ngram", "chat/completions"), json={"model": "ngram", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    assert_alive(client, "ngram")
+    assert_alive(client, "ngram", route)
 
 
 # ------------------------------------------------------------------ overload, disconnect
-def _open_stream(base, body, first_content: bool):
+def _open_stream(base, body, first_content: bool, route: str):
     """Open a streaming request; return (client, response, lines iterator) after the
     headers (and after the first content chunk when ``first_content``)."""
     c = httpx.Client(base_url=base, timeout=120)
-    req = c.build_request("POST", "/v1/completions", json={**body, "stream": True})
+    req = c.build_request("POST", v1(route, body["model"]), json={**body, "stream": True})
     r = c.send(req, stream=True)
     assert r.status_code == 200, r.read()
     lines = r.iter_lines()
@@ -290,19 +318,19 @@ def _wait(pred, timeout_s):
     return None
 
 
-def test_queue_full_429_then_disconnect_frees_slot(service, client):
+def test_queue_full_429_then_disconnect_frees_slot(service, client, route):
     """ONE_SLOT: max_num_seqs=1, max_waiting=1. A runs, B waits, C gets 429. A's client
     disconnects: B is admitted at once (long before A could have finished)."""
     base = service[0]
     long = {"model": ONE_SLOT, "prompt": PROMPTS[0], "temperature": 0, "ignore_eos": True,
             "max_tokens": 900}
-    ca, ra, _ = _open_stream(base, long, first_content=True)
+    ca, ra, _ = _open_stream(base, long, first_content=True, route=route)
     cb = rb = None
     try:
         assert _wait(lambda: _info(client)["num_running"] == 1, 10) is not None
-        cb, rb, lines_b = _open_stream(base, long, first_content=False)
+        cb, rb, lines_b = _open_stream(base, long, first_content=False, route=route)
         assert _wait(lambda: _info(client)["num_waiting"] == 1, 10) is not None
-        r = client.post("/v1/completions", json={**long, "max_tokens": 2})
+        r = client.post(v1(route, ONE_SLOT), json={**long, "max_tokens": 2})
         assert r.status_code == 429, r.text
         assert int(r.headers["Retry-After"]) >= 0
         assert r.json()["error"]["type"] == "rate_limit_error"
@@ -324,17 +352,17 @@ def test_queue_full_429_then_disconnect_frees_slot(service, client):
             if x is not None:
                 x.close()
     assert _wait(lambda: _info(client)["num_running"] == 0, 10) is not None
-    assert complete(client, ONE_SLOT, "hi", max_tokens=2)["usage"]["completion_tokens"] >= 1
+    assert complete(client, ONE_SLOT, "hi", route, max_tokens=2)["usage"]["completion_tokens"] >= 1
 
 
-def test_non_stream_disconnect_frees_slot(service, client):
+def test_non_stream_disconnect_frees_slot(service, client, route):
     base = service[0]
     body = {"model": ONE_SLOT, "prompt": PROMPTS[1], "temperature": 0, "ignore_eos": True,
             "max_tokens": 900}
 
     def fire():
         try:
-            httpx.post(base + "/v1/completions", json=body, timeout=0.8)
+            httpx.post(base + v1(route, ONE_SLOT), json=body, timeout=0.8)
         except httpx.TimeoutException:
             pass
 
@@ -396,7 +424,10 @@ def test_prometheus_spec_decode_counters(service, client):
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/embeddings", 404),
                                                 ("GET", "/v1/completions", 405),
-                                                ("GET", "/specload/step_log?since=abc", 400)])
+                                                ("GET", "/specload/step_log?since=abc", 400),
+                                                ("GET", "/strategies/ngram/v1/embeddings", 404),
+                                                ("GET", "/strategies/ngram/v1/completions", 405),
+                                                ("GET", "/strategies/nope/v1/models", 404)])
 def test_framework_errors_use_openai_shape(client, method, path, status):
     r = client.request(method, path)
     assert r.status_code == status
@@ -406,12 +437,13 @@ def test_framework_errors_use_openai_shape(client, method, path, status):
 
 
 def test_api_key_on_the_service(service, tmp_path):
-    """A second app with an ingress key: 401 in OpenAI's shape without it, 200 with it;
-    the load generator sends it (--api-key) and writes it nowhere."""
+    """A second service with an ingress key: 401 in OpenAI's shape without it, 200 with it,
+    on both routes; the load generator sends it (--api-key) on the strategy's own route
+    (--route auto finds it) and writes it nowhere."""
     import subprocess
     import sys
 
-    from actors.serve.app import build_app
+    from actors.serve.app import run_applications, strategy_app_name
     from tests.serve_fixtures import REPO
 
     key = "sk-serve-test-7d3e91"
@@ -421,23 +453,28 @@ def test_api_key_on_the_service(service, tmp_path):
                             "ray_actor_options": {"num_cpus": 0.1}}],
             "ingress": {"ray_actor_options": {"num_cpus": 0.05}, "api_key": key},
             "engine_factory": "tests.fake_engine:make_fake_engine"}
-    serve.run(build_app(args), name="keyed", route_prefix="/keyed")
+    run_applications(args, name="keyed", route_prefix="/keyed")
     try:
         base = service[0] + "/keyed"
+        own = base + "/strategies/keyed"
         body = {"model": "keyed", "prompt": "hello", "max_tokens": 4, "temperature": 0}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
             for r in (httpx.get(base + "/v1/models", headers=headers, timeout=30),
                       httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=30),
-                      httpx.get(base + "/specload/step_log", headers=headers, timeout=30)):
+                      httpx.get(base + "/specload/step_log", headers=headers, timeout=30),
+                      httpx.get(base + "/specload/routes", headers=headers, timeout=30),
+                      httpx.get(own + "/v1/models", headers=headers, timeout=30),
+                      httpx.post(own + "/v1/completions", json=body, headers=headers, timeout=30)):
                 assert r.status_code == 401, r.text
                 err = r.json()["error"]
                 assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
                 assert key not in r.text
         auth = {"Authorization": f"Bearer {key}"}
-        assert httpx.get(base + "/health", timeout=30).status_code == 200      # open for probes
-        assert httpx.get(base + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == "keyed"
-        r = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        for b in (base, own):
+            assert httpx.get(b + "/health", timeout=30).status_code == 200      # open for probes
+            assert httpx.get(b + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == "keyed"
+            r = httpx.post(b + "/v1/completions", json=body, headers=auth, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # the load generator against it: key sent on every call, in no file written
         tiers = tmp_path / "tiers.yaml"
         cell = {"users": 2, "spawn_rate": 100, "duration_s": 1, "max_tokens": 4,
@@ -454,5 +491,9 @@ def test_api_key_on_the_service(service, tmp_path):
         assert "cell 1/1 keyed low/short: ok" in p.stdout and key not in p.stdout + p.stderr
         files = [f for f in (tmp_path / "res").rglob("*") if f.is_file()]
         assert files and not [f for f in files if key.encode() in f.read_bytes()]
+        (manifest,) = (tmp_path / "res").rglob("manifest.json")
+        assert json.loads(manifest.read_text())["routes"] == {
+            "keyed": {"route": "strategy", "base_url": own}}
     finally:
+        serve.delete(strategy_app_name("keyed", "keyed"))
         serve.delete("keyed")

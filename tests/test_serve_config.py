@@ -110,3 +110,36 @@ def test_actor_options_for_serve_drop_unset_and_empty_resources():
     # the step-log store's options: with the ingress, no CPU, a sliver of its custom resources
     assert pinned.serve_options(num_cpus=0, resources={"specload_front": 0.001}) == {
         "num_cpus": 0, "num_gpus": 0.0, "resources": {"specload_front": 0.001}}
+
+
+def test_one_hop_layout_of_the_serve_yaml(tmp_path):
+    """``cluster up`` deploys configs/serve.yaml split: one application per servable strategy
+    at <route_prefix>/strategies/<name> (a valid Serve config), the ingress application last,
+    reaching them by application name; strategies build_app would skip are left out."""
+    pytest.importorskip("ray.serve")
+    from ray.serve.schema import ServeDeploySchema
+
+    from actors.serve.app import build_strategy_app, strategy_app_name
+    from cluster.local import one_hop_config
+
+    doc = yaml.safe_load(SERVE_YAML.read_text())
+    doc["applications"][0]["route_prefix"] = "/svc"
+    doc["applications"][0]["args"]["strategies"].append(
+        {"name": "gone", "engine": {"strategy": "draft_model", "draft_model": str(tmp_path)}})
+    split = one_hop_config(doc)
+    ServeDeploySchema.model_validate(split)
+    *subs, main = split["applications"]
+    names = [s.name for s in ServeAppConfig.model_validate(_args()).strategies]
+    served = [n for n in names if (REPO / "models" / {"autoregressive": "target", "ngram": "target",
+                                                      "draft_model": "draft"}.get(n, n)).is_dir()]
+    assert [s["args"]["strategy"] for s in subs] == served   # "gone" has no model: left out
+    for s in subs:
+        n = s["args"]["strategy"]
+        assert s["name"] == strategy_app_name("specload", n) == f"specload-strategy-{n}"
+        assert s["route_prefix"] == f"/svc/strategies/{n}"
+        assert s["runtime_env"] == main["runtime_env"] and s["args"]["store_app"] == "specload"
+    assert main["name"] == "specload" and main["route_prefix"] == "/svc"
+    assert main["args"]["strategy_apps"] == {n: strategy_app_name("specload", n) for n in served}
+    assert ServeAppConfig.model_validate(main["args"]).strategy_apps == main["args"]["strategy_apps"]
+    with pytest.raises(ValueError, match="not in the app's strategies"):
+        build_strategy_app({"app": _args(), "strategy": "nope", "store_app": None})

@@ -18,13 +18,12 @@ import json
 import pytest
 
 from actors.engine.errors import EngineDead, InvalidRequest
-from actors.serve.deployments import StrategyServer
+from actors.serve.deployments import StrategyReplica as Replica   # the plain class: no Ray
 from actors.serve.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, ResponseContext,
                                      collect_body, health_response, parse_request, sse_events)
 from actors.serve.protocol import Admitted, ErrorMessage
 from configs import metric_names as M
 
-Replica = StrategyServer.func_or_class   # the plain class: no Ray needed
 
 # ------------------------------------------------------------------ request audit
 # (field, endpoints, default after null) for every optional field OpenAI marks nullable

@@ -14,12 +14,9 @@ from configs import metric_names as mn  # noqa: E402
 
 
 def test_stream_interval_holds_tokens_and_keeps_their_times():
-    from actors.serve.deployments import StrategyServer
+    from actors.serve.deployments import StrategyReplica as cls   # the plain class
     from actors.serve.openai_api import ResponseContext, sse_events
     from actors.serve.protocol import Admitted, Finished
-
-    cls = StrategyServer.func_or_class   # the plain class (Serve only wraps it on deploy)
-    cls = next(c for c in cls.__mro__ if "generate" in c.__dict__)
 
     async def run():
         srv = cls.__new__(cls)

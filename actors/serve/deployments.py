@@ -1,9 +1,11 @@
 """Ray Serve deployments that run inside the cluster: one engine per strategy replica.
 
-- ``StrategyServer``: one class, bound once per strategy with a different
-  engine config (``actors.serve.app.build_app``). Each replica owns an
-  ``AsyncLLMEngine`` (continuous batching on a background thread) and
-  streams the typed messages of ``actors.serve.protocol`` to the HTTP ingress.
+- ``StrategyServer`` (the deployment of ``StrategyReplica``): one class, bound
+  once per strategy with a different engine config (``actors.serve.app``).
+  Each replica owns an ``AsyncLLMEngine`` (continuous batching on a background
+  thread) and streams the typed messages of ``actors.serve.protocol`` to the
+  HTTP ingress; as the ingress of its own application (the one-hop layout) it
+  answers the OpenAI routes itself, with the ingress's code.
 - ``StepLogStore``: one replica holding the app-wide step log (a bounded ring
   buffer). Every strategy replica keeps its own ring buffer too and pushes new
   rows to the store every ``STEP_FLUSH_S`` seconds, so
@@ -14,8 +16,8 @@ replica and application tags); names are ``configs.metric_names.PROM_*``
 with the ``specload_`` prefix (Ray exports them as ``ray_specload_...``).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the routes' annotations
+# (Request) at run time, in the replica
 import asyncio
 import collections
 import importlib
@@ -24,10 +26,15 @@ import os
 import time
 from typing import Any, AsyncIterator, Callable
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from ray import serve
 
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.types import SamplingParams
+from actors.serve.openai_api import (API_KEY_ENV, api_key_error, error_response, health_response,
+                                     install_error_handlers, model_card, read_request,
+                                     request_id, respond)
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
 
@@ -134,19 +141,38 @@ class StepLogStore:
         return rows[-limit:] if limit else rows
 
 
-@serve.deployment
-class StrategyServer:
+# A strategy's own HTTP routes: served when the strategy is the ingress of its own
+# Serve application (``actors.serve.app.applications``, route ``<ingress>/strategies/
+# <name>``), so the proxy streams straight from this replica (no second Ray hop per
+# chunk). Parsing and answering are the model-field ingress's own functions.
+strategy_api = install_error_handlers(FastAPI(
+    title="specload strategy", description="one strategy's OpenAI-compatible routes"))
+
+
+class StrategyReplica:
     """One replica of one strategy: an AsyncLLMEngine plus its metrics and step log.
+    (The plain class; ``StrategyServer`` is its Serve deployment, an HTTP ingress too.)
 
     strategy: the public name (OpenAI ``model``). engine_config: EngineConfig
     fields (dict). engine_factory: import path of ``(engine_config) -> engine``.
-    step_store: handle of the StepLogStore (None: keep the log local only).
+    step_store: handle of the StepLogStore; or ``(app_name, deployment_name)`` of
+    it in another application (looked up at the first push); None: keep the log
+    local only. stream_interval: tokens per streamed delta unless a request says
+    otherwise. retry_after_s, api_key: as the ingress's, for this replica's own
+    routes (api_key default ``$SPECLOAD_API_KEY``; none: open).
+
+    The model-field ingress calls ``generate`` through a handle. Deployed as its
+    own application's ingress, the replica also answers HTTP itself, like the
+    ingress (same validation, bodies, errors, API key): ``POST /v1/completions``,
+    ``POST /v1/chat/completions`` (``model`` must name this strategy, else 404
+    ``model_not_found``), ``GET /v1/models``, ``GET /health``.
     """
 
     def __init__(self, strategy: str, engine_config: dict,
                  engine_factory: str = "actors.serve.deployments:make_llm_engine",
                  step_store: Any = None, step_log_capacity: int = 8192,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, retry_after_s: int = 1,
+                 api_key: str | None = None):
         from actors.serve.async_engine import AsyncLLMEngine
 
         cfg = dict(engine_config)
@@ -162,6 +188,9 @@ class StrategyServer:
         torch.set_num_threads(int(threads))   # one replica must not take every core
         self.strategy = strategy
         self.stream_interval = max(1, int(stream_interval))  # tokens per streamed delta
+        self._retry_after_s = retry_after_s
+        self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        self._created = int(time.time())
         self._metrics = _Metrics(strategy)
         self._pending_rows: collections.deque[dict] = collections.deque(maxlen=100_000)
         factory: Callable[[dict], Any] = import_object(engine_factory)
@@ -184,6 +213,9 @@ class StrategyServer:
                 continue
             for r in rows:
                 self._metrics.observe_step(r)
+            if isinstance(self._store, (tuple, list)):   # in another application
+                self._store = serve.get_deployment_handle(self._store[1], self._store[0],
+                                                          _check_exists=False)
             if self._store is not None:
                 try:
                     await self._store.append.remote(rows)
@@ -202,6 +234,41 @@ class StrategyServer:
         except Exception as exc:  # noqa: BLE001 - EngineDead with the cause
             return {"alive": False, "error": str(exc)}
         return {"alive": True, "error": None}
+
+    # ------------------------------------------------------------ own HTTP routes
+    @strategy_api.get("/health")
+    async def http_health(self):
+        """200 while this replica's engine loop is alive, else 503 (the ingress's
+        ``GET /health`` for this one strategy)."""
+        return health_response({self.strategy: await self.health()})
+
+    @strategy_api.get("/v1/models")
+    async def http_models(self, request: Request):
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
+        return {"object": "list", "data": [
+            model_card(self.strategy, self._created, self.engine.max_model_len)]}
+
+    @strategy_api.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        return await self._http_generate(request, chat=False)
+
+    @strategy_api.post("/v1/chat/completions")
+    async def http_chat_completions(self, request: Request):
+        return await self._http_generate(request, chat=True)
+
+    async def _http_generate(self, request: Request, chat: bool):
+        req = await read_request(request, chat, self._api_key)
+        if isinstance(req, JSONResponse):
+            return req
+        if req.model != self.strategy:
+            return error_response(404, f"model {req.model!r} is not served on this route; it "
+                                  f"serves {self.strategy!r} (GET /v1/models)", param="model",
+                                  code="model_not_found")
+        rid = request_id(chat)
+        return await respond(lambda: self.generate(
+            rid, req.prompt, req.params, req.stream_interval, req.stream_interval_ms),
+            req, rid, chat, self._retry_after_s)
 
     async def info(self) -> dict:
         """Static and live facts: strategy, max_model_len (tokens), waiting, running, and for
@@ -308,3 +375,7 @@ class StrategyServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout_s=1.0)
+
+
+StrategyServer = serve.deployment(serve.ingress(strategy_api)(StrategyReplica))
+"""The Serve deployment of ``StrategyReplica`` (``.options(...).bind(...)``)."""

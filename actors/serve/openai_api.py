@@ -12,6 +12,15 @@ Routes:
   answer, so an operator or a load balancer sees it at once (the replica's own
   Serve health check fails too, and Serve replaces it).
 - ``GET /specload/info``: per strategy max_model_len (tokens), waiting, running.
+- ``GET /specload/routes``: ``{"routes": {strategy: "/strategies/<name>" | null}}``,
+  each strategy's own one-hop route relative to this ingress (null: the strategy
+  is reachable only through the ``model`` field). In the one-hop layout
+  (``actors.serve.app.split_application``; ``python -m cluster up``) each strategy
+  is its own Serve application whose replica answers ``POST .../v1/completions``,
+  ``POST .../v1/chat/completions``, ``GET .../v1/models`` and ``GET .../health``
+  itself, with this module's code (``read_request``, ``respond``): same
+  validation, bodies, errors, 429 + Retry-After and API key, and no second Ray
+  hop per streamed chunk. ``model`` there must name that strategy (else 404).
 - ``GET /specload/memory?strategy=``: ``{strategy: report}``, one replica's weight,
   KV-cache (allocated, bytes per token, tokens held now / at peak) and process
   memory (``LLMEngine.memory``); ``POST /specload/memory/reset_peak`` restarts
@@ -292,21 +301,28 @@ def error_response(status: int, message: str, err_type: str = "invalid_request_e
 
 
 # Every error, including FastAPI's own (unknown route 404, wrong method 405, bad
-# query parameter 422), gets the OpenAI error shape.
-
-
-@api.exception_handler(StarletteHTTPException)
+# query parameter 422), gets the OpenAI error shape, on every specload FastAPI app
+# (this ingress's and each strategy replica's own, ``actors.serve.deployments``).
 async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                           kind, headers=getattr(exc, "headers", None))
 
 
-@api.exception_handler(RequestValidationError)
 async def _query_error(request, exc: RequestValidationError) -> JSONResponse:
     err = exc.errors()[0] if exc.errors() else {}
     param = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body")) or None
     return error_response(400, f"{param}: {err.get('msg')}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> FastAPI:
+    """Give ``app``'s framework errors (404, 405, bad query 422 -> 400) OpenAI's shape."""
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _query_error)
+    return app
+
+
+install_error_handlers(api)
 
 
 def _sse(obj: dict | str) -> str:
@@ -474,6 +490,95 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
             _cancel(messages)
 
 
+# ---------------------------------------------------------------- one generation route
+# Shared by every HTTP front: the model-field ingress below (one Ray hop to the
+# strategy replica per chunk) and each strategy replica's own route
+# (``actors.serve.deployments.StrategyServer``, no hop).
+async def read_request(request: Request, chat: bool,
+                       api_key: str | None) -> ParsedRequest | JSONResponse:
+    """API key, JSON body and validation of a generation request (``parse_request``).
+
+    Returns the ParsedRequest, or the OpenAI error response to send (401, 400); the
+    caller checks ``model`` against what it serves (404 ``model_not_found``).
+    """
+    if denied := api_key_error(request.headers.get("authorization"), api_key):
+        return denied
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return error_response(400, f"request body is not valid JSON: {exc}")
+    try:
+        return parse_request(body, chat)
+    except InvalidRequest as exc:
+        return error_response(400, str(exc), param=exc.param, code=exc.code)
+
+
+def request_id(chat: bool) -> str:
+    """OpenAI-style response id: ``chatcmpl-<hex>`` or ``cmpl-<hex>``."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def message_error(e: ErrorMessage, retry_after_s: int) -> JSONResponse:
+    """The HTTP error of a replica's ErrorMessage; a 429 carries ``Retry-After`` (s)."""
+    headers = {"Retry-After": str(retry_after_s)} if e.status == 429 else None
+    return error_response(e.status, e.message, e.type, e.param, e.code, headers)
+
+
+async def respond(start, req: ParsedRequest, rid: str, chat: bool, retry_after_s: int):
+    """The HTTP answer to one generation request.
+
+    start: ``() -> messages``, the replica's stream of ``actors.serve.protocol``
+    messages (``StrategyServer.generate`` through a Serve handle, or called in the
+    replica itself). The first message decides: an ErrorMessage becomes its HTTP
+    error (429 with ``Retry-After: retry_after_s``), ``Admitted`` an SSE stream
+    (``req.stream``) or a JSON body. A stream that cannot start is a 503
+    (``replica_lost`` when the replica died, else ``engine_unavailable``).
+    """
+    gen = None
+    try:
+        gen = start()
+        first = await gen.__anext__()
+    except Exception as exc:  # noqa: BLE001 - classified below
+        if gen is not None:
+            _cancel(gen)
+        logger.exception("strategy %s failed to admit", req.model)
+        if replica_lost(exc):
+            return message_error(lost_error(req.model, exc), retry_after_s)
+        return error_response(503, f"strategy {req.model!r} unavailable: {exc!r}",
+                              "server_error", code="engine_unavailable")
+    if isinstance(first, ErrorMessage):
+        return message_error(first, retry_after_s)
+    ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens)
+    messages = guard_replica(gen, req.model)
+    if req.stream:
+        return StreamingResponse(sse_events(messages, ctx, req.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    out = await collect_body(messages, ctx)
+    return message_error(out, retry_after_s) if isinstance(out, ErrorMessage) else out
+
+
+def model_card(name: str, created: int, max_model_len: int | None) -> dict:
+    """One ``GET /v1/models`` entry (OpenAI's fields + ``max_model_len``, tokens)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "specload",
+            "max_model_len": max_model_len}
+
+
+STRATEGY_ROUTES = "/strategies"   # a strategy's own route: <ingress>/strategies/<name>/v1/...
+
+
+def strategy_handle(ref: Any) -> Any:
+    """A StrategyServer handle from ``ref``: a DeploymentHandle as is, or
+    ``(app_name, deployment_name)`` of a strategy running as its own Serve
+    application (the one-hop layout, ``actors.serve.app.applications``). The
+    handle is made without asking the controller (the applications deploy
+    together, so that one may not exist yet); calls wait until it does."""
+    if not isinstance(ref, (tuple, list)):
+        return ref
+    app_name, deployment = ref
+    return serve.get_deployment_handle(deployment, app_name, _check_exists=False)
+
+
 # Everything the routes call is defined above the ingress class: serve.ingress
 # serializes the FastAPI app (and the globals its routes see) when the class is
 # decorated, so a helper defined below it would be missing in the replica.
@@ -482,15 +587,19 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
 class OpenAIIngress:
     """HTTP front: parses OpenAI requests and streams from the strategy named by ``model``.
 
-    strategies: {name: DeploymentHandle of a StrategyServer}. step_store:
+    strategies: {name: DeploymentHandle of a StrategyServer, or ``(app_name,
+    deployment_name)`` of a strategy deployed as its own application}. step_store:
     StepLogStore handle or None. retry_after_s: Retry-After on 429 (seconds).
     api_key: required bearer key (default ``$SPECLOAD_API_KEY`` here; none: open).
+    routes: {name: path of the strategy's own one-hop route, relative to this
+    ingress's route prefix (``/strategies/<name>``)}; listed by ``GET /specload/routes``.
     """
 
     def __init__(self, strategies: dict, step_store: Any = None, retry_after_s: int = 1,
-                 api_key: str | None = None):
+                 api_key: str | None = None, routes: dict[str, str] | None = None):
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
-        self._handles = dict(strategies)
+        self._handles = {name: strategy_handle(ref) for name, ref in strategies.items()}
+        self._routes = {name: (routes or {}).get(name) for name in sorted(strategies)}
         self._store = step_store
         self._retry_after_s = retry_after_s
         self._max_model_len: dict[str, int] = {}
@@ -515,12 +624,19 @@ class OpenAIIngress:
     async def models(self, request: Request):
         if denied := api_key_error(request.headers.get("authorization"), self._api_key):
             return denied
-        data = []
-        for name in sorted(self._handles):
-            data.append({"id": name, "object": "model", "created": self._created,
-                         "owned_by": "specload",
-                         "max_model_len": await self._model_len(name)})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [
+            model_card(name, self._created, await self._model_len(name))
+            for name in sorted(self._handles)]}
+
+    @api.get("/specload/routes")
+    async def routes(self, request: Request):
+        """``{"routes": {strategy: path | null}}``: each strategy's own one-hop route,
+        relative to this ingress's base URL (``/strategies/<name>``: its replica answers
+        ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health``
+        there itself), or null when it is reachable only through the model field."""
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
+        return {"routes": self._routes}
 
     @api.get("/specload/info")
     async def info(self, request: Request):
@@ -587,40 +703,13 @@ class OpenAIIngress:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool):
-        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
-            return denied
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"request body is not valid JSON: {exc}")
-        try:
-            req = parse_request(body, chat)
-        except InvalidRequest as exc:
-            return error_response(400, str(exc), param=exc.param, code=exc.code)
+        req = await read_request(request, chat, self._api_key)
+        if isinstance(req, JSONResponse):
+            return req
         if req.model not in self._handles:
             return self._unknown_model(req.model)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = self._handles[req.model].options(stream=True).generate.remote(
-            rid, req.prompt, req.params, req.stream_interval, req.stream_interval_ms)
-        try:
-            first = await gen.__anext__()
-        except Exception as exc:
-            _cancel(gen)
-            logger.exception("strategy %s failed to admit", req.model)
-            if replica_lost(exc):
-                return self._error(lost_error(req.model, exc))
-            return error_response(503, f"strategy {req.model!r} unavailable: {exc!r}",
-                                  "server_error", code="engine_unavailable")
-        if isinstance(first, ErrorMessage):
-            return self._error(first)
-        ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens)
-        if req.stream:
-            return StreamingResponse(sse_events(guard_replica(gen, req.model), ctx, req.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        out = await collect_body(guard_replica(gen, req.model), ctx)
-        return self._error(out) if isinstance(out, ErrorMessage) else out
-
-    def _error(self, e: ErrorMessage) -> JSONResponse:
-        headers = {"Retry-After": str(self._retry_after_s)} if e.status == 429 else None
-        return error_response(e.status, e.message, e.type, e.param, e.code, headers)
+        rid = request_id(chat)
+        handle = self._handles[req.model]
+        return await respond(lambda: handle.options(stream=True).generate.remote(
+            rid, req.prompt, req.params, req.stream_interval, req.stream_interval_ms),
+            req, rid, chat, self._retry_after_s)
