@@ -1,20 +1,31 @@
 """Serving overhead: output tokens/s through HTTP + Ray Serve vs the engine directly.
 
-    python -m actors.bench_serve [--strategy autoregressive] [--concurrency 16]
-                                 [--max-tokens 128] [--json out.json]
+    python -m actors.bench_serve [--strategy autoregressive] [--concurrency 4,16]
+                                 [--max-tokens 128] [--reps 3] [--stream-intervals 1]
+                                 [--json out.json]
 
 Same prompts (held-out, ``data/prompts/heldout_eval.jsonl``), same engine
 config, greedy, ``ignore_eos`` so every request emits ``max_tokens`` tokens,
-``concurrency`` requests at once, one run each:
+``concurrency`` streaming requests at once. Three ways, side by side and
+interleaved (each repetition runs every way at every concurrency, in an order
+rotated per repetition, before the next repetition starts), medians of ``--reps``:
 
-1. direct: ``AsyncLLMEngine`` in this process (torch threads as the replica).
-2. served: a local Ray (``--num-cpus``) + Serve app with that one strategy on a
-   free 127.0.0.1 port, the same requests as concurrent streaming HTTP calls.
+1. ``direct``: an ``AsyncLLMEngine`` in this process (torch threads as the replica).
+2. ``strategy_route`` (one hop): ``POST /strategies/<name>/v1/completions``, answered
+   by the strategy replica itself (the layout ``python -m cluster up`` deploys,
+   ``actors.serve.app.run_applications``).
+3. ``model_field``: ``POST /v1/completions`` with ``model``, through the OpenAI
+   ingress (a second Ray hop per chunk), to the same replica.
 
-The direct run is done before and after the served one and averaged (the
-box may be busy). Prints tokens/s, the ratio (served / direct; 1.0 = no overhead),
-and the per-request latency Serve adds (e2e and TTFT, ms, served - direct,
-matched by prompt).
+``--stream-intervals 1,4`` also measures those ``stream_interval`` values (tokens
+per chunk) on the strategy route. Per repetition, a served run's ratio is its
+tokens/s over the direct run's of the same repetition; the TTFT the service adds is
+served - direct, matched by prompt. Prints and writes (``--json``): ``ratio`` (served
+/ direct on the default route, the strategy route at stream_interval 1; the lowest
+over the concurrencies), ``ratio_model_field`` (same, model-field route),
+``ttft_added_ms_p50`` (default route, the highest over the concurrencies) and, per
+concurrency and way, tokens/s, ratio, TTFT and e2e added (p50, ms) and chunks per
+request.
 """
 
 from __future__ import annotations
@@ -45,47 +56,57 @@ THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
                   "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
-async def run_direct(engine_cfg: dict, prompts: list[str], max_tokens: int) -> dict:
-    """Concurrent requests straight into an AsyncLLMEngine; per-request e2e / TTFT in ms."""
+def make_direct_engine(engine_cfg: dict):
+    """The in-process reference engine (``AsyncLLMEngine``), built once per run."""
     from actors.engine.config import EngineConfig
-    from actors.engine.types import SamplingParams
     from actors.serve.app import resolve_engine_config
     from actors.serve.async_engine import AsyncLLMEngine
 
-    eng = AsyncLLMEngine.from_config(EngineConfig(**resolve_engine_config(engine_cfg)))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return AsyncLLMEngine.from_config(EngineConfig(**resolve_engine_config(engine_cfg)))
 
-    async def one(i: int, prompt: str) -> dict:
-        t0 = time.perf_counter()
-        ttft, n = None, 0
-        async for out in eng.generate(f"d{i}", prompt, params):
-            if out.new_token_ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            n += len(out.new_token_ids)
-        return {"e2e_ms": (time.perf_counter() - t0) * 1e3, "ttft_ms": (ttft or 0) * 1e3,
-                "tokens": n}
 
-    try:
-        await one(-1, "warm up")                      # first-call costs out of the timing
-        t0 = time.perf_counter()
-        reqs = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
-        wall = time.perf_counter() - t0
-    finally:
-        eng.shutdown()
+def _timed(reqs: list[dict], wall: float) -> dict:
     return {"wall_s": wall, "requests": reqs,
             "tokens_per_s": sum(r["tokens"] for r in reqs) / wall}
 
 
-async def run_http(base: str, model: str, prompts: list[str], max_tokens: int) -> dict:
-    """The same requests as concurrent streaming /v1/completions calls."""
+async def run_direct(eng, prompts: list[str], max_tokens: int, tag: str) -> dict:
+    """Concurrent requests straight into ``eng``; per request e2e / TTFT (ms), tokens,
+    chunks (engine outputs that carried tokens)."""
+    from actors.engine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, prompt: str) -> dict:
+        t0 = time.perf_counter()
+        ttft, n, chunks = None, 0, 0
+        async for out in eng.generate(f"{tag}-{i}", prompt, params):
+            if out.new_token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            chunks += bool(out.new_token_ids)
+            n += len(out.new_token_ids)
+        return {"e2e_ms": (time.perf_counter() - t0) * 1e3, "ttft_ms": (ttft or 0) * 1e3,
+                "tokens": n, "chunks": chunks}
+
+    await one(-1, "warm up")                      # first-call costs out of the timing
+    t0 = time.perf_counter()
+    reqs = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    return _timed(reqs, time.perf_counter() - t0)
+
+
+async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
+                   path: str = "/v1/completions", stream_interval: int | None = None) -> dict:
+    """The same requests as concurrent streaming completions calls to ``base + path``."""
     import httpx
 
     async def one(client, prompt: str) -> dict:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        if stream_interval is not None:
+            body["stream_interval"] = stream_interval
         t0 = time.perf_counter()
-        ttft, n = None, 0
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        ttft, n, chunks = None, 0, 0
+        async with client.stream("POST", path, json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -93,47 +114,94 @@ async def run_http(base: str, model: str, prompts: list[str], max_tokens: int) -
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     n = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["token_ids"] and ttft is None:
-                    ttft = time.perf_counter() - t0
+                elif chunk["choices"] and chunk["choices"][0]["token_ids"]:
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
         return {"e2e_ms": (time.perf_counter() - t0) * 1e3, "ttft_ms": (ttft or 0) * 1e3,
-                "tokens": n}
+                "tokens": n, "chunks": chunks}
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         await one(client, "warm up")
         t0 = time.perf_counter()
         reqs = await asyncio.gather(*[one(client, p) for p in prompts])
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "requests": reqs,
-            "tokens_per_s": sum(r["tokens"] for r in reqs) / wall}
+        return _timed(reqs, time.perf_counter() - t0)
 
 
 def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
               tuned: bool = True) -> tuple[str, object]:
+    """A local Ray + Serve with ``strategy`` in the one-hop layout (its own application
+    at ``/strategies/<name>`` and the model-field ingress at ``/``); returns (base URL,
+    the ray module)."""
     import ray
     from ray import serve
 
-    from actors.serve.app import build_app
+    from actors.serve.app import run_applications
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray gives a raylet 30 s to register; an overloaded box may not
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     log_to_driver=False)
+            break
+        except Exception as exc:  # only the start-up timeout is retried
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rt = {"env_vars": dict(THROUGHPUT_ENV) if tuned else {}}
-    serve.run(build_app({"strategies": [{"name": strategy, "engine": engine_cfg,
-                                         "ray_actor_options": {"num_cpus": 0.5,
-                                                               "runtime_env": rt}}],
-                         "ingress": {"ray_actor_options": {"num_cpus": 0.1,
-                                                           "runtime_env": rt}}}),
-              name="bench", route_prefix="/")
+    run_applications({"strategies": [{"name": strategy, "engine": engine_cfg,
+                                      "ray_actor_options": {"num_cpus": 0.5, "runtime_env": rt}}],
+                      "ingress": {"ray_actor_options": {"num_cpus": 0.1, "runtime_env": rt}}},
+                     name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}", ray
+
+
+def _median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3) if xs else float("nan")
+
+
+DIRECT, MODEL_FIELD, STRATEGY_ROUTE = "direct", "model_field", "strategy_route"
+
+
+def summarize(runs: dict[tuple[int, str], list[dict]], concs: list[int],
+              ways: list[str]) -> dict[str, dict]:
+    """Per concurrency (str) and served way: medians over the repetitions of tokens/s, of
+    the ratio to the same repetition's direct run, of TTFT / e2e added (served - direct,
+    ms, matched by prompt) and of chunks per request; and the direct tokens/s."""
+    per_c: dict[str, dict] = {}
+    for c in concs:
+        direct = runs[(c, DIRECT)]
+        out: dict = {"direct_tokens_per_s": _median([r["tokens_per_s"] for r in direct])}
+        for way in ways:
+            if way == DIRECT:
+                continue
+            served = runs[(c, way)]
+            pairs = list(zip(served, direct))
+            out[way] = {
+                "tokens_per_s": _median([s["tokens_per_s"] for s in served]),
+                "ratio": _median([s["tokens_per_s"] / d["tokens_per_s"] for s, d in pairs]),
+                "ttft_added_ms_p50": _median([sr["ttft_ms"] - dr["ttft_ms"] for s, d in pairs
+                                              for sr, dr in zip(s["requests"], d["requests"])]),
+                "e2e_added_ms_p50": _median([sr["e2e_ms"] - dr["e2e_ms"] for s, d in pairs
+                                             for sr, dr in zip(s["requests"], d["requests"])]),
+                "chunks_per_request": _median([r["chunks"] for s in served
+                                               for r in s["requests"]])}
+        per_c[str(c)] = out
+    return per_c
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m actors.bench_serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", default="autoregressive")
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", default="4,16",
+                    help="comma-separated concurrent requests (4 = the mid tier's users)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
+    ap.add_argument("--stream-intervals", default="1",
+                    help="stream_interval values measured on the strategy route (1 always)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
@@ -141,57 +209,92 @@ def main(argv: list[str] | None = None) -> int:
                     help="Serve's defaults instead of configs/serve.yaml's env_vars")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     a = ap.parse_args(argv)
+    try:
+        concs = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--concurrency: expected comma-separated integers, got {a.concurrency!r}")
+    try:
+        intervals = [int(c) for c in a.stream_intervals.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--stream-intervals: expected comma-separated integers, got "
+                 f"{a.stream_intervals!r}")
+    if not concs or min(concs) < 1:
+        ap.error("--concurrency: give values >= 1")
+    if intervals and min(intervals) < 1:
+        ap.error("--stream-intervals: give values >= 1")
+    if a.reps < 1:
+        ap.error("--reps: must be >= 1")
+    if a.max_tokens < 1:
+        ap.error("--max-tokens: must be >= 1")
+    extra = sorted({i for i in intervals if i != 1})
 
-    engine_cfg = {"strategy": a.strategy, "max_num_seqs": a.concurrency,
+    engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),
                   "torch_threads": a.torch_threads,
                   "num_speculative_tokens": 0 if a.strategy == "autoregressive"
                   else a.num_speculative_tokens}
-    prompts = load_prompts(a.concurrency)
     import torch
 
+    from actors.serve.app import strategy_route
+
     torch.set_num_threads(a.torch_threads)  # the direct runs share this process, as a replica would
-    # direct, served, direct: the reference is the mean of the two direct runs, so
-    # a drift in background load during the run biases the ratio less.
-    direct = asyncio.run(run_direct(engine_cfg, prompts, a.max_tokens))
-    print(f"direct (before): {direct['tokens_per_s']:.1f} output tokens/s "
-          f"({direct['wall_s']:.2f} s)")
+    ways = [DIRECT, STRATEGY_ROUTE, MODEL_FIELD] + [f"{STRATEGY_ROUTE}_si{i}" for i in extra]
+    own = strategy_route(a.strategy) + "/v1/completions"
+    runs: dict[tuple[int, str], list[dict]] = {}
+    eng = make_direct_engine(engine_cfg)
     base, ray = serve_app(engine_cfg, a.strategy, a.num_cpus, not a.no_serve_tuning)
     try:
-        served = asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens))
+        for rep in range(a.reps):
+            order = ways[rep % len(ways):] + ways[:rep % len(ways)]   # no way always first
+            for c in concs:
+                prompts = load_prompts(c)
+                for way in order:
+                    if way == DIRECT:
+                        res = asyncio.run(run_direct(eng, prompts, a.max_tokens, f"r{rep}c{c}"))
+                    elif way == MODEL_FIELD:
+                        res = asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens))
+                    else:
+                        si = int(way.rsplit("_si", 1)[1]) if "_si" in way else None
+                        res = asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens,
+                                                   own, si))
+                    runs.setdefault((c, way), []).append(res)
+                    print(f"rep {rep + 1}/{a.reps} users {c:>3} {way:<20} "
+                          f"{res['tokens_per_s']:8.1f} output tokens/s", flush=True)
     finally:
         from ray import serve
 
+        eng.shutdown()
         serve.shutdown()
         ray.shutdown()
-    direct2 = asyncio.run(run_direct(engine_cfg, prompts, a.max_tokens))
-    print(f"direct (after): {direct2['tokens_per_s']:.1f} output tokens/s "
-          f"({direct2['wall_s']:.2f} s)")
-    for d, d2 in zip(direct["requests"], direct2["requests"]):
-        d["e2e_ms"] = (d["e2e_ms"] + d2["e2e_ms"]) / 2
-        d["ttft_ms"] = (d["ttft_ms"] + d2["ttft_ms"]) / 2
-    direct["tokens_per_s"] = (direct["tokens_per_s"] + direct2["tokens_per_s"]) / 2
-    added_e2e = [s["e2e_ms"] - d["e2e_ms"] for s, d in zip(served["requests"],
-                                                            direct["requests"])]
-    added_ttft = [s["ttft_ms"] - d["ttft_ms"] for s, d in zip(served["requests"],
-                                                              direct["requests"])]
+
+    per_c = summarize(runs, concs, ways)
     result = {
-        "strategy": a.strategy, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
-        "direct_tokens_per_s": round(direct["tokens_per_s"], 2),
-        "served_tokens_per_s": round(served["tokens_per_s"], 2),
-        "ratio": round(served["tokens_per_s"] / direct["tokens_per_s"], 4),
-        "added_e2e_ms_mean": round(statistics.mean(added_e2e), 2),
-        "added_e2e_ms_p50": round(statistics.median(added_e2e), 2),
-        "added_ttft_ms_mean": round(statistics.mean(added_ttft), 2),
-        "direct_e2e_ms_mean": round(statistics.mean(r["e2e_ms"] for r in direct["requests"]), 2),
+        "strategy": a.strategy, "max_tokens": a.max_tokens, "reps": a.reps,
+        "concurrency": concs, "route": STRATEGY_ROUTE,
+        "ratio": min(per_c[str(c)][STRATEGY_ROUTE]["ratio"] for c in concs),
+        "ttft_added_ms_p50": max(per_c[str(c)][STRATEGY_ROUTE]["ttft_added_ms_p50"]
+                                 for c in concs),
+        "ratio_model_field": min(per_c[str(c)][MODEL_FIELD]["ratio"] for c in concs),
+        "ttft_added_ms_p50_model_field": max(per_c[str(c)][MODEL_FIELD]["ttft_added_ms_p50"]
+                                             for c in concs),
+        "by_concurrency": per_c,
+        "note": "medians of interleaved repetitions; ratio / ttft_added_ms_p50: the worst "
+                "concurrency, strategy route (the load generator's default), stream_interval 1",
     }
     if a.json:
         write_json(a.json, result)
-    print(f"served: {served['tokens_per_s']:.1f} output tokens/s ({served['wall_s']:.2f} s)")
-    print(f"ratio served/direct: {result['ratio']:.3f}")
-    print(f"added latency per request: e2e mean {result['added_e2e_ms_mean']:.1f} ms "
-          f"(p50 {result['added_e2e_ms_p50']:.1f} ms), TTFT mean "
-          f"{result['added_ttft_ms_mean']:.1f} ms")
-    print(json.dumps(result))
+    for c in concs:
+        o = per_c[str(c)]
+        print(f"users {c}: direct {o['direct_tokens_per_s']:.1f} output tokens/s")
+        for way in ways[1:]:
+            w = o[way]
+            print(f"  {way:<20} {w['tokens_per_s']:8.1f} tok/s  ratio {w['ratio']:.3f}  "
+                  f"TTFT added p50 {w['ttft_added_ms_p50']:.1f} ms  e2e added p50 "
+                  f"{w['e2e_added_ms_p50']:.1f} ms  chunks/request {w['chunks_per_request']:.0f}")
+    print(f"ratio served/direct, worst concurrency: strategy route {result['ratio']:.3f}, "
+          f"model-field route {result['ratio_model_field']:.3f}; TTFT added p50 (strategy "
+          f"route) {result['ttft_added_ms_p50']:.1f} ms")
+    print(json.dumps({k: result[k] for k in ("ratio", "ttft_added_ms_p50", "ratio_model_field",
+                                             "ttft_added_ms_p50_model_field")}))
     return 0
 
 

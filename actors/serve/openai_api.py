@@ -538,7 +538,7 @@ async def respond(start, req: ParsedRequest, rid: str, chat: bool, retry_after_s
     try:
         gen = start()
         first = await gen.__anext__()
-    except Exception as exc:  # noqa: BLE001 - classified below
+    except Exception as exc:  # classified below
         if gen is not None:
             _cancel(gen)
         logger.exception("strategy %s failed to admit", req.model)
