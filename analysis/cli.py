@@ -247,9 +247,11 @@ def _plan(args, parser) -> int:
     print("assumptions:")
     for a in out["assumptions"]:
         print(f"  - {a}")
-    _print_table(f"measured plan: {args.qps:g} req/s, tier {args.tier}", out["measured"],
-                 ["strategy", "output_class", "users", "e2e_s", "capacity_rps",
-                  "concurrency_needed", "replicas", "note"])
+    _print_table(f"plan (step cost model + queue): {args.qps:g} req/s, tier {args.tier}",
+                 out["model"],
+                 ["strategy", "output_class", "capacity_rps", "saturation_rps", "replicas",
+                  "predicted_attainment", "predicted_attainment_minus_one", "mean_in_system",
+                  "measured_users_max", "tpot_ms", "ttft_ms_p50", "note"])
     if out.get("memory"):
         _print_table("KV-cache memory per replica", out["memory"],
                      ["strategy", "output_class", "context_tokens", "weight_bytes",
@@ -272,7 +274,7 @@ def _validate(args, out: dict, parser) -> int:
     from configs.tiers import Slo
     from configs.jsonio import dumps, write_json
     try:
-        choice = va.choose(out["measured"], args.strategy, args.output)
+        choice = va.choose(out["model"], args.strategy, args.output)
     except ValueError as exc:
         parser.error(f"--validate/--strategy: {exc}")
     results = load_results(args.results_dir)
@@ -283,6 +285,11 @@ def _validate(args, out: dict, parser) -> int:
         args.attainment, va.run_max_tokens(manifest, args.tier, choice.output_class),
         Path(args.validate_results or Path(args.results_dir) / "validate"),
         duration_s=args.validate_duration, warmup_s=args.validate_warmup)
+    row = next(r for r in out["model"] if r["strategy"] == choice.strategy
+               and r["output_class"] == choice.output_class)
+    res["predicted"] = {"attainment": row["predicted_attainment"],
+                        "attainment_minus_one": row["predicted_attainment_minus_one"],
+                        "capacity_rps": row["capacity_rps"], "extrapolated": row["extrapolated"]}
     def pct(v):
         return "not measured (deploy failed)" if v is None else f"{v:.1%}"
     verdict = {True: "HOLDS", False: "FAILS", None: "UNKNOWN"}[res["holds"]]

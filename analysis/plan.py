@@ -1,12 +1,15 @@
 """Capacity plan: replicas needed per strategy for a target load under SLOs.
 
-Measured plan (always). Per strategy x output class of the tier, the
-per-replica capacity is the highest measured concurrency N* (users levels of
-every tier with that output class, runs pooled) at which at least
-``attainment`` of requests met both SLOs; with W the mean end-to-end latency
-there, Little's law (L = lambda * W; Little 1961) gives the concurrency the
-target load needs, L = qps * W, and replicas = ceil(L / N*), i.e.
-ceil(qps / X) with per-replica capacity X = N* / W requests/s.
+Model plan (always; ``plan["model"]``). Per strategy x output class of the tier, the
+step cost model (``analysis.stepcost``, fitted per strategy on the whole step log,
+calibrated per output class as in ``analysis.backtest``) gives each replica's
+completions/s and TPOT at every batch size, measured or not; the queue model of
+``analysis.replica_model`` turns them into the predicted SLO attainment of Poisson
+arrivals at a rate (requests meeting both SLOs / requests sent, 429s and an
+unstable queue counted as misses). replicas = the smallest N whose predicted
+attainment at qps / N per replica >= ``attainment``; capacity_rps = the highest
+per-replica rate that meets it. A row whose likely batch sizes lie beyond the
+highest measured users level says it is extrapolated.
 
 GPU plan (``--gpu`` or ``--cost-curve``). The step cost on the target GPU is a
 roofline (Williams et al. 2009): ``step_ms(T) = 1000 * max(2*P*T / FLOPS,
@@ -114,31 +117,38 @@ class PointsCurve:
         return np.where(t > x[-1], y[-1] + slope * (t - x[-1]), np.interp(t, x, y))
 
 
-def measured_plan(flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, classes: list[str],
-                  attainment: float = DEFAULT_ATTAINMENT) -> list[dict]:
-    """Replicas per strategy x output class from measured cells (see module doc)."""
+def model_plan(models: dict, qps: float, classes: list[str], slo: Slo,
+               attainment: float = DEFAULT_ATTAINMENT) -> list[dict]:
+    """Replicas per strategy x output class from the fitted capacity model (module doc):
+    the smallest N whose predicted SLO attainment at ``qps / N`` per replica >= ``attainment``.
+
+    ``models``: ``analysis.replica_model.fit_replica_models`` output."""
+    from analysis.replica_model import replicas_needed
+
     rows = []
-    for oc in classes:
-        for strategy, g in cells[cells[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
-            by_users = []
-            for users, gu in g.groupby(mn.REQ_USERS):
-                req = flagged[flagged[mn.REQ_STRATEGY].eq(strategy) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)
-                              & flagged[mn.REQ_USERS].eq(users)]
-                by_users.append((int(users), float(req[metrics.GOOD].mean()),
-                                 float(req.loc[req[mn.REQ_STATUS].eq("ok"), mn.REQ_E2E_MS].mean())))
-            ok = [b for b in by_users if b[1] >= attainment]
-            row = {"strategy": strategy, "output_class": oc,
-                   "attainment_by_users": {u: round(a, 3) for u, a, _ in by_users}}
-            if not ok:
-                row.update(users=None, e2e_s=None, capacity_rps=None, concurrency_needed=None,
-                           replicas=None, note=f"SLO attainment < {attainment:.0%} at every level")
-            else:
-                n_star, _, e2e_ms = max(ok)
-                w = e2e_ms / 1000.0
-                row.update(users=n_star, e2e_s=w, capacity_rps=n_star / w,
-                           concurrency_needed=qps * w, replicas=math.ceil(qps * w / n_star - 1e-9),
-                           note="")
-            rows.append(row)
+    for (strategy, oc), m in sorted(models.items()):
+        if oc not in classes:
+            continue
+        n, at_n, below = replicas_needed(m, qps, slo, attainment)
+        row = {"strategy": strategy, "output_class": oc, "replicas": n,
+               "capacity_rps": m.slo_capacity_rps(slo, attainment),
+               "saturation_rps": m.saturation_rps(), "max_num_seqs": m.max_num_seqs,
+               "measured_users_max": m.measured_users}
+        if n is None:
+            row.update(predicted_attainment=None, predicted_attainment_minus_one=None,
+                       mean_in_system=None, p99_in_system=None, tpot_ms=None, ttft_ms_p50=None,
+                       extrapolated=None, capacity_rps=None,
+                       note=f"predicted SLO attainment < {attainment:.0%} even at a trickle of load")
+        else:
+            row.update(predicted_attainment=at_n.attainment,
+                       predicted_attainment_minus_one=below.attainment if below else 0.0,
+                       mean_in_system=at_n.mean_in_system, p99_in_system=at_n.p99_in_system,
+                       tpot_ms=at_n.tpot_ms, ttft_ms_p50=at_n.ttft_ms_p50,
+                       extrapolated=at_n.extrapolated,
+                       note=(f"extrapolated: the model's p99 of {min(at_n.p99_in_system, m.max_num_seqs)}"
+                             f" requests in a replica's batch is beyond the highest measured users "
+                             f"level ({m.measured_users})") if at_n.extrapolated else "")
+        rows.append(row)
     return rows
 
 
@@ -211,7 +221,7 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     ``slo_source`` says where the SLO came from (``flags``, ``manifest``, ...; see
     ``analysis.slo.resolve_slos``); it is recorded in the returned ``slo``.
 
-    Returns {"qps", "tier", "slo", "measured": [rows], "gpu_plan": [rows] or None,
+    Returns {"qps", "tier", "slo", "model": [rows], "gpu_plan": [rows] or None,
     "assumptions": [str], "memory": [rows] or None}. ``model_shape`` (a name in
     ``analysis.memory.SHAPES`` or a config.json path, needs ``gpu``) adds the KV-cache
     cap and supplies model_params when absent. Raises ValueError when the tier
@@ -230,13 +240,24 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     assumptions = [
         f"target load {qps:g} requests/s of tier {tier!r} ({', '.join(classes)} outputs); "
         f"SLO TTFT <= {slo_ttft_ms:g} ms, TPOT <= {slo_tpot_ms:g} ms",
-        f"measured: per-replica capacity = highest measured users level (any tier, same output "
-        f"class, runs pooled) with >= {attainment:.0%} of requests meeting both SLOs; "
-        "replicas = ceil(qps * W / N*) by Little's law, W = mean e2e latency at N*",
+        "model: per strategy the step cost fit (analysis.stepcost) on the whole step log, "
+        "calibrated per output class on the measured users levels; each replica a queue "
+        "(analysis.replica_model) with Poisson arrivals at qps / N, batch <= max_num_seqs and "
+        "429 beyond max_waiting (configs/serve.yaml); replicas = smallest N whose predicted "
+        f"SLO attainment >= {attainment:.0%}",
     ]
+    from analysis.replica_model import fit_replica_models
+    models = fit_replica_models(results, flagged, cells, notes=assumptions)
+    rows = model_plan(models, qps, classes, slo, attainment)
+    missing = sorted(set(req[mn.REQ_STRATEGY]) - {r["strategy"] for r in rows})
+    if missing:
+        assumptions.append(f"no step log (or < 3 decode steps) for {', '.join(missing)}: no "
+                           "model, no plan row")
+    if any(r.get("extrapolated") for r in rows):
+        assumptions.append("EXTRAPOLATED past the highest measured users level for the rows "
+                           "marked extrapolated: the step cost model, not a measurement")
     out = {"qps": qps, "tier": tier, "slo": slo.model_dump(), "assumptions": assumptions,
-           "measured": measured_plan(flagged, cells, qps, classes, attainment), "gpu_plan": None,
-           "memory": None}
+           "model": rows, "gpu_plan": None, "memory": None}
     if model_shape is not None and gpu is None:
         raise ValueError("--model-shape needs --gpu (the GPU whose memory holds the KV cache)")
     shape = memory.resolve_shape(model_shape) if model_shape is not None else None

@@ -11,8 +11,8 @@ with ``configs.serve_config.ServeAppConfig``), so it deploys with
   maximum covers any mix of them);
 - the GPU plan's count when one was computed (``--gpu`` / ``--cost-curve``;
   the model assumes one GPU per replica, so ``num_gpus: 1`` and
-  ``device: cuda`` are set), else the measured plan's;
-- strategies the plan found infeasible (SLOs missed at every measured level)
+  ``device: cuda`` are set), else the model plan's (``analysis.plan.model_plan``);
+- strategies the plan found infeasible (SLOs missed even at a trickle of load)
   or that the run did not measure are left out, and named in the header;
 - everything else (engine settings, runtime_env, ingress, http_options) is
   copied from the base config.
@@ -45,12 +45,12 @@ class ServePlanError(ValueError):
 
 
 def planned_replicas(plan_out: dict) -> dict[str, dict[str, Any]]:
-    """``{strategy: {"replicas": int, "source": "gpu_plan"|"measured", "output_class": str}}``.
+    """``{strategy: {"replicas": int, "source": "gpu_plan"|"model", "output_class": str}}``.
 
     Only strategies with a finite replica count in the chosen plan appear;
     the count is the maximum over output classes (module docstring).
     """
-    source = "gpu_plan" if plan_out.get("gpu_plan") else "measured"
+    source = "gpu_plan" if plan_out.get("gpu_plan") else "model"
     out: dict[str, dict[str, Any]] = {}
     for row in plan_out.get(source) or []:
         n = row.get("replicas")

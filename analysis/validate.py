@@ -66,19 +66,20 @@ class Choice:
     capacity_rps: float
 
 
-def choose(measured_rows: list[dict], strategy: str | None = None,
+def choose(plan_rows: list[dict], strategy: str | None = None,
            output_class: str | None = None) -> Choice:
-    """The plan row to validate: the given strategy / output class, else the feasible
-    row with the fewest replicas (then the highest per-replica capacity).
+    """The plan row (``analysis.plan.model_plan``) to validate: the given strategy /
+    output class, else the feasible row with the fewest replicas (then the highest
+    per-replica capacity).
 
-    Raises ValueError when no measured row is feasible or the named one is absent."""
-    rows = [r for r in measured_rows if r.get("replicas")
+    Raises ValueError when no row is feasible or the named one is absent."""
+    rows = [r for r in plan_rows if r.get("replicas")
             and (strategy is None or r["strategy"] == strategy)
             and (output_class is None or r["output_class"] == output_class)]
     if not rows:
         raise ValueError(f"no feasible plan row to validate (strategy={strategy}, "
-                         f"output_class={output_class}); the measured plan says "
-                         f"{[(r['strategy'], r['output_class'], r.get('note')) for r in measured_rows]}")
+                         f"output_class={output_class}); the plan says "
+                         f"{[(r['strategy'], r['output_class'], r.get('note')) for r in plan_rows]}")
     r = min(rows, key=lambda r: (r["replicas"], -r["capacity_rps"], r["strategy"]))
     return Choice(r["strategy"], r["output_class"], int(r["replicas"]), float(r["capacity_rps"]))
 
@@ -295,7 +296,3 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     result["tight"] = None if att_m1 is None else bool(att_m1 < target)
     return result
 
-
-def replicas_for(qps: float, capacity_rps: float) -> int:
-    """ceil(qps / per-replica capacity) (the plan's Little's-law count)."""
-    return max(1, math.ceil(qps / capacity_rps - 1e-9))

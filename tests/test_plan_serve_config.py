@@ -29,7 +29,7 @@ def _app_args(path) -> dict:
     return cfg, app["args"]
 
 
-def test_emit_measured_plan(run_dir, tmp_path, capsys):
+def test_emit_model_plan(run_dir, tmp_path, capsys):
     out_yaml = tmp_path / "plan.yaml"
     assert cli.main(["plan", str(run_dir), "--qps", "100", "--tier", "high", "--slo-ttft-ms", "500",
                      "--slo-tpot-ms", "1000", "--emit-serve-config", str(out_yaml)]) == 0
@@ -37,11 +37,10 @@ def test_emit_measured_plan(run_dir, tmp_path, capsys):
     cfg, args = _app_args(out_yaml)
     app = ServeAppConfig.model_validate(args)
     by_name = {s.name: s for s in app.strategies}
-    # replicas = max over output classes of the measured plan (hand-computed in test_analysis_plan:
-    # autoregressive short needs 4; long outputs take 4x as long per request -> 4x the replicas)
+    # replicas = max over output classes of the model plan (its arithmetic: tests/test_replica_model.py)
     expect = plan(run_dir, qps=100, tier="high", slo_ttft_ms=500, slo_tpot_ms=1000)
     want = {}
-    for r in expect["measured"]:
+    for r in expect["model"]:
         if r["replicas"] is not None:
             want[r["strategy"]] = max(want.get(r["strategy"], 0), r["replicas"])
     assert want[mn.AUTOREGRESSIVE] >= 4
