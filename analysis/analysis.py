@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from analysis import capacity
 from analysis.load import Results
 from configs.tiers import Slo
 
@@ -23,7 +22,6 @@ class Analysis:
     crossover: pd.DataFrame       # measured (per output class) + predicted (per strategy)
     knees: pd.DataFrame
     capacity: pd.DataFrame
-    target_curve: capacity.CostCurve | None
     recommendation: dict
     outages: pd.DataFrame | None = None     # analysis.faults.outages: failed / rejected per cell
     timeline: pd.DataFrame | None = None    # analysis.faults.timeline: per strategy, 1 s bins

@@ -162,6 +162,26 @@ def fit_cell_models(steps: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFr
     return out, steps_models
 
 
+def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
+                   notes: list[str] | None = None) -> dict[tuple[str, str], CellModel]:
+    """``fit_cell_models`` on every users level of the run: the one capacity model the
+    report's crossover and ``analysis plan`` use. Step rows outside every cell (no users
+    label) take their batch size as the users level (batch occupancy 1); ``notes`` gets
+    a sentence saying so. Empty without a step log."""
+    if results.steps is None or results.steps.empty:
+        return {}
+    steps = steps_with_users(results.steps, results.requests)
+    unlabelled = steps[mn.REQ_USERS].isna()
+    if unlabelled.any():
+        steps.loc[unlabelled, mn.REQ_USERS] = steps.loc[unlabelled, mn.STEP_BATCH_SIZE]
+        if notes is not None:
+            notes.append(f"{int(unlabelled.sum())} step rows lie outside every cell (no users "
+                         "label): their batch size is taken as the users level (occupancy 1)")
+    levels = sorted({int(u) for u in cells[mn.REQ_USERS].unique()}
+                    | {int(u) for u in steps[mn.REQ_USERS].dropna().unique()})
+    return fit_cell_models(steps, flagged, cells, levels)[0]
+
+
 def predicted_speedup(models: dict, strategy: str, oc: str, users) -> np.ndarray | None:
     """Calibrated predicted speedup vs autoregressive at ``users`` (None if either is unfitted)."""
     s, ar = models.get((strategy, oc)), models.get((mn.AUTOREGRESSIVE, oc))

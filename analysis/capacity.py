@@ -1,13 +1,15 @@
 """Batch capacity from the engine step log: how verification eats the batch.
 
-- Step cost curve: step time (ms) as a function of the tokens a step runs
-  through the target (verification + prefill tokens), fitted as a continuous
-  hinge ``f(T) = max(a, b + c*T)`` written ``a + c*max(0, T - T_knee)``: flat
-  while the forward is memory-bound (weights are read once whatever the
-  batch), linear once it is compute-bound. This is the roofline model
-  (Williams, Waterman & Patterson 2009, CACM 52(4)) applied to one forward.
-  Fit: weighted least squares for (a, c >= 0) at each candidate knee, the
-  knee chosen by grid search over the observed token counts.
+The step cost model itself is ``analysis.stepcost`` (per strategy, prefill and
+decode apart); the report's crossover and the plan both use it through
+``analysis.backtest``. Here:
+
+- The hinge primitive ``fit_cost_curve``: ``f(T) = max(a, b + c*T)`` written
+  ``a + c*max(0, T - T_knee)``, flat while a forward is memory-bound, linear
+  once compute-bound (the roofline model, Williams, Waterman & Patterson 2009,
+  CACM 52(4)); weighted least squares for (a, c >= 0) at each candidate knee,
+  the knee by grid search over the observed token counts. ``stepcost`` fits a
+  prefill with it; ``analysis.plan`` writes a GPU roofline as one.
 - Wasted share = (verification tokens - emitted tokens) / verification tokens
   >= 0: emitted tokens are what verification delivered (the step log's
   ``emitted_tokens``; each request's first token comes from prefill and is
@@ -15,10 +17,8 @@
   emitted = verification = 1.00 per request-step and a wasted share of 0.
 - Capacity per emitted token = verification tokens / emitted token and engine
   ms / emitted token.
-- Predicted crossover: the concurrency N where
-  ``tau * step_AR(N) / step_S(N * v)`` drops below 1, with ``v`` the measured
-  verification tokens per request per step, ``tau`` the measured acceptance
-  length and ``step(T) = f_target(T) + draft_ms(N) + other_ms``.
+- ``first_users_below_one``: the crossover search (first users level where a
+  predicted speedup falls below 1).
 """
 
 from __future__ import annotations
@@ -128,9 +128,8 @@ def target_ms(df: pd.DataFrame) -> pd.Series:
 
 def capacity_table(steps: pd.DataFrame) -> pd.DataFrame:
     """Per strategy: steps, mean batch, verification tokens per step and per request,
-    wasted share, verification tokens and engine ms per emitted token, and the
-    strategy's own step_ms fit (includes drafting)."""
-    df, every = step_table(steps), step_table(steps, decode_only=False)
+    wasted share, verification tokens and engine ms per emitted token."""
+    df = step_table(steps)
     rows = []
     for strategy, g in df.groupby(mn.STEP_STRATEGY, sort=True):
         verif, emitted = g[mn.STEP_VERIFICATION_TOKENS].sum(), g[mn.STEP_EMITTED_TOKENS].sum()
@@ -142,51 +141,8 @@ def capacity_table(steps: pd.DataFrame) -> pd.DataFrame:
                "wasted_share": (verif - emitted) / verif if verif else np.nan,
                "verification_per_emitted": verif / emitted if emitted else np.nan,
                "ms_per_emitted_token": g[mn.STEP_MS].sum() / emitted if emitted else np.nan}
-        try:
-            mine = every[every[mn.STEP_STRATEGY].eq(strategy)]
-            fit = fit_cost_curve(mine[BATCH_TOKENS], mine[mn.STEP_MS])
-            row.update({f"fit_{k}": v for k, v in fit.as_dict().items() if k != "n_steps"})
-        except ValueError:
-            pass
         rows.append(row)
     return pd.DataFrame(rows)
-
-
-def draft_cost(steps: pd.DataFrame) -> dict[str, tuple[float, float]]:
-    """Per strategy: (intercept_ms, ms_per_request) least-squares line of draft_ms
-    against batch size, clipped at >= 0; (0, 0) where nothing was drafted."""
-    out = {}
-    for strategy, g in step_table(steps).groupby(mn.STEP_STRATEGY):
-        d = g[[mn.STEP_BATCH_SIZE, mn.STEP_DRAFT_MS]].dropna()
-        if d.empty or d[mn.STEP_DRAFT_MS].abs().sum() == 0:
-            out[strategy] = (0.0, 0.0)
-        elif d[mn.STEP_BATCH_SIZE].nunique() < 2:
-            out[strategy] = (float(d[mn.STEP_DRAFT_MS].mean()), 0.0)
-        else:
-            slope, icpt = np.polyfit(d[mn.STEP_BATCH_SIZE], d[mn.STEP_DRAFT_MS], 1)
-            out[strategy] = (max(float(icpt), 0.0), max(float(slope), 0.0))
-    return out
-
-
-def target_cost_curve(steps: pd.DataFrame) -> CostCurve:
-    """One hinge fit of the target forward's ms against batch tokens, pooled over
-    strategies (they share the target model, so they share this curve)."""
-    df = step_table(steps, decode_only=False)
-    return fit_cost_curve(df[BATCH_TOKENS], target_ms(df))
-
-
-def predicted_speedup(users, curve: CostCurve, tau: float, v: float,
-                      draft: tuple[float, float] = (0.0, 0.0), other_ms: float = 0.0,
-                      ar_other_ms: float = 0.0):
-    """Decode-phase speedup at concurrency ``users`` (array ok), from the fit.
-
-    tokens/s_S(N) = N * tau / (f(N*v) + draft(N) + other); the autoregressive
-    reference is N / (f(N) + other_AR). Prefill is ignored (steady-state decode).
-    """
-    n = np.asarray(users, dtype=float)
-    spec_ms = curve(n * v) + draft[0] + draft[1] * n + other_ms
-    ar_ms = curve(n) + ar_other_ms
-    return tau * ar_ms / spec_ms
 
 
 def first_users_below_one(speedup, max_users: float, points: int = 4000, tol: float = 1e-6) -> float | None:
@@ -211,25 +167,6 @@ def first_users_below_one(speedup, max_users: float, points: int = 4000, tol: fl
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if speedup(mid) >= 1.0 else (lo, mid)
     return float(hi)
-
-
-def predicted_crossover(curve: CostCurve, tau: float, v: float, draft=(0.0, 0.0),
-                        other_ms: float = 0.0, ar_other_ms: float = 0.0,
-                        max_users: float = 1e5) -> float | None:
-    """Smallest concurrency in [1, max_users] with predicted speedup < 1 (bisection
-    to 1e-6 users after a geometric scan); 1.0 if already below 1 at one user;
-    None if it never falls below 1 in range."""
-    return first_users_below_one(
-        lambda n: predicted_speedup(n, curve, tau, v, draft, other_ms, ar_other_ms), max_users)
-
-
-def other_ms(steps: pd.DataFrame) -> dict[str, float]:
-    """Per strategy mean of step_ms - draft_ms - target ms (scheduling, sampling, ...)."""
-    df = step_table(steps)
-    if df.empty:
-        return {}
-    df = df.assign(_other=df[mn.STEP_MS] - df[mn.STEP_DRAFT_MS].fillna(0) - target_ms(df))
-    return {k: max(float(v), 0.0) for k, v in df.groupby(mn.STEP_STRATEGY)["_other"].mean().items()}
 
 
 def verification_per_request(steps_cap: pd.DataFrame, flagged: pd.DataFrame) -> dict[str, float]:

@@ -13,7 +13,7 @@ line for evidence:
 - backtest rows (fit on lower users levels, predict the highest): a predicted
   speedup on the other side of 1 from the measured one, or any predicted
   figure off by more than ``BACKTEST_ERROR_MAX``;
-- fits with r² < ``R2_MIN`` (the target cost curve, each strategy's step model).
+- fits with r² < ``R2_MIN`` (each strategy's step model).
 
 ``model_checks`` returns ``{figure key: [sentences]}`` (keys of
 ``analysis.report.make_figures``); every sentence also appears in the report's
@@ -98,12 +98,6 @@ def backtest_checks(bt: dict | None) -> dict[str, list[str]]:
 def fit_checks(a: "Analysis") -> dict[str, list[str]]:
     """Fits with r² < R2_MIN, by figure key."""
     out: dict[str, list[str]] = {}
-    curve = a.target_curve
-    r2 = _num(getattr(curve, "r2", None)) if curve is not None else None
-    if r2 is not None and r2 < R2_MIN:
-        out.setdefault("step_cost", []).append(
-            f"The target cost fit has r² {r2:.2f} (< {R2_MIN}): it explains little of the measured "
-            "step times, so the predicted crossovers built on it are not reliable.")
     for strategy, m in sorted((a.capacity_model or {}).get("step_models", {}).items()):
         r2 = _num(getattr(m, "r2_step", None))
         if r2 is not None and r2 < R2_MIN:

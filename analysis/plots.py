@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from analysis.capacity import BATCH_TOKENS, CostCurve, step_table
+from analysis.capacity import BATCH_TOKENS, step_table
 from analysis.metrics import OUTPUT_TOKENS_PER_S, SPEEDUP
 from configs import metric_names as mn
 
@@ -159,8 +158,9 @@ def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
     return _png(fig)
 
 
-def step_cost(steps: pd.DataFrame, target: CostCurve | None) -> bytes | None:
-    """Step time against batch tokens (scatter, per strategy) with the fitted hinge."""
+def step_cost(steps: pd.DataFrame) -> bytes | None:
+    """Step time against batch tokens (scatter, per strategy). The fitted step cost model
+    is judged on its residuals (``analysis.capacity_plots.residual_plot``)."""
     df = step_table(steps, decode_only=False)
     if df.empty:
         return None
@@ -170,10 +170,6 @@ def step_cost(steps: pd.DataFrame, target: CostCurve | None) -> bytes | None:
         g = g.sample(min(len(g), 2000), random_state=0)
         ax.scatter(g[BATCH_TOKENS], g[mn.STEP_MS], s=6, alpha=0.4, label=strategy,
                    color=strategy_color(strategy))
-    if target is not None:
-        t = np.linspace(0, df[BATCH_TOKENS].max() * 1.05, 200)
-        ax.plot(t, target(t), color="black",
-                label=f"target-forward fit: floor {target.floor_ms:.2f} ms, knee {target.knee_tokens:.0f} tok")
     ax.set(title="step time vs batch tokens (verification + prefill)", xlabel="batch tokens",
            ylabel="step time (ms)")
     ax.legend(fontsize=8)

@@ -34,7 +34,7 @@ FIGURE_TITLES = {
     "acceptance": "Acceptance length distribution",
     "per_position": "Per-position acceptance (unconditional and conditional, labelled)",
     "verification": "Verification tokens per step vs batch size",
-    "step_cost": "Step time vs batch tokens with the fitted cost curve",
+    "step_cost": "Step time vs batch tokens (measured, per strategy)",
     "step_residuals": "Step cost model residuals per strategy (decode / with prefill)",
     "backtest_speedup_short": "Backtest, short outputs: predicted vs measured speedup",
     "backtest_speedup_long": "Backtest, long outputs: predicted vs measured speedup",
@@ -77,8 +77,6 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
     """(section title, explanation, rows) for every table of the report."""
     slo_rows = [{"tier": t, "ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "source": s.source}
                 for t, s in sorted(a.slos.items(), key=lambda kv: cell_order((kv[0], "")))]
-    curve = a.target_curve
-    curve_rows = [curve.as_dict()] if curve is not None else []
     out = [
         ("Recommendation", "Per tier x output class: the strategy with the highest goodput "
          "(output tokens/s of requests meeting both SLOs), margin = relative lead over the "
@@ -88,20 +86,17 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
          f"flags > run manifest (config.slo) > defaults (TTFT {DEFAULT_TTFT_MS:g} ms, "
          f"TPOT {DEFAULT_TPOT_MS:g} ms).", slo_rows),
         ("Crossover concurrency", "Measured: users level where speedup first drops below 1, "
-         "linearly interpolated between measured levels. Predicted: from the fitted target "
-         "cost curve f, acceptance length tau and verification tokens per request v: speedup(N)"
-         " = tau * step_AR(N) / (f(N*v) + draft_ms(N)).", records(a.crossover)),
+         "linearly interpolated between measured levels. Predicted: where the step cost model "
+         "(per strategy, fitted on every users level, calibrated per output class; see "
+         "\"Step cost model\" below) predicts a speedup below 1; tau = acceptance length, "
+         "verification_per_request = tokens the decode forward computes per row.",
+         records(a.crossover)),
         *a.capacity_model.get("tables", []),
         ("Throughput-latency knee", "Users level maximising throughput / p50 e2e latency "
          "(Kleinrock's power).", records(a.knees)),
         ("Batch capacity (step log)", "wasted_share = (verification - emitted) / verification "
          "tokens; verification_per_emitted = batch tokens spent per emitted token; "
-         "ms_per_emitted_token = engine time per emitted token; fit_* = this strategy's step_ms "
-         "hinge fit (drafting included).", records(a.capacity)),
-        ("Target cost curve", "step_ms(T) = floor_ms + slope_ms_per_token * max(0, T - "
-         "knee_tokens), i.e. max(a, b + c*T) (roofline-like), weighted least squares on the "
-         "target forward's ms vs verification+prefill tokens, pooled over strategies.",
-         curve_rows),
+         "ms_per_emitted_token = engine time per emitted token.", records(a.capacity)),
         ("Per-cell metrics", "Per run x strategy x tier x output class x users. tokens/s over "
          "the cell's wall time (first scheduled send to last end). ITL p50/p90 are over "
          "requests' median ITL, p99 over requests' p99 ITL.",

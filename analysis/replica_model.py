@@ -220,21 +220,9 @@ def fit_replica_models(results, flagged: pd.DataFrame, cells: pd.DataFrame,
                        ) -> dict[tuple[str, str], ReplicaModel]:
     """{(strategy, output_class): ReplicaModel} fitted on every users level of the run
     (the step cost model of ``analysis.stepcost``, calibrated as in the backtest).
-    ``limits(strategy) -> (max_num_seqs, max_waiting)``. Empty without a step log.
-    Step rows outside every cell (no users label) take their batch size as the users
-    level (batch occupancy 1), and ``notes`` gets a sentence saying so."""
-    if results.steps is None or results.steps.empty:
-        return {}
-    steps = bt.steps_with_users(results.steps, results.requests)
-    unlabelled = steps[mn.REQ_USERS].isna()
-    if unlabelled.any():
-        steps.loc[unlabelled, mn.REQ_USERS] = steps.loc[unlabelled, mn.STEP_BATCH_SIZE]
-        if notes is not None:
-            notes.append(f"{int(unlabelled.sum())} step rows lie outside every cell (no users "
-                         "label): their batch size is taken as the users level (occupancy 1)")
-    levels = sorted({int(u) for u in cells[mn.REQ_USERS].unique()}
-                    | {int(u) for u in steps[mn.REQ_USERS].dropna().unique()})
-    cell_models, _ = bt.fit_cell_models(steps, flagged, cells, levels)
+    ``limits(strategy) -> (max_num_seqs, max_waiting)``. Empty without a step log;
+    ``notes`` as in ``analysis.backtest.fit_all_levels``."""
+    cell_models = bt.fit_all_levels(results, flagged, cells, notes)
     out = {}
     for (strategy, oc), cm in cell_models.items():
         req = flagged[flagged[mn.REQ_STRATEGY].eq(strategy) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]

@@ -1,7 +1,8 @@
 """``build_report``: results directory -> report.md, report.html, recommendation.json.
 
 Stages: load (analysis.load) -> per-request SLO flags and per-cell metrics
-(analysis.metrics) -> step-log capacity model (analysis.capacity) ->
+(analysis.metrics) -> step-log capacity tables (analysis.capacity) and the step cost
+model (analysis.stepcost, via analysis.backtest) ->
 recommendation (analysis.recommend) -> optional baseline comparison
 (analysis.degradation) -> output consistency, memory and stability
 (analysis.questions) -> figures (analysis.plots) -> rendering (analysis.render).
@@ -13,9 +14,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
+from analysis import backtest as bt_mod
 from analysis import capacity, faults, metrics, plots, render, stability
 from analysis.analysis import Analysis
 from analysis.capacity_section import capacity_figures
@@ -31,27 +32,16 @@ from configs import metric_names as mn
 from configs.jsonio import write_json
 
 
-def predict_crossovers(steps: pd.DataFrame, flagged: pd.DataFrame, cap: pd.DataFrame):
-    """(target CostCurve or None, DataFrame strategy/tau/v/predicted_crossover_users)."""
-    cols = [mn.REQ_STRATEGY, "tau", "verification_per_request", "draft_ms_intercept",
-            "draft_ms_per_request", "predicted_crossover_users"]
-    try:
-        curve = capacity.target_cost_curve(steps)
-    except (ValueError, KeyError):
-        return None, pd.DataFrame(columns=cols)
-    draft, other = capacity.draft_cost(steps), capacity.other_ms(steps)
-    v = capacity.verification_per_request(cap, flagged)
-    ok = flagged[flagged[mn.REQ_STATUS].eq("ok")]
-    rows = []
-    for strategy in sorted(set(cap[mn.STEP_STRATEGY]) - {mn.AUTOREGRESSIVE}):
-        tau = metrics.pooled_tau(ok[ok[mn.REQ_STRATEGY].eq(strategy)])
-        if np.isnan(tau):  # no request-side stats: emitted tokens per request-step
-            tau = float(cap.loc[cap[mn.STEP_STRATEGY].eq(strategy), "emitted_tokens_per_request"].iloc[0])
-        d = draft.get(strategy, (0.0, 0.0))
-        x = capacity.predicted_crossover(curve, tau, v[strategy], d, other.get(strategy, 0.0),
-                                         other.get(mn.AUTOREGRESSIVE, 0.0))
-        rows.append(dict(zip(cols, (strategy, tau, v[strategy], d[0], d[1], x))))
-    return curve, pd.DataFrame(rows, columns=cols)
+def predict_crossovers(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """Per strategy x output class: tau, verification tokens per row v and the predicted
+    crossover users, from the step cost model fitted on every users level
+    (``analysis.backtest.fit_all_levels``, the model ``analysis plan`` uses too)."""
+    cols = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, "tau", "verification_per_request",
+            "predicted_crossover_users"]
+    models = bt_mod.fit_all_levels(results, flagged, cells)
+    rows = [(s, oc, m.workload.tau, m.workload.v, bt_mod.predicted_crossover(models, s, oc))
+            for (s, oc), m in sorted(models.items()) if s != mn.AUTOREGRESSIVE]
+    return pd.DataFrame(rows, columns=cols)
 
 
 def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
@@ -79,8 +69,9 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     flagged = metrics.with_slo_flags(results.requests, slos)
     cells = metrics.cell_table(flagged)
     cap = capacity.capacity_table(results.steps)
-    curve, predicted = predict_crossovers(results.steps, flagged, cap)
-    crossover = metrics.crossover_measured(cells).merge(predicted, on=mn.REQ_STRATEGY, how="outer")
+    crossover = metrics.crossover_measured(cells).merge(
+        predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
+        how="outer")
     rec = recommend(flagged, cells, slos, n_boot=n_boot, seed=seed)
     outage = faults.outages(flagged)
     faults.annotate_degraded(rec, outage)
@@ -99,7 +90,7 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     return Analysis(results=results, slos=slos, flagged=flagged, cells=cells,
                     positions=metrics.per_position(flagged), crossover=crossover,
                     knees=metrics.throughput_latency_knee(cells), capacity=cap,
-                    target_curve=curve, recommendation=rec, degradation=degradation,
+                    recommendation=rec, degradation=degradation,
                     outages=outage, timeline=faults.timeline(flagged),
                     baseline_root=str(baseline) if baseline is not None else None,
                     capacity_model=capacity_section(results), questions=answers,
@@ -115,7 +106,7 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "acceptance": plots.acceptance_hist(a.flagged),
         "per_position": plots.per_position_plot(a.positions),
         "verification": plots.verification_vs_batch(a.results.steps),
-        "step_cost": plots.step_cost(a.results.steps, a.target_curve),
+        "step_cost": plots.step_cost(a.results.steps),
         **capacity_figures(a.capacity_model),
         "timeline": plots.outage_timeline(a.timeline, a.outages),
         **a.questions.get("figures", {}),

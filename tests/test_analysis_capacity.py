@@ -1,4 +1,6 @@
-"""Capacity model pieces with known answers: hinge fit, crossovers, knee."""
+"""Capacity pieces with known answers: hinge fit (the prefill part of the step cost
+model), measured crossover, knee. The step cost model and its predicted crossover:
+tests/test_capacity_model.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pandas as pd
 import pytest
 
 from analysis import metrics
-from analysis.capacity import CostCurve, fit_cost_curve, predicted_crossover, predicted_speedup
+from analysis.capacity import fit_cost_curve
 from analysis.load import load_results
 from configs.tiers import Slo
 from configs import metric_names as mn
@@ -32,17 +34,6 @@ def test_hinge_fit_flat_and_linear():
     assert not line.knee_observed
     with pytest.raises(ValueError, match="2 distinct"):
         fit_cost_curve([4, 4], [1.0, 1.1])
-
-
-def test_predicted_crossover_hand_computed():
-    curve = CostCurve(floor_ms=5.0, slope_ms_per_token=0.05, knee_tokens=80.0)
-    # tau 4, v 8, draft 0.5 ms: 4*5 = 1 + 0.4 N + 0.5 -> N = 46.25
-    assert predicted_crossover(curve, 4.0, 8.0, (0.5, 0.0)) == pytest.approx(46.25, abs=1e-4)
-    assert predicted_speedup(1, curve, 4.0, 8.0, (0.5, 0.0)) == pytest.approx(4 * 5 / 5.5)
-    # tau = v: no waste, speedup never falls below 1
-    assert predicted_crossover(curve, 2.0, 2.0) is None
-    # a draft so slow it loses at one user
-    assert predicted_crossover(curve, 1.5, 4.0, (10.0, 0.0)) == 1.0
 
 
 def test_measured_crossover_statuses():

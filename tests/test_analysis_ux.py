@@ -83,7 +83,6 @@ def test_checks_flag_contradictions_and_weak_fits():
 
     import pandas as pd
 
-    from analysis.capacity import CostCurve
     from analysis.checks import model_checks
 
     cells = pd.DataFrame({"strategy": ["autoregressive"] * 3 + ["draft_model"] * 3 + ["ngram"] * 3,
@@ -96,9 +95,8 @@ def test_checks_flag_contradictions_and_weak_fits():
                    {"strategy": "ngram", "output_class": "short", "metric": "tpot_ms_p50", "users": 16,
                     "predicted": 10.0, "measured": 10.5}]}
     a = SimpleNamespace(cells=cells, crossover=crossover,
-                        target_curve=CostCurve(floor_ms=1.0, slope_ms_per_token=0.1, knee_tokens=8, r2=0.28),
                         capacity_model={"backtest": bt, "step_models": {
-                            "ngram": SimpleNamespace(r2_step=0.95), "draft_model": SimpleNamespace(r2_step=0.5)}})
+                            "ngram": SimpleNamespace(r2_step=0.95), "draft_model": SimpleNamespace(r2_step=0.28)}})
     checks = model_checks(a)
     assert checks["speedup"] == [
         "The model predicts draft_model stops beating autoregressive at 10.6 users (short outputs), but "
@@ -107,5 +105,5 @@ def test_checks_flag_contradictions_and_weak_fits():
         "its measured speedup is 0.95x at 4 users: the prediction contradicts the measurement."]
     assert len(checks["backtest_speedup_short"]) == 1 and "1.20x, measured 0.80x" in checks[
         "backtest_speedup_short"][0]
-    assert "r² 0.28" in checks["step_cost"][0]
-    assert len(checks["step_residuals"]) == 1 and "draft_model has r² 0.50" in checks["step_residuals"][0]
+    assert "step_cost" not in checks   # one cost model: its r² is the step model's
+    assert len(checks["step_residuals"]) == 1 and "draft_model has r² 0.28" in checks["step_residuals"][0]

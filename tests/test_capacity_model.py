@@ -80,6 +80,26 @@ def test_backtest_recovers_known_crossover(tmp_path):
     assert set(bt["fit_r2"]) == {mn.AUTOREGRESSIVE, mn.DFLASH}
 
 
+def test_report_crossover_uses_the_step_model_on_every_level(tmp_path):
+    """The report's predicted crossover comes from the one step cost model (fitted on every
+    users level) and lands on the true one; the report has no second, pooled cost fit."""
+    from analysis import metrics
+    from analysis.report import predict_crossovers
+    from configs.tiers import Slo
+    results = load_results(cs.write_sweep_run(tmp_path / "run"))
+    grid = np.geomspace(1, 64, 200_000)
+    true_x = float(grid[np.argmax(cs.true_speedup(grid) < 1.0)])
+    flagged = metrics.with_slo_flags(results.requests, {"sweep": Slo()})
+    pred = predict_crossovers(results, flagged, metrics.cell_table(flagged))
+    rows = pred.set_index([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS])
+    for oc in cs.OUT_TOKENS:
+        r = rows.loc[(mn.DFLASH, oc)]
+        assert r["predicted_crossover_users"] == pytest.approx(true_x, rel=0.03)
+        assert r["tau"] == pytest.approx(cs.TAU[mn.DFLASH], rel=0.02)
+        assert r["verification_per_request"] == pytest.approx(cs.K[mn.DFLASH] + 1)
+    assert set(pred[mn.REQ_STRATEGY]) == {mn.DFLASH}   # autoregressive has no crossover
+
+
 def test_backtest_cli_json_contract(tmp_path, capsys):
     run = cs.write_sweep_run(tmp_path / "run", levels=(1, 4, 16))
     out = tmp_path / "bt.json"
