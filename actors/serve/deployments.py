@@ -41,6 +41,7 @@ from configs import metric_names as mn
 logger = logging.getLogger("ray.serve")
 
 STEP_FLUSH_S = 0.5                 # step-log push period, seconds
+STEP_PUSH_TIMEOUT_S = 10.0         # a push the store does not take within this is dropped
 # Ray refuses ':' in metric names since 2.4x (FutureWarning, then dropped), so
 # the shared "specload:" prefix is exported as "specload_".
 PROM_PREFIX = mn.PROM_PREFIX.replace(":", "_")
@@ -213,12 +214,13 @@ class StrategyReplica:
                 continue
             for r in rows:
                 self._metrics.observe_step(r)
-            if isinstance(self._store, (tuple, list)):   # in another application
-                self._store = serve.get_deployment_handle(self._store[1], self._store[0],
-                                                          _check_exists=False)
             if self._store is not None:
                 try:
-                    await self._store.append.remote(rows)
+                    if isinstance(self._store, (tuple, list)):   # in another application
+                        self._store = serve.get_deployment_handle(
+                            self._store[1], self._store[0], _check_exists=False)
+                    # bounded: a store application not (yet) deployed must not stall the loop
+                    await asyncio.wait_for(self._store.append.remote(rows), STEP_PUSH_TIMEOUT_S)
                 except Exception:
                     logger.exception("step-log push failed (%d rows dropped)", len(rows))
 
