@@ -38,6 +38,7 @@ cost model; ``ReplicaPrediction.extrapolated`` says when the states that matter
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -204,8 +205,7 @@ def engine_limits(strategy: str, base=None) -> tuple[int, int]:
     from configs.paths import CONFIGS_DIR
     from configs.serve_config import _ENGINE_DEFAULT_MAX_NUM_SEQS
 
-    path = base or CONFIGS_DIR / "serve.yaml"
-    cfg = yaml.safe_load(open(path, encoding="utf-8"))
+    cfg = yaml.safe_load(Path(base or CONFIGS_DIR / "serve.yaml").read_text(encoding="utf-8"))
     for app in cfg.get("applications") or []:
         for e in (app.get("args") or {}).get("strategies") or []:
             eng = e.get("engine") or {}

@@ -135,6 +135,20 @@ def check_run(requests: pd.DataFrame, qps: float, duration_s: float) -> dict:
     return check
 
 
+def cpu_share(run_dir: Path) -> float | None:
+    """Engine-thread CPU ms / step wall ms over a run's step log (``cpu_ms`` / ``step_ms``):
+    below 1 the replicas waited for a core (other processes on a shared machine), which a
+    plan fitted under other contention cannot foresee. None without a step log or CPU column."""
+    path = Path(run_dir) / "steps.parquet"
+    if not path.is_file():
+        return None
+    steps = pd.read_parquet(path)
+    if mn.STEP_CPU_MS not in steps or steps[mn.STEP_CPU_MS].isna().all():
+        return None
+    wall = float(steps.loc[steps[mn.STEP_CPU_MS].notna(), mn.STEP_MS].sum())
+    return float(steps[mn.STEP_CPU_MS].sum()) / wall if wall > 0 else None
+
+
 def run_id_for(strategy: str, replicas: int) -> str:
     """A fresh run id per validation run: ``validate-<strategy>-<N>-<UTC stamp>-<6 hex>``."""
     return (f"validate-{strategy}-{replicas}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-"
@@ -244,7 +258,8 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     """Run the plan with N and N - 1 replicas; returns the ``--validate --json`` dict:
     {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target",
     "output_class", "tier", "holds", "tight", "requests", "requests_minus_one",
-    "duration_s", "warmup_s", "runs", "arrivals": {N: arrivals_check dict}}; a replica
+    "duration_s", "warmup_s", "runs", "arrivals": {N: arrivals_check dict}, "cpu_share":
+    {N: ``cpu_share`` or None}}; a replica
     count that could not be deployed or driven (``check_run`` failed) gets attainment
     None (holds / tight None) and its error under "errors".
 
@@ -266,7 +281,8 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     result = {"strategy": choice.strategy, "output_class": choice.output_class, "tier": tier,
               "replicas": choice.replicas, "qps": qps, "slo_target": target,
               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-              "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}, "arrivals": {}}
+              "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}, "arrivals": {},
+              "cpu_share": {}}
     for n, key in ((choice.replicas, "attainment"), (choice.replicas - 1, "attainment_minus_one")):
         count_key = "requests" if key == "attainment" else "requests_minus_one"
         if n < 1:
@@ -290,7 +306,10 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
         att, count = attainment(req, slo, warmup_s)
         result[key], result[count_key] = att, count
         result["runs"][str(n)] = str(run_dir)
-        log(f"validate: {n} replica(s): attainment {att:.1%} over {count} requests")
+        share = cpu_share(Path(run_dir))
+        result["cpu_share"][str(n)] = share
+        log(f"validate: {n} replica(s): attainment {att:.1%} over {count} requests"
+            + (f"; the replicas' engine threads ran {share:.0%} of their wall time" if share else ""))
     att, att_m1 = result["attainment"], result["attainment_minus_one"]
     result["holds"] = None if att is None else bool(np.isfinite(att) and att >= target)
     result["tight"] = None if att_m1 is None else bool(att_m1 < target)

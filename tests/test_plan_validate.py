@@ -100,6 +100,11 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
     assert res["holds"] and res["tight"] and res["replicas"] == 2 and res["qps"] == 2.0
     assert res["arrivals"]["2"]["expected"] == 200.0 and res["arrivals"]["2"]["ok"]
     assert res["runs"]["2"] != res["runs"]["1"]
+    assert res["cpu_share"] == {"2": None, "1": None}   # no step log written by this drive
+    steps = pd.DataFrame({mn.STEP_MS: [10.0, 30.0, 5.0], mn.STEP_CPU_MS: [4.0, 6.0, None]})
+    (tmp_path / "sd").mkdir()
+    steps.to_parquet(tmp_path / "sd" / "steps.parquet")
+    assert va.cpu_share(tmp_path / "sd") == pytest.approx(10.0 / 40.0)
     # a one-replica plan: N - 1 = 0 replicas serve nothing
     share[1] = 0.97
     res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 1, 2.0), 2.0, "high", SLO, 0.9,
