@@ -199,8 +199,11 @@ def run_applications(args: dict[str, Any], name: str = "specload", route_prefix:
 def build_app(args: dict[str, Any]):
     """Serve application builder (``import_path: actors.serve.app:build_app``).
 
-    args: ``ServeAppConfig`` fields (validated, unknown keys are errors).
-    Raises ValueError when no strategy is left to serve.
+    args: ``ServeAppConfig`` fields (validated, unknown keys are errors). Strategies
+    named in ``strategy_apps`` (``split_application``) are not part of this application:
+    its ingress reaches them by application and lists their one-hop routes. Raises
+    ValueError when no strategy is left to serve, or naming a strategy whose engine
+    section is invalid.
     """
     from actors.serve.deployments import StepLogStore
     from actors.serve.openai_api import OpenAIIngress
