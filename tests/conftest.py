@@ -13,6 +13,12 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = REPO / "data" / "prompts" / "heldout_eval.jsonl"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every single-node Ray a test starts (in process or as a child) stays on 127.0.0.1 instead of
+# the address Ray would pick (the host's own); tests.multinode_cluster sets the opposite.
+from configs.net import RAY_SINGLE_NODE_LOOPBACK_ENV  # noqa: E402
+
+for _k, _v in RAY_SINGLE_NODE_LOOPBACK_ENV.items():
+    os.environ.setdefault(_k, _v)
 # One thread: tiny models gain nothing from two, and OpenMP barriers stall badly
 # whenever another process shares the cores (measured 10x slower here).
 torch.set_num_threads(1)

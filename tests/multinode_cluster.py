@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from configs.net import LOOPBACK, free_ports
+from configs.net import LOOPBACK, RAY_MULTI_NODE_ENV, free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 _HEAD_PORTS = ("port", "ray-client-server-port", "metrics-export-port", "dashboard-agent-listen-port",
@@ -86,6 +86,9 @@ class LocalCluster:
         # Loopback-only test cluster: no token auth, even when ~/.ray/auth_token exists (Ray
         # would then require it from every client; RAY_AUTH_MODE wins over the file).
         env["RAY_AUTH_MODE"] = "disabled"
+        # Several nodes: Ray refuses worker nodes under the single-node loopback switch, so
+        # its nodes record the host's own address (configs.net.RAY_SINGLE_NODE_LOOPBACK_ENV).
+        env.update(RAY_MULTI_NODE_ENV)
         # Start-up waits (Ray's defaults, 60 s and 30 s, are too short on a loaded shared box:
         # seen here at load average 40 on 2 cores, the raylet aborted waiting for its agent).
         env.setdefault("RAY_raylet_start_wait_time_s", "300")

@@ -99,6 +99,13 @@ def assert_alive(client, model="autoregressive", route="model-field"):
 
 
 # ------------------------------------------------------------------ basics
+def test_ray_stays_on_loopback(service):
+    """The test's Ray records and dials 127.0.0.1, not the host's own address (conftest sets
+    configs.net.RAY_SINGLE_NODE_LOOPBACK_ENV; Ray would otherwise rewrite 127.0.0.1)."""
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
 def test_models_and_health(client, strategies):
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/health", params={"deep": 1}).status_code == 200
