@@ -1,6 +1,6 @@
 """Engine benchmark: output tokens/s ratios measured side by side in one run.
 
-    python -m actors.bench [--out bench.json] [--max-tokens 64] [--threads 2]
+    python -m actors.bench [--out bench.json] [--max-tokens 64] [--threads 1]
     python -m actors.bench cost-curve --shape NAME --random-weights [--device cpu|cuda] --out F.json
 
 Same held-out code prompts for every row, greedy, EOS ignored so every run
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-b1", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both engines (1: what a serving replica runs)")
     ap.add_argument("--strategies", default=",".join(PROPOSERS))
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
