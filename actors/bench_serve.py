@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -138,7 +139,11 @@ def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
     from ray import serve
 
     from actors.serve.app import run_applications
+    from configs.serve_config import PROXY_ENV
 
+    if tuned:   # as `python -m cluster up`: the local Ray (and its Serve proxy) inherit it
+        for k, v in PROXY_ENV.items():
+            os.environ.setdefault(k, v)
     for attempt in range(3):  # Ray gives a raylet 30 s to register; an overloaded box may not
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
     ap.add_argument("--no-serve-tuning", action="store_true",
-                    help="Serve's defaults instead of configs/serve.yaml's env_vars")
+                    help="Serve's defaults instead of configs/serve.yaml's env_vars and "
+                         "cluster up's proxy environment (configs.serve_config.PROXY_ENV)")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     a = ap.parse_args(argv)
     try:

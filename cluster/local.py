@@ -8,7 +8,8 @@
    or starts its own head: ``ray start --head --block`` as a child process in a
    new session, every Ray port picked free on 127.0.0.1 (no collision with
    another Ray on the box), ``PYTHONPATH`` including the repo so replicas
-   import ``actors`` without an install.
+   import ``actors`` without an install, and the Serve proxy's environment
+   (``configs.serve_config.PROXY_ENV``: gRPC from the proxy to the replicas).
 3. Deploys ``configs/serve.yaml`` (HTTP port overridden by ``--port``) through
    the dashboard's Serve REST API, like ``serve deploy``, in the one-hop layout
    (``one_hop_config``): each strategy its own application at
@@ -43,6 +44,7 @@ import yaml
 from configs.jsonio import write_json
 from configs.net import free_ports
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
+from configs.serve_config import PROXY_ENV
 
 DEFAULT_CONFIG = CONFIGS_DIR / "serve.yaml"
 DEFAULT_PORT = 8000
@@ -138,7 +140,7 @@ def start_head(num_cpus: int | None) -> dict:
         cmd += [f"--{name}", str(p)]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
-    env = dict(os.environ)
+    env = {**PROXY_ENV, **os.environ}   # the Serve proxy's settings, unless set already
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH"))
                                         if p)
     logf = state_dir() / f"ray-head-{ports['port']}.log"
