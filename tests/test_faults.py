@@ -30,6 +30,7 @@ import pytest
 from analysis import faults
 from configs import metric_names as M
 from loadgen.cells import parse_retry_after, retry_delay_s
+from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -131,18 +132,11 @@ def service(tmp_path_factory):
 
 
 def _tiers(tmp: Path, cell: dict, drain_s: float = 8, timeout_s: float = 60) -> Path:
-    import yaml
-
     base = {"arrival": "closed", "users": 2, "spawn_rate": 100, "duration_s": 10, "max_tokens": 12,
             "slo": {"ttft_ms": 5000, "tpot_ms": 1000}}
-    c = {**base, **cell}
-    doc = {"default_profile": "faults", "profiles": {"faults": {
-        "request_timeout_s": timeout_s, "drain_timeout_s": drain_s, "max_prompt_chars": 300, "seed": 0,
-        "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0},
-        "tiers": {t: {"short": c, "long": c} for t in ("low", "mid", "high")}}}}
-    f = tmp / "tiers.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return f
+    return write_tiers(tmp, {**base, **cell}, request_timeout_s=timeout_s, drain_timeout_s=drain_s,
+                       profile="faults", max_prompt_chars=300, seed=0,
+                       sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
 
 
 def _loadgen(url: str, tiers: Path, results: Path, strategies: str, *extra: str) -> list[str]:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from configs import metric_names as M
 from loadgen import fake_server
+from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 SLO = {"ttft_ms": 1000, "tpot_ms": 100}
@@ -29,14 +29,8 @@ SLO = {"ttft_ms": 1000, "tpot_ms": 100}
 
 def _tiers(tmp_path: Path, low_short: dict, low_long: dict | None = None, **profile) -> Path:
     cell = {"users": 2, "spawn_rate": 100, "duration_s": 2, "max_tokens": 8, "slo": SLO}
-    tier = {"short": cell, "long": cell}
-    doc = {"default_profile": "test", "profiles": {"test": {
-        "request_timeout_s": 10, "drain_timeout_s": 3, **profile,
-        "tiers": {"low": {"short": {**cell, **low_short}, "long": {**cell, **(low_long or {})}},
-                  "mid": tier, "high": tier}}}}
-    f = tmp_path / "tiers.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return f
+    return write_tiers(tmp_path, cell, low_short=low_short, low_long=low_long, profile="test",
+                       **profile)
 
 
 def _cmd(url: str, tiers: Path, results: Path, *extra: str) -> list[str]:
@@ -211,7 +205,9 @@ def test_ray_distributed_workers(tmp_path):
     assert len(df) == len(truth) and (df[M.REQ_STATUS] == M.STATUS_OK).all(), p.stdout[-2000:]
     idx = set(df[M.REQ_REQUEST_INDEX])
     assert any(i % 2 == 0 for i in idx) and any(i % 2 == 1 for i in idx)   # both workers sent
-    assert df[M.REQ_TTFT_MS].between(48, 250).all()
+    # the fake server's 50 ms first-token wait is in every TTFT, which ends before the request
+    # (no fixed upper bound: a loaded CI box delays the workers' sends, not the server's wait)
+    assert (df[M.REQ_TTFT_MS] >= 48).all() and (df[M.REQ_TTFT_MS] < df[M.REQ_E2E_MS]).all()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import pytest
 from configs import metric_names as M
 from loadgen import fake_server
 from loadgen.sweep import SweepState, grid_cells, sweep_cells, sweep_levels
+from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,14 +73,8 @@ def test_sweep_repeats_and_grid_order():
 
 @pytest.mark.slow
 def test_sweep_with_repeats_end_to_end(tmp_path):
-    import yaml
-    cell = {"users": 2, "spawn_rate": 100, "duration_s": 1, "max_tokens": 6,
-            "slo": {"ttft_ms": 1000, "tpot_ms": 100}}
-    tier = {"short": cell, "long": cell}
-    tiers = tmp_path / "tiers.yaml"
-    tiers.write_text(yaml.safe_dump({"default_profile": "t", "profiles": {"t": {
-        "request_timeout_s": 10, "drain_timeout_s": 3,
-        "tiers": {"low": tier, "mid": tier, "high": tier}}}}))
+    tiers = write_tiers(tmp_path, {"users": 2, "spawn_rate": 100, "duration_s": 1, "max_tokens": 6,
+                                   "slo": {"ttft_ms": 1000, "tpot_ms": 100}})
     with fake_server.running("--ttft-ms", "20", "--gap-ms", "10", "--tokens-per-chunk", "2") as url:
         p = subprocess.run([sys.executable, "-m", "loadgen", "--sweep", "--sweep-max-users", "2",
                             "--repeats", "2", "--output", "short", "--target", url,

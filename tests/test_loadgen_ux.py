@@ -26,13 +26,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from configs import metric_names as M
 from configs.jsonio import loads_strict
 from configs.tiers import Slo
 from loadgen import fake_server
 from loadgen.summary import CONSOLE_COLUMNS, SUMMARY_CSV, csv_columns, render_table, summarize_cell
+from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "sk-test-4f1c9e0b7d2a"
@@ -42,12 +42,7 @@ TEAM = "team-secret-93ab"
 def _tiers(tmp_path: Path) -> Path:
     cell = {"users": 2, "spawn_rate": 100, "duration_s": 1, "max_tokens": 8,
             "slo": {"ttft_ms": 1000, "tpot_ms": 100}}
-    doc = {"default_profile": "t", "profiles": {"t": {
-        "request_timeout_s": 10, "drain_timeout_s": 2,
-        "tiers": {t: {"short": cell, "long": cell} for t in ("low", "mid", "high")}}}}
-    f = tmp_path / "tiers.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return f
+    return write_tiers(tmp_path, cell, drain_timeout_s=2)
 
 
 def _loadgen(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -31,6 +31,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from configs import metric_names as mn  # noqa: E402
 from configs.net import RAY_MULTI_NODE_ENV, free_port  # noqa: E402
 from tests.multinode_cluster import LocalCluster  # noqa: E402
+from tests.tiers_file import write_tiers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -138,12 +139,7 @@ def _replica_nodes() -> dict[str, list[str]]:
 def _tiers(tmp_path: Path, users: int, duration_s: float, max_tokens: int = 24) -> Path:
     cell = {"users": users, "spawn_rate": 100, "duration_s": duration_s, "max_tokens": max_tokens,
             "slo": SLO}
-    doc = {"default_profile": "t", "profiles": {"t": {
-        "request_timeout_s": 30, "drain_timeout_s": 10,
-        "tiers": {t: {"short": cell, "long": cell} for t in ("low", "mid", "high")}}}}
-    f = tmp_path / "tiers.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return f
+    return write_tiers(tmp_path, cell, request_timeout_s=30, drain_timeout_s=10)
 
 
 def _loadgen(url: str, tiers: Path, results: Path, *extra: str, timeout: float = 240
@@ -264,7 +260,7 @@ def test_node_loss_mid_run(cluster, tmp_path):
             time.sleep(1.0)
         moved_ts = time.time()
         assert _replica_nodes().get(strategy) == [survivor.node_id], _replica_nodes()
-        out = _finish(p, timeout=300)
+        _finish(p, timeout=300)
     finally:
         if p.poll() is None:
             p.kill()

@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 from configs import metric_names as mn  # noqa: E402
 from configs.net import free_port  # noqa: E402
 from tests.serve_fixtures import ONE_SLOT, app_args, parse_sse, use_real_engine  # noqa: E402
+from tests.tiers_file import write_tiers  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import os\nimport sys\n"]
 
@@ -483,13 +484,9 @@ def test_api_key_on_the_service(service, tmp_path):
             r = httpx.post(b + "/v1/completions", json=body, headers=auth, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         # the load generator against it: key sent on every call, in no file written
-        tiers = tmp_path / "tiers.yaml"
-        cell = {"users": 2, "spawn_rate": 100, "duration_s": 1, "max_tokens": 4,
-                "slo": {"ttft_ms": 5000, "tpot_ms": 1000}}
-        import yaml
-        tiers.write_text(yaml.safe_dump({"default_profile": "t", "profiles": {"t": {
-            "request_timeout_s": 30, "drain_timeout_s": 5,
-            "tiers": {t: {"short": cell, "long": cell} for t in ("low", "mid", "high")}}}}))
+        tiers = write_tiers(tmp_path, {"users": 2, "spawn_rate": 100, "duration_s": 1,
+                                       "max_tokens": 4, "slo": {"ttft_ms": 5000, "tpot_ms": 1000}},
+                            request_timeout_s=30, drain_timeout_s=5)
         p = subprocess.run([sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short",
                             "--target", base, "--tiers-file", str(tiers), "--results",
                             str(tmp_path / "res"), "--api-key", key], capture_output=True, text=True,
