@@ -21,7 +21,9 @@ def test_stream_interval_holds_tokens_and_keeps_their_times():
     async def run():
         srv = cls.__new__(cls)
         cls.__init__(srv, "autoregressive", {"strategy": "autoregressive", "max_model_len": 4096,
-                                             "step_ms": 1, "max_num_seqs": 4},
+                                             # 10 ms steps: a consumer starved for a step by
+                                             # a busy box would merge deltas (by design)
+                                             "step_ms": 10, "max_num_seqs": 4},
                      "tests.fake_engine:make_fake_engine")
         try:
             sizes = {}
