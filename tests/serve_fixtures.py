@@ -7,8 +7,11 @@ when it and the model weights exist and ``SPECLOAD_TEST_FAKE_ENGINE`` is not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,3 +64,38 @@ def parse_sse(lines) -> list[dict | str]:
         data = line[len("data: "):]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+@contextlib.contextmanager
+def cluster_up(tmp: Path, strategies: list[dict] | None = None, timeout_s: int = 300):
+    """``python -m cluster up`` of ``configs/serve.yaml`` on a free 127.0.0.1 port (its own
+    Ray head), with the application's strategy list replaced by ``strategies`` when given;
+    yields the base URL and runs ``cluster down`` for that port whatever happens. Start-up
+    is tried twice when Ray's raylet times out (a loaded box). Raises AssertionError with
+    the command's output when it fails."""
+    import yaml
+
+    from configs.net import free_port
+
+    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    if strategies is not None:
+        cfg["applications"][0]["args"]["strategies"] = strategies
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    path = Path(tmp) / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    down = [sys.executable, "-m", "cluster", "down", "--port", str(port)]
+    try:
+        for _ in range(2):
+            up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path),
+                                 "--port", str(port), "--timeout", str(timeout_s)], cwd=REPO,
+                                capture_output=True, text=True, timeout=timeout_s + 120)
+            if up.returncode == 0 or "timed out during startup" not in up.stderr:
+                break
+            subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        url = up.stdout.strip().splitlines()[-1]
+        assert url == f"http://127.0.0.1:{port}", url
+        yield url
+    finally:
+        subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)

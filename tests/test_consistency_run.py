@@ -18,10 +18,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from configs import metric_names as mn
-from configs.net import free_port
+from tests.serve_fixtures import cluster_up
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -31,21 +30,9 @@ TARGET_BPT = 6 * 2 * 64 * 2 * 4      # embedded target: 6 layers x 2 KV heads x 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("svc6")
-    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
-    port = free_port()
-    cfg["http_options"]["port"] = port
-    path = tmp / "serve.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path),
-                         "--port", str(port), "--timeout", "300"], cwd=REPO,
-                        capture_output=True, text=True, timeout=420)
-    try:
-        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
-        yield up.stdout.strip().splitlines()[-1]
-    finally:
-        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)], cwd=REPO,
-                       capture_output=True, text=True, timeout=180)
+    """Every strategy of configs/serve.yaml, as ``python -m cluster up`` deploys it."""
+    with cluster_up(tmp_path_factory.mktemp("svc6")) as url:
+        yield url
 
 
 def test_run_consistency_memory_report(service, tmp_path):

@@ -30,6 +30,7 @@ import pytest
 from analysis import faults
 from configs import metric_names as M
 from loadgen.cells import parse_retry_after, retry_delay_s
+from tests.serve_fixtures import cluster_up
 from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,15 +95,8 @@ def _info(url: str) -> dict:
 def service(tmp_path_factory):
     """``python -m cluster up`` on a private Ray head: autoregressive, ngram (8 slots) and TIGHT;
     ``cluster down`` in ``finally`` whatever happens."""
-    import yaml
-
-    from configs.net import free_port
-
-    tmp = tmp_path_factory.mktemp("svc")
-    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
-    app = cfg["applications"][0]
     base = {"model": "models/target", "torch_threads": 1, "max_num_seqs": 8, "max_waiting": 64}
-    app["args"]["strategies"] = [
+    strategies = [
         {"engine": {"strategy": "autoregressive", "num_speculative_tokens": 0, **base},
          "ray_actor_options": {"num_cpus": 0.2}},
         {"engine": {"strategy": "ngram", "num_speculative_tokens": 4, **base},
@@ -111,24 +105,8 @@ def service(tmp_path_factory):
                                    **base, "max_num_seqs": 2, "max_waiting": 2},
          "ray_actor_options": {"num_cpus": 0.1}},
     ]
-    port = free_port()
-    cfg["http_options"]["port"] = port
-    path = tmp / "serve.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    down = [sys.executable, "-m", "cluster", "down", "--port", str(port)]
-    try:
-        for attempt in range(2):   # Ray gives its raylet 30 s to register: on a loaded box, try twice
-            up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path), "--port",
-                                 str(port), "--timeout", "300"], cwd=REPO, capture_output=True, text=True,
-                                timeout=420)
-            if up.returncode == 0 or "timed out during startup" not in up.stderr:
-                break
-            subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
-        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
-        url = up.stdout.strip().splitlines()[-1]
+    with cluster_up(tmp_path_factory.mktemp("svc"), strategies) as url:
         yield url
-    finally:
-        subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
 
 
 def _tiers(tmp: Path, cell: dict, drain_s: float = 8, timeout_s: float = 60) -> Path:

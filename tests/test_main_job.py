@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from configs.net import free_port
+from tests.serve_fixtures import cluster_up
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -24,26 +24,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("svc")
-    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
-    app = cfg["applications"][0]
-    app["args"]["strategies"] = [s for s in app["args"]["strategies"]
-                                 if s["engine"]["strategy"] in ("autoregressive", "ngram")]
-    port = free_port()
-    cfg["http_options"]["port"] = port
-    path = tmp / "serve.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    up = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path),
-                         "--port", str(port), "--timeout", "240"], cwd=REPO,
-                        capture_output=True, text=True, timeout=400)
-    try:
-        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
-        url = up.stdout.strip().splitlines()[-1]
-        assert url == f"http://127.0.0.1:{port}", url
+    """configs/serve.yaml's autoregressive and ngram entries, as ``cluster up`` deploys them."""
+    app = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())["applications"][0]
+    keep = [s for s in app["args"]["strategies"]
+            if s["engine"]["strategy"] in ("autoregressive", "ngram")]
+    with cluster_up(tmp_path_factory.mktemp("svc"), keep, timeout_s=240) as url:
         yield url
-    finally:
-        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)], cwd=REPO,
-                       capture_output=True, text=True, timeout=180)
 
 
 def test_loadgen_to_report(service, tmp_path):
