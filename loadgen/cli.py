@@ -30,184 +30,27 @@ from configs import metric_names as M
 from configs.results_schema import SCHEMA_VERSION as RESULTS_SCHEMA_VERSION
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
 from loadgen import service
+from loadgen.args import check_local_strategy_names, manifest_args, parse_args
 from loadgen.cells import CellPlan, shuffled_prompts
-from loadgen.consistency import DEFAULT_SAMPLES
-from loadgen.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
-from loadgen.datasets import DEFAULT_DATASET, DatasetError, load_dataset
+from loadgen.datasets import DatasetError, load_dataset
 from loadgen.progress import Progress
 from loadgen.summary import SUMMARY_CSV, clock
+from loadgen.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
+from loadgen.target import (
+    ROUTE_MODEL_FIELD,
+    ROUTE_STRATEGY,
+    Auth,
+    choose_routes,
+    connect,
+    route_names,
+    route_url,
+)
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
 # one version for the run directory (manifest, request rows, step rows): configs/results_schema.py
 MANIFEST_SCHEMA_VERSION = RESULTS_SCHEMA_VERSION
-ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "auto", "strategy", "model-field"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tier", default=None, choices=TIER_NAMES + ("all",),
-                    help="tier(s) to run (required unless --sweep; with --sweep: the template tier "
-                         "whose duration, max_tokens and SLOs the sweep cells use, default high)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="run each cell K times back to back (request column `repeat`, 0-based)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="concurrency sweep: users grow geometrically per strategy until its speedup "
-                         "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
-    ap.add_argument("--sweep-start", type=int, default=1, help="first sweep users level (default 1)")
-    ap.add_argument("--sweep-factor", type=float, default=2.0, help="users growth per level (default 2)")
-    ap.add_argument("--sweep-max-users", type=int, default=64, help="last sweep users level (default 64)")
-    ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
-    ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
-    ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
-                                                 "default: start/reuse the local service")
-    ap.add_argument("--local-port", type=int, default=8000,
-                    help="without --target: port of the local service to start or reuse (default 8000)")
-    ap.add_argument("--local-config", default="",
-                    help="without --target: Serve config the local service deploys "
-                         "(default: the packaged configs/serve.yaml)")
-    ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
-    ap.add_argument("--route", default=ROUTE_AUTO, choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD),
-                    help="HTTP route of the load: strategy = each strategy's own one-hop route "
-                         "(<target>/strategies/<name>/v1/...; the strategy replica answers it without "
-                         "a second Ray hop); model-field = <target>/v1/... with the model field "
-                         "(through the ingress); auto (default) = strategy when the target lists the "
-                         "route (GET /specload/routes), else model-field. manifest.json routes "
-                         "records the choice per strategy")
-    ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
-    ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
-    ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
-                    help="with --workers: Ray SPREAD over the nodes (default), per-node (worker i on "
-                         "node i mod nodes: --workers = number of nodes gives one per node), or pack")
-    ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
-                    "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
-    ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
-    ap.add_argument("--dataset", default=DEFAULT_DATASET, help="humaneval|docs|stdlib|mixed or FILE.jsonl")
-    ap.add_argument("--max-prompt-chars", type=int, default=None, help="override the profile's prompt cut")
-    ap.add_argument("--results", default="results", help="results directory (a run_id folder goes inside)")
-    ap.add_argument("--tiers-file", default="", help="default configs/tiers.yaml")
-    ap.add_argument("--run-id", default="", help="default: <date>-<time>-<tier>-<random>")
-    ap.add_argument("--api-key", default=None,
-                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY); never written "
-                         "to the manifest or logs")
-    ap.add_argument("--header", action="append", default=[], metavar="'K: V'",
-                    help="extra HTTP header on every request, repeatable ('X-Team: a' or 'X-Team:a'); "
-                         "values are never written to the manifest or logs")
-    ap.add_argument("--insecure", action="store_true",
-                    help="https targets: skip TLS certificate verification (off by default)")
-    ap.add_argument("--retry", type=int, default=0, metavar="N",
-                    help="re-send a request answered 429 up to N times (exponential backoff from "
-                         "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
-                         "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
-    ap.add_argument("--retry-backoff-s", type=float, default=0.5, help="first retry delay, seconds (doubles)")
-    ap.add_argument("--consistency", type=int, default=DEFAULT_SAMPLES, metavar="N",
-                    help="after the cells, send N greedy requests (the run's first N prompts) to every "
-                         "strategy and compare each output token by token with the baseline's; "
-                         f"writes consistency.json (default {DEFAULT_SAMPLES}; 0 = off)")
-    ap.add_argument("--consistency-sampled", type=int, default=0, metavar="N",
-                    help="also compare each strategy's first-token distributions with the baseline's "
-                         "over N seeded sampled requests (chi-square; default 0 = off)")
-    ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
-                    help="strategy the consistency checks compare with (default autoregressive)")
-    ap.add_argument("--warmup-s", type=float, default=0.0,
-                    help="seconds at the start of every cell the report excludes as warm-up "
-                         "(stored in manifest.json; default 0)")
-    ap.add_argument("--report", action="store_true",
-                    help="after the run, write the analysis report (python -m analysis report) "
-                         "into the run directory and print the recommendation table")
-    return ap
-
-
-def parse_header(text: str) -> tuple[str, str]:
-    """``'K: V'`` or ``'K:V'`` -> (K, V); ValueError naming ``--header`` when malformed."""
-    name, sep, value = text.partition(":")
-    if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
-        raise ValueError(f"--header expects 'Name: value', got {text.split(':')[0]!r}...")
-    return name.strip(), value.strip()
-
-
-@dataclasses.dataclass(frozen=True)
-class Auth:
-    """Credentials and TLS choice for every call to the target (load, model list, step log)."""
-
-    headers: dict[str, str]
-    insecure: bool = False
-
-    def __repr__(self) -> str:  # never print credentials, even in a traceback
-        return f"Auth(headers=<{len(self.headers)} redacted>, insecure={self.insecure})"
-
-
-def _auth(args: argparse.Namespace) -> Auth:
-    """Headers from ``--header`` and ``--api-key`` / ``$OPENAI_API_KEY`` (Authorization: Bearer);
-    without ``--target``, ``$SPECLOAD_API_KEY`` (the key the local service requires) as a last resort."""
-    headers = dict(parse_header(h) for h in args.header or [])
-    key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    if not key and not args.target:   # the local service's own key, if it was given one
-        key = os.environ.get("SPECLOAD_API_KEY")
-    if key and not any(k.lower() == "authorization" for k in headers):
-        headers["Authorization"] = f"Bearer {key}"
-    return Auth(headers, bool(args.insecure))
-
-
-def _strategies(args: argparse.Namespace, target: str, auth: Auth, console: Any = None) -> list[str]:
-    """Strategies to drive. Without --strategies / --model they come from the target's
-    ``/v1/models`` (discovery; a failure names the URL). With them, discovery is
-    skipped when the target answers without a model list (a server or gateway
-    without ``/v1/models``) and only used, when it has one, to catch a misspelt
-    name; an unreachable target still fails here, before any cell runs."""
-    asked = ([s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies
-             else [args.model] if args.model else [])
-    if asked:
-        try:
-            models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
-        except service.DiscoveryUnavailable as err:   # unreachable still fails
-            if console is not None:
-                console.print(f"[yellow]{err}; using {asked} as given[/]", highlight=False)
-            return asked
-    else:
-        models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
-    unknown = [s for s in asked if models and s not in models and not args.model]
-    if args.model and models and args.model not in models:
-        unknown = [args.model]
-    if unknown:
-        flag = "--model" if args.model else "--strategies"
-        raise service.ServiceError(f"{flag}: {', '.join(map(repr, unknown))} not served by "
-                                   f"{target}; it serves {models}")
-    if asked:
-        return asked
-    if not models:
-        raise service.ServiceError(f"{target}/v1/models lists no models; pass --strategies")
-    known = [s for s in M.STRATEGIES if s in models]  # canonical order, baseline first
-    return known + [m for m in models if m not in known]
-
-
-def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
-                  model_override: str = "") -> dict[str, str | None]:
-    """Strategy -> path of the one-hop route its load takes (relative to the target), or
-    None for the model-field route. ``route``: the ``--route`` value; ``routes``: what the
-    target lists (``service.strategy_routes``). A ``--model`` override always takes the
-    model-field route (its name need not be a strategy's). Raises ServiceError naming
-    ``--route`` when ``strategy`` is asked for and a strategy has no such route."""
-    if route == ROUTE_STRATEGY:
-        missing = [s for s in strategies if s not in routes or model_override]
-        if missing:
-            raise service.ServiceError(
-                f"--route strategy: the target lists no one-hop route for {missing} "
-                f"(GET /specload/routes: {routes or 'none'}{'; --model is set' if model_override else ''}); "
-                "use --route auto or model-field")
-    if route == ROUTE_MODEL_FIELD or model_override:
-        return {s: None for s in strategies}
-    return {s: routes.get(s) for s in strategies}
-
-
-def _route_names(prefixes: dict[str, str | None]) -> str:
-    return ", ".join(sorted({ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD for p in prefixes.values()}))
-
-
-def route_url(target: str, path: str | None) -> str:
-    """Base URL of a strategy's load: ``target`` + its one-hop route path, or ``target``."""
-    return target + path if path else target
 
 
 def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
@@ -227,31 +70,8 @@ def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]
     return rows
 
 
-def _check_names_before_start(args: argparse.Namespace) -> str | None:
-    """Without ``--target``: every ``--strategies`` name must be one the local service deploys.
-
-    Checked before anything starts, so a typo costs no service start-up. Returns
-    the error message, or None.
-    """
-    if args.target or not args.strategies:
-        return None
-    from configs.serve_config import configured_strategy_names
-
-    known = configured_strategy_names()
-    asked = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in asked if s not in known]
-    if unknown:
-        return (f"--strategies: {', '.join(map(repr, unknown))} not deployed by the local service "
-                f"(configs/serve.yaml deploys {', '.join(known)})")
-    return None
 
 
-def _manifest_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The CLI arguments as recorded in the manifest: credentials never in clear."""
-    out = dict(vars(args))
-    out["api_key"] = "<redacted>" if args.api_key else None
-    out["header"] = [f"{k}: <redacted>" for k, _ in (parse_header(h) for h in args.header or [])]
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     tty = sys.stdout.isatty()
     console = Console(width=None if tty else int(os.environ.get("COLUMNS") or 100))
-    err = _check_names_before_start(args)
+    err = check_local_strategy_names(args)
     if err:
         console.print(f"[red]argument error:[/] {err}", highlight=False)
         return EXIT_CONFIG
@@ -323,7 +143,7 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
          local: dict[str, Any]) -> int:
     """Phases: connect -> open the run directory -> drive every cell -> close -> print."""
     try:
-        target, strategies, auth = _connect(args, console, local)
+        target, strategies, auth = connect(args, console, local)
         prefixes = choose_routes(args.route, strategies, {} if args.route == ROUTE_MODEL_FIELD else
                                  service.strategy_routes(target, headers=auth.headers,
                                                          insecure=auth.insecure), args.model)
@@ -360,22 +180,6 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
     return _print_outcome(st)
 
 
-def _connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tuple[str, list[str], Auth]:
-    """The target's base URL (starting or reusing the local service without --target) and
-    the strategies to run; raises service.ServiceError."""
-    auth = _auth(args)
-    if args.target:   # with or without /v1, with or without a trailing slash
-        target = service.normalize_base_url(args.target)
-    else:
-        console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
-        target = service.start_local_service(
-            port=args.local_port, config=args.local_config or None,
-            on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
-        local["url"] = target
-    strategies = _strategies(args, target, auth, console)
-    if args.sweep and M.AUTOREGRESSIVE not in strategies:
-        strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
-    return target, strategies, auth
 
 
 def _open_run(st: _RunState) -> tuple[int, float]:
@@ -398,7 +202,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
     planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
     st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
-                     f"{' at most' if args.sweep else ''} against {st.target} (route: {_route_names(st.prefixes)}), about "
+                     f"{' at most' if args.sweep else ''} against {st.target} (route: {route_names(st.prefixes)}), about "
                      f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
     st.writer = RowSink(st.run_dir)
     st.manifest = {
@@ -407,7 +211,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         # the HTTP route each strategy was measured on: its own (one hop) or the model field
         "routes": {s: {"route": ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD,
                        "base_url": route_url(st.target, p)} for s, p in st.prefixes.items()},
-        "args": _manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
+        "args": manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
         "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],
         # the analysis reads per-tier SLOs from config.slo (analysis/slo.py)
         "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
@@ -630,43 +434,9 @@ def _report(run_dir: Path, console: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.tier is None and not args.sweep:
-        parser.error("--tier is required (low, mid, high or all), unless --sweep is given")
-    if args.sweep:
-        args.tier = args.tier or "high"
-        if args.tier == "all":
-            parser.error("--tier with --sweep names one template tier (low, mid or high), not all")
-        try:
-            sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
-        except ValueError as err:
-            parser.error(f"--sweep-start/--sweep-factor/--sweep-max-users: {err}")
-    if args.warmup_s < 0:
-        parser.error(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
-    if args.consistency < 0:
-        parser.error(f"--consistency must be >= 0 requests (0 = off), got {args.consistency}")
-    if args.consistency_sampled < 0:
-        parser.error(f"--consistency-sampled must be >= 0 requests (0 = off), got "
-                     f"{args.consistency_sampled}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.duration is not None and not args.duration > 0:
-        parser.error(f"--duration must be > 0 seconds, got {args.duration}")
-    if args.workers < 0:
-        parser.error(f"--workers must be >= 0 (0 = in-process), got {args.workers}")
-    if args.retry < 0:
-        parser.error(f"--retry must be >= 0 (re-sends after a 429), got {args.retry}")
-    if not args.retry_backoff_s >= 0:
-        parser.error(f"--retry-backoff-s must be >= 0 seconds, got {args.retry_backoff_s}")
-    for h in args.header:
-        try:
-            parse_header(h)
-        except ValueError as err:
-            parser.error(str(err))
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return run(args)
-
 
 if __name__ == "__main__":
     sys.exit(main())

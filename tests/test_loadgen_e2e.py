@@ -157,7 +157,7 @@ def test_open_loop_stall_shows_in_latency(tmp_path):
 def test_route_choice(tmp_path):
     """--route: auto takes a listed one-hop route, model-field never does, a --model override
     needs the model field; --route strategy without a listed route exits 2 naming the flag."""
-    from loadgen.cli import choose_routes
+    from loadgen.target import choose_routes
     from loadgen.service import ServiceError
 
     listed = {"autoregressive": "/strategies/autoregressive"}

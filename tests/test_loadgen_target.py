@@ -13,7 +13,7 @@ import pytest
 
 from configs.net import free_port
 from loadgen import service
-from loadgen.cli import Auth, _strategies
+from loadgen.target import Auth, discover_strategies as _strategies
 
 NO_AUTH = Auth({})
 
