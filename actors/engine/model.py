@@ -132,6 +132,25 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+def transposed(w: torch.Tensor) -> torch.Tensor:
+    """An ``nn.Linear`` weight [out, in] as a contiguous [in, out] copy (``linear_t``'s layout)."""
+    return w.t().contiguous()
+
+
+def linear_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, wt.T, b)`` from a weight stored transposed: x [..., in], wt [in, out]
+    contiguous, b [out] or None -> [..., out].
+
+    One ``mm``/``addmm`` on a 2-D view. On a CPU, MKL's GEMM with few rows (a decode
+    step's batch) runs 1.3-2.2x faster from this layout than ``F.linear`` from [out, in]
+    (measured here, one thread, M = 1 and 8 rows: [8, 256] x [256, 1536] 134 -> 65 us,
+    the [256, 4096] LM head 689 -> 311 us).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.mm(x2, wt) if b is None else torch.addmm(b, x2, wt)
+    return y.view(*x.shape[:-1], wt.shape[1])
+
+
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without its weight (fp32 inputs): the engine folds the weight into
     the next projection, so a norm costs one kernel less per call."""
@@ -198,7 +217,9 @@ class Attention(nn.Module):
         per-head weight [h + kvh, D].
         """
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        self._qkv_w = w if norm_weight is None else w * norm_weight[None, :]
+        self._qkv_w = transposed(w if norm_weight is None else w * norm_weight[None, :])  # [H, out]
+        # o_proj transposed too on a CPU (linear_t's faster layout; a GPU keeps F.linear)
+        self._o_wt = transposed(self.o_proj.weight) if w.device.type == "cpu" else None
         self._qkv_b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                        if self.q_proj.bias is not None else None)
         self._fused_norm = norm_weight is not None
@@ -213,7 +234,7 @@ class Attention(nn.Module):
         if not self.training and getattr(self, "_qkv_w", None) is not None:
             # inference: one GEMM, one q/k norm, rope in three kernels (cos, sin_signed:
             # CausalLM._rope's signed table)
-            qkv = F.linear(x, self._qkv_w, self._qkv_b).view(B, Q, h + 2 * kvh, d)
+            qkv = linear_t(x, self._qkv_w, self._qkv_b).view(B, Q, h + 2 * kvh, d)
             qk, v = qkv[:, :, :h + kvh], qkv[:, :, h + kvh:]
             if self.qk_norm:
                 qk = rms_unweighted(qk, self.q_norm.eps) * self._qk_norm_w
@@ -253,7 +274,9 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and cache_kv is None,
             enable_gqa=self.h != self.kvh)
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
+        out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
+        o_wt = getattr(self, "_o_wt", None)
+        return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
 
 
 class MLP(nn.Module):
@@ -267,12 +290,14 @@ class MLP(nn.Module):
         """Inference only: one GEMM for gate and up projections (``norm_weight``:
         [H] the preceding RMSNorm's weight, folded in as in ``Attention.fuse``)."""
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self._gate_up_w = w if norm_weight is None else w * norm_weight[None, :]
+        self._gate_up_w = transposed(w if norm_weight is None else w * norm_weight[None, :])
+        self._down_wt = transposed(self.down_proj.weight) if w.device.type == "cpu" else None
 
     def forward(self, x):
         if not self.training and getattr(self, "_gate_up_w", None) is not None:
-            gate, up = F.linear(x, self._gate_up_w).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate, up = linear_t(x, self._gate_up_w).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            return self.down_proj(act) if self._down_wt is None else linear_t(act, self._down_wt)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -373,9 +398,11 @@ class CausalLM(nn.Module):
                 if enabled:
                     layer.fuse()
                 else:
-                    layer.self_attn._qkv_w = layer.self_attn._qkv_b = None
-                    layer.mlp._gate_up_w = None
+                    layer.self_attn._qkv_w = layer.self_attn._qkv_b = layer.self_attn._o_wt = None
+                    layer.mlp._gate_up_w = layer.mlp._down_wt = None
                     layer._folded = False
+            w = self.lm_head.weight
+            self._lm_wt = transposed(w) if enabled and w.device.type == "cpu" else None
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write ``config.json`` + ``model.safetensors`` (HF layout) in ``dtype``."""
@@ -472,4 +499,6 @@ class CausalLM(nn.Module):
         h = self.model.norm(x)
         hs = h if logits_index is None else torch.gather(
             h, 1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
-        return ForwardOutput(self.lm_head(hs), h, torch.cat(aux, -1) if aux else None)
+        lm_wt = getattr(self, "_lm_wt", None)
+        logits = self.lm_head(hs) if lm_wt is None or self.training else linear_t(hs, lm_wt)
+        return ForwardOutput(logits, h, torch.cat(aux, -1) if aux else None)
