@@ -81,12 +81,16 @@ def timeline(requests: pd.DataFrame, bin_s: float = 1.0) -> pd.DataFrame:
         agg = g.groupby("bin").agg(n_ended=("failed", "size"), n_failed=("failed", "sum"),
                                    n_rejected=("rejected", "sum"), tokens=("tokens", "sum"))
         agg = agg.reindex(range(int(agg.index.min()), int(agg.index.max()) + 1), fill_value=0)
-        for k, r in agg.iterrows():
-            out.append({mn.REQ_STRATEGY: strategy, "t_s": k * bin_s, "n_ended": int(r.n_ended),
-                        "n_failed": int(r.n_failed), "n_rejected": int(r.n_rejected),
-                        "error_rate": r.n_failed / r.n_ended if r.n_ended else 0.0,
-                        "output_tokens_per_s": r.tokens / bin_s})
-    out_df = pd.DataFrame(out, columns=TIMELINE_COLUMNS)
+        n_ended = agg["n_ended"].to_numpy()
+        out.append(pd.DataFrame({
+            mn.REQ_STRATEGY: strategy, "t_s": agg.index.to_numpy() * bin_s,
+            "n_ended": n_ended.astype(int), "n_failed": agg["n_failed"].to_numpy().astype(int),
+            "n_rejected": agg["n_rejected"].to_numpy().astype(int),
+            "error_rate": np.divide(agg["n_failed"].to_numpy(), n_ended,
+                                    out=np.zeros(len(agg)), where=n_ended > 0),
+            "output_tokens_per_s": agg["tokens"].to_numpy() / bin_s}))
+    out_df = (pd.concat(out, ignore_index=True)[TIMELINE_COLUMNS] if out
+              else pd.DataFrame(columns=TIMELINE_COLUMNS))
     out_df.attrs["t0"] = t0
     return out_df
 
