@@ -114,9 +114,15 @@ def test_ray_up_local_loopback(tmp_path):
     _ray_validate(cfg_path)
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
 
+    # Ray's own default here, as on the SSH side (tests/conftest.py keeps single-node test
+    # clusters on 127.0.0.1 with RAY_SINGLE_NODE_LOOPBACK_ENV; `ray up` runs its commands over SSH)
+    from configs.net import RAY_SINGLE_NODE_LOOPBACK_ENV
+
+    ray_env = {k: v for k, v in os.environ.items() if k not in RAY_SINGLE_NODE_LOOPBACK_ENV}
+
     def run(args, timeout):
         r = subprocess.run(ray_cli + args, cwd=REPO, capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=timeout, env=ray_env)
         assert r.returncode == 0, f"{args[0]} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
         return r
 
@@ -134,5 +140,5 @@ def test_ray_up_local_loopback(tmp_path):
         assert r.json()["usage"]["completion_tokens"] >= 1
     finally:
         subprocess.run(ray_cli + ["down", "-y", str(cfg_path)], cwd=REPO,
-                       capture_output=True, timeout=300)
+                       capture_output=True, timeout=300, env=ray_env)
         subprocess.run(["rm", "-rf", remote_dir], check=False)
