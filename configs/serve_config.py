@@ -51,7 +51,7 @@ _ENGINE_DEFAULT_MAX_WAITING = 1024
 # (unless already set); on a cluster started elsewhere, set it where `ray start` runs.
 PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
-DEFAULT_ENGINE_FACTORY = "actors.serve.deployments:make_llm_engine"  # (engine dict) -> LLMEngine
+DEFAULT_ENGINE_FACTORY = "actors.serve.engine_core:make_llm_engine"  # (engine dict) -> LLMEngine
 
 
 class AutoscalingConfig(BaseModel):
@@ -112,6 +112,10 @@ class StrategyEntry(BaseModel):
     stream_interval: int = Field(1, ge=1, le=4096, description=(
         "tokens per streamed chunk (vLLM's stream_interval); 1 = every engine step. "
         "A request may override it with the stream_interval body field"))
+    engine_process: bool = Field(True, description=(
+        "run the engine step in its own process (vLLM V1's engine-core process), so the "
+        "replica's HTTP and streaming work do not share a GIL with it; false: on a thread "
+        "of the replica (one process per replica)"))
     health_check_period_s: float = Field(2.0, gt=0, description="seconds")
     health_check_timeout_s: float = Field(10.0, gt=0, description="seconds")
 

@@ -21,8 +21,9 @@ the request rows in its ``cells/`` files):
   ``--fd-slack`` above the count after the warm-up;
 - no replica restarted (same process id throughout).
 
-Replica RSS and fds are read with psutil from the process ids ``/specload/info``
-reports, so the checks need the service on this machine (a remote ``--target``
+Replica RSS and fds (the replica's process and its engine process together) are
+read with psutil from the process ids ``/specload/info`` reports (``pid``,
+``engine_pid``), so the checks need the service on this machine (a remote ``--target``
 gets the request checks only).
 """
 
@@ -55,16 +56,19 @@ def replica_facts(target: str) -> dict[str, dict[str, Any]]:
 
 
 def sample(target: str) -> dict[str, dict[str, Any]]:
-    """Per strategy: pid, RSS (MB), open fds, step-log rows held / capacity, unpushed step rows."""
+    """Per strategy: pid, engine_pid, RSS (MB) and open fds of the replica and its engine
+    process together, step-log rows held / capacity, unpushed step rows."""
     import psutil
 
     out = {}
     for name, f in replica_facts(target).items():
-        row = {"pid": f["pid"], "step_log_rows": f.get("step_log_rows"),
+        row = {"pid": f["pid"], "engine_pid": f.get("engine_pid", f["pid"]),
+               "step_log_rows": f.get("step_log_rows"),
                "step_log_capacity": f.get("step_log_capacity"), "pending_step_rows": f.get("pending_step_rows")}
-        try:
-            p = psutil.Process(int(f["pid"]))
-            row.update(rss_mb=p.memory_info().rss / 2**20, num_fds=p.num_fds())
+        try:   # the replica and its engine process (one process when the engine runs on a thread)
+            procs = [psutil.Process(int(x)) for x in dict.fromkeys([row["pid"], row["engine_pid"]])]
+            row.update(rss_mb=sum(p.memory_info().rss for p in procs) / 2**20,
+                       num_fds=sum(p.num_fds() for p in procs))
         except (psutil.Error, OSError):   # not on this machine, or gone
             row.update(rss_mb=None, num_fds=None)
         out[name] = row
@@ -95,6 +99,9 @@ def judge(rows: list[dict], before: dict, after: dict, max_rss_growth: float, fd
                                "pending_step_rows": a.get("pending_step_rows")}
         if a.get("pid") != b.get("pid"):
             problems.append(f"{name}: replica restarted (pid {b.get('pid')} -> {a.get('pid')})")
+        elif a.get("engine_pid") != b.get("engine_pid"):
+            problems.append(f"{name}: engine process restarted (pid {b.get('engine_pid')} -> "
+                            f"{a.get('engine_pid')})")
         if b.get("rss_mb") and a.get("rss_mb") is not None:
             rep["rss_growth"] = a["rss_mb"] / b["rss_mb"] - 1.0
             if rep["rss_growth"] > max_rss_growth:

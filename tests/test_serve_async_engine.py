@@ -1,23 +1,41 @@
-"""AsyncLLMEngine on the fake engine (no Ray): streaming, abort on disconnect, errors."""
+"""AsyncLLMEngine on the fake engine (no Ray): streaming, abort on disconnect, errors.
+
+Every test runs both ways a replica can host its engine: on a thread of this
+process (``AsyncLLMEngine``) and in its own process (``ProcessAsyncLLMEngine``,
+the replicas' default)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from actors.engine.types import SamplingParams
-from actors.serve.async_engine import AsyncLLMEngine, EngineDeadError
+from actors.serve.async_engine import AsyncLLMEngine, EngineDeadError, ProcessAsyncLLMEngine
 from configs import metric_names as mn
 from actors.engine.errors import QueueFull as QueueFullError
 from tests.fake_engine import FakeEngine
 from tests.serve_fixtures import use_real_engine
 
 
-def make(**cfg) -> AsyncLLMEngine:
-    return AsyncLLMEngine(FakeEngine({"strategy": "ngram", "max_model_len": 4096, "step_ms": 2,
-                                      **cfg}))
+MODES = ["thread", "process"]
+
+
+def make(mode: str = "thread", **cfg) -> AsyncLLMEngine:
+    cfg = {"strategy": "ngram", "max_model_len": 4096, "step_ms": 2, **cfg}
+    if mode == "process":
+        return ProcessAsyncLLMEngine("tests.fake_engine:make_fake_engine", cfg)
+    return AsyncLLMEngine(FakeEngine(cfg))
+
+
+def idle(eng: AsyncLLMEngine) -> bool:
+    return eng.num_running == 0 and eng.num_waiting == 0
 
 
 async def collect(eng, rid, prompt, **kw):
@@ -29,8 +47,9 @@ async def collect(eng, rid, prompt, **kw):
     return text, ids, last
 
 
-def test_generate_matches_engine_and_batches():
-    eng = make(max_num_seqs=8)
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_matches_engine_and_batches(mode):
+    eng = make(mode, max_num_seqs=8)
 
     async def main():
         return await asyncio.gather(*[collect(eng, f"r{i}", f"prompt number {i}", max_tokens=20,
@@ -56,8 +75,9 @@ def test_generate_matches_engine_and_batches():
         eng.shutdown()
 
 
-def test_consumer_stop_aborts_request():
-    eng = make(max_num_seqs=1, step_ms=5)
+@pytest.mark.parametrize("mode", MODES)
+def test_consumer_stop_aborts_request(mode):
+    eng = make(mode, max_num_seqs=1, step_ms=5)
 
     async def main():
         gen = eng.generate("a", "long prompt", SamplingParams(max_tokens=5000, ignore_eos=True))
@@ -65,7 +85,7 @@ def test_consumer_stop_aborts_request():
         assert eng.num_running == 1
         await gen.aclose()                      # what a disconnect does
         for _ in range(200):
-            if eng.num_running == 0 and not eng.engine.has_unfinished_requests():
+            if idle(eng):
                 break
             await asyncio.sleep(0.01)
         assert eng.num_running == 0
@@ -80,8 +100,9 @@ def test_consumer_stop_aborts_request():
         eng.shutdown()
 
 
-def test_cancelled_task_aborts_request():
-    eng = make(max_num_seqs=1, step_ms=5)
+@pytest.mark.parametrize("mode", MODES)
+def test_cancelled_task_aborts_request(mode):
+    eng = make(mode, max_num_seqs=1, step_ms=5)
 
     async def main():
         task = asyncio.create_task(collect(eng, "a", "x y", max_tokens=5000, ignore_eos=True))
@@ -91,7 +112,7 @@ def test_cancelled_task_aborts_request():
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(200):
-            if not eng.engine.has_unfinished_requests():
+            if idle(eng):
                 return True
             await asyncio.sleep(0.01)
         return False
@@ -102,8 +123,9 @@ def test_cancelled_task_aborts_request():
         eng.shutdown()
 
 
-def test_add_errors_propagate():
-    eng = make(max_num_seqs=1, max_waiting=1, step_ms=20)
+@pytest.mark.parametrize("mode", MODES)
+def test_add_errors_propagate(mode):
+    eng = make(mode, max_num_seqs=1, max_waiting=1, step_ms=20)
 
     async def main():
         with pytest.raises(ValueError, match="prompt"):
@@ -135,8 +157,15 @@ class _Crashing(FakeEngine):
         raise RuntimeError("boom")
 
 
-def test_engine_crash_fails_requests_and_health():
-    eng = AsyncLLMEngine(_Crashing({"max_model_len": 64}))
+def make_crashing(cfg: dict) -> FakeEngine:
+    return _Crashing(cfg)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_crash_fails_requests_and_health(mode):
+    eng = (ProcessAsyncLLMEngine("tests.test_serve_async_engine:make_crashing",
+                                 {"max_model_len": 64}) if mode == "process"
+           else AsyncLLMEngine(_Crashing({"max_model_len": 64})))
 
     async def main():
         with pytest.raises(EngineDeadError, match="boom"):
@@ -147,8 +176,9 @@ def test_engine_crash_fails_requests_and_health():
         eng.check_health()
 
 
-def test_idle_engine_does_not_step():
-    eng = make()
+@pytest.mark.parametrize("mode", MODES)
+def test_idle_engine_does_not_step(mode):
+    eng = make(mode)
     try:
         asyncio.run(collect(eng, "a", "x", max_tokens=3, ignore_eos=True))
         n = len(eng.step_log())
@@ -172,3 +202,89 @@ def test_real_engine_greedy_equals_run_requests():
         assert ids == want["token_ids"] and text == want["text"]
     finally:
         eng.shutdown()
+
+
+@pytest.mark.skipif(not use_real_engine(), reason="real engine or model weights missing")
+def test_real_engine_in_its_process_greedy_equals_run_requests():
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine, run_requests
+
+    cfg = {"strategy": "dflash2", "max_num_seqs": 4, "torch_threads": 1}
+    prompts = ["def add(a, b):\n    ", "import os\n", "The"]
+    want = run_requests(LLMEngine(EngineConfig(**cfg)),
+                        [(f"x{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)],
+                        batch_size=1)
+    eng = ProcessAsyncLLMEngine("actors.serve.engine_core:make_llm_engine", cfg)
+    try:
+        assert eng.engine_pid != os.getpid() and eng.max_model_len > 0
+
+        async def main():
+            got = await asyncio.gather(*[collect(eng, f"x{i}", p, max_tokens=24)
+                                         for i, p in enumerate(prompts)])
+            return got, await eng.memory(reset_peak=True)
+
+        got, memory = asyncio.run(main())
+        for i, (text, ids, last) in enumerate(got):
+            assert ids == want[f"x{i}"]["token_ids"] and text == want[f"x{i}"]["text"]
+            assert last.stats.num_drafts == want[f"x{i}"]["stats"].num_drafts > 0
+        assert memory["strategy"] == "dflash2" and memory["target_weight_bytes"] > 0
+        rows = eng.step_log()
+        assert sum(r[mn.STEP_EMITTED_TOKENS] + r[mn.STEP_PREFILL_EMITTED_TOKENS]
+                   for r in rows) == sum(len(ids) for _, ids, _ in got)
+    finally:
+        eng.shutdown()
+    assert eng._core.proc.poll() == 0          # a clean exit on shutdown
+
+
+def test_engine_process_death_fails_requests_and_health():
+    """The engine's process killed by its pid: streams end with EngineDeadError, the
+    health check fails, new requests are refused."""
+    eng = make("process", max_num_seqs=2, step_ms=5)
+
+    async def main():
+        gen = eng.generate("a", "long", SamplingParams(max_tokens=5000, ignore_eos=True))
+        await gen.__anext__()
+        os.kill(eng.engine_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="engine process is gone"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(eng, "b", "x", max_tokens=2)
+
+    try:
+        asyncio.run(main())
+        with pytest.raises(EngineDeadError):
+            eng.check_health()
+    finally:
+        eng.shutdown()
+
+
+def test_engine_process_exits_with_its_replica(tmp_path):
+    """A replica process killed by -9 mid-stream takes its engine process with it
+    (the engine sees its socket close); nothing is left running."""
+    script = tmp_path / "replica.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from actors.engine.types import SamplingParams\n"
+        "from actors.serve.async_engine import ProcessAsyncLLMEngine\n"
+        "eng = ProcessAsyncLLMEngine('tests.fake_engine:make_fake_engine',\n"
+        "    {'strategy': 'ngram', 'max_model_len': 4096, 'step_ms': 5})\n"
+        "async def main():\n"
+        "    gen = eng.generate('a', 'x', SamplingParams(max_tokens=100000, ignore_eos=True))\n"
+        "    await gen.__anext__()\n"
+        "    print(eng.engine_pid, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        engine_pid = int(proc.stdout.readline())
+        assert psutil.Process(engine_pid).ppid() == proc.pid
+        proc.kill()                              # the replica, by its pid
+        proc.wait(10)
+        gone, _ = psutil.wait_procs([psutil.Process(engine_pid)], timeout=10)
+        assert [p.pid for p in gone] == [engine_pid]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

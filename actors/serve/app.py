@@ -131,7 +131,8 @@ def _bind_strategy(entry: StrategyEntry, cfg: ServeAppConfig, store: Any):
         health_check_period_s=entry.health_check_period_s,
         health_check_timeout_s=entry.health_check_timeout_s, **scaling,
     ).bind(entry.name, engine, cfg.engine_factory, store, entry.step_log_capacity,
-           entry.stream_interval, cfg.ingress.retry_after_s, cfg.ingress.api_key)
+           entry.stream_interval, cfg.ingress.retry_after_s, cfg.ingress.api_key,
+           entry.engine_process)
 
 
 def build_strategy_app(args: dict[str, Any]):

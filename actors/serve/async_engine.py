@@ -1,4 +1,5 @@
-"""AsyncLLMEngine: the engine's step loop on a background thread, asyncio on the outside.
+"""AsyncLLMEngine: the engine's step loop on a background thread (or, with
+``ProcessAsyncLLMEngine``, in its own process), asyncio on the outside.
 
 One ``LLMEngine`` per replica is driven by one daemon thread (the *engine
 thread*). Everything that touches the engine (``add_request``,
@@ -18,13 +19,21 @@ Every engine step also appends one row (``configs.metric_names.STEP_LOG_COLUMNS`
 to a bounded in-memory ring buffer (``step_log``) and hands it to an optional
 ``step_sink`` callback (the Serve deployment uses it for Prometheus and for
 the central step-log store).
+
+``ProcessAsyncLLMEngine`` (what strategy replicas run by default) keeps this
+asyncio side and moves the step loop to a child process
+(``actors.serve.engine_core``): a reader thread receives each step's outputs and
+step rows as one message, so the replica's HTTP work and the engine step do not
+share a GIL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -57,6 +66,11 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
     """Set a future's outcome unless its waiter was cancelled meanwhile (runs on the loop)."""
     if fut.done():
@@ -81,17 +95,21 @@ class AsyncLLMEngine:
     def __init__(self, engine: Any, *, step_log_capacity: int = DEFAULT_STEP_LOG_CAPACITY,
                  step_sink: Callable[[dict], None] | None = None):
         self.engine = engine
+        self._init_common(step_log_capacity, step_sink)
+        engine.on_step = self._on_step
+        self._thread = threading.Thread(target=self._run, name="specload-engine", daemon=True)
+        self._thread.start()
+
+    def _init_common(self, step_log_capacity: int, step_sink: Callable[[dict], None] | None
+                     ) -> None:
         self._cv = threading.Condition(threading.Lock())
         self._commands: collections.deque[_Command] = collections.deque()
-        self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
+        self._streams: dict[str, _Stream] = {}   # the engine (or reader) thread's
         self._stop = False
         self._error: BaseException | None = None
         self._step_log: collections.deque[dict] = collections.deque(maxlen=step_log_capacity)
         self._step_seq = 0
         self._step_sink = step_sink
-        engine.on_step = self._on_step
-        self._thread = threading.Thread(target=self._run, name="specload-engine", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -132,10 +150,23 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None and not self._stop
 
+    @property
+    def engine_pid(self) -> int:
+        """The process that runs the engine step (this one, on a thread)."""
+        return os.getpid()
+
     def check_health(self) -> None:
         """Raise EngineDeadError when the engine thread is gone."""
         if not self.is_alive:
             raise EngineDeadError(f"engine thread stopped: {self._error!r}")
+
+    async def memory(self, reset_peak: bool = False) -> dict:
+        """The engine's memory report (``LLMEngine.memory``; ``{}`` for an engine
+        without one); ``reset_peak`` restarts its peak counters afterwards."""
+        report = self.engine.memory() if hasattr(self.engine, "memory") else {}
+        if reset_peak and hasattr(self.engine, "reset_peak_memory"):
+            self.engine.reset_peak_memory()
+        return report
 
     # ------------------------------------------------------------ public API
     async def add_request(self, request_id: str, prompt: str | list[int],
@@ -229,6 +260,22 @@ class AsyncLLMEngine:
         except RuntimeError:   # the caller's loop is closed: nobody is listening
             pass
 
+    def _deliver_step(self, outs: list[RequestOutput]) -> None:
+        """Route one step's outputs to their streams: one wake-up per event loop
+        per step (not one per request), the finished ones unregistered."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # the caller's loop is closed: nobody is listening
+                pass
+
     def _apply(self, cmd: _Command) -> None:
         if cmd.kind == "abort":
             stream = self._streams.pop(cmd.request_id, None)
@@ -260,12 +307,7 @@ class AsyncLLMEngine:
                     self._apply(cmd)
                 if not self.engine.has_unfinished_requests():
                     continue
-                for out in self.engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
-                    if stream is not None:
-                        self._deliver(stream, out)
+                self._deliver_step(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - report to every waiter, then die
             logger.exception("engine thread crashed")
             self._error = exc
@@ -286,3 +328,154 @@ class AsyncLLMEngine:
             self._deliver(stream, dead)
         self._streams.clear()
 
+
+class ProcessAsyncLLMEngine(AsyncLLMEngine):
+    """``AsyncLLMEngine`` whose engine runs in its own process (vLLM V1's engine-core
+    process; ``actors.serve.engine_core``), so the replica's HTTP and streaming work
+    and the engine step do not share one GIL.
+
+    Same API and behaviour as ``AsyncLLMEngine`` (admission errors, streams, aborts,
+    the step log and ``step_sink``, EngineDeadError when the engine is gone). Commands
+    go to the child as they are posted; one reader thread receives each step's outputs
+    and step rows as one message and routes them. The child exits when this process
+    dies (its socket closes), so a killed replica leaves no engine behind.
+
+    engine_factory: import path of ``(engine_config) -> engine``; engine_config: its
+    argument; torch_threads: the child's torch threads. Raises what the factory raised
+    in the child, or EngineDeadError when the child did not start.
+    """
+
+    def __init__(self, engine_factory: str, engine_config: dict, *, torch_threads: int = 1,
+                 step_log_capacity: int = DEFAULT_STEP_LOG_CAPACITY,
+                 step_sink: Callable[[dict], None] | None = None):
+        from actors.serve.engine_core import EngineProcess
+
+        self.engine = None          # in another process
+        self._init_common(step_log_capacity, step_sink)
+        self._pending: dict[str, _Command] = {}     # adds sent, not yet answered
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._tokens = itertools.count()
+        self._core = EngineProcess(engine_factory, engine_config, torch_threads)
+        self._max_model_len = int(self._core.facts["max_model_len"])
+        self._waiting = self._running = 0
+        self._thread = threading.Thread(target=self._run, name="specload-engine-reader",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting requests after the engine's last step, add or abort."""
+        return self._waiting
+
+    @property
+    def num_running(self) -> int:
+        """Running requests after the engine's last step, add or abort."""
+        return self._running
+
+    @property
+    def engine_pid(self) -> int:
+        return self._core.pid
+
+    @property
+    def is_alive(self) -> bool:
+        return (self._thread.is_alive() and self._error is None and not self._stop
+                and self._core.alive())
+
+    async def memory(self, reset_peak: bool = False) -> dict:
+        self.check_health()
+        report = await self._call("memory") or {}
+        if reset_peak:
+            await self._call("reset_peak_memory")
+        return report
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        token = next(self._tokens)
+        self._calls[token] = (loop, fut)
+        try:
+            self._core.send(("call", token, method, args))
+            return await fut
+        finally:
+            self._calls.pop(token, None)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine process (unfinished requests get an EngineDeadError)."""
+        self._stop = True
+        self._core.close(timeout_s)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _post(self, cmd: _Command, stream: _Stream | None = None) -> None:
+        try:
+            if cmd.kind == "add":
+                cmd.stream = stream  # type: ignore[attr-defined]
+                self._pending[cmd.request_id] = cmd
+                self._core.send(("add", cmd.request_id, cmd.prompt, cmd.params))
+            else:
+                self._core.send(("abort", cmd.request_id))
+        except EngineDeadError as exc:
+            if cmd.kind == "add" and self._pending.pop(cmd.request_id, None) is not None:
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, exc)
+
+    def _run(self) -> None:
+        """The reader thread: route every message of the engine process."""
+        conn = self._core.conn
+        try:
+            while True:
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "step":
+                    _, outs, rows, self._waiting, self._running = msg
+                    for row in rows:
+                        self._on_step(row)
+                    self._deliver_step(outs)
+                elif kind == "added":
+                    self._waiting, self._running = msg[3], msg[4]
+                    cmd = self._pending.pop(msg[1], None)
+                    if cmd is not None:
+                        self._streams[msg[1]] = cmd.stream  # type: ignore[attr-defined]
+                        cmd.loop.call_soon_threadsafe(_resolve, cmd.future, msg[2], None)
+                elif kind == "add_error":
+                    cmd = self._pending.pop(msg[1], None)
+                    if cmd is not None:
+                        cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, msg[2])
+                elif kind == "aborted":
+                    self._waiting, self._running = msg[2], msg[3]
+                    stream = self._streams.pop(msg[1], None)
+                    if stream is not None:
+                        self._deliver(stream, RequestOutput(
+                            msg[1], [], "", True, "abort", 0, 0, SpecStats()))
+                elif kind == "reply":
+                    _, token, result, exc = msg
+                    waiter = self._calls.get(token)
+                    if waiter is not None:
+                        waiter[0].call_soon_threadsafe(_resolve, waiter[1], result, exc)
+                elif kind == "dead":
+                    self._error = EngineDeadError(msg[1])
+                    break
+        except (EOFError, OSError) as exc:
+            if not self._stop:
+                code = self._core.proc.poll()
+                self._error = EngineDeadError(
+                    f"the engine process is gone (exit code {code}): {exc!r}")
+        except BaseException as exc:  # noqa: BLE001 - report to every waiter, then die
+            logger.exception("engine reader crashed")
+            self._error = exc
+        finally:
+            self._fail_all(self._error or EngineDeadError("engine shut down"))
+            for token, (loop, fut) in list(self._calls.items()):
+                loop.call_soon_threadsafe(_resolve, fut, None, EngineDeadError("engine gone"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"engine failed: {exc!r}")
+        self._stop = True
+        for cmd in list(self._pending.values()):
+            cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, dead)
+        self._pending.clear()
+        super()._fail_all(dead)

@@ -2,8 +2,8 @@
 
 - ``StrategyServer`` (the deployment of ``StrategyReplica``): one class, bound
   once per strategy with a different engine config (``actors.serve.app``).
-  Each replica owns an ``AsyncLLMEngine`` (continuous batching on a background
-  thread) and streams the typed messages of ``actors.serve.protocol`` to the
+  Each replica owns a ``ProcessAsyncLLMEngine`` (continuous batching in the
+  replica's own engine process; ``engine_process: false`` keeps it on a thread) and streams the typed messages of ``actors.serve.protocol`` to the
   HTTP ingress; as the ingress of its own application (the one-hop layout) it
   answers the OpenAI routes itself, with the ingress's code.
 - ``StepLogStore``: one replica holding the app-wide step log (a bounded ring
@@ -32,11 +32,13 @@ from ray import serve
 
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.types import SamplingParams
+from actors.serve.engine_core import import_object, make_llm_engine  # noqa: F401 (re-export)
 from actors.serve.openai_api import (API_KEY_ENV, api_key_error, error_response, health_response,
                                      install_error_handlers, model_card, read_request,
                                      request_id, respond)
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
+from configs.serve_config import DEFAULT_ENGINE_FACTORY
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,25 +50,6 @@ PROM_PREFIX = mn.PROM_PREFIX.replace(":", "_")
 STEP_MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-
-
-def import_object(path: str) -> Any:
-    """Import ``"package.module:attr.sub"``; raises ValueError saying what was wrong."""
-    mod_name, _, attr = path.partition(":")
-    if not mod_name or not attr:
-        raise ValueError(f"expected an import path 'module:attribute', got {path!r}")
-    obj: Any = importlib.import_module(mod_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def make_llm_engine(engine_config: dict) -> Any:
-    """Default engine factory: ``EngineConfig(**engine_config)`` -> ``LLMEngine``."""
-    from actors.engine.config import EngineConfig
-    from actors.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(**engine_config))
 
 
 class _Metrics:
@@ -159,7 +142,9 @@ class StrategyReplica:
     step_store: handle of the StepLogStore; or ``(app_name, deployment_name)`` of
     it in another application (looked up at the first push); None: keep the log
     local only. stream_interval: tokens per streamed delta unless a request says
-    otherwise. retry_after_s, api_key: as the ingress's, for this replica's own
+    otherwise. engine_process: run the engine step in its own process
+    (``ProcessAsyncLLMEngine``, vLLM V1's engine-core process), else on a thread of
+    the replica's. retry_after_s, api_key: as the ingress's, for this replica's own
     routes (api_key default ``$SPECLOAD_API_KEY``; none: open).
 
     The model-field ingress calls ``generate`` through a handle. Deployed as its
@@ -170,11 +155,11 @@ class StrategyReplica:
     """
 
     def __init__(self, strategy: str, engine_config: dict,
-                 engine_factory: str = "actors.serve.deployments:make_llm_engine",
+                 engine_factory: str = DEFAULT_ENGINE_FACTORY,
                  step_store: Any = None, step_log_capacity: int = 8192,
                  stream_interval: int = 1, retry_after_s: int = 1,
-                 api_key: str | None = None):
-        from actors.serve.async_engine import AsyncLLMEngine
+                 api_key: str | None = None, engine_process: bool = True):
+        from actors.serve.async_engine import AsyncLLMEngine, ProcessAsyncLLMEngine
 
         cfg = dict(engine_config)
         try:
@@ -183,10 +168,11 @@ class StrategyReplica:
             replica = str(os.getpid())
         cfg.setdefault("replica_id", replica)
         cfg.setdefault("served_model_name", strategy)  # step rows carry it beside the strategy
-        threads = cfg.get("torch_threads") or 1
-        import torch
+        threads = int(cfg.get("torch_threads") or 1)
+        if not engine_process:
+            import torch
 
-        torch.set_num_threads(int(threads))   # one replica must not take every core
+            torch.set_num_threads(threads)   # one replica must not take every core
         self.strategy = strategy
         self.stream_interval = max(1, int(stream_interval))  # tokens per streamed delta
         self._retry_after_s = retry_after_s
@@ -194,10 +180,15 @@ class StrategyReplica:
         self._created = int(time.time())
         self._metrics = _Metrics(strategy)
         self._pending_rows: collections.deque[dict] = collections.deque(maxlen=100_000)
-        factory: Callable[[dict], Any] = import_object(engine_factory)
-        engine = factory(cfg)
-        self.engine = AsyncLLMEngine(engine, step_log_capacity=max(step_log_capacity, 1),
-                                     step_sink=self._pending_rows.append)
+        capacity = max(step_log_capacity, 1)
+        if engine_process:   # the engine step in its own process: no GIL shared with HTTP
+            self.engine = ProcessAsyncLLMEngine(engine_factory, cfg, torch_threads=threads,
+                                                step_log_capacity=capacity,
+                                                step_sink=self._pending_rows.append)
+        else:
+            factory: Callable[[dict], Any] = import_object(engine_factory)
+            self.engine = AsyncLLMEngine(factory(cfg), step_log_capacity=capacity,
+                                         step_sink=self._pending_rows.append)
         self._store = step_store
         self._flusher = asyncio.get_event_loop().create_task(self._flush_loop())
         logger.info("strategy %s replica %s ready (max_model_len=%d)", strategy, replica,
@@ -278,7 +269,8 @@ class StrategyReplica:
         step rows not yet pushed to the store (all bounded)."""
         return {"strategy": self.strategy, "max_model_len": self.engine.max_model_len,
                 "num_waiting": self.engine.num_waiting, "num_running": self.engine.num_running,
-                "pid": os.getpid(), "step_log_rows": self.engine.step_log_size,
+                "pid": os.getpid(), "engine_pid": self.engine.engine_pid,
+                "step_log_rows": self.engine.step_log_size,
                 "step_log_capacity": self.engine.step_log_capacity,
                 "pending_step_rows": len(self._pending_rows)}
 
@@ -286,11 +278,7 @@ class StrategyReplica:
         """This replica's memory report (``LLMEngine.memory``: weight, KV-cache and process
         bytes); ``reset_peak`` restarts the peak counters afterwards. ``{}`` for an engine
         without a memory report (fake engines)."""
-        engine = self.engine.engine
-        report = engine.memory() if hasattr(engine, "memory") else {}
-        if reset_peak and hasattr(engine, "reset_peak_memory"):
-            engine.reset_peak_memory()
-        return report
+        return await self.engine.memory(reset_peak)
 
     async def step_log(self, since: float | None = None, limit: int | None = None) -> list[dict]:
         """This replica's own ring buffer (rows with ts > since, unix seconds)."""
