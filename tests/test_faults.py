@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
+import psutil
 import pytest
 
 from analysis import faults
@@ -249,12 +250,22 @@ def test_kill9_of_the_load_generator_keeps_rows_up_to_the_last_second(service, t
           f"~{gap * rate:.1f} rows lost at {rate:.1f} rows/s")
 
 
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie nobody reaped yet counts as exited)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.slow
 def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
     """SIGKILL of the ngram replica's process in the middle of its cell: Serve starts a new one,
     the run finishes, the lost requests are rows with their own status, the report shows the
     outage window and says the recommendation rests on a degraded run."""
     old_pid = _info(service)["ngram"]["pid"]
+    old_engine_pid = _info(service)["ngram"]["engine_pid"]
+    assert old_engine_pid != old_pid and psutil.Process(old_engine_pid).ppid() == old_pid
     tiers = _tiers(tmp_path, {"users": 2, "duration_s": 30, "max_tokens": 12})
     results = tmp_path / "res"
     proc = subprocess.Popen(_loadgen(service, tiers, results, "ngram,autoregressive", "--report"), cwd=REPO,
@@ -269,6 +280,8 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
+    # the killed replica's engine process went with it (its socket closed)
+    _wait(lambda: not _running(old_engine_pid), 10, "the killed replica's engine process to exit")
     new_pid = _wait(lambda: _info(service)["ngram"]["pid"] != old_pid and _info(service)["ngram"]["pid"],
                     120, "a new ngram replica")
     df = pd.read_parquet(run_dir / "requests.parquet")
