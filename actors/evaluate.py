@@ -93,6 +93,8 @@ def _run(strategy: str, options: dict, prompts: list[list[int]], max_tokens: int
     t0 = time.perf_counter()
     res = run_requests(eng, reqs, batch_size=batch)
     wall = time.perf_counter() - t0
+    if hasattr(eng.proposer, "finish_trace"):  # what the timed steps deferred (confidences)
+        eng.proposer.finish_trace()
     outs = [res[f"p{i}"]["token_ids"] for i in range(len(prompts))]
     stats = SpecStats()
     for r in res.values():

@@ -221,3 +221,45 @@ def test_dflash2_sampling_lossless_chi_square(make_engine):
     token, then the first two speculative positions) matches the target's."""
     assert_sampling_lossless(make_engine("dflash2", max_num_seqs=64, num_speculative_tokens=2),
                              seed0=5000)
+
+
+def test_fused_inference_path_matches_the_modules():
+    """``BlockDrafter.fuse`` (fused q|k|v and gate|up GEMMs, rope table, host argmax,
+    the lean Markov walk) computes what the plain modules compute, up to float
+    rounding, and drafts the same tokens; ``train()`` drops the fused copies; a
+    deferred confidence equals the one computed in the step."""
+    from actors.drafters.decode import draft_block, draft_confidence
+
+    target = _tiny_target()
+    target.fuse()
+    d = _random_drafter(target, use_conv=True, use_markov=True, use_confidence=True)
+    C, B = 30, 3
+    torch.manual_seed(5)
+    aux = torch.randn(B, C, len(d.config.target_layer_ids) * 32)
+    pos = torch.arange(C)[None].expand(B, C)
+    anchors = torch.tensor([[29], [17], [23]])
+    ids = torch.tensor([[3], [40], [7]])
+    mask = torch.arange(C)[None, None] < anchors[..., None]
+
+    def run():
+        kv = d.context_kv(aux, pos)
+        h = d.block_hidden(ids, anchors, kv, mask)
+        return kv, h, draft_block(d, h, ids[:, 0], top_k=1)
+
+    kv0, h0, d0 = run()
+    d.fuse()
+    kv1, h1, d1 = run()
+    assert d.layers[0]._qkv_wt is not None
+    for (k0, v0), (k1, v1) in zip(kv0, kv1):
+        assert torch.allclose(k0, k1, atol=1e-5) and torch.allclose(v0, v1, atol=1e-5)
+    assert torch.allclose(h0, h1, atol=1e-5)
+    assert not torch.equal(h0, torch.zeros_like(h0))
+    assert torch.equal(d0.tokens, d1.tokens)
+    assert torch.allclose(d0.logits, d1.logits, atol=1e-4)
+    assert torch.allclose(d0.confidence, d1.confidence, atol=1e-5)
+    late = draft_block(d, h1, ids[:, 0], top_k=1, confidence=False)
+    assert late.confidence is None and torch.equal(late.tokens, d1.tokens)
+    assert torch.equal(draft_confidence(d, late.hidden, late.markov_z, late.logits),
+                       d1.confidence)
+    d.train()
+    assert d.layers[0]._qkv_wt is None and not d._fast()

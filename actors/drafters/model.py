@@ -28,15 +28,19 @@ from torch import nn
 from actors.drafters.config import DrafterConfig
 from actors.drafters.heads import ConfidenceHead, MarkovHead, PathSelector
 from actors.engine.model import RMSNorm as _TargetRMSNorm
-from actors.engine.model import apply_rope, rope_cos_sin
+from actors.engine.model import (apply_rope, apply_rope_signed, linear_t, rms_unweighted,
+                                 rope_cos_sin, transposed)
 
 
 class RMSNorm(_TargetRMSNorm):
-    """Same parameters as the target's RMSNorm, one fused op (the drafter is
-    latency-bound by op count on a CPU; it need not be bit-exact)."""
+    """Same parameters as the target's RMSNorm. Training: ``F.rms_norm``;
+    fp32 inference: written out (``rms_unweighted``), which on a CPU is fewer
+    kernels than ``F.rms_norm``'s decomposition (20 vs 33 us per [8, 256] call)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.training or x.dtype != torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_unweighted(x, self.eps) * self.weight
 
 
 class DynamicConv2(nn.Module):
@@ -57,11 +61,22 @@ class DynamicConv2(nn.Module):
 
     def forward(self, x: torch.Tensor, block_size: int) -> torch.Tensor:
         """x: [B, Q, H] with Q a multiple of block_size (blocks laid end to end)."""
-        k0, k1 = self.up(F.silu(self.down(x))).chunk(2, dim=-1)
+        fused = getattr(self, "_down_wt", None)
+        if fused is not None and not self.training:  # inference: transposed weights
+            k0, k1 = linear_t(F.silu(linear_t(x, fused)), self._up_wt,
+                              self.up.bias).chunk(2, dim=-1)
+        else:
+            k0, k1 = self.up(F.silu(self.down(x))).chunk(2, dim=-1)
         prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
-        first = (torch.arange(x.shape[1], device=x.device) % block_size) == 0
-        prev = prev.masked_fill(first[None, :, None], 0.0)  # never read the previous block
-        return k0 * x + k1 * prev
+        if x.shape[1] > block_size:  # one block: the pad already zeroed its first position
+            first = (torch.arange(x.shape[1], device=x.device) % block_size) == 0
+            prev = prev.masked_fill(first[None, :, None], 0.0)  # never read the previous block
+        return torch.addcmul(k0 * x, k1, prev)
+
+    def fuse(self, enabled: bool = True) -> None:
+        """Inference only: transposed copies of both projections (``linear_t``)."""
+        self._down_wt = transposed(self.down.weight) if enabled else None
+        self._up_wt = transposed(self.up.weight) if enabled else None
 
 
 class DraftLayer(nn.Module):
@@ -85,9 +100,43 @@ class DraftLayer(nn.Module):
         self.conv_attn = DynamicConv2(H, cfg.conv_rank) if cfg.use_conv else None
         self.conv_mlp = DynamicConv2(H, cfg.conv_rank) if cfg.use_conv else None
 
+    def fuse(self, enabled: bool = True) -> None:
+        """Inference only (``BlockDrafter.fuse``): one GEMM for q|k|v (the context's
+        k|v read a column slice of it), one for gate|up, every weight transposed
+        for ``linear_t``, and the q/k norms as one per-head-weighted norm. Float
+        results differ from the unfused path by rounding only (other GEMM shapes
+        and summation orders). Kept as plain attributes, so
+        ``actors.engine.memory.fused_tensors`` counts them."""
+        for conv in (self.conv_attn, self.conv_mlp):
+            if conv is not None:
+                conv.fuse(enabled)
+        if not enabled:
+            self._qkv_wt = self._o_wt = self._gate_up_wt = self._down_wt = None
+            self._qk_norm_w = None
+            return
+        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+        self._qkv_wt = transposed(torch.cat([q, k, v]))  # [H, (h + 2 kvh) D]
+        self._o_wt = transposed(self.o_proj.weight)  # [h D, H]
+        self._gate_up_wt = transposed(torch.cat([self.gate_proj.weight,
+                                                 self.up_proj.weight]))  # [H, 2 I]
+        self._down_wt = transposed(self.down_proj.weight)  # [I, H]
+        self._qk_norm_w = torch.cat([self.q_norm.weight.expand(self.h, self.d),
+                                     self.k_norm.weight.expand(self.kvh, self.d)])  # [h+kvh, D]
+
+    def _fast(self) -> bool:
+        return not self.training and getattr(self, "_qkv_wt", None) is not None
+
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, T, H] -> k, v: [B, KVH, T, D] (k normed and rotated)."""
+        """x: [B, T, H] -> k, v: [B, KVH, T, D] (k normed and rotated).
+
+        cos, sin: [B, 1, T, D]; with fused weights sin is the signed table
+        (``apply_rope_signed``, ``BlockDrafter.rope``)."""
         B, T, _ = x.shape
+        if self._fast():
+            kv = linear_t(x, self._qkv_wt[:, self.h * self.d:]).view(B, T, 2 * self.kvh, self.d)
+            k = rms_unweighted(kv[:, :, :self.kvh], self.k_norm.eps) * self._qk_norm_w[self.h:]
+            return (apply_rope_signed(k.transpose(1, 2), cos, sin),
+                    kv[:, :, self.kvh:].transpose(1, 2))
         k = self.k_norm(self.k_proj(x).view(B, T, self.kvh, self.d)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)
         return apply_rope(k, cos, sin), v
@@ -95,6 +144,8 @@ class DraftLayer(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
         """x: [B, Q, H]; ctx_k/v: [B, KVH, C, D]; mask: bool [B, 1, Q, C + Q]."""
         B, Q, _ = x.shape
+        if self._fast():
+            return self._forward_fused(x, cos, sin, ctx_k, ctx_v, mask, block_size)
         hn = self.input_layernorm(x)
         if self.conv_attn is not None:
             hn = self.conv_attn(hn, block_size)
@@ -110,6 +161,28 @@ class DraftLayer(nn.Module):
         if self.conv_mlp is not None:
             hn = self.conv_mlp(hn, block_size)
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+    def _forward_fused(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
+        """``forward`` from the fused weights: about a third of the kernels (a
+        batch-1 draft step is bound by their count on a CPU). sin: the signed table."""
+        B, Q, _ = x.shape
+        h, kvh, d = self.h, self.kvh, self.d
+        hn = self.input_layernorm(x)
+        if self.conv_attn is not None:
+            hn = self.conv_attn(hn, block_size)
+        qkv = linear_t(hn, self._qkv_wt).view(B, Q, h + 2 * kvh, d)
+        qk = rms_unweighted(qkv[:, :, :h + kvh], self.q_norm.eps) * self._qk_norm_w
+        qk = apply_rope_signed(qk.transpose(1, 2), cos, sin)
+        k = torch.cat([ctx_k.to(qk.dtype), qk[:, h:]], dim=2)
+        v = torch.cat([ctx_v.to(qk.dtype), qkv[:, :, h + kvh:].transpose(1, 2)], dim=2)
+        out = F.scaled_dot_product_attention(qk[:, :h], k, v, attn_mask=mask,
+                                             enable_gqa=h != kvh)
+        x = x + linear_t(out.transpose(1, 2).reshape(B, Q, h * d), self._o_wt)
+        hn = self.post_attention_layernorm(x)
+        if self.conv_mlp is not None:
+            hn = self.conv_mlp(hn, block_size)
+        gate, up = linear_t(hn, self._gate_up_wt).chunk(2, dim=-1)
+        return x + linear_t(F.silu(gate) * up, self._down_wt)
 
 
 class BlockDrafter(nn.Module):
@@ -133,29 +206,80 @@ class BlockDrafter(nn.Module):
         self.confidence = (ConfidenceHead(H, cfg.markov_rank if cfg.use_markov else 0)
                            if cfg.use_confidence else None)
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._target_ref: tuple = ()
+        self._rope_table: tuple | None = None  # (device, dtype), cos [P, D], signed sin [P, D]
+        self._max_positions = 4096  # the bound target's max_position_embeddings
+
+    # -- inference weights ------------------------------------------------------
+    def fuse(self, enabled: bool = True) -> "BlockDrafter":
+        """Build the fused inference weights every layer uses in eval mode
+        (``DraftLayer.fuse``). ``load_drafter`` calls it; call it again after
+        changing weights in eval mode. ``train()`` drops them (training always
+        runs the plain modules)."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.fuse(enabled)
+        self._fused = enabled
+        return self
+
+    def train(self, mode: bool = True) -> "BlockDrafter":
+        if mode and getattr(self, "_fused", False):
+            self.fuse(False)  # the copies would go stale as the weights train
+        return super().train(mode)
+
+    def _fast(self) -> bool:
+        return not self.training and getattr(self, "_fused", False)
+
+    def rope(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [B, 1, Q, D] for positions [B, Q] (``apply_rope_signed``'s
+        layout), gathered from a table of the first ``max_position_embeddings`` +
+        block positions built once per device and dtype (direct beyond it)."""
+        cfg = self.config
+        key = (pos.device, dtype)
+        if self._rope_table is None or self._rope_table[0] != key:
+            n = self._max_positions + cfg.block_size
+            c, s_ = rope_cos_sin(torch.arange(n, device=pos.device)[None], cfg.head_dim,
+                                 cfg.rope_theta, dtype)
+            c, s_ = c[0, 0], s_[0, 0]
+            half = cfg.head_dim // 2
+            self._rope_table = (key, c, torch.cat([-s_[:, :half], s_[:, half:]], -1))
+        _, c, s_ = self._rope_table
+        if pos.numel() and int(pos.max()) >= c.shape[0]:
+            c, s_ = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
+            half = cfg.head_dim // 2
+            return c, torch.cat([-s_[..., :half], s_[..., half:]], -1)
+        return c[pos][:, None], s_[pos][:, None]
 
     # -- target binding -----------------------------------------------------
     def bind_target(self, target) -> "BlockDrafter":
         """Share ``target``'s embedding and LM head (an ``actors.engine.model.CausalLM``)."""
         self.config.check_target(target.config)
         self._shared = (target.model.embed_tokens.weight, target.lm_head.weight)
+        self._target_ref = (target,)  # a tuple: not registered as a submodule
+        self._max_positions = target.config.max_position_embeddings
+        self._rope_table = None
         return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self._shared[0]).to(self.mask_embed.dtype)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Shared LM head, float logits [..., V]. On a CPU a contiguous copy of
-        W^T (cached, not saved) makes the few-row matmul ~2.5x faster than
-        ``F.linear``; on a GPU the weight is used in place (no extra memory)."""
+        """Shared LM head, float logits [..., V]. On a CPU the few-row matmul runs
+        from W^T contiguous (``linear_t``, ~2x faster than ``F.linear``): the
+        target's own copy (``CausalLM.fuse``) when it has one, so one 4 MB copy
+        serves both and stays warm in cache between verify and draft; else a
+        copy cached here. On a GPU the weight is used in place (no extra memory)."""
         W = self._shared[1]
         if W.device.type != "cpu":
             return F.linear(h.to(W.dtype), W).float()
-        key = (W.data_ptr(), W._version)
-        if getattr(self, "_lm_t_key", None) != key:
-            self._lm_t = W.detach().t().contiguous()
-            self._lm_t_key = key
-        return (h.to(W.dtype) @ self._lm_t).float()
+        wt = getattr(self._target_ref[0], "_lm_wt", None) if self._target_ref else None
+        if wt is None or wt.shape != W.shape[::-1]:
+            key = (W.data_ptr(), W._version)
+            if getattr(self, "_lm_t_key", None) != key:
+                self._lm_t = W.detach().t().contiguous()
+                self._lm_t_key = key
+            wt = self._lm_t
+        return linear_t(h.to(W.dtype), wt).float()
 
     def markov_vocab_proj(self) -> torch.Tensor:
         """W_lm @ U [V, r] (float): the Markov head's rank-r update in vocabulary
@@ -166,6 +290,15 @@ class BlockDrafter(nn.Module):
                 self._mvp = (self._shared[1].float() @ self.markov.out.weight.float())
             self._mvp_key = key
         return self._mvp
+
+    def markov_vocab_proj_t(self) -> torch.Tensor:
+        """``markov_vocab_proj()`` transposed, contiguous [r, V] (the walk's addmm
+        operand: a few-row GEMM from this layout is ~2x faster on a CPU)."""
+        proj = self.markov_vocab_proj()
+        if getattr(self, "_mvp_t_src", None) is not proj:
+            self._mvp_t = proj.T.contiguous()
+            self._mvp_t_src = proj
+        return self._mvp_t
 
     def vocab_table(self, name: str, *linears: nn.Module) -> torch.Tensor:
         """``cat([lin(embed(v)) for lin in linears], -1)`` for every token v:
@@ -200,7 +333,7 @@ class BlockDrafter(nn.Module):
         """aux: [B, C, A*H] target hidden states; positions: [B, C] -> per layer (k, v)
         each [B, KVH, C, D]. Causal and draft-independent, so callers cache it."""
         ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
-        cos, sin = self._rope(positions, ctx.dtype)
+        cos, sin = (self.rope if self._fast() else self._rope)(positions, ctx.dtype)
         return [layer.kv(ctx, cos, sin) for layer in self.layers]
 
     def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
@@ -214,11 +347,16 @@ class BlockDrafter(nn.Module):
         """
         B, NB = anchor_ids.shape
         bs = self.config.block_size
-        x = self.mask_embed.expand(B, NB, bs, -1).clone()
-        x[:, :, 0] = self.embed(anchor_ids)
-        x = x.view(B, NB * bs, -1)
+        fast = self._fast()
+        if fast and NB == 1:  # [anchor, mask x (bs - 1)] in one kernel
+            x = torch.cat([self.embed(anchor_ids),
+                           self.mask_embed.expand(B, bs - 1, -1)], dim=1)
+        else:
+            x = self.mask_embed.expand(B, NB, bs, -1).clone()
+            x[:, :, 0] = self.embed(anchor_ids)
+            x = x.view(B, NB * bs, -1)
         pos = (anchor_pos[..., None] + torch.arange(bs, device=x.device)).view(B, NB * bs)
-        cos, sin = self._rope(pos, x.dtype)
+        cos, sin = (self.rope if fast else self._rope)(pos, x.dtype)
         if ctx_mask is None and NB == 1:  # every row sees all its context and block
             mask = None
         elif NB == 1:  # serving: one block per row, which sees all of itself
@@ -271,7 +409,7 @@ def load_drafter(path: str | Path, target, dtype: torch.dtype | None = None,
         raise ValueError(f"{path}: weights lack {missing[:4]} needed by config {overrides or ''}")
     # Unexpected keys are heads switched off for an ablation: fine to ignore.
     dtype = dtype or target.lm_head.weight.dtype
-    return model.to(device=target.device, dtype=dtype).eval().bind_target(target)
+    return model.to(device=target.device, dtype=dtype).eval().bind_target(target).fuse()
 
 
 def read_card(path: str | Path) -> dict:

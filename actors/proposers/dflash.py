@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from actors.drafters.decode import BlockDraft, draft_block
+from actors.drafters.decode import BlockDraft, draft_block, draft_confidence
 from actors.drafters.model import load_drafter
 from actors.engine import memory as mem
 from actors.engine.kv_cache import KVSlotPool
@@ -130,7 +130,9 @@ class BlockDraftProposer(Proposer):
         c = self.cache
         _, kvh, _, d = c.k[0].shape
         return {"draft_weight_bytes": mem.unique_bytes(mem.module_tensors(self.drafter), shared),
-                "draft_fused_weight_bytes": 0,
+                "draft_fused_weight_bytes": mem.unique_bytes(
+                    mem.fused_tensors(self.drafter),
+                    shared | {mem.storage_key(t) for t in mem.fused_tensors(self.target)}),
                 "draft_kv_allocated_bytes": mem.cache_bytes(c.k, c.v),
                 "draft_kv_bytes_per_token": mem.kv_bytes_per_token(len(c.k), kvh, d, c.k[0].dtype)}
 
@@ -171,7 +173,13 @@ class BlockDraftProposer(Proposer):
         # the kept logits at read time, outside the timed step).
         selects = self.use_selector is not False and self.drafter.selector is not None
         top_k = self.options.top_k if selects else 1
-        return draft_block(self.drafter, h, anchors, top_k, self.use_selector)
+        return draft_block(self.drafter, h, anchors, top_k, self.use_selector,
+                           confidence=self.needs_confidence())
+
+    def needs_confidence(self) -> bool:
+        """Whether ``lengths`` reads the confidence head (else it is not run in the
+        step; a trace computes it afterwards in ``finish_trace``)."""
+        return False
 
     def lengths(self, batch: list[ProposeInput], d: BlockDraft) -> list[int]:
         """Draft tokens to verify per row (fixed length: as many as allowed)."""
@@ -198,7 +206,18 @@ class BlockDraftProposer(Proposer):
                                    "n": len(out[i].token_ids),
                                    "confidence": None if d.confidence is None
                                    else d.confidence[j]})
+                if d.confidence is None and self.drafter.confidence is not None:
+                    self.trace[-1]["confidence_inputs"] = (
+                        d.hidden[j], None if d.markov_z is None else d.markov_z[j], d.logits[j])
         return out
+
+    def finish_trace(self) -> None:
+        """Fill each trace record's deferred confidence (``draft_confidence``), after
+        the timed run: the fixed-length step never computes it."""
+        for rec in self.trace or []:
+            inputs = rec.pop("confidence_inputs", None)
+            if inputs is not None:
+                rec["confidence"] = draft_confidence(self.drafter, *inputs)
 
 
 class DFlashProposer(BlockDraftProposer):

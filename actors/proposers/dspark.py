@@ -52,6 +52,9 @@ class DSparkProposer(BlockDraftProposer):
                     self.target, self.max_num_seqs * (k + 1), self.max_num_seqs,
                     self.options.profile_ctx_len)
 
+    def needs_confidence(self) -> bool:
+        return self.cost_curve is not None  # the scheduler reads it every step
+
     def lengths(self, batch, d):
         fixed = super().lengths(batch, d)
         if self.cost_curve is None:
