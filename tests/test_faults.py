@@ -375,3 +375,35 @@ def test_soak_one_minute(service, tmp_path):
         f"{n}: RSS {r['rss_mb_before']:.0f} -> {r['rss_mb_after']:.0f} MB ({r['rss_growth']:+.1%}), fds "
         f"{r['fds_before']} -> {r['fds_after']}, step log {r['step_log_rows']}/{r['step_log_capacity']}"
         for n, r in verdict["replicas"].items()) + f"; {verdict['requests']} requests {verdict['by_status']}")
+
+
+@pytest.mark.slow
+def test_engine_process_killed_is_503_then_replaced(service):
+    """SIGKILL of one strategy's engine process (by the pid ``/specload/info`` gives): its
+    requests get 503 ``engine_unavailable`` at once (over HTTP, through live Ray), ``/health``
+    names it, the other strategies serve on, and Serve replaces the replica (its health check
+    fails) so the strategy serves again."""
+    import httpx
+
+    before = _info(service)[TIGHT]
+    os.kill(before["engine_pid"], signal.SIGKILL)
+    _wait(lambda: not _running(before["engine_pid"]), 10, "the engine process to exit")
+    body = {"model": TIGHT, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+    r = _wait(lambda: (x := httpx.post(f"{service}/v1/completions", json=body, timeout=30))
+              .status_code == 503 and x, 10, "a 503 from the dead engine")
+    assert r.json()["error"]["code"] == "engine_unavailable", r.text
+    health = _get(f"{service}/health")
+    assert health.status_code in (200, 503)   # 200 once Serve already replaced it
+    if health.status_code == 503:
+        assert TIGHT in health.json()["error"]["message"]
+    ok = httpx.post(f"{service}/v1/completions", json={**body, "model": "autoregressive"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    t0 = time.time()
+    after = _wait(lambda: (i := _info(service).get(TIGHT)) and i["pid"] != before["pid"] and i,
+                  120, "Serve to replace the replica")
+    back = _wait(lambda: (x := httpx.post(f"{service}/v1/completions", json=body, timeout=60))
+                 .status_code == 200 and x, 60, "the replaced replica to serve")
+    assert back.json()["usage"]["completion_tokens"] == 4
+    assert after["engine_pid"] != before["engine_pid"] and _running(after["engine_pid"])
+    print(f"\nFIGURES engine process kill: 503 engine_unavailable at once; replica pid "
+          f"{before['pid']} -> {after['pid']} within {time.time() - t0:.1f} s, serving again")
