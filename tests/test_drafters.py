@@ -254,6 +254,16 @@ def test_fused_inference_path_matches_the_modules():
         assert torch.allclose(k0, k1, atol=1e-5) and torch.allclose(v0, v1, atol=1e-5)
     assert torch.allclose(h0, h1, atol=1e-5)
     assert not torch.equal(h0, torch.zeros_like(h0))
+    # the block's K/V written into scratch room past the context (no concatenation)
+    bs = d.config.block_size
+    room = [tuple(torch.cat([t, torch.full_like(t[:, :, :bs], 7.0)], 2) for t in kv)
+            for kv in kv1]
+    for fused in (True, False):
+        d.fuse(fused)
+        h_room = d.block_hidden(ids, anchors, room, mask, ctx_room=True)
+        assert torch.allclose(h_room, h1, atol=1e-5)
+    d.fuse()
+    assert not torch.equal(room[0][0][:, :, -bs:], torch.full_like(room[0][0][:, :, -bs:], 7.0))
     assert torch.equal(d0.tokens, d1.tokens)
     assert torch.allclose(d0.logits, d1.logits, atol=1e-4)
     assert torch.allclose(d0.confidence, d1.confidence, atol=1e-5)

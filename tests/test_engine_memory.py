@@ -58,7 +58,15 @@ def test_block_drafter_shares_target_tensors(make_engine, strategy):
     # the drafter reuses the target's embedding and LM head (not its own parameters)
     assert m["draft_weight_bytes"] == 4 * eng.proposer.drafter.num_params()
     assert m["draft_kv_bytes_per_token"] == DRAFT_BPT       # 1 context layer, 2 KV heads x 64
-    assert m["draft_kv_allocated_bytes"] == 2 * 256 * DRAFT_BPT
+    # per slot: max_model_len positions + one block of scratch for the block's own K/V
+    bs = eng.proposer.block_size
+    assert m["draft_kv_allocated_bytes"] == 2 * (256 + bs) * DRAFT_BPT
+    # the fused inference copies (q|k|v, o, gate|up, down) are counted apart; the
+    # transposed LM head is the target's (counted there), not a second copy
+    layer = eng.proposer.drafter.layers[0]
+    assert m["draft_fused_weight_bytes"] == 4 * sum(
+        t.numel() for t in (layer._qkv_wt, layer._o_wt, layer._gate_up_wt, layer._down_wt,
+                            layer._qk_norm_w))
 
 
 def test_slot_pool_tracks_used_and_peak_tokens():

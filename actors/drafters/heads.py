@@ -48,8 +48,9 @@ class PathSelector(nn.Module):
     @torch.no_grad()
     def walk(self, h: torch.Tensor, logp: torch.Tensor, cand_ids: torch.Tensor,
              anchor_ids: torch.Tensor, embed, table: torch.Tensor | None = None) -> torch.Tensor:
-        """Greedy path from the anchor. h: [B, n, H]; logp, cand_ids: [B, n, K];
-        anchor_ids: [B]; embed: ids -> vectors. Returns chosen ids [B, n].
+        """Greedy path from the anchor. h: [B, n, H]; logp, cand_ids: [B, n, K]
+        (logp: candidate log-probs up to a per-position constant, which no choice
+        depends on); anchor_ids: [B]; embed: ids -> vectors. Returns chosen ids [B, n].
         table: optional [V, 3r] ``cand | right | left`` projections of every
         token's embedding (``BlockDrafter.vocab_table``): candidates are then
         looked up instead of embedded and projected.
@@ -66,24 +67,29 @@ class PathSelector(nn.Module):
             left_anchor = self.left(embed(anchor_ids))
         else:  # rows of the [V, 3r] table: cand | right | left projections of every token
             r = self.cand.out_features
-            t = table[cand_ids]  # [B, n, K, 3r]
+            t = table.index_select(0, cand_ids.flatten()).view(*cand_ids.shape, -1)  # [B, n, K, 3r]
             cc, rc, lc = t[..., :r], t[..., r:2 * r], t[..., 2 * r:]
             u = self.logp_scale * logp + (cc @ self.query(h)[..., None]).squeeze(-1)
             left_anchor = table[anchor_ids, 2 * r:]
         first = u[:, 0] + (left_anchor[:, None, :] * rc[:, 0]).sum(-1)
         pair = u[:, 1:, None, :] + lc[:, :-1] @ rc[:, 1:].transpose(-1, -2)  # [B, n-1, K, K]
-        # one transfer for both (the walk itself is K-way argmaxes on the host)
-        both = torch.cat([first.float().flatten(), pair.float().flatten()]).cpu().numpy()
-        first = both[:first.numel()].reshape(first.shape)
-        pair = both[first.size:].reshape(pair.shape)
         B, n = cand_ids.shape[:2]
+        host = cand_ids.device.type == "cpu"
+        if host:  # already on the host: numpy views, no copies
+            first, pair = first.float().numpy(), pair.float().numpy()
+        else:  # one transfer for both (the walk itself is K-way argmaxes on the host)
+            both = torch.cat([first.float().flatten(), pair.float().flatten()]).cpu().numpy()
+            first, pair = (both[:first.numel()].reshape(first.shape),
+                           both[first.numel():].reshape(pair.shape))
         rows = np.arange(B)
-        j = first.argmax(-1)
-        chosen = [j]
+        chosen = np.empty((B, n), dtype=np.int64)
+        j = chosen[:, 0] = first.argmax(-1)
         for i in range(n - 1):
-            j = pair[rows, i, j].argmax(-1)
-            chosen.append(j)
-        idx = torch.from_numpy(np.stack(chosen, 1)).to(cand_ids.device)
+            j = chosen[:, i + 1] = pair[rows, i, j].argmax(-1)
+        if host:
+            return torch.from_numpy(np.take_along_axis(cand_ids.numpy(), chosen[..., None],
+                                                       2)[..., 0])
+        idx = torch.from_numpy(chosen).to(cand_ids.device)
         return cand_ids.gather(2, idx[..., None]).squeeze(-1)
 
 

@@ -141,11 +141,16 @@ class DraftLayer(nn.Module):
         v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
-        """x: [B, Q, H]; ctx_k/v: [B, KVH, C, D]; mask: bool [B, 1, Q, C + Q]."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int, ctx_room: bool = False):
+        """x: [B, Q, H]; ctx_k/v: [B, KVH, C, D]; mask: bool [B, 1, Q, C + Q].
+
+        ctx_room: ctx_k/v are [B, KVH, C + Q, D] whose last Q positions are
+        scratch: the block's own K/V are written there instead of concatenated."""
         B, Q, _ = x.shape
         if self._fast():
-            return self._forward_fused(x, cos, sin, ctx_k, ctx_v, mask, block_size)
+            return self._forward_fused(x, cos, sin, ctx_k, ctx_v, mask, block_size, ctx_room)
+        if ctx_room:
+            ctx_k, ctx_v = ctx_k[:, :, :-Q], ctx_v[:, :, :-Q]
         hn = self.input_layernorm(x)
         if self.conv_attn is not None:
             hn = self.conv_attn(hn, block_size)
@@ -162,7 +167,8 @@ class DraftLayer(nn.Module):
             hn = self.conv_mlp(hn, block_size)
         return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
 
-    def _forward_fused(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int):
+    def _forward_fused(self, x, cos, sin, ctx_k, ctx_v, mask, block_size: int,
+                       ctx_room: bool = False):
         """``forward`` from the fused weights: about a third of the kernels (a
         batch-1 draft step is bound by their count on a CPU). sin: the signed table."""
         B, Q, _ = x.shape
@@ -173,8 +179,15 @@ class DraftLayer(nn.Module):
         qkv = linear_t(hn, self._qkv_wt).view(B, Q, h + 2 * kvh, d)
         qk = rms_unweighted(qkv[:, :, :h + kvh], self.q_norm.eps) * self._qk_norm_w
         qk = apply_rope_signed(qk.transpose(1, 2), cos, sin)
-        k = torch.cat([ctx_k.to(qk.dtype), qk[:, h:]], dim=2)
-        v = torch.cat([ctx_v.to(qk.dtype), qkv[:, :, h + kvh:].transpose(1, 2)], dim=2)
+        if ctx_room and ctx_k.dtype == qk.dtype:
+            ctx_k[:, :, -Q:] = qk[:, h:]
+            ctx_v[:, :, -Q:] = qkv[:, :, h + kvh:].transpose(1, 2)
+            k, v = ctx_k, ctx_v
+        else:
+            if ctx_room:
+                ctx_k, ctx_v = ctx_k[:, :, :-Q], ctx_v[:, :, :-Q]
+            k = torch.cat([ctx_k.to(qk.dtype), qk[:, h:]], dim=2)
+            v = torch.cat([ctx_v.to(qk.dtype), qkv[:, :, h + kvh:].transpose(1, 2)], dim=2)
         out = F.scaled_dot_product_attention(qk[:, :h], k, v, attn_mask=mask,
                                              enable_gqa=h != kvh)
         x = x + linear_t(out.transpose(1, 2).reshape(B, Q, h * d), self._o_wt)
@@ -337,13 +350,17 @@ class BlockDrafter(nn.Module):
         return [layer.kv(ctx, cos, sin) for layer in self.layers]
 
     def block_hidden(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
-                     ctx_kv: list[tuple], ctx_mask: torch.Tensor) -> torch.Tensor:
+                     ctx_kv: list[tuple], ctx_mask: torch.Tensor,
+                     ctx_room: bool = False) -> torch.Tensor:
         """Hidden states of every block position after the final norm.
 
         anchor_ids, anchor_pos: [B, NB] (NB blocks per row laid end to end);
         ctx_kv: per layer (k, v) [B, KVH, C, D]; ctx_mask: bool [B, NB, C], True
         where a block may read a context position, or None (NB == 1 only) when
-        every row may read all C. Returns [B, NB * bs, H].
+        every row may read all C. ctx_room: each (k, v) is [B, KVH, C + NB * bs, D]
+        whose last NB * bs positions are scratch for the block's own K/V (written
+        there instead of concatenated; ``ContextCache.gather(room=...)``).
+        Returns [B, NB * bs, H].
         """
         B, NB = anchor_ids.shape
         bs = self.config.block_size
@@ -368,7 +385,7 @@ class BlockDrafter(nn.Module):
             mask = torch.cat([ctx_mask.repeat_interleave(bs, dim=1),
                               same.expand(B, -1, -1)], dim=-1)[:, None]
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask, bs)
+            x = layer(x, cos, sin, ck, cv, mask, bs, ctx_room)
         return self.norm(x)
 
     # -- persistence ------------------------------------------------------------

@@ -50,8 +50,10 @@ class ContextCache:
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, kvh: int, d: int,
-                 device, dtype):
-        shape = (num_slots, kvh, max_len, d)
+                 device, dtype, room: int = 0):
+        # ``room`` positions past max_len: scratch where a draft block's own K/V go
+        # (``gather(room=...)``), so attention reads one buffer instead of a concatenation
+        shape = (num_slots, kvh, max_len + room, d)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.pool = KVSlotPool(num_slots, max_len, "drafter context cache")
@@ -83,10 +85,16 @@ class ContextCache:
             self.k[layer][s, :, start:start + n] = k[0]
             self.v[layer][s, :, start:start + n] = v[0]
 
-    def gather(self, slots: list[int], rids: list[str]) -> tuple[list[tuple], torch.Tensor]:
-        """Context K/V [B, KVH, C, D] per layer (C = longest) and lengths [B]."""
+    def gather(self, slots: list[int], rids: list[str], room: int = 0
+               ) -> tuple[list[tuple], list[int]]:
+        """Context K/V [B, KVH, C + room, D] per layer (C = longest) and lengths [B].
+
+        The last ``room`` positions (at most the constructor's ``room``) are
+        scratch the caller may overwrite (a draft block's K/V): past every row's
+        committed length, so nothing observed is lost.
+        """
         lengths = [self.pool.length(r) for r in rids]
-        C = max(max(lengths), 1)
+        C = max(max(lengths), 1) + room
         lo = slots[0]
         if slots == list(range(lo, lo + len(slots))):  # consecutive slots: views, no copy
             kv = [(k[lo:lo + len(slots), :, :C], v[lo:lo + len(slots), :, :C])
@@ -94,7 +102,7 @@ class ContextCache:
         else:
             idx = torch.tensor(slots, device=self.k[0].device)
             kv = [(k[idx, :, :C], v[idx, :, :C]) for k, v in zip(self.k, self.v)]
-        return kv, torch.tensor(lengths)
+        return kv, lengths
 
 
 class BlockDraftProposer(Proposer):
@@ -116,7 +124,8 @@ class BlockDraftProposer(Proposer):
         self.block_size = cfg.block_size
         self.cache = ContextCache(cfg.num_layers, max_num_seqs, max_model_len or
                                   target.config.max_position_embeddings, cfg.num_kv_heads,
-                                  cfg.head_dim, target.device, self.drafter.mask_embed.dtype)
+                                  cfg.head_dim, target.device, self.drafter.mask_embed.dtype,
+                                  room=cfg.block_size)
         self.trace: list[dict] | None = [] if options.record_trace else None
 
     def load_overrides(self) -> dict:
@@ -160,15 +169,19 @@ class BlockDraftProposer(Proposer):
         """One batched drafter forward + decoding for every row of ``batch``."""
         dev = self.target.device
         slots = [self.cache.slot(r.request_id) for r in batch]
-        kv, lens = self.cache.gather(slots, [r.request_id for r in batch])
+        bs = self.block_size
+        # the block's own K/V are written into the cache's scratch past the context
+        # (``ctx_room``): attention reads one buffer, no per-layer concatenation
+        kv, lens = self.cache.gather(slots, [r.request_id for r in batch], room=bs)
         positions = [len(r.token_ids) - 1 for r in batch]
         pos = torch.tensor(positions, device=dev)
         anchors = torch.tensor([r.token_ids[-1] for r in batch], device=dev)
-        C = kv[0][0].shape[2]
-        seen = [min(n, p) for n, p in zip(lens.tolist(), positions)]  # strictly before the anchor
+        C = kv[0][0].shape[2] - bs
+        seen = [min(n, p) for n, p in zip(lens, positions)]  # strictly before the anchor
         ctx_mask = None if all(n == C for n in seen) else (   # None: every row sees all C
             torch.arange(C, device=dev)[None] < torch.tensor(seen, device=dev)[:, None])[:, None]
-        h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask)
+        h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask,
+                                      ctx_room=True)
         # Candidates beyond the top-1 are only needed by the selector (a trace ranks
         # the kept logits at read time, outside the timed step).
         selects = self.use_selector is not False and self.drafter.selector is not None
