@@ -19,8 +19,9 @@ import pytest
 
 from actors.engine.errors import EngineDead, InvalidRequest
 from actors.serve.deployments import StrategyReplica as Replica   # the plain class: no Ray
-from actors.serve.openai_api import (COMPLETIONS_DEFAULT_MAX_TOKENS, ResponseContext,
-                                     collect_body, health_response, parse_request, sse_events)
+from actors.serve.openai_request import COMPLETIONS_DEFAULT_MAX_TOKENS, parse_request
+from actors.serve.openai_response import (ResponseContext, collect_body, health_response,
+                                          sse_events)
 from actors.serve.protocol import Admitted, ErrorMessage
 from configs import metric_names as M
 
@@ -120,7 +121,7 @@ class _FaultOnBoom:
 
 def make_faulty_engine(cfg: dict):
     """Engine factory: the real engine with ``_FaultOnBoom`` installed."""
-    from actors.serve.deployments import make_llm_engine
+    from actors.serve.engine_core import make_llm_engine
 
     eng = make_llm_engine(cfg)
     eng.fault_hook = _FaultOnBoom()

@@ -15,7 +15,7 @@ from configs import metric_names as mn  # noqa: E402
 
 def test_stream_interval_holds_tokens_and_keeps_their_times():
     from actors.serve.deployments import StrategyReplica as cls   # the plain class
-    from actors.serve.openai_api import ResponseContext, sse_events
+    from actors.serve.openai_response import ResponseContext, sse_events
     from actors.serve.protocol import Admitted, Finished
 
     async def run():

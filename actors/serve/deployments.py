@@ -20,7 +20,6 @@ with the ``specload_`` prefix (Ray exports them as ``ray_specload_...``).
 # (Request) at run time, in the replica
 import asyncio
 import collections
-import importlib
 import logging
 import os
 import time
@@ -32,10 +31,10 @@ from ray import serve
 
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.types import SamplingParams
-from actors.serve.engine_core import import_object, make_llm_engine  # noqa: F401 (re-export)
-from actors.serve.openai_api import (API_KEY_ENV, api_key_error, error_response, health_response,
-                                     install_error_handlers, model_card, read_request,
-                                     request_id, respond)
+from actors.serve.engine_core import import_object
+from actors.serve.openai_request import (API_KEY_ENV, api_key_error, error_response,
+                                         install_error_handlers, read_request, request_id)
+from actors.serve.openai_response import health_response, model_card, respond
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
 from configs.serve_config import DEFAULT_ENGINE_FACTORY
