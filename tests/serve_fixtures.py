@@ -18,6 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 ONE_SLOT = "one-slot"     # a 1-slot, 1-waiting deployment for overload / disconnect tests
 
 
+def process_running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie nobody reaped yet counts as exited)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def use_real_engine() -> bool:
     return (os.environ.get("SPECLOAD_TEST_FAKE_ENGINE") != "1"
             and (REPO / "actors" / "engine" / "llm_engine.py").exists()

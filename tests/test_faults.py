@@ -31,7 +31,7 @@ import pytest
 from analysis import faults
 from configs import metric_names as M
 from loadgen.cells import parse_retry_after, retry_delay_s
-from tests.serve_fixtures import cluster_up
+from tests.serve_fixtures import cluster_up, process_running
 from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -250,14 +250,6 @@ def test_kill9_of_the_load_generator_keeps_rows_up_to_the_last_second(service, t
           f"~{gap * rate:.1f} rows lost at {rate:.1f} rows/s")
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie nobody reaped yet counts as exited)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.slow
 def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
     """SIGKILL of the ngram replica's process in the middle of its cell: Serve starts a new one,
@@ -281,7 +273,7 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
     # the killed replica's engine process went with it (its socket closed)
-    _wait(lambda: not _running(old_engine_pid), 10, "the killed replica's engine process to exit")
+    _wait(lambda: not process_running(old_engine_pid), 10, "the killed replica's engine process to exit")
     new_pid = _wait(lambda: _info(service)["ngram"]["pid"] != old_pid and _info(service)["ngram"]["pid"],
                     120, "a new ngram replica")
     df = pd.read_parquet(run_dir / "requests.parquet")
@@ -387,7 +379,7 @@ def test_engine_process_killed_is_503_then_replaced(service):
 
     before = _info(service)[TIGHT]
     os.kill(before["engine_pid"], signal.SIGKILL)
-    _wait(lambda: not _running(before["engine_pid"]), 10, "the engine process to exit")
+    _wait(lambda: not process_running(before["engine_pid"]), 10, "the engine process to exit")
     body = {"model": TIGHT, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
     r = _wait(lambda: (x := httpx.post(f"{service}/v1/completions", json=body, timeout=30))
               .status_code == 503 and x, 10, "a 503 from the dead engine")
@@ -404,6 +396,6 @@ def test_engine_process_killed_is_503_then_replaced(service):
     back = _wait(lambda: (x := httpx.post(f"{service}/v1/completions", json=body, timeout=60))
                  .status_code == 200 and x, 60, "the replaced replica to serve")
     assert back.json()["usage"]["completion_tokens"] == 4
-    assert after["engine_pid"] != before["engine_pid"] and _running(after["engine_pid"])
+    assert after["engine_pid"] != before["engine_pid"] and process_running(after["engine_pid"])
     print(f"\nFIGURES engine process kill: 503 engine_unavailable at once; replica pid "
           f"{before['pid']} -> {after['pid']} within {time.time() - t0:.1f} s, serving again")
