@@ -245,8 +245,9 @@ class BlockDrafter(nn.Module):
 
     def rope(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [B, 1, Q, D] for positions [B, Q] (``apply_rope_signed``'s
-        layout), gathered from a table of the first ``max_position_embeddings`` +
-        block positions built once per device and dtype (direct beyond it)."""
+        layout), gathered from a table of the target's first
+        ``max_position_embeddings`` + block_size positions, built once per device
+        and dtype. Raises IndexError for a position past the table."""
         cfg = self.config
         key = (pos.device, dtype)
         if self._rope_table is None or self._rope_table[0] != key:
@@ -257,11 +258,12 @@ class BlockDrafter(nn.Module):
             half = cfg.head_dim // 2
             self._rope_table = (key, c, torch.cat([-s_[:, :half], s_[:, half:]], -1))
         _, c, s_ = self._rope_table
-        if pos.numel() and int(pos.max()) >= c.shape[0]:
-            c, s_ = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
-            half = cfg.head_dim // 2
-            return c, torch.cat([-s_[..., :half], s_[..., half:]], -1)
-        return c[pos][:, None], s_[pos][:, None]
+        # no bounds check (it would cost a reduction and a sync per call): drafted
+        # positions stay below max_model_len + block_size <= the table's length,
+        # and index_select raises IndexError past it
+        flat = pos.reshape(-1)
+        return (c.index_select(0, flat).view(*pos.shape, -1)[:, None],
+                s_.index_select(0, flat).view(*pos.shape, -1)[:, None])
 
     # -- target binding -----------------------------------------------------
     def bind_target(self, target) -> "BlockDrafter":

@@ -21,6 +21,14 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
+        # A fast (Rust-backed) tokenizer without clean-up decodes a list of ids as its
+        # backend does: calling the backend skips transformers' per-id type walk
+        # (``to_py_obj``), 28 -> 14 us for 64 ids, once per request per step.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
+        else:
+            self.decode = tokenizer.decode
 
     def append(self, r: Request, tokens: list[int]) -> int:
         """Append emitted tokens, applying EOS / max_tokens / context / stop strings.
@@ -37,13 +45,13 @@ class Detokenizer:
             if len(r.output_ids) >= r.params.max_tokens:
                 r.finish_reason = "length"
                 break
-            if len(r.all_ids) >= self.max_model_len:
+            if len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
                 r.finish_reason = "length"
                 break
         ids = r.output_ids
         if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop":
             ids = ids[:-1]  # EOS is not part of the text
-        text = self.tokenizer.decode(ids)
+        text = self.decode(ids)
         if r.params.stop:
             # The earlier text held no stop string, so a new match ends in the new text:
             # search from (longest stop - 1) characters before where that stable text
@@ -55,7 +63,7 @@ class Detokenizer:
                 text = text[:hit]
                 # keep the shortest id prefix whose text reaches the stop string
                 for j in range(len(r.output_ids) - kept + 1, len(r.output_ids) + 1):
-                    if self.find_stop(self.tokenizer.decode(r.output_ids[:j]), r.params.stop,
+                    if self.find_stop(self.decode(r.output_ids[:j]), r.params.stop,
                                        frm) is not None:
                         kept -= len(r.output_ids) - j
                         del r.output_ids[j:]
