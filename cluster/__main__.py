@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from cluster import local
+from configs.cli_args import existing_file, number, port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,22 +15,27 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Start or stop specload on a local Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start Ray if needed, deploy every strategy, print the URL")
-    u.add_argument("--config", type=Path, default=local.DEFAULT_CONFIG,
+    u.add_argument("--config", type=existing_file(), default=local.DEFAULT_CONFIG,
                    help="Serve config (default: configs/serve.yaml)")
-    u.add_argument("--port", type=int, default=local.DEFAULT_PORT, help="HTTP port (8000)")
+    u.add_argument("--port", type=port(), default=local.DEFAULT_PORT, help="HTTP port (8000)")
     u.add_argument("--address", default=None,
                    help="existing Ray cluster (GCS host:port); default RAY_ADDRESS, else "
                         "start a local head")
     u.add_argument("--dashboard", default=None,
                    help="its dashboard URL (default RAY_DASHBOARD_ADDRESS or :8265)")
-    u.add_argument("--num-cpus", type=int, default=None,
+    u.add_argument("--num-cpus", type=number(int, ge=1), default=None,
                    help="CPUs the local head advertises (default: all)")
-    u.add_argument("--timeout", type=float, default=600, help="seconds to wait for readiness")
+    u.add_argument("--timeout", type=number(gt=0), default=600, help="seconds to wait for readiness")
     d = sub.add_parser("down", help="stop what `up` started on this port")
-    d.add_argument("--port", type=int, default=local.DEFAULT_PORT)
+    d.add_argument("--port", type=port(), default=local.DEFAULT_PORT)
     a = p.parse_args(argv)
     if a.cmd == "up":
-        url = local.up(a.config, a.port, a.address, a.dashboard, a.num_cpus, a.timeout)
+        try:   # both are checked before Ray starts
+            url = local.up(Path(a.config), a.port, a.address, a.dashboard, a.num_cpus, a.timeout)
+        except local.ConfigError as err:
+            u.error(f"argument --config: {err}")
+        except local.PortInUse as err:
+            u.error(f"argument --port: {err}")
         print(url, flush=True)   # the last stdout line: scripts read it
         return 0
     local.down(a.port)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from configs.cli_args import port_in_use
 from configs.jsonio import write_json
 from configs.net import free_ports
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
@@ -83,12 +84,27 @@ def service_health(base_url: str) -> dict | None:
         return None
 
 
+class ConfigError(ValueError):
+    """The Serve config (``--config``) cannot be read or does not validate."""
+
+
+class PortInUse(RuntimeError):
+    """The HTTP port (``--port``) is taken by a server that is not a specload service."""
+
+
 def load_config(path: Path, port: int) -> dict:
-    """The Serve deploy config with ``http_options`` pointed at 127.0.0.1:port."""
-    cfg = yaml.safe_load(path.read_text())
-    if not isinstance(cfg, dict) or "applications" not in cfg:
-        raise SystemExit(f"{path}: expected a Serve config with 'applications', got "
-                         f"{type(cfg).__name__}")
+    """The Serve deploy config with ``http_options`` pointed at 127.0.0.1:port.
+
+    The whole config is validated first, as the deployment would (the application
+    args and every strategy's engine section, ``strategy_options`` included:
+    ``loadgen.service.check_serve_config``), so a typo fails here, before Ray starts.
+    Raises ConfigError naming the file and the first error."""
+    from loadgen.service import check_serve_config
+
+    try:
+        cfg = check_serve_config(path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     http = dict(cfg.get("http_options") or {})
     http.setdefault("host", HOST)
     http["port"] = port
@@ -293,6 +309,9 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
         log(f"reusing the service at {base_url} (strategies {health['strategies']})")
         return base_url
     cfg = load_config(Path(config), port)
+    if port_in_use(port, HOST):   # nothing specload answers there, yet the port is taken
+        raise PortInUse(f"port {port} on {HOST} is in use by another server (not a specload "
+                        "service); pick a free port")
     strategies = expected_strategies(cfg)
     if not strategies:
         raise SystemExit("no strategy in the config can be served here (see warnings above)")
@@ -316,8 +335,14 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
             raise
     write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
-    deploy(state["dashboard"], one_hop_config(cfg))
-    wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
+    try:
+        deploy(state["dashboard"], one_hop_config(cfg))
+        wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
+    except BaseException:   # a failed `up` leaves nothing running: stop the head it started
+        if state["started_ray"]:
+            log("bring-up failed: stopping the Ray head this command started")
+            down(port)
+        raise
     return base_url
 
 

@@ -4,9 +4,11 @@ and the arguments as the manifest records them (credentials redacted)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from configs import metric_names as M
+from configs.cli_args import existing_file, number, output_dir, path_component, port
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
 from loadgen.consistency import DEFAULT_SAMPLES
 from loadgen.datasets import DEFAULT_DATASET
@@ -19,21 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tier", default=None, choices=TIER_NAMES + ("all",),
                     help="tier(s) to run (required unless --sweep; with --sweep: the template tier "
                          "whose duration, max_tokens and SLOs the sweep cells use, default high)")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=number(int, ge=1), default=1,
                     help="run each cell K times back to back (request column `repeat`, 0-based)")
     ap.add_argument("--sweep", action="store_true",
                     help="concurrency sweep: users grow geometrically per strategy until its speedup "
                          "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
-    ap.add_argument("--sweep-start", type=int, default=1, help="first sweep users level (default 1)")
-    ap.add_argument("--sweep-factor", type=float, default=2.0, help="users growth per level (default 2)")
-    ap.add_argument("--sweep-max-users", type=int, default=64, help="last sweep users level (default 64)")
+    ap.add_argument("--sweep-start", type=number(int, ge=1), default=1, help="first sweep users level (default 1)")
+    ap.add_argument("--sweep-factor", type=number(gt=1), default=2.0, help="users growth per level (default 2)")
+    ap.add_argument("--sweep-max-users", type=number(int, ge=1), default=64, help="last sweep users level (default 64)")
     ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
     ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
     ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
                                                  "default: start/reuse the local service")
-    ap.add_argument("--local-port", type=int, default=8000,
+    ap.add_argument("--local-port", type=port(), default=8000,
                     help="without --target: port of the local service to start or reuse (default 8000)")
-    ap.add_argument("--local-config", default="",
+    ap.add_argument("--local-config", default="", type=existing_file(),
                     help="without --target: Serve config the local service deploys "
                          "(default: the packaged configs/serve.yaml)")
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
@@ -44,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(through the ingress); auto (default) = strategy when the target lists the "
                          "route (GET /specload/routes), else model-field. manifest.json routes "
                          "records the choice per strategy")
-    ap.add_argument("--duration", type=float, default=None, help="override every cell's duration_s, seconds")
-    ap.add_argument("--workers", type=int, default=0, help="Locust workers as Ray actors; 0 = in-process")
+    ap.add_argument("--duration", type=number(gt=0), default=None, help="override every cell's duration_s, seconds")
+    ap.add_argument("--workers", type=number(int, ge=0), default=0, help="Locust workers as Ray actors; 0 = in-process")
     ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
                     help="with --workers: Ray SPREAD over the nodes (default), per-node (worker i on "
                          "node i mod nodes: --workers = number of nodes gives one per node), or pack")
@@ -53,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
     ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
     ap.add_argument("--dataset", default=DEFAULT_DATASET, help="humaneval|docs|stdlib|mixed or FILE.jsonl")
-    ap.add_argument("--max-prompt-chars", type=int, default=None, help="override the profile's prompt cut")
-    ap.add_argument("--results", default="results", help="results directory (a run_id folder goes inside)")
-    ap.add_argument("--tiers-file", default="", help="default configs/tiers.yaml")
-    ap.add_argument("--run-id", default="", help="default: <date>-<time>-<tier>-<random>")
+    ap.add_argument("--max-prompt-chars", type=number(int, ge=1), default=None, help="override the profile's prompt cut")
+    ap.add_argument("--results", default="results", type=output_dir(), help="results directory (a run_id folder goes inside)")
+    ap.add_argument("--tiers-file", default="", type=existing_file(), help="default configs/tiers.yaml")
+    ap.add_argument("--run-id", default="", type=path_component(), help="default: <date>-<time>-<tier>-<random>")
     ap.add_argument("--api-key", default=None,
                     help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY); never written "
                          "to the manifest or logs")
@@ -65,21 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "values are never written to the manifest or logs")
     ap.add_argument("--insecure", action="store_true",
                     help="https targets: skip TLS certificate verification (off by default)")
-    ap.add_argument("--retry", type=int, default=0, metavar="N",
+    ap.add_argument("--retry", type=number(int, ge=0), default=0, metavar="N",
                     help="re-send a request answered 429 up to N times (exponential backoff from "
                          "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
                          "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
-    ap.add_argument("--retry-backoff-s", type=float, default=0.5, help="first retry delay, seconds (doubles)")
-    ap.add_argument("--consistency", type=int, default=DEFAULT_SAMPLES, metavar="N",
+    ap.add_argument("--retry-backoff-s", type=number(ge=0), default=0.5, help="first retry delay, seconds (doubles)")
+    ap.add_argument("--consistency", type=number(int, ge=0), default=DEFAULT_SAMPLES, metavar="N",
                     help="after the cells, send N greedy requests (the run's first N prompts) to every "
                          "strategy and compare each output token by token with the baseline's; "
                          f"writes consistency.json (default {DEFAULT_SAMPLES}; 0 = off)")
-    ap.add_argument("--consistency-sampled", type=int, default=0, metavar="N",
+    ap.add_argument("--consistency-sampled", type=number(int, ge=0), default=0, metavar="N",
                     help="also compare each strategy's first-token distributions with the baseline's "
                          "over N seeded sampled requests (chi-square; default 0 = off)")
     ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
                     help="strategy the consistency checks compare with (default autoregressive)")
-    ap.add_argument("--warmup-s", type=float, default=0.0,
+    ap.add_argument("--warmup-s", type=number(ge=0), default=0.0,
                     help="seconds at the start of every cell the report excludes as warm-up "
                          "(stored in manifest.json; default 0)")
     ap.add_argument("--report", action="store_true",
@@ -102,23 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
         except ValueError as err:
             parser.error(f"--sweep-start/--sweep-factor/--sweep-max-users: {err}")
-    if args.warmup_s < 0:
-        parser.error(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
-    if args.consistency < 0:
-        parser.error(f"--consistency must be >= 0 requests (0 = off), got {args.consistency}")
-    if args.consistency_sampled < 0:
-        parser.error(f"--consistency-sampled must be >= 0 requests (0 = off), got "
-                     f"{args.consistency_sampled}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.duration is not None and not args.duration > 0:
-        parser.error(f"--duration must be > 0 seconds, got {args.duration}")
-    if args.workers < 0:
-        parser.error(f"--workers must be >= 0 (0 = in-process), got {args.workers}")
-    if args.retry < 0:
-        parser.error(f"--retry must be >= 0 (re-sends after a 429), got {args.retry}")
-    if not args.retry_backoff_s >= 0:
-        parser.error(f"--retry-backoff-s must be >= 0 seconds, got {args.retry_backoff_s}")
+    # numbers, ports and paths are checked by their argparse types (configs.cli_args)
+    if args.run_id and (Path(args.results) / args.run_id).exists():
+        parser.error(f"--run-id: the run directory {Path(args.results) / args.run_id} exists already; "
+                     "pick another --run-id (a run never overwrites another)")
     for h in args.header:
         try:
             parse_header(h)

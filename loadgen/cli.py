@@ -74,6 +74,14 @@ def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]
 
 
 
+class _FlagError(Exception):
+    """A bad value found after parsing; ``flag`` is the option to fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag, self.message = flag, message
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole run; returns the exit code. Locust is imported here (gevent already patched).
 
@@ -88,12 +96,27 @@ def run(args: argparse.Namespace) -> int:
     if err:
         console.print(f"[red]argument error:[/] {err}", highlight=False)
         return EXIT_CONFIG
-    try:
-        profile = load_tiers(args.tiers_file or None).profile(args.profile or None)
+    try:   # each failure names its flag (a KeyError's text is its repr: take the message)
+        try:
+            tiers = load_tiers(args.tiers_file or None)
+        except TierConfigError as err:
+            raise _FlagError("--tiers-file", str(err)) from None
+        try:
+            profile = tiers.profile(args.profile or None)
+        except KeyError as err:
+            raise _FlagError("--profile", str(err.args[0] if err.args else err)) from None
         max_chars = args.max_prompt_chars or profile.max_prompt_chars
-        prompts = shuffled_prompts(load_dataset(args.dataset, max_chars), profile.seed)
-    except (TierConfigError, DatasetError, KeyError) as err:
-        console.print(f"[red]config error:[/] {err}", markup=True, highlight=False)
+        try:
+            prompts = shuffled_prompts(load_dataset(args.dataset, max_chars), profile.seed)
+        except DatasetError as err:
+            raise _FlagError("--dataset", str(err)) from None
+        if not args.target and args.local_config:   # a bad Serve config: before anything starts
+            try:
+                service.check_serve_config(args.local_config)
+            except ValueError as err:
+                raise _FlagError("--local-config", str(err)) from None
+    except _FlagError as err:
+        console.print(f"[red]config error:[/] {err.flag}: {err.message}", markup=True, highlight=False)
         return EXIT_CONFIG
     local: dict[str, Any] = {"url": None}
     try:

@@ -118,7 +118,14 @@ def connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tu
             port=args.local_port, config=args.local_config or None,
             on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
         local["url"] = target
-    strategies = discover_strategies(args, target, auth, console)
+    try:
+        strategies = discover_strategies(args, target, auth, console)
+    except service.ServiceError as err:
+        if args.target or not any(f"HTTP {c}" in str(err) for c in (401, 403)):
+            raise
+        raise service.ServiceError(   # the local service reads its key from SPECLOAD_API_KEY
+            f"{err}; the local service requires the key it was started with: "
+            "export SPECLOAD_API_KEY=KEY (what `cluster up` read) or pass --api-key KEY") from None
     if args.sweep and M.AUTOREGRESSIVE not in strategies:
         strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
     return target, strategies, auth
