@@ -400,6 +400,8 @@ def test_step_log_route(client):
                        params={"since": rows[-1][mn.STEP_TS]}).json()["rows"]
     assert all(r[mn.STEP_TS] > rows[-1][mn.STEP_TS] for r in later)
     assert client.get("/specload/step_log", params={"strategy": "nope"}).status_code == 404
+    bad = client.get("/specload/step_log", params={"limit": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
 
 
 def test_prometheus_spec_decode_counters(service, client):

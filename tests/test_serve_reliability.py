@@ -18,12 +18,14 @@ import json
 import pytest
 
 from actors.engine.errors import EngineDead, InvalidRequest
+from actors.engine.types import SamplingParams
 from actors.serve.deployments import StrategyReplica as Replica   # the plain class: no Ray
 from actors.serve.openai_request import COMPLETIONS_DEFAULT_MAX_TOKENS, parse_request
 from actors.serve.openai_response import (ResponseContext, collect_body, health_response,
                                           sse_events)
 from actors.serve.protocol import Admitted, ErrorMessage
 from configs import metric_names as M
+from tests.serve_fixtures import use_real_engine
 
 
 # ------------------------------------------------------------------ request audit
@@ -242,3 +244,66 @@ def test_strategy_options_typo_fails_at_deploy():
     with pytest.raises(ValueError, match="prompt_lookup_mx") as e:
         build_app(args)
     assert "'ngram'" in str(e.value)
+
+
+# ------------------------------------------------------------------ bad input found by a newcomer
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1])
+def test_seed_outside_int64_is_a_400_on_every_path(seed):
+    """A seed torch cannot take was a 500 (OverflowError in the engine): now a 400 naming
+    ``seed`` at the HTTP schema and in SamplingParams (the direct / replica path)."""
+    with pytest.raises(InvalidRequest) as e:
+        parse_request({**BASE["completions"], "seed": seed}, False)
+    assert e.value.param == "seed"
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(seed=seed)
+    assert e.value.param == "seed" and "int64" in str(e.value)
+    for ok in (2**63 - 1, -(2**63), 0):
+        assert parse_request({**BASE["completions"], "seed": ok}, False).params["seed"] == ok
+        SamplingParams(seed=ok)
+
+
+def test_stream_options_need_stream():
+    for stream in (False, None):
+        with pytest.raises(InvalidRequest) as e:
+            parse_request({**BASE["chat"], "stream": stream,
+                           "stream_options": {"include_usage": True}}, True)
+        assert e.value.param == "stream_options"
+
+
+def test_error_bodies_do_not_echo_huge_inputs():
+    """A 2 MB stop list in a request that fails validation came back in a 2 MB 400."""
+    from actors.serve.openai_request import error_response
+    from actors.serve.protocol import MAX_ERROR_MESSAGE_CHARS
+
+    big = "x" * 2_000_000
+    with pytest.raises(InvalidRequest) as e:
+        parse_request({"model": "m", "stop": big}, False)          # prompt missing
+    assert e.value.param == "prompt" and len(str(e.value)) < 1000
+    with pytest.raises(InvalidRequest) as e:
+        parse_request({**BASE["completions"], "temperature": big}, False)
+    assert e.value.param == "temperature" and len(str(e.value)) < 1000
+    body = json.loads(error_response(400, "stop: " + big).body)
+    assert len(body["error"]["message"]) < MAX_ERROR_MESSAGE_CHARS + 100
+    err = ErrorMessage(400, big, "invalid_request_error", "stop").body()
+    assert len(err["error"]["message"]) < MAX_ERROR_MESSAGE_CHARS + 100
+
+
+@pytest.mark.skipif(not use_real_engine(), reason="real engine or model weights missing")
+def test_prompt_far_over_the_context_is_refused_before_tokenizing():
+    """A 6 MB prompt was tokenized (seconds, stalling its replica) before its 400: the
+    longest vocabulary entry bounds how few tokens it can be, so it is refused at once."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(strategy="autoregressive", max_num_seqs=1, torch_threads=1))
+    calls = []
+    tokenizer = eng.tokenizer
+    eng.tokenizer = lambda *a, **k: calls.append(a) or tokenizer(*a, **k)
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request("huge", "def f(x): return x\n" * 300_000, SamplingParams())
+    assert e.value.code == "context_length_exceeded" and "at least" in str(e.value)
+    assert calls == []                                     # never tokenized
+    with pytest.raises(InvalidRequest, match="max_model_len"):   # near the bound: tokenized
+        eng.add_request("long", "x " * 5000, SamplingParams())
+    assert len(calls) == 1
+    assert eng.add_request("fine", "def f(x):", SamplingParams()) > 0

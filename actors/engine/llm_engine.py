@@ -84,6 +84,9 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None \
             else mc.eos_token_id
         self.detok = Detokenizer(self.tokenizer, eos, self.max_model_len)
+        # characters of the longest vocabulary entry (added tokens included): bounds how
+        # few tokens a text can be (byte-level BPE: one character per byte)
+        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         cls = get_proposer_class(config.strategy)
         options = config.strategy_options_model()  # validated by EngineConfig
         k = config.num_speculative_tokens
@@ -139,6 +142,16 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must be a non-empty string", param="prompt")
+            # no token is longer than _max_token_chars characters, so a prompt of N
+            # characters is at least ceil(N / that) tokens: one far over the context is
+            # refused before tokenizing it (tokenizing megabytes would stall every
+            # request of this replica for seconds)
+            at_least = -(-len(prompt) // self._max_token_chars)
+            if at_least >= self.max_model_len:
+                raise InvalidRequest(
+                    f"prompt is at least {at_least} tokens ({len(prompt)} characters); "
+                    f"max_model_len is {self.max_model_len}, which leaves no room to "
+                    "generate", param="prompt", code="context_length_exceeded")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = list(prompt)

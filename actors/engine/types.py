@@ -19,6 +19,9 @@ from actors.engine.errors import InvalidRequest
 GREEDY_TEMPERATURE = 1e-5
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1   # a seed is an int64 (vLLM's range)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """OpenAI-style sampling parameters of one request.
@@ -65,9 +68,10 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise InvalidRequest(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}",
                                  param="top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequest(f"seed must be an integer or null, got {self.seed!r}",
-                                 param="seed")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequest(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64, "
+                                 f"as vLLM) or null, got {self.seed!r}", param="seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest(f"stop must be non-empty strings, got {self.stop!r}",
                                  param="stop")

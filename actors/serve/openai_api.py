@@ -64,6 +64,7 @@ optional field (see the audit table in ``actors.serve.openai_request``).
 
 
 import asyncio
+import math
 import logging
 import os
 import time
@@ -199,6 +200,11 @@ class OpenAIIngress:
             return denied
         if strategy is not None and strategy not in self._handles:
             return self._unknown_model(strategy)
+        if limit is not None and limit < 0:
+            return error_response(400, f"limit must be >= 0, got {limit}", param="limit")
+        if since is not None and not math.isfinite(since):
+            return error_response(400, f"since must be a finite unix time, got {since}",
+                                  param="since")
         if self._store is None:
             return {"rows": []}
         return {"rows": await self._store.query.remote(strategy, since, limit)}

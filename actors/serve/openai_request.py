@@ -22,6 +22,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.engine.errors import InvalidRequest
+from actors.engine.types import SEED_MAX, SEED_MIN
+from actors.serve.protocol import bounded_message
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,10 +51,19 @@ logger = logging.getLogger("ray.serve")
 # Unknown fields (user, metadata, store, ...) are ignored, as vLLM does.
 
 
+MAX_ECHO_CHARS = 200   # at most this much of a client's value is quoted back in an error
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to MAX_ECHO_CHARS (an error body never echoes a huge input)."""
+    r = repr(value)
+    return r if len(r) <= MAX_ECHO_CHARS else f"{r[:MAX_ECHO_CHARS]}... ({len(r)} chars)"
+
+
 def _number(v: Any) -> Any:
     """JSON number only: bool and strings are refused (pydantic would coerce them)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"must be a number, got {v!r}")
+        raise ValueError("must be a number")
     return float(v)
 
 
@@ -86,7 +97,7 @@ class _Common(BaseModel):
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
@@ -160,8 +171,11 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)
                          and p not in _PYDANTIC_TYPE_TAGS) or None
-        raise InvalidRequest(f"{param}: {err.get('msg')} (got {err.get('input')!r})",
+        raise InvalidRequest(f"{param}: {err.get('msg')} (got {_short(err.get('input'))})",
                              param=param) from None
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true (as OpenAI "
+                             "and vLLM)", param="stream_options")
     if req.n not in (None, 1):
         raise InvalidRequest(f"n must be 1 (got {req.n})", param="n")
     if req.logprobs not in (None, False, 0):
@@ -227,8 +241,9 @@ def api_key_error(authorization: str | None, expected: str | None) -> JSONRespon
 def error_response(status: int, message: str, err_type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    """OpenAI-style error body."""
-    return JSONResponse({"error": {"message": message, "type": err_type, "param": param,
+    """OpenAI-style error body (the message bounded: ``protocol.bounded_message``)."""
+    return JSONResponse({"error": {"message": bounded_message(message), "type": err_type,
+                                   "param": param,
                                    "code": code}}, status_code=status, headers=headers)
 
 

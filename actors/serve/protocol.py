@@ -52,6 +52,17 @@ class Finished(Delta):
     spec_decode: dict = field(default_factory=dict)
 
 
+MAX_ERROR_MESSAGE_CHARS = 1000   # an error body quotes at most this much (a client's 2 MB
+                                 # stop string must not come back in a 2 MB 400)
+
+
+def bounded_message(message: str) -> str:
+    """``message`` cut to MAX_ERROR_MESSAGE_CHARS, saying how long it was."""
+    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (message cut; {len(message)} chars)"
+
+
 @dataclass(frozen=True)
 class ErrorMessage:
     """A refused or failed request, already in OpenAI's error terms.
@@ -85,8 +96,8 @@ class ErrorMessage:
 
     def body(self) -> dict:
         """OpenAI's error body ``{"error": {message, type, param, code}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": bounded_message(self.message), "type": self.type,
+                          "param": self.param, "code": self.code}}
 
 
 ReplicaMessage = Admitted | Delta | Finished | ErrorMessage
