@@ -503,3 +503,17 @@ def test_api_key_on_the_service(service, tmp_path):
     finally:
         serve.delete(strategy_app_name("keyed", "keyed"))
         serve.delete("keyed")
+
+
+def test_body_over_the_limit_is_a_413_on_both_routes(client, route):
+    """A body over 4 MiB failed between the ingress and the replica (one gRPC message) with
+    a plain-text 500; both fronts now answer 413 in OpenAI's shape before any hop."""
+    from actors.serve.openai_request import MAX_REQUEST_BYTES
+
+    body = {"model": "ngram", "prompt": "x" * (MAX_REQUEST_BYTES + 1000), "max_tokens": 2}
+    r = client.post(v1(route, "ngram"), json=body)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    big_ok = client.post(v1(route, "ngram"), json={**body, "prompt": "x" * 600_000})
+    assert big_ok.status_code == 400                        # under the limit: the context check
+    assert big_ok.json()["error"]["code"] == "context_length_exceeded"
+    assert_alive(client, "ngram", route)

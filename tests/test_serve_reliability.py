@@ -307,3 +307,22 @@ def test_prompt_far_over_the_context_is_refused_before_tokenizing():
         eng.add_request("long", "x " * 5000, SamplingParams())
     assert len(calls) == 1
     assert eng.add_request("fine", "def f(x):", SamplingParams()) > 0
+
+
+def test_unhandled_route_error_is_an_openai_500():
+    """An exception no route handled was Starlette's plain-text 500; every specload app
+    answers it in OpenAI's shape."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from actors.serve.openai_request import install_error_handlers
+
+    app = install_error_handlers(FastAPI())
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("kaput")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "internal_error" and "kaput" in r.json()["error"]["message"]

@@ -262,11 +262,31 @@ async def _query_error(request, exc: RequestValidationError) -> JSONResponse:
     return error_response(400, f"{param}: {err.get('msg')}", param=param)
 
 
+async def _server_error(request, exc: Exception) -> JSONResponse:
+    """Anything a route did not handle: a 500 in OpenAI's shape, not Starlette's plain text
+    (Starlette still logs the traceback)."""
+    return error_response(500, f"{request.method} {request.url.path}: internal error: "
+                          f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
+
+
 def install_error_handlers(app: FastAPI) -> FastAPI:
-    """Give ``app``'s framework errors (404, 405, bad query 422 -> 400) OpenAI's shape."""
+    """Give ``app``'s framework errors (404, 405, bad query 422 -> 400) and any error a
+    route did not handle (500) OpenAI's shape."""
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _query_error)
+    app.add_exception_handler(Exception, _server_error)
     return app
+
+
+# A generation request's body, at most (bytes). Ray Serve hands a request from the
+# ingress to a strategy replica in one gRPC message of at most 4 MiB; a larger body
+# failed there with a plain-text 500. No prompt this large fits a served context.
+MAX_REQUEST_BYTES = 3 * 2**20
+
+
+def _too_large(n: int) -> JSONResponse:
+    return error_response(413, f"request body is {n} bytes; the limit is {MAX_REQUEST_BYTES} "
+                          "bytes", code="request_too_large")
 
 
 # ---------------------------------------------------------------- one generation route
@@ -277,13 +297,20 @@ async def read_request(request: Request, chat: bool,
                        api_key: str | None) -> ParsedRequest | JSONResponse:
     """API key, JSON body and validation of a generation request (``parse_request``).
 
-    Returns the ParsedRequest, or the OpenAI error response to send (401, 400); the
+    Returns the ParsedRequest, or the OpenAI error response to send (401, 413 over
+    MAX_REQUEST_BYTES, 400); the
     caller checks ``model`` against what it serves (404 ``model_not_found``).
     """
     if denied := api_key_error(request.headers.get("authorization"), api_key):
         return denied
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        return _too_large(int(declared))
+    raw = await request.body()
+    if len(raw) > MAX_REQUEST_BYTES:
+        return _too_large(len(raw))
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return error_response(400, f"request body is not valid JSON: {exc}")
     try:
