@@ -37,9 +37,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from configs.cli_args import number, output_file
 from configs.jsonio import write_json
+from configs.metric_names import STRATEGIES
 from configs.net import free_port
 from configs.paths import PROMPTS_DIR
 
@@ -203,17 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", default="autoregressive")
     ap.add_argument("--concurrency", default="4,16",
                     help="comma-separated concurrent requests (4 = the mid tier's users)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
+    ap.add_argument("--max-tokens", type=number(int, ge=1), default=128)
+    ap.add_argument("--reps", type=number(int, ge=1), default=3, help="interleaved repetitions (median)")
     ap.add_argument("--stream-intervals", default="1",
                     help="stream_interval values measured on the strategy route (1 always)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--torch-threads", type=int, default=1)
-    ap.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
+    ap.add_argument("--num-speculative-tokens", type=number(int, ge=0), default=4)
+    ap.add_argument("--torch-threads", type=number(int, ge=1), default=1)
+    ap.add_argument("--num-cpus", type=number(int, ge=1), default=2, help="CPUs of the local Ray")
     ap.add_argument("--no-serve-tuning", action="store_true",
                     help="Serve's defaults instead of configs/serve.yaml's env_vars and "
                          "cluster up's proxy environment (configs.serve_config.PROXY_ENV)")
-    ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    ap.add_argument("--json", type=output_file(), default=None, help="write the result here")
     a = ap.parse_args(argv)
     try:
         concs = [int(c) for c in a.concurrency.split(",") if c.strip()]
@@ -228,10 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--concurrency: give values >= 1")
     if intervals and min(intervals) < 1:
         ap.error("--stream-intervals: give values >= 1")
-    if a.reps < 1:
-        ap.error("--reps: must be >= 1")
-    if a.max_tokens < 1:
-        ap.error("--max-tokens: must be >= 1")
+    if a.strategy not in STRATEGIES:
+        ap.error(f"argument --strategy: unknown strategy {a.strategy!r}; expected one of "
+                 f"{', '.join(STRATEGIES)}")
     extra = sorted({i for i in intervals if i != 1})
 
     engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),

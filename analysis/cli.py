@@ -8,23 +8,19 @@ message names the flag or the directory); 3 (``EXIT_DEGRADED``) when
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from analysis.load import ResultsError
+from configs.cli_args import (
+    existing_file,
+    existing_path,
+    number,
+    output_dir,
+    output_file,
+)
 
 EXIT_USAGE = 2
-
-
-def _positive(name: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} expects a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text!r}")
-        return value
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,15 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="report.md, report.html and recommendation.json")
     r.add_argument("results_dir", help="a run directory (or, with --merge, a parent of several)")
-    r.add_argument("--out", help="output directory (default: RESULTS_DIR/report, where "
+    r.add_argument("--out", type=output_dir(), help="output directory (default: RESULTS_DIR/report, where "
                    "`python -m loadgen --report` writes too)")
     r.add_argument("--merge", action="store_true",
                    help="pool every run found under RESULTS_DIR into one report (listed in the output)")
-    r.add_argument("--baseline", help="baseline results (run dir or parent) for the degradation check")
-    r.add_argument("--slo-ttft-ms", type=_positive("--slo-ttft-ms"), help="TTFT SLO, ms (all tiers)")
-    r.add_argument("--slo-tpot-ms", type=_positive("--slo-tpot-ms"), help="TPOT SLO, ms (all tiers)")
-    r.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
-    r.add_argument("--warmup-s", type=float, default=None,
+    r.add_argument("--baseline", type=existing_path(), help="baseline results (run dir or parent) for the degradation check")
+    r.add_argument("--slo-ttft-ms", type=number(gt=0), help="TTFT SLO, ms (all tiers)")
+    r.add_argument("--slo-tpot-ms", type=number(gt=0), help="TPOT SLO, ms (all tiers)")
+    r.add_argument("--seed", type=number(int, ge=0), default=0, help="bootstrap seed (default 0)")
+    r.add_argument("--warmup-s", type=number(ge=0), default=None,
                    help="exclude the first seconds of every cell (each repeat) as warm-up "
                         "(default: the run's loadgen --warmup-s, else 0)")
     q = sub.add_parser("plan", help="replicas per strategy for a target load under SLOs")
@@ -53,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gpu", choices=["h100", "h200"], help="model the step cost on this GPU")
     q.add_argument("--model-params",
                    help="target model parameters (e.g. 8e9); needed with --gpu")
-    q.add_argument("--cost-curve", help='measured curve JSON {"gpu","model","points":[...]}')
+    q.add_argument("--cost-curve", type=existing_file(), help='measured curve JSON {"gpu","model","points":[...]}')
     q.add_argument("--attainment", default="0.9",
                    help="share of requests that must meet the SLOs (default 0.9)")
     q.add_argument("--overhead-ms", default="1.0", help="per-step overhead on the GPU, ms")
@@ -63,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a name (qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a config.json / HF "
                    "model dir; also gives --model-params when that is absent")
     q.add_argument("--gpu-memory-utilization", default="0.9", help="share of GPU memory weights + KV cache may use (default 0.9)")
-    q.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+    q.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE", type=output_file(),
                    help="print the plan as JSON; with --validate, write the validation JSON to FILE")
     q.add_argument("--validate", action="store_true",
                    help="deploy the planned replicas of the chosen strategy, drive Poisson arrivals at "
@@ -76,20 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --validate: seconds of offered load per replica count (default 60)")
     q.add_argument("--validate-warmup", default="5",
                    help="with --validate: seconds at the start left out of attainment (default 5)")
-    q.add_argument("--validate-results", default=None,
+    q.add_argument("--validate-results", default=None, type=output_dir(),
                    help="with --validate: where the validation runs go (default RESULTS_DIR/validate)")
-    q.add_argument("--emit-serve-config", metavar="OUT.yaml",
+    q.add_argument("--emit-serve-config", metavar="OUT.yaml", type=output_file(),
                    help="write a Serve config with the planned replicas and resources per strategy "
                         "(deploy: serve deploy OUT.yaml, or python -m cluster up --config OUT.yaml)")
-    q.add_argument("--base-config", default=None,
+    q.add_argument("--base-config", default=None, type=existing_file(),
                    help="Serve config the emitted one starts from (default configs/serve.yaml)")
-    q.add_argument("--cluster-yaml", default=None,
+    q.add_argument("--cluster-yaml", default=None, type=existing_file(),
                    help="cluster launcher YAML whose min/max_workers the plan is checked against "
                         "(default cluster/cluster.yaml)")
     b = sub.add_parser("backtest", help="fit on the lower users levels, predict the highest")
     b.add_argument("results_dir", help="a run directory (or a parent of several)")
-    b.add_argument("--json", dest="json_file", help="write the backtest as JSON to this file")
-    b.add_argument("--holdout", type=int, default=None,
+    b.add_argument("--json", dest="json_file", type=output_file(parent_must_exist=False), help="write the backtest as JSON to this file")
+    b.add_argument("--holdout", type=number(int, ge=1), default=None,
                    help="users level to predict (default: the highest measured)")
     return p
 
@@ -114,8 +110,6 @@ def _report(args, parser) -> int:
     from analysis.recommend import headline_lines, recommendation_rows
     from analysis.report import build_report, default_out_dir
 
-    if args.warmup_s is not None and args.warmup_s < 0:
-        parser.error(f"--warmup-s must be >= 0 seconds, got {args.warmup_s}")
     root = Path(args.results_dir)
     runs = find_run_dirs(root) if root.is_dir() else []
     if len(runs) > 1 and not args.merge:
@@ -160,10 +154,12 @@ def _number(errors: list[str], args, name: str, kind=float, positive: bool = Tru
         return
     try:
         value = kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         errors.append(f"{flag} expects {'an integer' if kind is int else 'a number'}, got {text!r}")
         return
-    if positive and not value > 0:
+    if not math.isfinite(value):
+        errors.append(f"{flag} must be a finite number, got {text!r}")
+    elif positive and not value > 0:
         errors.append(f"{flag} must be > 0, got {text!r}")
     elif upper is not None and value > upper:
         errors.append(f"{flag} must be <= {upper:g}, got {text!r}")
@@ -223,6 +219,8 @@ def _plan(args, parser) -> int:
     errors = _plan_errors(args)
     if errors:
         parser.error("\n  ".join([f"{len(errors)} argument error(s):"] + errors))
+    from analysis.load import check_results_dir
+    check_results_dir(args.results_dir)   # a missing / empty RESULTS_DIR before any other line
     _plan_slos(args)
     try:
         out = plan(args.results_dir, args.qps, args.tier, args.slo_ttft_ms, args.slo_tpot_ms,
@@ -271,8 +269,8 @@ def _validate(args, out: dict, parser) -> int:
 
     from analysis import validate as va
     from analysis.load import load_results
-    from configs.tiers import Slo
     from configs.jsonio import dumps, write_json
+    from configs.tiers import Slo
     try:
         choice = va.choose(out["model"], args.strategy, args.output)
     except ValueError as exc:

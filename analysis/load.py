@@ -187,12 +187,11 @@ def load_run(path: Path) -> Run:
     return Run(run_id=run_id, path=path, requests=requests, steps=steps, manifest=manifest)
 
 
-def load_results(root: str | Path) -> Results:
-    """Load every run under ``root`` (a run directory or a parent of several).
+def check_results_dir(root: str | Path) -> list[Path]:
+    """The run directories under ``root`` (``find_run_dirs``); a CLI checks this first.
 
-    Raises ``ResultsError`` with a message naming the directory when it does not
-    exist, holds no run, or every run is empty.
-    """
+    Raises ``ResultsError`` naming ``root`` when it does not exist, is not a
+    directory or holds no run."""
     root = Path(root)
     if not root.exists():
         raise ResultsError(f"results directory {root} does not exist; pass the directory "
@@ -204,6 +203,17 @@ def load_results(root: str | Path) -> Results:
     if not dirs:
         raise ResultsError(f"results directory {root} holds no {REQUESTS_FILE}; run "
                            f"`python -m loadgen` first or point at its output directory.")
+    return dirs
+
+
+def load_results(root: str | Path) -> Results:
+    """Load every run under ``root`` (a run directory or a parent of several).
+
+    Raises ``ResultsError`` with a message naming the directory when it does not
+    exist, holds no run, or every run is empty.
+    """
+    root = Path(root)
+    dirs = check_results_dir(root)
     runs = tuple(load_run(d) for d in dirs)
     requests = pd.concat([r.requests for r in runs], ignore_index=True)
     if requests.empty:

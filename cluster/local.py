@@ -39,8 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from configs.cli_args import port_in_use
 from configs.jsonio import write_json
 from configs.net import free_ports

@@ -112,8 +112,9 @@ def output_dir() -> Callable[[str], str]:
     return parse
 
 
-def output_file() -> Callable[[str], str]:
-    """A file to write: not a directory, and its parent directory must exist."""
+def output_file(parent_must_exist: bool = True) -> Callable[[str], str]:
+    """A file to write (``-`` = stdout passes): not a directory; its parent directory must
+    exist, or with ``parent_must_exist=False`` be creatable (no ancestor is a file)."""
     def parse(text: str) -> str:
         if not text or text == "-":
             return text
@@ -121,6 +122,9 @@ def output_file() -> Callable[[str], str]:
         if p.is_dir():
             raise argparse.ArgumentTypeError(f"expects a file path, got the directory {text!r}")
         parent = p.absolute().parent
+        if not parent_must_exist:
+            output_dir()(str(parent))
+            return text
         if not parent.is_dir():
             raise argparse.ArgumentTypeError(f"directory {str(parent)!r} does not exist "
                                              "(create it first)")
