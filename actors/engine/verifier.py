@@ -110,6 +110,12 @@ def verify_batch(logits: torch.Tensor | list[torch.Tensor], lens: list[int],
             raise ValueError(f"verify_batch: row {b} has {n} logit positions for "
                              f"{len(d)} draft tokens; expected {len(d) + 1}")
     V = logits[0].shape[-1] if B else 0
+    if B and all(p.greedy for p in params) and all(
+            lg.device.type == "cpu" and lg.dtype == torch.float32 for lg in logits):
+        # greedy on the host already: numpy argmaxes of views (first maximum on ties,
+        # as torch's), no packing or dtype round trip (~3x fewer microseconds per row)
+        return [verify_greedy(lg[:n].numpy().argmax(-1).tolist(), d)
+                for lg, n, d in zip(logits, lens, drafts)]
     if isinstance(logits, torch.Tensor):
         Q = logits.shape[1]
         parts = [logits.argmax(-1).flatten().float()]  # ids < 2**24 are exact in float32
