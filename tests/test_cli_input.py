@@ -218,3 +218,25 @@ def test_bench_serve_bad_flag(capsys, argv, flag):
     from actors.bench_serve import main
 
     _exit2(capsys, main, argv, flag)
+
+
+@pytest.mark.slow
+def test_cluster_up_failure_after_ray_started_stops_its_head(tmp_path):
+    """A failure after `up` started its own Ray head (here: not ready within --timeout 1 s)
+    exits non-zero and stops that head (its pid gone, its state file removed). Real Ray."""
+    import re
+
+    from configs.net import free_port
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), XDG_RUNTIME_DIR=str(tmp_path))
+    port = free_port()
+    p = subprocess.run([sys.executable, "-m", "cluster", "up", "--port", str(port), "--timeout", "1",
+                        "--num-cpus", "1"], capture_output=True, text=True, timeout=240, cwd=REPO,
+                       env=env)
+    assert p.returncode != 0, p.stderr[-2000:]
+    assert "not ready after 1s" in p.stderr and "Traceback" not in p.stderr
+    assert "stopping the Ray head this command started" in p.stderr, p.stderr[-2000:]
+    pid = int(re.search(r"stopping the Ray head \(pid (\d+)\)", p.stderr).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not (tmp_path / "specload" / f"cluster-{port}.json").exists()
