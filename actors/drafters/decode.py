@@ -73,7 +73,6 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     Returns a ``BlockDraft`` over the bs - 1 draft positions.
     """
     hd = h[:, 1:]
-    n = hd.shape[1]
     use_sel = model.selector is not None if use_selector is None else use_selector
     if use_sel and model.selector is None:
         raise ValueError("use_selector=True but this drafter has no trained path selector")
