@@ -165,8 +165,6 @@ def install_worker_hooks(environment: Any, flush_interval_s: float = 0.25) -> No
     When the process that started this worker (the Ray actor) dies, the worker
     exits too: a lost actor is a lost worker, never an orphan still sending load.
     """
-    import os
-
     parent = os.getppid()
     runner = environment.runner
     buffer: list[dict[str, Any]] = []
