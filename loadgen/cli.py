@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if tty else int(os.environ.get("COLUMNS") or 100))
     err = check_local_strategy_names(args)
     if err:
-        console.print(f"[red]argument error:[/] {err}", highlight=False)
+        console.print(f"[red]argument error:[/] {err}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     try:   # each failure names its flag (a KeyError's text is its repr: take the message)
         try:
@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as err:
                 raise _FlagError("--local-config", str(err)) from None
     except _FlagError as err:
-        console.print(f"[red]config error:[/] {err.flag}: {err.message}", markup=True, highlight=False)
+        console.print(f"[red]config error:[/] {err.flag}: {err.message}", markup=True, highlight=False,
+                      soft_wrap=True)   # one line per error, however wide
         return EXIT_CONFIG
     local: dict[str, Any] = {"url": None}
     try:
@@ -171,7 +172,7 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
                                  service.strategy_routes(target, headers=auth.headers,
                                                          insecure=auth.insecure), args.model)
     except service.ServiceError as err:
-        console.print(f"[red]target error:[/] {err}", highlight=False)
+        console.print(f"[red]target error:[/] {err}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     st = _RunState(args, console, profile, prompts, target, strategies, auth, prefixes,
                    tiers=list(TIER_NAMES) if args.tier == "all" else [args.tier],
