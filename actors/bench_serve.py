@@ -132,10 +132,10 @@ async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
 
 
 def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
-              tuned: bool = True) -> tuple[str, object]:
+              tuned: bool = True, engine_process: bool | str = "auto") -> tuple[str, object]:
     """A local Ray + Serve with ``strategy`` in the one-hop layout (its own application
-    at ``/strategies/<name>`` and the model-field ingress at ``/``); returns (base URL,
-    the ray module)."""
+    at ``/strategies/<name>`` and the model-field ingress at ``/``); ``engine_process``
+    as the strategy entry's; returns (base URL, the ray module)."""
     import ray
     from ray import serve
 
@@ -158,6 +158,7 @@ def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rt = {"env_vars": dict(THROUGHPUT_ENV) if tuned else {}}
     run_applications({"strategies": [{"name": strategy, "engine": engine_cfg,
+                                      "engine_process": engine_process,
                                       "ray_actor_options": {"num_cpus": 0.5, "runtime_env": rt}}],
                       "ingress": {"ray_actor_options": {"num_cpus": 0.1, "runtime_env": rt}}},
                      name="bench", route_prefix="/")
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-speculative-tokens", type=number(int, ge=0), default=4)
     ap.add_argument("--torch-threads", type=number(int, ge=1), default=1)
     ap.add_argument("--num-cpus", type=number(int, ge=1), default=2, help="CPUs of the local Ray")
+    ap.add_argument("--engine-process", choices=("auto", "true", "false"), default="auto",
+                    help="the served replica's engine in its own process (true), on a "
+                         "thread (false), or by the cores (auto; the deployments' default)")
     ap.add_argument("--no-serve-tuning", action="store_true",
                     help="Serve's defaults instead of configs/serve.yaml's env_vars and "
                          "cluster up's proxy environment (configs.serve_config.PROXY_ENV)")
@@ -247,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     own = strategy_route(a.strategy) + "/v1/completions"
     runs: dict[tuple[int, str], list[dict]] = {}
     eng = make_direct_engine(engine_cfg)
-    base, ray = serve_app(engine_cfg, a.strategy, a.num_cpus, not a.no_serve_tuning)
+    engine_process = {"auto": "auto", "true": True, "false": False}[a.engine_process]
+    base, ray = serve_app(engine_cfg, a.strategy, a.num_cpus, not a.no_serve_tuning,
+                          engine_process)
     try:
         for rep in range(a.reps):
             order = ways[rep % len(ways):] + ways[:rep % len(ways)]   # no way always first
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     per_c = summarize(runs, concs, ways)
     result = {
         "strategy": a.strategy, "max_tokens": a.max_tokens, "reps": a.reps,
+        "engine_process": a.engine_process,
         "concurrency": concs, "route": STRATEGY_ROUTE,
         "ratio": min(per_c[str(c)][STRATEGY_ROUTE]["ratio"] for c in concs),
         "ttft_added_ms_p50": max(per_c[str(c)][STRATEGY_ROUTE]["ttft_added_ms_p50"]

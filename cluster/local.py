@@ -387,13 +387,31 @@ def ray_address_file() -> Path:
         return Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 
 
+def _same_local_address(named: str, address: str) -> bool:
+    """``named`` (from Ray's file) is ``address``: the same port, and a host that is this
+    machine (Ray records the host's own address even for a head started with
+    ``--node-ip-address 127.0.0.1``, so a loopback address alone never matched)."""
+    import socket
+
+    import psutil
+
+    host, _, port = named.rpartition(":")
+    want_host, _, want_port = address.rpartition(":")
+    if not port or port != want_port:
+        return False
+    local = {"127.0.0.1", "localhost", "::1", want_host, socket.gethostname()}
+    local |= {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return host in local
+
+
 def forget_ray_address(address: str) -> bool:
     """Remove Ray's current-cluster file if it still names ``address`` (the head ``up``
     started and ``down`` stopped): left behind, it makes ``ray status`` wait ~35 s for a
-    dead head and print a traceback. A file naming another head is left alone."""
+    dead head and print a traceback. A file naming another head (another port, or
+    another machine) is left alone."""
     f = ray_address_file()
     try:
-        if f.read_text().strip() != address:
+        if not _same_local_address(f.read_text().strip(), address):
             return False
         f.unlink()
     except OSError:

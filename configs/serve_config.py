@@ -52,6 +52,17 @@ _ENGINE_DEFAULT_MAX_WAITING = 1024
 PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
 DEFAULT_ENGINE_FACTORY = "actors.serve.engine_core:make_llm_engine"  # (engine dict) -> LLMEngine
+ENGINE_PROCESS_MIN_CPUS = 4   # engine_process "auto": its own process from this many cores
+
+
+def resolve_engine_process(value: bool | str) -> bool:
+    """``engine_process`` of a strategy entry -> whether the engine runs in its own process
+    (``"auto"``: when this machine gives the process at least ENGINE_PROCESS_MIN_CPUS cores)."""
+    if value == "auto":
+        import os
+
+        return len(os.sched_getaffinity(0)) >= ENGINE_PROCESS_MIN_CPUS
+    return bool(value)
 
 
 class AutoscalingConfig(BaseModel):
@@ -112,10 +123,12 @@ class StrategyEntry(BaseModel):
     stream_interval: int = Field(1, ge=1, le=4096, description=(
         "tokens per streamed chunk (vLLM's stream_interval); 1 = every engine step. "
         "A request may override it with the stream_interval body field"))
-    engine_process: bool = Field(True, description=(
+    engine_process: bool | Literal["auto"] = Field("auto", description=(
         "run the engine step in its own process (vLLM V1's engine-core process), so the "
         "replica's HTTP and streaming work do not share a GIL with it; false: on a thread "
-        "of the replica (one process per replica)"))
+        "of the replica. auto: its own process when the replica's machine has at least "
+        "ENGINE_PROCESS_MIN_CPUS cores (on the 2-core dev box the extra process measured "
+        "slower: the cores, not the GIL, are the limit there)"))
     health_check_period_s: float = Field(2.0, gt=0, description="seconds")
     health_check_timeout_s: float = Field(10.0, gt=0, description="seconds")
 

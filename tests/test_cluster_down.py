@@ -18,3 +18,20 @@ def test_down_forgets_only_its_own_head(tmp_path, monkeypatch):
     assert local.down(8123) is True
     assert not f.exists() and not local.state_file(8123).exists()
     assert local.down(8123) is False   # nothing recorded any more
+
+
+def test_down_forgets_its_head_under_the_hosts_own_address(tmp_path, monkeypatch):
+    """Ray records the host's address in its file even for a head started on 127.0.0.1
+    (a newcomer found the file left behind): the same port on an address of this machine
+    is our head; the same port on another machine's address is not."""
+    import psutil
+
+    f = tmp_path / "ray_current_cluster"
+    monkeypatch.setattr(local, "ray_address_file", lambda: f)
+    v4 = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+          if a.family.name == "AF_INET"]
+    own = next((a for a in v4 if not a.startswith("127.")), "127.0.0.1")   # the host's own
+    f.write_text("203.0.113.9:6379\n")            # a documentation address: not this machine
+    assert not local.forget_ray_address("127.0.0.1:6379") and f.exists()
+    f.write_text(f"{own}:6379\n")
+    assert local.forget_ray_address("127.0.0.1:6379") and not f.exists()

@@ -97,14 +97,16 @@ def service(tmp_path_factory):
     """``python -m cluster up`` on a private Ray head: autoregressive, ngram (8 slots) and TIGHT;
     ``cluster down`` in ``finally`` whatever happens."""
     base = {"model": "models/target", "torch_threads": 1, "max_num_seqs": 8, "max_waiting": 64}
+    # every engine in its own process ("auto" keeps it on a thread on a 2-core box): the
+    # faults below cover the replica / engine-process pair
     strategies = [
         {"engine": {"strategy": "autoregressive", "num_speculative_tokens": 0, **base},
-         "ray_actor_options": {"num_cpus": 0.2}},
+         "ray_actor_options": {"num_cpus": 0.2}, "engine_process": True},
         {"engine": {"strategy": "ngram", "num_speculative_tokens": 4, **base},
-         "ray_actor_options": {"num_cpus": 0.2}},
+         "ray_actor_options": {"num_cpus": 0.2}, "engine_process": True},
         {"name": TIGHT, "engine": {"strategy": "autoregressive", "num_speculative_tokens": 0,
                                    **base, "max_num_seqs": 2, "max_waiting": 2},
-         "ray_actor_options": {"num_cpus": 0.1}},
+         "ray_actor_options": {"num_cpus": 0.1}, "engine_process": True},
     ]
     with cluster_up(tmp_path_factory.mktemp("svc"), strategies) as url:
         yield url
@@ -185,8 +187,11 @@ def test_overload_sheds_with_429_and_retry_after(service, tmp_path):
     # one burst straight at the API: more than slots + waiting at once
     from concurrent.futures import ThreadPoolExecutor
 
+    # long requests (~1 s each), so none finishes while the burst is still arriving
+    burst = {**body, "max_tokens": 200, "ignore_eos": True}
     with ThreadPoolExecutor(12) as ex:
-        res = list(ex.map(lambda _: httpx.post(f"{service}/v1/completions", json=body, timeout=60), range(12)))
+        res = list(ex.map(lambda _: httpx.post(f"{service}/v1/completions", json=burst, timeout=120),
+                          range(12)))
     shed = [r for r in res if r.status_code == 429]
     assert shed and all(r.status_code in (200, 429) for r in res), [r.status_code for r in res]
     assert shed[0].headers["retry-after"] == "1" and shed[0].json()["error"]["code"] == "queue_full"

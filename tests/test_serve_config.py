@@ -143,3 +143,21 @@ def test_one_hop_layout_of_the_serve_yaml(tmp_path):
     assert ServeAppConfig.model_validate(main["args"]).strategy_apps == main["args"]["strategy_apps"]
     with pytest.raises(ValueError, match="not in the app's strategies"):
         build_strategy_app({"app": _args(), "strategy": "nope", "store_app": None})
+
+
+def test_engine_process_auto_follows_the_cores(monkeypatch):
+    """engine_process: true / false as given; "auto" (the default) only from
+    ENGINE_PROCESS_MIN_CPUS cores (on 2 cores the extra process measured slower)."""
+    import os
+
+    from configs import serve_config as sc
+
+    entry = sc.StrategyEntry(engine={"strategy": "ngram"})
+    assert entry.engine_process == "auto"
+    assert sc.StrategyEntry(engine={"strategy": "ngram"}, engine_process=True).engine_process is True
+    with pytest.raises(ValueError):
+        sc.StrategyEntry(engine={"strategy": "ngram"}, engine_process="sometimes")
+    for cores, want in ((2, False), (sc.ENGINE_PROCESS_MIN_CPUS, True), (64, True)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert sc.resolve_engine_process("auto") is want
+        assert sc.resolve_engine_process(True) is True and sc.resolve_engine_process(False) is False

@@ -3,7 +3,8 @@
 - ``StrategyServer`` (the deployment of ``StrategyReplica``): one class, bound
   once per strategy with a different engine config (``actors.serve.app``).
   Each replica owns a ``ProcessAsyncLLMEngine`` (continuous batching in the
-  replica's own engine process; ``engine_process: false`` keeps it on a thread) and streams the typed messages of ``actors.serve.protocol`` to the
+  replica's own engine process) or, with ``engine_process: false`` (and "auto" on
+  fewer than 4 cores), an ``AsyncLLMEngine`` on a thread and streams the typed messages of ``actors.serve.protocol`` to the
   HTTP ingress; as the ingress of its own application (the one-hop layout) it
   answers the OpenAI routes itself, with the ingress's code.
 - ``StepLogStore``: one replica holding the app-wide step log (a bounded ring
@@ -37,7 +38,7 @@ from actors.serve.openai_request import (API_KEY_ENV, api_key_error, error_respo
 from actors.serve.openai_response import health_response, model_card, respond
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
-from configs.serve_config import DEFAULT_ENGINE_FACTORY
+from configs.serve_config import DEFAULT_ENGINE_FACTORY, resolve_engine_process
 
 logger = logging.getLogger("ray.serve")
 
@@ -143,7 +144,8 @@ class StrategyReplica:
     local only. stream_interval: tokens per streamed delta unless a request says
     otherwise. engine_process: run the engine step in its own process
     (``ProcessAsyncLLMEngine``, vLLM V1's engine-core process), else on a thread of
-    the replica's. retry_after_s, api_key: as the ingress's, for this replica's own
+    the replica's; "auto" (``configs.serve_config.resolve_engine_process``): its own
+    process on a machine with at least 4 cores. retry_after_s, api_key: as the ingress's, for this replica's own
     routes (api_key default ``$SPECLOAD_API_KEY``; none: open).
 
     The model-field ingress calls ``generate`` through a handle. Deployed as its
@@ -157,7 +159,7 @@ class StrategyReplica:
                  engine_factory: str = DEFAULT_ENGINE_FACTORY,
                  step_store: Any = None, step_log_capacity: int = 8192,
                  stream_interval: int = 1, retry_after_s: int = 1,
-                 api_key: str | None = None, engine_process: bool = True):
+                 api_key: str | None = None, engine_process: bool | str = "auto"):
         from actors.serve.async_engine import AsyncLLMEngine, ProcessAsyncLLMEngine
 
         cfg = dict(engine_config)
@@ -168,6 +170,7 @@ class StrategyReplica:
         cfg.setdefault("replica_id", replica)
         cfg.setdefault("served_model_name", strategy)  # step rows carry it beside the strategy
         threads = int(cfg.get("torch_threads") or 1)
+        engine_process = resolve_engine_process(engine_process)
         if not engine_process:
             import torch
 
