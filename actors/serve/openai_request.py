@@ -56,8 +56,7 @@ MAX_ECHO_CHARS = 200   # at most this much of a client's value is quoted back in
 
 def _short(value: Any) -> str:
     """``repr(value)`` cut to MAX_ECHO_CHARS (an error body never echoes a huge input)."""
-    r = repr(value)
-    return r if len(r) <= MAX_ECHO_CHARS else f"{r[:MAX_ECHO_CHARS]}... ({len(r)} chars)"
+    return bounded_message(repr(value), MAX_ECHO_CHARS)
 
 
 def _number(v: Any) -> Any:

@@ -56,11 +56,11 @@ MAX_ERROR_MESSAGE_CHARS = 1000   # an error body quotes at most this much (a cli
                                  # stop string must not come back in a 2 MB 400)
 
 
-def bounded_message(message: str) -> str:
-    """``message`` cut to MAX_ERROR_MESSAGE_CHARS, saying how long it was."""
-    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
+def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
+    """``message`` cut to ``limit`` characters, saying how long it was."""
+    if len(message) <= limit:
         return message
-    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... (message cut; {len(message)} chars)"
+    return f"{message[:limit]}... (cut; {len(message)} chars)"
 
 
 @dataclass(frozen=True)
