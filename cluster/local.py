@@ -39,9 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from configs.cli_args import port_in_use
 from configs.jsonio import write_json
-from configs.net import free_ports
+from configs.net import free_ports, listener_on, port_in_use
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.serve_config import PROXY_ENV
 
@@ -308,8 +307,9 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
         return base_url
     cfg = load_config(Path(config), port)
     if port_in_use(port, HOST):   # nothing specload answers there, yet the port is taken
+        who = listener_on(port)
         raise PortInUse(f"port {port} on {HOST} is in use by another server (not a specload "
-                        "service); pick a free port")
+                        f"service{': ' + who if who else ''}); pick a free port")
     strategies = expected_strategies(cfg)
     if not strategies:
         raise SystemExit("no strategy in the config can be served here (see warnings above)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 from pathlib import Path
 from typing import Callable
 
@@ -58,16 +57,6 @@ def number(kind: type = float, ge: float | None = None, gt: float | None = None,
 def port() -> Callable[[str], int]:
     """A TCP port number, 1..65535."""
     return number(int, ge=PORT_MIN, le=PORT_MAX)
-
-
-def port_in_use(p: int, host: str = "127.0.0.1") -> bool:
-    """True if binding ``host:p`` fails now (another server listens there)."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, p))
-        except OSError:
-            return True
-    return False
 
 
 def existing_file() -> Callable[[str], str]:

@@ -203,6 +203,7 @@ def test_cluster_up_port_in_use(capsys):
         port = s.getsockname()[1]
         last = _exit2(capsys, _cluster, ["up", "--port", str(port)], "--port")
     assert "in use" in last and str(port) in last
+    assert f"pid {os.getpid()}" in last, last   # the message names the foreign listener
 
 
 # ------------------------------------------------------------- bench_serve
