@@ -131,8 +131,8 @@ FAILURE_STATUSES = (STATUS_ERROR, STATUS_TIMEOUT, STATUS_DISCONNECTED, STATUS_RE
 ERROR_CODE_REPLICA_LOST = "replica_lost"       # OpenAI error `code` the ingress sends for a dead replica
 
 # --- per-cell figures (one strategy x tier x output class x users) ----------
-# One scheme for the live summary (loadgen/summary.py: manifest "cells",
-# summary.csv) and the analysis (analysis/metrics.py, the report's per-cell table).
+# One scheme for the live summary (loadgen/results/summary.py: manifest "cells",
+# summary.csv) and the analysis (analysis/data/metrics.py, the report's per-cell table).
 CELL_N_REQUESTS = "n_requests"                 # rows of the cell, every status
 CELL_N_OK = "n_ok"                             # rows with status ok
 CELL_DURATION_S = "duration_s"                 # first send -> last end, s

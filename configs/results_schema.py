@@ -2,9 +2,9 @@
 
 One table per row kind, each column with its name (from ``configs.metric_names``),
 its type and its unit. The load generator writes with it
-(``loadgen.writer``: Parquet schema, row coercion, ``schema_version`` in the
+(``loadgen.results.writer``: Parquet schema, row coercion, ``schema_version`` in the
 file metadata and the manifest), the analysis reads with it
-(``analysis.load``: required columns, dtypes, columns added as missing for
+(``analysis.data.load``: required columns, dtypes, columns added as missing for
 older runs or third-party servers), and the live summary table and the report
 name their inputs by it.
 

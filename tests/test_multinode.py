@@ -290,7 +290,7 @@ def test_node_loss_mid_run(cluster, tmp_path):
     alive = [w for w in cell["workers"] if not w["lost"]]
     assert len(alive) == 2 and all(w["ray_node_id"] != victim_id for w in alive)
     # the report shows the window of lost requests
-    from analysis.report import build_report
+    from analysis.report.build import build_report
 
     rep = build_report(run, tmp_path / "report")
     md = Path(rep["paths"]["md"]).read_text()

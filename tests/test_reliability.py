@@ -254,7 +254,7 @@ def test_counters_count_what_the_user_received(strategy, make_engine, prompts):
     emitted = verification - rejected, wasted >= 0; the capacity table agrees."""
     import pandas as pd
 
-    from analysis.capacity import capacity_table
+    from analysis.model.capacity import capacity_table
 
     eng = engine_for(make_engine, strategy)
     base, _ = drive(eng, [("b", prompts[0], SamplingParams(max_tokens=N))])
