@@ -114,6 +114,10 @@ REQ_ARRIVAL = "arrival"                        # "closed" (fixed users) | "open"
 REQ_RATE_RPS = "request_rate_rps"              # open-loop arrival rate, requests/s (null if closed)
 REQ_REPEAT = "repeat"                          # 0-based repeat of the cell (loadgen --repeats)
 REQ_RETRIES = "retries"                        # times this request was re-sent after a 429 (--retry N)
+# per-request speculative stats as the server reported them (timing.engine_spec_stats)
+REQ_SPEC_SOURCE = "spec_source"                # who reported the row's spec stats: specload | vllm | sglang
+REQ_NUM_SPEC_TOKENS = "num_spec_tokens"        # k: draft tokens the server proposes per step (vLLM)
+REQ_ACCEPTANCE_HISTOGRAM = "acceptance_histogram"  # list[int]: steps by accepted count 0..k (vLLM)
 
 # request status values (REQ_STATUS)
 STATUS_OK = "ok"
@@ -167,6 +171,94 @@ PROM_BATCH_SIZE = "batch_size"
 PROM_VERIFICATION_TOKENS = "verification_tokens_per_step"
 PROM_STEP_TIME_MS = "step_time_ms"
 PROM_QUEUE_DEPTH = "num_requests_waiting"
+
+
+# --- a target's own Prometheus metrics (``--server-metrics``, server_metrics.parquet) ---
+# What a real engine publishes (docs/design.md "Real engines: what they publish"),
+# mapped onto specload's names in ONE table per engine kind. The load generator scrapes
+# the target's ``/metrics`` while each cell runs (loadgen/run/server_metrics.py); the
+# analysis reads the per-cell deltas like it reads the step log (analysis/data/server.py).
+ENGINE_VLLM = "vllm"
+ENGINE_SGLANG = "sglang"
+ENGINE_SPECLOAD = "specload"
+ENGINE_KINDS = (ENGINE_VLLM, ENGINE_SGLANG, ENGINE_SPECLOAD)
+
+# canonical series (the ``metric`` column of server_metrics.parquet); counters are deltas
+# over a cell, gauges are sampled (mean / max over the cell)
+SRV_NUM_DRAFTS = NUM_DRAFTS                          # counter, steps (request-steps that drafted)
+SRV_NUM_DRAFT_TOKENS = NUM_DRAFT_TOKENS              # counter, tokens
+SRV_NUM_ACCEPTED_TOKENS = NUM_ACCEPTED_TOKENS        # counter, tokens
+SRV_NUM_ACCEPTED_PER_POS = NUM_ACCEPTED_TOKENS_PER_POS  # counter per draft position (0-based), tokens
+SRV_PROMPT_TOKENS = "prompt_tokens"                  # counter, tokens prefilled
+SRV_GENERATION_TOKENS = "generation_tokens"          # counter, output tokens emitted
+SRV_REQUESTS_FINISHED = "requests_finished"          # counter, requests (every finish reason)
+SRV_PREEMPTIONS = "num_preemptions"                  # counter, preempted requests
+SRV_ENGINE_STEPS = "engine_steps"                    # counter, engine iterations (a histogram's count)
+SRV_STEP_TOKENS = "step_tokens"                      # counter, tokens over those steps (the histogram's sum)
+SRV_STEP_MS = "step_ms"                              # counter, engine step wall time summed, ms (specload only)
+SRV_VERIFICATION_TOKENS = "verification_tokens"      # counter, sum(draft len + 1) over steps (specload only)
+SRV_DECODE_ROWS = "decode_rows"                      # counter, running requests summed over steps (specload only)
+SRV_RUNNING = "num_requests_running"                 # gauge, requests in the running batch
+SRV_WAITING = "num_requests_waiting"                 # gauge, requests queued for a slot
+SRV_KV_USAGE = "kv_cache_usage"                      # gauge, fraction 0..1 of the KV cache in use
+SRV_ACCEPT_LENGTH = "accept_length"                  # gauge, the engine's own tau (SGLang)
+SRV_ACCEPT_RATE = "accept_rate"                      # gauge, the engine's own acceptance rate (SGLang)
+SRV_COUNTERS = (SRV_NUM_DRAFTS, SRV_NUM_DRAFT_TOKENS, SRV_NUM_ACCEPTED_TOKENS, SRV_NUM_ACCEPTED_PER_POS,
+                SRV_PROMPT_TOKENS, SRV_GENERATION_TOKENS, SRV_REQUESTS_FINISHED, SRV_PREEMPTIONS,
+                SRV_ENGINE_STEPS, SRV_STEP_TOKENS, SRV_STEP_MS, SRV_VERIFICATION_TOKENS, SRV_DECODE_ROWS)
+SRV_GAUGES = (SRV_RUNNING, SRV_WAITING, SRV_KV_USAGE, SRV_ACCEPT_LENGTH, SRV_ACCEPT_RATE)
+SRV_POSITION_LABEL = "position"                      # the per-position counter's label (0-based)
+
+# Prometheus sample selectors: counter -> the family's ``_total`` samples (the parser names
+# the family without the suffix), gauge -> the value, hist_count / hist_sum -> a histogram's
+# ``_count`` / ``_sum``. Samples of every other label (engine, finished_reason, replica) are
+# summed; ``position`` is kept.
+SERVER_METRIC_NAMES: dict[str, dict[str, tuple[str, str]]] = {
+    # vLLM 0.32 (vllm/v1/metrics/loggers.py, vllm/v1/spec_decode/metrics.py)
+    ENGINE_VLLM: {
+        SRV_NUM_DRAFTS: ("vllm:spec_decode_num_drafts", "counter"),
+        SRV_NUM_DRAFT_TOKENS: ("vllm:spec_decode_num_draft_tokens", "counter"),
+        SRV_NUM_ACCEPTED_TOKENS: ("vllm:spec_decode_num_accepted_tokens", "counter"),
+        SRV_NUM_ACCEPTED_PER_POS: ("vllm:spec_decode_num_accepted_tokens_per_pos", "counter"),
+        SRV_PROMPT_TOKENS: ("vllm:prompt_tokens", "counter"),
+        SRV_GENERATION_TOKENS: ("vllm:generation_tokens", "counter"),
+        SRV_REQUESTS_FINISHED: ("vllm:request_success", "counter"),
+        SRV_PREEMPTIONS: ("vllm:num_preemptions", "counter"),
+        # tokens per engine step = prompt tokens computed + output tokens emitted in it
+        SRV_ENGINE_STEPS: ("vllm:iteration_tokens_total", "hist_count"),
+        SRV_STEP_TOKENS: ("vllm:iteration_tokens_total", "hist_sum"),
+        SRV_RUNNING: ("vllm:num_requests_running", "gauge"),
+        SRV_WAITING: ("vllm:num_requests_waiting", "gauge"),
+        SRV_KV_USAGE: ("vllm:kv_cache_usage_perc", "gauge"),
+    },
+    # SGLang 0.5 (--enable-metrics)
+    ENGINE_SGLANG: {
+        SRV_PROMPT_TOKENS: ("sglang:prompt_tokens", "counter"),
+        SRV_GENERATION_TOKENS: ("sglang:generation_tokens", "counter"),
+        SRV_REQUESTS_FINISHED: ("sglang:num_requests", "counter"),
+        SRV_RUNNING: ("sglang:num_running_reqs", "gauge"),
+        SRV_WAITING: ("sglang:num_queue_reqs", "gauge"),
+        SRV_KV_USAGE: ("sglang:token_usage", "gauge"),
+        SRV_ACCEPT_LENGTH: ("sglang:spec_accept_length", "gauge"),
+        SRV_ACCEPT_RATE: ("sglang:spec_accept_rate", "gauge"),
+    },
+    # specload's own replicas (actors/serve/deployments.py via ray.serve.metrics; Ray's
+    # metrics agent exports them with its ``ray_`` namespace)
+    ENGINE_SPECLOAD: {
+        SRV_NUM_DRAFTS: ("ray_" + PROM_PREFIX + PROM_SPEC_NUM_DRAFTS, "counter"),
+        SRV_NUM_DRAFT_TOKENS: ("ray_" + PROM_PREFIX + PROM_SPEC_NUM_DRAFT_TOKENS, "counter"),
+        SRV_NUM_ACCEPTED_TOKENS: ("ray_" + PROM_PREFIX + PROM_SPEC_NUM_ACCEPTED_TOKENS, "counter"),
+        SRV_NUM_ACCEPTED_PER_POS: ("ray_" + PROM_PREFIX + PROM_SPEC_NUM_ACCEPTED_PER_POS, "counter"),
+        SRV_ENGINE_STEPS: ("ray_" + PROM_PREFIX + PROM_STEP_TIME_MS, "hist_count"),
+        SRV_STEP_MS: ("ray_" + PROM_PREFIX + PROM_STEP_TIME_MS, "hist_sum"),
+        SRV_VERIFICATION_TOKENS: ("ray_" + PROM_PREFIX + PROM_VERIFICATION_TOKENS, "hist_sum"),
+        SRV_DECODE_ROWS: ("ray_" + PROM_PREFIX + PROM_BATCH_SIZE, "hist_sum"),
+        SRV_WAITING: ("ray_" + PROM_PREFIX + PROM_QUEUE_DEPTH, "gauge"),
+    },
+}
+# the label naming the served model: vLLM / SGLang ``model_name`` (vLLM: the FIRST
+# --served-model-name, whichever alias a request used); specload's replicas ``strategy``
+SERVER_MODEL_LABEL = {ENGINE_VLLM: "model_name", ENGINE_SGLANG: "model_name", ENGINE_SPECLOAD: "strategy"}
 
 
 def acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:

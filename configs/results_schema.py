@@ -1,4 +1,4 @@
-"""The results schema: every column of a run directory's request rows and step rows.
+"""The results schema: every column of a run directory's request, step and server-metric rows.
 
 One table per row kind, each column with its name (from ``configs.metric_names``),
 its type and its unit. The load generator writes with it
@@ -20,6 +20,9 @@ Versions (``SCHEMA_VERSION``):
   2: request column ``repeat``; manifest ``schema_version``.
   3: step rows carry ``model``; the version is in the Parquet metadata; the
      never-produced top-k coverage columns are gone.
+  4: request columns ``spec_source``, ``num_spec_tokens``, ``acceptance_histogram``
+     (per-request speculative stats of vLLM / SGLang); ``server_metrics.parquet`` (the
+     target's own Prometheus series, sampled during the run: ``SERVER_METRIC_COLUMNS``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -94,6 +97,11 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.QUEUE_MS, "float64", "ms", "arrival -> first scheduled, server side"),
     _c(M.REQ_REPEAT, "int32", doc="0-based repeat of the cell (--repeats)"),
     _c(M.REQ_RETRIES, "int32", doc="re-sends after HTTP 429 (--retry N); 0 without retries", default=0),
+    _c(M.REQ_SPEC_SOURCE, "string", doc="who reported the spec stats: specload (spec_decode), vllm "
+       "(metrics.speculative_decoding), sglang (meta_info); null: none"),
+    _c(M.REQ_NUM_SPEC_TOKENS, "int32", "tokens", "k, draft tokens proposed per step (vLLM)"),
+    _c(M.REQ_ACCEPTANCE_HISTOGRAM, "list<int64>", "steps",
+       "verification steps by accepted draft tokens 0..k (vLLM)"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------
@@ -129,6 +137,29 @@ STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_REPEAT, "int32", doc="cell's repeat"),
 )
 STEP_COLUMNS: tuple[Column, ...] = ENGINE_STEP_COLUMNS + STEP_LABEL_COLUMNS
+
+# --- server metric rows: server_metrics.parquet, one row per sample of one series ----
+# The target's own Prometheus series (configs.metric_names SERVER_METRIC_NAMES), kept for
+# the run's served models only, sampled every --server-metrics-interval-s and at each
+# cell's start and end (loadgen.run.server_metrics). Long format: a scrape gives one row
+# per (model, metric, position). Cell labels by sample time, as for step rows.
+SERVER_METRIC_COLUMNS: tuple[Column, ...] = (
+    _c(M.REQ_RUN_ID, "string", doc="run id"),
+    _c("ts", "float64", "s (unix)", "when the scrape's response arrived", required=True),
+    _c("engine", "string", doc=" | ".join(M.ENGINE_KINDS)),
+    _c("model", "string", doc="the series' model label value (vLLM model_name, specload strategy)"),
+    _c("metric", "string", doc="canonical name: " + ", ".join(M.SRV_COUNTERS + M.SRV_GAUGES),
+       required=True),
+    _c("kind", "string", doc="counter (cumulative; resets on a restart) | gauge"),
+    _c("position", "int32", doc="0-based draft position (per-position counter); null otherwise"),
+    _c("value", "float64", doc="the sample's value, in the metric's unit (configs/metric_names.py)",
+       required=True),
+    _c(M.REQ_STRATEGY, "string", doc="served name of the cell running at ts; null between cells"),
+    _c(M.REQ_TIER, "string", doc="cell's tier"),
+    _c(M.REQ_OUTPUT_CLASS, "string", doc="cell's output class"),
+    _c(M.REQ_USERS, "int32", "users", "cell's requested concurrency"),
+    _c(M.REQ_REPEAT, "int32", doc="cell's repeat"),
+)
 
 
 def names(columns: tuple[Column, ...]) -> tuple[str, ...]:

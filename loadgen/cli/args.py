@@ -12,6 +12,7 @@ from configs.cli_args import existing_file, number, output_dir, path_component, 
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
 from loadgen.cli.consistency import DEFAULT_SAMPLES
 from loadgen.run.datasets import DEFAULT_DATASET
+from loadgen.run.server_metrics import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, MIN_INTERVAL_S, server_metrics_arg
 from loadgen.run.sweep import sweep_levels
 from loadgen.cli.target import ROUTE_AUTO, ROUTE_MODEL_FIELD, ROUTE_STRATEGY, parse_header
 
@@ -84,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-s", type=number(ge=0), default=0.0,
                     help="seconds at the start of every cell the report excludes as warm-up "
                          "(stored in manifest.json; default 0)")
+    ap.add_argument("--server-metrics", default="auto", type=server_metrics_arg, metavar="auto|URL|off",
+                    help="read the target's own Prometheus metrics while each cell runs (vLLM, SGLang, "
+                         "specload's names: configs/metric_names.py): auto (default) = <target>/metrics "
+                         "when it answers, URL = that page (it must answer), off = none. Per-cell "
+                         "deltas go to manifest.json and summary.csv (server_*), the time series to "
+                         "server_metrics.parquet")
+    ap.add_argument("--server-metrics-interval-s", type=number(ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S),
+                    default=DEFAULT_INTERVAL_S,
+                    help=f"seconds between scrapes ({MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g}, i.e. 1 to 4 Hz; "
+                         f"default {DEFAULT_INTERVAL_S:g}); each cell also gets a scrape at its start and end")
     ap.add_argument("--report", action="store_true",
                     help="after the run, write the analysis report (python -m analysis report) "
                          "into the run directory and print the recommendation table")

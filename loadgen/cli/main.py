@@ -33,6 +33,7 @@ from loadgen.run import service
 from loadgen.cli.args import check_local_strategy_names, manifest_args, parse_args
 from loadgen.run.cells import CellPlan, shuffled_prompts
 from loadgen.run.datasets import DatasetError, load_dataset
+from loadgen.run.server_metrics import ServerMetricsError
 from loadgen.results.progress import Progress
 from loadgen.results.summary import SUMMARY_CSV, clock
 from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
@@ -161,6 +162,7 @@ class _RunState:
     n_steps: int = 0
     cell_no: int = 0
     stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
+    server: Any = None   # loadgen.run.server_metrics.RunServerMetrics (--server-metrics)
 
 
 def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
@@ -179,6 +181,11 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
                    outputs=list(OUTPUT_CLASSES) if args.output == "all" else [args.output],
                    levels=sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
                    if args.sweep else [])
+    try:
+        _open_server_metrics(st)
+    except ServerMetricsError as err:
+        console.print(f"[red]config error:[/] --server-metrics: {err}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
     n_cells, planned_cell_s = _open_run(st)
     _catch_signals(st.stop)
     runner = None
@@ -204,6 +211,28 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
     return _print_outcome(st)
 
 
+
+
+def _open_server_metrics(st: _RunState) -> None:
+    """Probe the target's Prometheus page (``--server-metrics``) and start polling it; say what
+    was found. Raises ServerMetricsError for an explicit URL that cannot be read."""
+    from loadgen.run.server_metrics import RunServerMetrics
+
+    args = st.args
+    st.server = RunServerMetrics(args.server_metrics, st.target,
+                                 {s: args.model or s for s in st.strategies},
+                                 args.server_metrics_interval_s, dict(st.auth.headers), st.auth.insecure)
+    st.server.open()
+    f = st.server.facts
+    if f.get("error"):
+        st.console.print(f"server metrics: none ({f['error']}); pass --server-metrics URL to read "
+                         "another page", highlight=False, soft_wrap=True)
+    elif st.server.active:
+        st.console.print(f"server metrics: {f['engine']} series at {f['url']} every {f['interval_s']:g} s "
+                         f"(models {f['model_labels']}); not exposed: {', '.join(f['missing']) or 'none'}",
+                         highlight=False, soft_wrap=True)
+        for note in f.get("notes", []):
+            st.console.print(f"[yellow]note[/] server metrics: {note}", highlight=False, soft_wrap=True)
 
 
 def _open_run(st: _RunState) -> tuple[int, float]:
@@ -242,6 +271,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         "schema_version": MANIFEST_SCHEMA_VERSION, "repeats": args.repeats,
         "writer_pid": st.writer.pid, "driver_pid": os.getpid(), "load_workers": [], "worker_losses": [],
         "retry": {"max_retries": args.retry, "backoff_s": args.retry_backoff_s},
+        "server_metrics": dict(st.server.facts) if st.server is not None else {},
         **environment_info()}
     if args.sweep:
         st.manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
@@ -337,7 +367,7 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     rep = f" r{spec.repeat}" if args.repeats > 1 else ""
     sweep_users = f" u{users}" if args.sweep else ""
     progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
-    cell_t0 = time.time()
+    cell_t0 = st.server.begin_cell() if st.server is not None else time.time()
     # rows go to the writer process as they complete (cells/NNN-...parquet, a row group a second);
     # no Arrow conversion in this gevent loop, which would delay in-flight chunks' timestamps
     st.cell_no += 1
@@ -347,12 +377,22 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     finally:
         st.writer.end_cell()
         _record_losses(st, runner)
+    server = st.server.end_cell(strategy, cell_t0, cell_run.rows) if st.server is not None else None
     st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
                             "repeat": spec.repeat, "t0": cell_t0, "t1": time.time()})
     s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
                        arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
                        slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
     s.repeat = spec.repeat
+    if server is not None:
+        s.server_metrics = server
+        if server.get("unattributed_drafts"):
+            s.warnings.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
+                              "cell's requests report: other traffic reached the engine during the cell "
+                              "(its counters cannot tell it apart) or a request's stats were lost")
+        if server.get("counter_resets"):
+            s.warnings.append(f"{server['counter_resets']} server counter reset(s) during the cell (a "
+                              "restart?): counted from 0 after each")
     for loss in runner.worker_losses:
         if loss["cell_id"] == plan.cell_id:
             s.warnings.append(f"load worker {loss['worker_index']} lost: its {loss['in_flight_at_last_report']} "
@@ -407,6 +447,7 @@ def _close_run(st: _RunState, runner: Any) -> None:
     if runner is not None:
         runner.close()
     st.writer.close()
+    _write_server_metrics(st)
     try:
         st.n_steps = write_steps(st.run_dir / "steps.parquet",
                                  _label_steps(st.steps, st.run_id, st.cell_windows))
@@ -418,6 +459,22 @@ def _close_run(st: _RunState, runner: Any) -> None:
                        worker_losses=list(getattr(runner, "worker_losses", [])))
     write_manifest(st.run_dir / "manifest.json", st.manifest)
     write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
+
+
+def _write_server_metrics(st: _RunState) -> None:
+    """Stop polling; server_metrics.parquet and the manifest's server_metrics facts."""
+    from loadgen.results.writer import SERVER_METRICS_FILE, write_server_metrics
+
+    if st.server is None:
+        return
+    st.server.close()
+    try:
+        n = write_server_metrics(st.run_dir / SERVER_METRICS_FILE, st.server.rows(st.run_id, st.cell_windows))
+        st.server.facts["rows"] = n
+        st.server.facts["file"] = SERVER_METRICS_FILE if n else None
+    except Exception as err:  # noqa: BLE001  (a bad sample must not lose the run)
+        st.console.print(f"[yellow]warning[/] could not write {SERVER_METRICS_FILE}: {err}")
+    st.manifest["server_metrics"] = dict(st.server.facts)
 
 
 def _print_outcome(st: _RunState) -> int:

@@ -89,6 +89,9 @@ class CellSummary:
     # --workers N: per Locust worker {worker_index, client_id, ray_node_id, cpu_percent_mean/max,
     # users_max/last, rows, lost} (loadgen.run.locust_runner.CellRun.workers)
     workers: list[dict] = field(default_factory=list)
+    # --server-metrics: the target's own counters over the cell (deltas) and gauges (mean / max),
+    # loadgen.run.server_metrics.cell_figures; {} when not read
+    server_metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def meets_slo(row: dict[str, Any], slo: Slo) -> bool:
@@ -255,11 +258,23 @@ def legend(headers: list[str]) -> str:
 
 
 # --- summary.csv -------------------------------------------------------------------
+# server_metrics keys flattened into summary.csv as server_<key> (the manifest has them all)
+SERVER_CSV_KEYS = (M.SRV_NUM_DRAFTS, M.SRV_NUM_DRAFT_TOKENS, M.SRV_NUM_ACCEPTED_TOKENS,
+                   M.SRV_NUM_ACCEPTED_PER_POS, M.ACCEPTANCE_LENGTH, M.SRV_PROMPT_TOKENS,
+                   M.SRV_GENERATION_TOKENS, M.SRV_REQUESTS_FINISHED, M.SRV_ENGINE_STEPS, M.SRV_STEP_TOKENS,
+                   f"{M.SRV_RUNNING}_mean", f"{M.SRV_RUNNING}_max", f"{M.SRV_WAITING}_mean",
+                   f"{M.SRV_WAITING}_max", f"{M.SRV_KV_USAGE}_max", M.SRV_PREEMPTIONS, "counter_resets",
+                   "samples", "unattributed_drafts")
+SERVER_CSV_PREFIX = "server_"
+
+
 def csv_columns() -> list[str]:
-    """summary.csv's columns: every CellSummary field (by_status flattened to status_<name>)."""
+    """summary.csv's columns: every CellSummary field (by_status flattened to status_<name>,
+    server_metrics to server_<key>)."""
     names = [f.name for f in dataclasses.fields(CellSummary)
-             if f.name not in ("by_status", "warnings", "workers")]   # per-worker stats: manifest.json
-    return names + [f"status_{st}" for st in M.REQ_STATUSES] + ["warnings"]
+             if f.name not in ("by_status", "warnings", "workers", "server_metrics")]   # per-worker stats: manifest.json
+    return (names + [f"status_{st}" for st in M.REQ_STATUSES]
+            + [SERVER_CSV_PREFIX + k for k in SERVER_CSV_KEYS] + ["warnings"])
 
 
 def write_csv(path: Path, summaries: list[CellSummary]) -> Path:
@@ -278,6 +293,10 @@ def write_csv(path: Path, summaries: list[CellSummary]) -> Path:
             for c in cols:
                 if c.startswith("status_"):
                     v: Any = s.by_status.get(c[len("status_"):], 0)
+                elif c.startswith(SERVER_CSV_PREFIX):
+                    v = (s.server_metrics or {}).get(c[len(SERVER_CSV_PREFIX):])
+                    if isinstance(v, list):
+                        v = " ".join(str(x) for x in v)   # per-position counts, position 0 first
                 elif c == "warnings":
                     v = " | ".join(s.warnings)
                 else:

@@ -43,6 +43,8 @@ from configs.paths import REPO_ROOT
 
 REQUEST_SCHEMA = S.arrow_schema(S.REQUEST_COLUMNS)   # columns, types, units: configs/results_schema.py
 STEP_SCHEMA = S.arrow_schema(S.STEP_COLUMNS)
+SERVER_METRICS_SCHEMA = S.arrow_schema(S.SERVER_METRIC_COLUMNS)
+SERVER_METRICS_FILE = "server_metrics.parquet"
 
 
 class RequestWriter:
@@ -288,6 +290,20 @@ def write_steps(path: Path, rows: list[dict[str, Any]]) -> int:
         return 0
     tmp = Path(str(path) + ".tmp")
     table = pa.Table.from_pylist([S.coerce_row(S.STEP_COLUMNS, r) for r in rows], schema=STEP_SCHEMA)
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return len(rows)
+
+
+def write_server_metrics(path: Path, rows: list[dict[str, Any]]) -> int:
+    """Write the target's sampled Prometheus series (``SERVER_METRICS_SCHEMA``,
+    ``loadgen.run.server_metrics.RunServerMetrics.rows``) atomically; returns rows written
+    (0: nothing written)."""
+    if not rows:
+        return 0
+    tmp = Path(str(path) + ".tmp")
+    table = pa.Table.from_pylist([S.coerce_row(S.SERVER_METRIC_COLUMNS, r) for r in rows],
+                                 schema=SERVER_METRICS_SCHEMA)
     pq.write_table(table, tmp)
     os.replace(tmp, path)
     return len(rows)

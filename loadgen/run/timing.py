@@ -44,6 +44,61 @@ SPEC_INT_FIELDS = (M.NUM_DRAFTS, M.NUM_DRAFT_TOKENS, M.NUM_ACCEPTED_TOKENS)
 SPEC_FLOAT_FIELDS = (M.ACCEPTANCE_LENGTH, M.DRAFT_MS, M.VERIFY_MS, M.QUEUE_MS)
 SPEC_LIST_FIELDS = (M.NUM_ACCEPTED_TOKENS_PER_POS,)
 PER_CHUNK_TOKENS_FIELD = "num_tokens"  # optional per-chunk extension: spec_decode.num_tokens
+# what other engines report per request, under specload's names (engine_spec_stats)
+ENGINE_SPEC_FIELDS = (M.REQ_SPEC_SOURCE, M.REQ_NUM_SPEC_TOKENS)
+ENGINE_LIST_FIELDS = (M.REQ_ACCEPTANCE_HISTOGRAM,)
+
+
+def engine_spec_stats(obj: dict[str, Any]) -> dict[str, Any]:
+    """Per-request speculative stats of a response object (a stream chunk or a whole
+    response) under specload's names; {} when it carries none.
+
+    - specload: the ``spec_decode`` extension (``actors.serve.openai_response``), names as is.
+    - vLLM (``--per-request-spec-decode-metrics summary|detailed``): ``metrics.speculative_decoding``,
+      in a stream on the final usage chunk: ``num_spec_steps`` -> num_drafts,
+      ``num_draft_tokens``, ``num_accepted_draft_tokens`` -> num_accepted_tokens,
+      ``mean_acceptance_length`` -> acceptance_length, ``num_spec_tokens`` (k),
+      ``acceptance_histogram`` (steps by accepted count 0..k). Accepted counts per position
+      follow from the histogram, since a draft is accepted as a prefix: accepted at
+      position i (0-based) = steps that accepted more than i = sum(histogram[i+1:]).
+    - SGLang: ``meta_info`` (top level, or on the choice) ``spec_verify_ct`` -> num_drafts,
+      ``spec_accept_token_num`` -> num_accepted_tokens, ``spec_draft_token_num`` ->
+      num_draft_tokens (SGLang's own counts; no per-position split).
+    """
+    spec = obj.get(M.SPEC_DECODE_FIELD)
+    if isinstance(spec, dict) and spec:
+        out = {k: spec[k] for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS if k in spec}
+        if out:
+            out[M.REQ_SPEC_SOURCE] = M.ENGINE_SPECLOAD
+        return out
+    metrics = obj.get("metrics")
+    sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if isinstance(sd, dict):
+        out = {M.REQ_SPEC_SOURCE: M.ENGINE_VLLM}
+        for ours, theirs in ((M.NUM_DRAFTS, "num_spec_steps"), (M.NUM_DRAFT_TOKENS, "num_draft_tokens"),
+                             (M.NUM_ACCEPTED_TOKENS, "num_accepted_draft_tokens"),
+                             (M.REQ_NUM_SPEC_TOKENS, "num_spec_tokens")):
+            if isinstance(sd.get(theirs), int):
+                out[ours] = sd[theirs]
+        if isinstance(sd.get("mean_acceptance_length"), (int, float)):
+            out[M.ACCEPTANCE_LENGTH] = float(sd["mean_acceptance_length"])
+        hist = sd.get("acceptance_histogram")
+        if isinstance(hist, list) and all(isinstance(h, int) for h in hist) and len(hist) >= 2:
+            out[M.REQ_ACCEPTANCE_HISTOGRAM] = hist
+            out[M.NUM_ACCEPTED_TOKENS_PER_POS] = [sum(hist[i + 1:]) for i in range(len(hist) - 1)]
+        return out
+    meta = obj.get("meta_info")
+    if not isinstance(meta, dict):
+        choices = obj.get("choices") or []
+        meta = choices[0].get("meta_info") if choices and isinstance(choices[0], dict) else None
+    if isinstance(meta, dict) and "spec_verify_ct" in meta:
+        out = {M.REQ_SPEC_SOURCE: M.ENGINE_SGLANG}
+        for ours, theirs in ((M.NUM_DRAFTS, "spec_verify_ct"), (M.NUM_ACCEPTED_TOKENS, "spec_accept_token_num"),
+                             (M.NUM_DRAFT_TOKENS, "spec_draft_token_num")):
+            if isinstance(meta.get(theirs), int):
+                out[ours] = meta[theirs]
+        return out
+    return {}
 
 
 class SSEParser:
@@ -153,6 +208,8 @@ class StreamRecorder:
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         spec = obj.get(M.SPEC_DECODE_FIELD) or {}
+        if not isinstance(spec, dict):
+            spec = {}
         usage = obj.get("usage")
         n: int | None = None
         if isinstance(spec.get(PER_CHUNK_TOKENS_FIELD), int):
@@ -182,9 +239,7 @@ class StreamRecorder:
             self.usage = usage
             if isinstance(usage.get("completion_tokens"), int):
                 self._usage_completion_seen = usage["completion_tokens"]
-        for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS:
-            if k in spec:
-                self.spec[k] = spec[k]
+        self.spec.update(engine_spec_stats(obj))
 
     @property
     def complete(self) -> bool:
@@ -258,6 +313,6 @@ class StreamRecorder:
             M.REQ_STATUS: status,
             M.REQ_ERROR: error if error is not None else self.error,
         }
-        for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS:
+        for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS + ENGINE_SPEC_FIELDS + ENGINE_LIST_FIELDS:
             row[k] = self.spec.get(k)
         return row
