@@ -32,3 +32,4 @@ class Analysis:
     warmup_s: float = 0.0                               # seconds cut from each cell's start
     figures: dict[str, bytes | None] = field(default_factory=dict)
     checks: dict[str, list[str]] = field(default_factory=dict)  # analysis.decide.checks: {figure: [sentences]}
+    server: dict = field(default_factory=dict)         # analysis.report.server_section output

@@ -42,7 +42,8 @@ from configs import metric_names as mn
 
 SERVER_KEY = "server_metrics"          # a manifest cell's dict of deltas; the manifest's run-level facts
 CELL_KEYS = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
-SUM_KEYS = tuple(k for k in mn.SRV_COUNTERS if k != mn.SRV_NUM_ACCEPTED_PER_POS)
+SUM_KEYS = tuple(k for k in mn.SRV_COUNTERS if k != mn.SRV_NUM_ACCEPTED_PER_POS) + (
+    "unattributed_drafts", "requests_num_drafts")
 
 # figure -> the server counters it needs (the report names what is missing)
 NEEDS = {
@@ -224,3 +225,96 @@ def table_rows(srv: pd.DataFrame) -> list[dict]:
     df = srv[[c for c in cols if c in srv.columns]]
     return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
             for r in df.to_dict("records")]
+
+
+def fill_cells(cells: pd.DataFrame, srv: pd.DataFrame) -> pd.DataFrame:
+    """The per-cell table with tau from the server where the requests carried none, and
+    ``acceptance_source`` saying where each cell's tau comes from (requests | server | None)."""
+    out = cells.copy()
+    src = pd.Series(np.where(out[mn.ACCEPTANCE_LENGTH].notna(), "requests", None), index=out.index,
+                    dtype=object)
+    if not srv.empty and "tau" in srv:
+        m = out[CELL_KEYS].merge(srv[CELL_KEYS + ["tau"]], on=CELL_KEYS, how="left")
+        fill = out[mn.ACCEPTANCE_LENGTH].isna().to_numpy() & m["tau"].notna().to_numpy()
+        out.loc[fill, mn.ACCEPTANCE_LENGTH] = m.loc[fill, "tau"].to_numpy()
+        src[fill] = "server"
+    out["acceptance_source"] = src
+    return out
+
+
+def merge_positions(positions: pd.DataFrame, srv: pd.DataFrame) -> pd.DataFrame:
+    """Request-based per-position rows (``source`` = requests) plus the server's for the
+    strategies the requests gave none for."""
+    pos = positions.copy()
+    pos["source"] = "requests"
+    have = set(pos.loc[pos["accepted"].notna(), mn.REQ_STRATEGY])
+    extra = per_position(srv)
+    extra = extra[~extra[mn.REQ_STRATEGY].isin(have)]
+    return pd.concat([pos, extra], ignore_index=True) if not extra.empty else pos
+
+
+def capacity_rows(srv: pd.DataFrame) -> pd.DataFrame:
+    """``analysis.model.capacity.capacity_table``'s columns per strategy from the server's
+    counters (``source`` = server /metrics): steps, mean running batch, verification tokens
+    per step and per decode request-step, emitted tokens per request-step, wasted share,
+    verification per emitted token, engine ms per emitted token (cell wall / generation tokens)."""
+    rows = []
+    if srv.empty:
+        return pd.DataFrame()
+    for strategy, g in srv.groupby(mn.REQ_STRATEGY, sort=True):
+        f = {c: g[c].astype(float).sum(min_count=1) if c in g else np.nan
+             for c in ("steps", "request_steps", "verification_tokens_total", "wasted_tokens",
+                       mn.SRV_NUM_ACCEPTED_TOKENS, mn.SRV_GENERATION_TOKENS, "duration_s")}
+        rs, verif, acc = f["request_steps"], f["verification_tokens_total"], f[mn.SRV_NUM_ACCEPTED_TOKENS]
+        emitted = rs + acc if np.isfinite(rs) and np.isfinite(acc) else np.nan
+        rows.append({mn.STEP_STRATEGY: strategy, "steps": f["steps"],
+                     "batch_size_mean": g["batch_size_mean"].astype(float).mean(),
+                     "verification_tokens_per_step": verif / f["steps"] if f["steps"] > 0 else np.nan,
+                     "verification_tokens_per_request": verif / rs if rs > 0 else np.nan,
+                     "emitted_tokens_per_request": emitted / rs if rs > 0 else np.nan,
+                     "wasted_share": f["wasted_tokens"] / verif if verif > 0 else np.nan,
+                     "verification_per_emitted": verif / emitted if emitted > 0 else np.nan,
+                     "ms_per_emitted_token": (1000.0 * f["duration_s"] / f[mn.SRV_GENERATION_TOKENS]
+                                              if f[mn.SRV_GENERATION_TOKENS] > 0 else np.nan),
+                     "source": "server /metrics"})
+    return pd.DataFrame(rows)
+
+
+def merge_capacity(cap: pd.DataFrame, srv: pd.DataFrame) -> pd.DataFrame:
+    """Step-log capacity rows (``source`` = step log) plus the server's for strategies
+    without a step log."""
+    cap = cap.copy()
+    if not cap.empty:
+        cap["source"] = "step log"
+    extra = capacity_rows(srv)
+    if extra.empty:
+        return cap
+    if not cap.empty:
+        extra = extra[~extra[mn.STEP_STRATEGY].isin(set(cap[mn.STEP_STRATEGY]))]
+    return pd.concat([cap, extra], ignore_index=True) if not cap.empty else extra
+
+
+def timeseries(results) -> pd.DataFrame:
+    """Every run's ``server_metrics.parquet`` (the sampled series), concatenated; empty
+    when no run wrote one. Raises ``analysis.data.load.ResultsError`` for a newer schema."""
+    from analysis.data.load import _read
+
+    frames = [_read(run.path / SERVER_METRICS_FILE) for run in results.runs
+              if (run.path / SERVER_METRICS_FILE).is_file()]
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+SERVER_METRICS_FILE = "server_metrics.parquet"
+
+
+def attribution_notes(srv: pd.DataFrame) -> list[str]:
+    """Cells where the server counted drafts the cell's own requests did not report (other
+    traffic to the engine during the cell: vLLM's counters carry one label per engine)."""
+    if srv.empty or "unattributed_drafts" not in srv:
+        return []
+    bad = srv[srv["unattributed_drafts"].fillna(0).astype(float) != 0]
+    return [f"{r[mn.REQ_STRATEGY]} {r[mn.REQ_TIER]}/{r[mn.REQ_OUTPUT_CLASS]} u{r[mn.REQ_USERS]}: the server "
+            f"counted {int(r['unattributed_drafts'])} drafts more than the cell's requests report "
+            "(other traffic reached the engine during the cell; its counters cannot tell it apart)"
+            for _, r in bad.iterrows()]

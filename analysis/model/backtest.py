@@ -29,6 +29,8 @@ import pandas as pd
 
 from analysis.model import capacity
 from analysis.data import metrics
+from analysis.data import server as server_data
+from analysis.model import server_fit
 from analysis.model import stepcost
 from analysis.data.load import Results
 from configs import metric_names as mn
@@ -171,7 +173,14 @@ def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
     label) take their batch size as the users level (batch occupancy 1); ``notes`` gets
     a sentence saying so. Empty without a step log."""
     if results.steps is None or results.steps.empty:
-        return {}
+        srv = server_data.cell_table(results)
+        if srv.empty:
+            return {}
+        if notes is not None:
+            notes.append("no step log: the capacity model is fitted on the target's own counters "
+                         "(server /metrics: cell wall / engine steps against tokens per step)")
+        levels = sorted({int(u) for u in cells[mn.REQ_USERS].unique()})
+        return fit_server_cell_models(srv, flagged, cells, levels)[0]
     steps = steps_with_users(results.steps, results.requests)
     unlabelled = steps[mn.REQ_USERS].isna()
     if unlabelled.any():
@@ -182,6 +191,62 @@ def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
     levels = sorted({int(u) for u in cells[mn.REQ_USERS].unique()}
                     | {int(u) for u in steps[mn.REQ_USERS].dropna().unique()})
     return fit_cell_models(steps, flagged, cells, levels)[0]
+
+
+def _server_workload(g: pd.DataFrame, req: pd.DataFrame, strategy: str) -> Workload:
+    """What a strategy x output class runs per step, from its server cells: v = verification
+    tokens / decode request-steps, tau from the drafts and accepted counters (else the
+    requests'), occupancy = mean running batch / users."""
+    steps = g["request_steps"].astype(float).sum()
+    verif = g["verification_tokens_total"].astype(float).sum()
+    v = float(verif / steps) if steps > 0 and np.isfinite(verif) else 1.0
+    drafts = g[mn.SRV_NUM_DRAFTS].astype(float).sum() if mn.SRV_NUM_DRAFTS in g else np.nan
+    acc = g[mn.SRV_NUM_ACCEPTED_TOKENS].astype(float).sum() if mn.SRV_NUM_ACCEPTED_TOKENS in g else np.nan
+    ok = req[req[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+    tau = 1.0 + acc / drafts if drafts > 0 else metrics.pooled_tau(ok)
+    if not np.isfinite(tau):
+        tau = 1.0
+    occ = (g["batch_size_mean"].astype(float) / g[mn.REQ_USERS].astype(float)).dropna()
+    return Workload(v=v, ctx_per_row=0.0, tau=float(tau),
+                    out_tokens=float(ok[mn.REQ_OUTPUT_TOKENS].mean()) if len(ok) else 1.0,
+                    prompt_tokens=0.0,   # the hinge's T already carries the prompt tokens
+                    occupancy=float(np.median(occ)) if len(occ) else 1.0)
+
+
+def fit_server_cell_models(srv: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFrame,
+                levels: list[int]) -> tuple[dict[tuple[str, str], CellModel], dict[str, stepcost.StepModel]]:
+    """``fit_cell_models`` from a target's own counters (``analysis.data.server.cell_table``), for
+    a run without a step log: the hinge of ``analysis.model.server_fit`` as the step model, the
+    workload from the counters (``_server_workload``). Returns (models, step models)."""
+    if srv is None or srv.empty:
+        return {}, {}
+    curves = server_fit.fit_curves(srv, levels)
+    step_models = {s: server_fit.step_model(s, c) for s, c in curves.items()}
+    meas = _measured(cells[cells[mn.REQ_USERS].isin(levels)])
+    out = {}
+    for (strategy, oc), req in flagged[flagged[mn.REQ_USERS].isin(levels)].groupby(
+            [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS]):
+        model = step_models.get(strategy)
+        g = srv[srv[mn.REQ_STRATEGY].eq(strategy) & srv[mn.REQ_OUTPUT_CLASS].eq(oc)
+                & srv[mn.REQ_USERS].isin(levels)]
+        if model is None or g.empty:
+            continue
+        w = _server_workload(g, req, strategy)
+        r_tps, r_tpot = [], []
+        for users in levels:
+            key = (strategy, oc, users)
+            if key not in meas.index:
+                continue
+            tps, tpot = model_point(model, w, users)
+            m = meas.loc[key]
+            if np.isfinite(m[metrics.OUTPUT_TOKENS_PER_S]) and tps > 0:
+                r_tps.append(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
+            if np.isfinite(m["tpot_ms_p50"]) and tpot > 0:
+                r_tpot.append(m["tpot_ms_p50"] / float(tpot))
+        out[(strategy, oc)] = CellModel(strategy, oc, model, w,
+                                        float(np.median(r_tps)) if r_tps else 1.0,
+                                        float(np.median(r_tpot)) if r_tpot else 1.0)
+    return out, step_models
 
 
 def predicted_speedup(models: dict, strategy: str, oc: str, users) -> np.ndarray | None:
@@ -247,17 +312,21 @@ def backtest(results: Results, holdout: int | None = None) -> dict:
     if len(levels) < 2:
         raise ValueError(f"backtest needs >= 2 users levels, the run has {levels}; run more "
                          "than one tier (`--tier all`) or a sweep (`--sweep`)")
-    if results.steps.empty:
-        raise ValueError("backtest needs the server's step log (steps.parquet); the target "
-                         "wrote none (a third-party server?)")
+    srv = server_data.cell_table(results) if results.steps.empty else None
+    if results.steps.empty and (srv is None or srv.empty):
+        raise ValueError("backtest needs the server's step log (steps.parquet) or its Prometheus "
+                         "counters (--server-metrics); the target gave neither")
     top = holdout if holdout is not None else levels[-1]
     if top not in levels:
         raise ValueError(f"holdout users level {top} was not measured; levels are {levels}")
     fit_levels = [u for u in levels if u < top]
     if not fit_levels:
         raise ValueError(f"no users level below the holdout {top}; levels are {levels}")
-    steps = steps_with_users(results.steps, req)
-    models, step_models = fit_cell_models(steps, flagged, cells, fit_levels)
+    if srv is not None:
+        models, step_models = fit_server_cell_models(srv, flagged, cells, fit_levels)
+    else:
+        steps = steps_with_users(results.steps, req)
+        models, step_models = fit_cell_models(steps, flagged, cells, fit_levels)
     meas = _measured(cells)
     rows = []
     for (strategy, oc), cm in sorted(models.items()):

@@ -1,7 +1,8 @@
 """``build_report``: results directory -> report.md, report.html, recommendation.json.
 
 Stages: load (analysis.data.load) -> per-request SLO flags and per-cell metrics
-(analysis.data.metrics) -> step-log capacity tables (analysis.model.capacity) and the step cost
+(analysis.data.metrics; the target's own counters where it published them, analysis.data.server)
+-> step-log capacity tables (analysis.model.capacity) and the step cost
 model (analysis.model.stepcost, via analysis.model.backtest) ->
 recommendation (analysis.decide.recommend) -> optional baseline comparison
 (analysis.data.degradation) -> output consistency, memory and stability
@@ -20,6 +21,8 @@ from analysis.model import backtest as bt_mod
 from analysis.model import capacity
 from analysis.data import faults
 from analysis.data import metrics
+from analysis.data import server as server_data
+from analysis.report.server_section import server_section
 from analysis.report import plots
 from analysis.report import render
 from analysis.data import stability
@@ -72,8 +75,9 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     tiers = sorted(results.requests[mn.REQ_TIER].unique())
     slos = resolve_slos(tiers, results.manifest_config, slo_ttft_ms, slo_tpot_ms)
     flagged = metrics.with_slo_flags(results.requests, slos)
-    cells = metrics.cell_table(flagged)
-    cap = capacity.capacity_table(results.steps)
+    srv = server_data.cell_table(results)   # the target's own counters (--server-metrics)
+    cells = server_data.fill_cells(metrics.cell_table(flagged), srv)
+    cap = server_data.merge_capacity(capacity.capacity_table(results.steps), srv)
     crossover = metrics.crossover_measured(cells).merge(
         predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
         how="outer")
@@ -93,13 +97,14 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
                               threshold)
     from analysis.report.capacity_section import capacity_section
     return Analysis(results=results, slos=slos, flagged=flagged, cells=cells,
-                    positions=metrics.per_position(flagged), crossover=crossover,
+                    positions=server_data.merge_positions(metrics.per_position(flagged), srv),
+                    crossover=crossover,
                     knees=metrics.throughput_latency_knee(cells), capacity=cap,
                     recommendation=rec, degradation=degradation,
                     outages=outage, timeline=faults.timeline(flagged),
                     baseline_root=str(baseline) if baseline is not None else None,
                     capacity_model=capacity_section(results), questions=answers,
-                    warmup_s=warmup_s)
+                    warmup_s=warmup_s, server=server_section(results, srv))
 
 
 def make_figures(a: Analysis) -> dict[str, bytes | None]:
@@ -114,6 +119,7 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "step_cost": plots.step_cost(a.results.steps),
         **capacity_figures(a.capacity_model),
         "timeline": plots.outage_timeline(a.timeline, a.outages),
+        **a.server.get("figures", {}),
         **a.questions.get("figures", {}),
     }
 

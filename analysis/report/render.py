@@ -26,7 +26,7 @@ CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "users", "n_reques
                 "output_tokens_per_s", "speedup", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
                 "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p90",
                 "itl_ms_p99", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
-                mn.ACCEPTANCE_LENGTH, "tau_p10", "tau_p50", "tau_p90"]
+                mn.ACCEPTANCE_LENGTH, "acceptance_source", "tau_p10", "tau_p50", "tau_p90"]
 FIGURE_TITLES = {
     "goodput": "Goodput per strategy (black outline = recommended; one colour per strategy in every figure)",
     "speedup": "Speedup vs concurrency (dotted: measured crossover)",
@@ -42,6 +42,8 @@ FIGURE_TITLES = {
                 "(shaded: outage)",
     "throughput_over_time": "Throughput over time per cell (one line per repeat; dashed: warm-up cut)",
     "acceptance_by_source": "Per-request acceptance length by prompt source",
+    "server_timeline": "Server gauges over the run: running and waiting requests per served model "
+                       "(shaded: cells)",
 }
 
 
@@ -94,15 +96,19 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
         *a.capacity_model.get("tables", []),
         ("Throughput-latency knee", "Users level maximising throughput / p50 e2e latency "
          "(Kleinrock's power).", records(a.knees)),
-        ("Batch capacity (step log)", "wasted_share = (verification - emitted) / verification "
+        ("Batch capacity (step log or server counters)", "wasted_share = (verification - emitted) / verification "
          "tokens; verification_per_emitted = batch tokens spent per emitted token; "
-         "ms_per_emitted_token = engine time per emitted token.", records(a.capacity)),
+         "ms_per_emitted_token = engine time per emitted token. source: the engine's step log, "
+         "or the target's own Prometheus counters (server /metrics) where there is no step log.",
+         records(a.capacity)),
+        *a.server.get("tables", []),
         ("Per-cell metrics", "Per run x strategy x tier x output class x users. tokens/s over "
          "the cell's wall time (first scheduled send to last end). ITL p50/p90 are over "
          "requests' median ITL, p99 over requests' p99 ITL.",
          records(_tier_sorted(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]]))),
         ("Per-position acceptance", "uncond = accepted at i / drafts (vLLM); cond = accepted at "
-         "i / accepted at i-1 (DFlash 2, DSpark). Drafter top-k coverage is measured "
+         "i / accepted at i-1 (DFlash 2, DSpark). source: the requests' own speculative stats, "
+         "or the server's per-position counters. Drafter top-k coverage is measured "
          "offline (`python -m actors.evaluate`).",
          records(a.positions)),
         *a.questions.get("tables", []),   # output consistency, memory, stability

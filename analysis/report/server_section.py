@@ -1,0 +1,86 @@
+"""The report's "Server metrics" section: what the target's own Prometheus counters say
+(``analysis.data.server``), the step cost fitted from them (``analysis.model.server_fit``)
+and what the server did not expose. Empty when no run read server metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from analysis.data import server
+from analysis.model import server_fit
+from analysis.report.plots import _axes, _png, strategy_color
+from configs import metric_names as mn
+
+
+def server_section(results, srv: pd.DataFrame) -> dict:
+    """{"tables": [(title, text, rows)], "notes": [str], "figures": {name: png}}."""
+    out: dict = {"tables": [], "notes": [], "figures": {}}
+    facts = server.server_facts(results)
+    if not facts:
+        return out
+    out["notes"] = server.missing_figures(results, srv) + server.attribution_notes(srv)
+    out["tables"].append((
+        "Server metrics: source",
+        "The target's own Prometheus page, read during the run (python -m loadgen "
+        "--server-metrics): engine kind detected from the names it exposes, the model label "
+        "each served name was read under, the canonical series it exposed and those its kind "
+        "publishes but the page lacked (configs/metric_names.py SERVER_METRIC_NAMES). "
+        + (" ".join(out["notes"]) if out["notes"] else "Every figure below could be computed."),
+        [{"run_id": f.get("run_id"), "url": f.get("url"), "engine": f.get("engine"),
+          "models": ", ".join(f"{k}: {v}" for k, v in (f.get("model_labels") or {}).items()),
+          "exposed": ", ".join(f.get("exposed") or []), "missing": ", ".join(f.get("missing") or []),
+          "samples": f.get("samples"), "failed_scrapes": f.get("failed_scrapes"),
+          "error": f.get("error")} for f in facts]))
+    if srv.empty:
+        return out
+    out["tables"].append((
+        "Server metrics per cell",
+        "Deltas of the server's counters over each cell (a scrape at its start and end; a "
+        "counter that went down, a restart, counts from 0). tau = 1 + accepted / drafts; "
+        "request_steps = decode steps summed over requests (generation - accepted - finished, "
+        "never below drafts); verification_tokens_total = draft tokens + request_steps; "
+        "wasted_tokens = draft - accepted tokens, wasted_share = wasted / verification; steps = "
+        "engine iterations (vLLM: the iteration-tokens histogram's count); tokens_per_step = "
+        "prompt tokens computed + output tokens emitted per step (vLLM's histogram); step_ms = "
+        "cell wall / steps; batch_size_mean / waiting_mean = sampled running / waiting gauges.",
+        server.table_rows(srv)))
+    fit = server_fit.fit_table(srv)
+    if fit:
+        out["tables"].append((
+            "Step cost from server metrics (no step log)",
+            "One sample per cell: step_ms = cell wall / engine steps against the batch tokens of "
+            "a mean step (verification + prompt tokens per step), fitted as a hinge floor + slope "
+            "* max(0, T - knee). With fewer than two distinct T the cost is flat "
+            "(knee_observed = no): run more tiers or users levels to see the knee. vLLM's "
+            "counters give no per-step time, so this is the whole step (draft, verify, prefill "
+            "and scheduling together).", fit))
+    ts = server.timeseries(results)
+    out["figures"]["server_timeline"] = timeline_plot(ts)
+    return out
+
+
+def timeline_plot(ts: pd.DataFrame) -> bytes | None:
+    """Running batch and queue (sampled gauges) over the run, one line per served model."""
+    if ts.empty:
+        return None
+    gauges = ts[ts["metric"].isin([mn.SRV_RUNNING, mn.SRV_WAITING])]
+    if gauges.empty:
+        return None
+    t0 = float(ts["ts"].min())
+    fig, axes = _axes(2)
+    for ax, metric, title in ((axes[0], mn.SRV_RUNNING, "running requests (server gauge)"),
+                              (axes[1], mn.SRV_WAITING, "waiting requests (server gauge)")):
+        for model, g in gauges[gauges["metric"].eq(metric)].groupby("model"):
+            g = g.sort_values("ts")
+            ax.plot(g["ts"] - t0, g["value"], drawstyle="steps-post", label=str(model),
+                    color=strategy_color(str(model)))
+        ax.set(title=title, xlabel="seconds since the first scrape", ylabel="requests")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    cells = ts.dropna(subset=[mn.REQ_TIER]).groupby([mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS,
+                                                     mn.REQ_USERS])["ts"].agg(["min", "max"])
+    for (_, row) in cells.iterrows():
+        for ax in axes:
+            ax.axvspan(row["min"] - t0, row["max"] - t0, color="#888", alpha=0.08)
+    return _png(fig) if np.isfinite(t0) else None
