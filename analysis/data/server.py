@@ -318,3 +318,23 @@ def attribution_notes(srv: pd.DataFrame) -> list[str]:
             f"counted {int(r['unattributed_drafts'])} drafts more than the cell's requests report "
             "(other traffic reached the engine during the cell; its counters cannot tell it apart)"
             for _, r in bad.iterrows()]
+
+
+def acceptance_by_class(srv: pd.DataFrame | None, tier: str | None = None) -> tuple[dict, dict]:
+    """({(strategy, output class): tau}, {(strategy, output class): v}) pooled over the cells
+    of ``tier`` (every tier when None): tau = 1 + accepted / drafts, v = verification tokens
+    per decode request-step. Empty dicts without server cells."""
+    taus: dict = {}
+    vs: dict = {}
+    if srv is None or srv.empty or mn.SRV_NUM_DRAFTS not in srv:
+        return taus, vs
+    df = srv if tier is None else srv[srv[mn.REQ_TIER].eq(tier)]
+    for key, g in df.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS]):
+        drafts = g[mn.SRV_NUM_DRAFTS].astype(float).sum()
+        acc = g[mn.SRV_NUM_ACCEPTED_TOKENS].astype(float).sum() if mn.SRV_NUM_ACCEPTED_TOKENS in g else np.nan
+        if drafts > 0 and np.isfinite(acc):
+            taus[key] = 1.0 + acc / drafts
+        rs, verif = g["request_steps"].astype(float).sum(), g["verification_tokens_total"].astype(float).sum()
+        if rs > 0 and np.isfinite(verif):
+            vs[key] = verif / rs
+    return taus, vs

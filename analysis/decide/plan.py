@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field
 from analysis.model import capacity
 from analysis.data import memory
 from analysis.data import metrics
+from analysis.data import server as server_data
 from analysis.model.capacity import CostCurve
 from analysis.data.load import load_results
 from configs import metric_names as mn
@@ -156,14 +157,18 @@ def model_plan(models: dict, qps: float, classes: list[str], slo: Slo,
 
 def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier: str,
              slo: Slo, classes: list[str], max_batch: int = DEFAULT_MAX_BATCH,
-             mem_caps: dict[tuple[str, str], int] | None = None) -> list[dict]:
+             mem_caps: dict[tuple[str, str], int] | None = None,
+             srv: pd.DataFrame | None = None) -> list[dict]:
     """Replicas per strategy x output class on a modelled GPU (see module doc).
 
     mem_caps: (strategy, output_class) -> most sequences whose KV cache fits a
     replica (``analysis.data.memory.gpu_memory_caps``); None: memory not modelled.
+    srv: the target's own counters per cell (``analysis.data.server.cell_table``): tau and
+    v where the requests carry no speculative stats and there is no step log.
     """
     cap = capacity.capacity_table(steps)
     v_by = capacity.verification_per_request(cap, flagged)
+    srv_tau, srv_v = server_data.acceptance_by_class(srv, tier)
     ratio = capacity.draft_ratio(steps)
     ok = flagged[flagged[mn.REQ_STATUS].eq("ok") & flagged[mn.REQ_TIER].eq(tier)]
     n = np.arange(1, max_batch + 1, dtype=float)
@@ -171,8 +176,12 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
     for oc in classes:
         for strategy, g in ok[ok[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
             tau = metrics.pooled_tau(g)
-            tau = 1.0 if np.isnan(tau) else tau
             v, r = v_by.get(strategy, 1.0), ratio.get(strategy, 0.0)
+            if np.isnan(tau) and (strategy, oc) in srv_tau:   # no per-request stats: the server's
+                tau = srv_tau[(strategy, oc)]
+                if strategy not in set(cap.get(mn.STEP_STRATEGY, [])):
+                    v = srv_v.get((strategy, oc), v)
+            tau = 1.0 if np.isnan(tau) else tau
             prompt = float(g[mn.REQ_PROMPT_TOKENS].mean()) if g[mn.REQ_PROMPT_TOKENS].notna().any() else 0.0
             out = float(g[mn.REQ_OUTPUT_TOKENS].mean())
             step = curve(n * v) * (1.0 + r)
@@ -313,5 +322,5 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
             "drafter weights and KV scaled from this run's replica reports by their ratio to the "
             "target; activations and CUDA context inside the unused share")
     out["gpu_plan"] = gpu_plan(curve, flagged, results.steps, qps, tier, slo, classes, max_batch,
-                               mem_caps=caps)
+                               mem_caps=caps, srv=server_data.cell_table(results))
     return out
