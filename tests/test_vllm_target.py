@@ -25,11 +25,13 @@ import pandas as pd
 import pytest
 
 from configs import metric_names as M
+from tests.tiers_file import write_tiers
 from tests.vllm_server import DRAFT_MODEL, NGRAM, REPO, VllmServer, start_servers
 
 pytestmark = pytest.mark.slow
 
 DURATION_S = 20
+USERS = 4
 PROMPTS = [json.loads(l)["prompt"] for l in (REPO / "data" / "prompts" / "heldout_eval.jsonl").read_text().splitlines()
            if l.strip()]
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -62,8 +64,16 @@ def vllm_bf16(tmp_path_factory):
 
 
 def run_loadgen(url: str, strategy: str, results: Path, *extra: str) -> subprocess.CompletedProcess:
+    """4 users, 32-token outputs, 20 s, greedy; a drain long enough that no request is cancelled
+    at the cell's end (a cancelled request drafted on the server but reports no stats)."""
+    tiers = write_tiers(results, {"arrival": "closed", "users": USERS, "spawn_rate": USERS,
+                                  "duration_s": DURATION_S, "max_tokens": 32,
+                                  "slo": {"ttft_ms": 2000, "tpot_ms": 200}},
+                        request_timeout_s=120, drain_timeout_s=120, profile="vllm", seed=0,
+                        max_prompt_chars=1200,
+                        sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
     cmd = [sys.executable, "-m", "loadgen", "--target", url, "--strategies", strategy, "--tier", "mid",
-           "--output", "short", "--duration", str(DURATION_S), "--consistency", "0",
+           "--output", "short", "--tiers-file", str(tiers), "--consistency", "0",
            "--results", str(results), "--run-id", "run", "--report", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -153,18 +163,26 @@ def test_draft_model_other_traffic_during_the_cell_is_flagged(vllm_servers, tmp_
     during: list[dict] = []
     stop = threading.Event()
 
-    def other_traffic() -> None:   # 3 requests under the alias while the cell runs, bounded
+    def other_traffic() -> None:   # 2 requests under the alias while the cell runs, bounded
         deadline = time.monotonic() + 120
         while not stop.is_set() and time.monotonic() < deadline:
-            c = srv.counters()
-            if c[DRAFTS] > before[DRAFTS]:        # the run's load has reached the engine
+            if srv.counters()[DRAFTS] > before[DRAFTS]:        # the run's load has reached the engine
                 break
             time.sleep(0.2)
         time.sleep(2.0)
-        for p in PROMPTS[10:13]:
-            if stop.is_set():
-                return
-            during.append(spec(srv.complete("draft_model-alias", p)))
+        if stop.is_set():
+            return
+
+        def one(prompt: str) -> None:
+            t0 = time.time()
+            out = srv.complete("draft_model-alias", prompt, max_tokens=16)
+            during.append({**spec(out), "t0": t0, "t1": time.time()})
+
+        both = [threading.Thread(target=one, args=(p,)) for p in PROMPTS[10:12]]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(timeout=120)
 
     th = threading.Thread(target=other_traffic, daemon=True)
     th.start()
@@ -173,12 +191,13 @@ def test_draft_model_other_traffic_during_the_cell_is_flagged(vllm_servers, tmp_
     th.join(timeout=130)
     after = srv.counters()
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert len(during) == 3
+    assert len(during) == 2
     run = tmp_path / "run"
     (cell,) = json.loads((run / "manifest.json").read_text())["cells"]
     got = cell["server_metrics"]
     vllm = delta(after, before)
     other = sum(x["num_spec_steps"] for x in during)
+    assert all(got["t0"] < x["t0"] and x["t1"] < got["t1"] for x in during), (got["t0"], got["t1"], during)
     # the counters cannot tell the alias apart: the cell's delta has it, the requests do not
     assert got[M.SRV_NUM_DRAFTS] == vllm[DRAFTS]
     assert got[M.SRV_NUM_ACCEPTED_TOKENS] == vllm[ACCEPTED]

@@ -43,7 +43,7 @@ from configs import metric_names as mn
 SERVER_KEY = "server_metrics"          # a manifest cell's dict of deltas; the manifest's run-level facts
 CELL_KEYS = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
 SUM_KEYS = tuple(k for k in mn.SRV_COUNTERS if k != mn.SRV_NUM_ACCEPTED_PER_POS) + (
-    "unattributed_drafts", "requests_num_drafts")
+    "unattributed_drafts", "requests_num_drafts", "requests_without_stats")
 
 # figure -> the server counters it needs (the report names what is missing)
 NEEDS = {
@@ -313,7 +313,9 @@ def attribution_notes(srv: pd.DataFrame) -> list[str]:
     traffic to the engine during the cell: vLLM's counters carry one label per engine)."""
     if srv.empty or "unattributed_drafts" not in srv:
         return []
-    bad = srv[srv["unattributed_drafts"].fillna(0).astype(float) != 0]
+    without = (srv["requests_without_stats"].fillna(0).astype(float) if "requests_without_stats" in srv
+               else pd.Series(0.0, index=srv.index))
+    bad = srv[(srv["unattributed_drafts"].fillna(0).astype(float) != 0) & (without == 0)]
     return [f"{r[mn.REQ_STRATEGY]} {r[mn.REQ_TIER]}/{r[mn.REQ_OUTPUT_CLASS]} u{r[mn.REQ_USERS]}: the server "
             f"counted {int(r['unattributed_drafts'])} drafts more than the cell's requests report "
             "(other traffic reached the engine during the cell; its counters cannot tell it apart)"

@@ -211,3 +211,29 @@ def outage_timeline(timeline: pd.DataFrame | None, outages: pd.DataFrame | None)
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
     axes[-1].set_xlabel("seconds since the run's first request")
     return _png(fig)
+
+
+def server_timeline(ts: pd.DataFrame) -> bytes | None:
+    """Running batch and queue (sampled gauges) over the run, one line per served model."""
+    if ts.empty:
+        return None
+    gauges = ts[ts["metric"].isin([mn.SRV_RUNNING, mn.SRV_WAITING])]
+    if gauges.empty:
+        return None
+    t0 = float(ts["ts"].min())
+    fig, axes = _axes(2)
+    for ax, metric, title in ((axes[0], mn.SRV_RUNNING, "running requests (server gauge)"),
+                              (axes[1], mn.SRV_WAITING, "waiting requests (server gauge)")):
+        for model, g in gauges[gauges["metric"].eq(metric)].groupby("model"):
+            g = g.sort_values("ts")
+            ax.plot(g["ts"] - t0, g["value"], drawstyle="steps-post", label=str(model),
+                    color=strategy_color(str(model)))
+        ax.set(title=title, xlabel="seconds since the first scrape", ylabel="requests")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    cells = ts.dropna(subset=[mn.REQ_TIER]).groupby([mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS,
+                                                     mn.REQ_USERS])["ts"].agg(["min", "max"])
+    for (_, row) in cells.iterrows():
+        for ax in axes:
+            ax.axvspan(row["min"] - t0, row["max"] - t0, color="#888", alpha=0.08)
+    return _png(fig)

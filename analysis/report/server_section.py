@@ -4,13 +4,11 @@ and what the server did not expose. Empty when no run read server metrics."""
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from analysis.data import server
 from analysis.model import server_fit
-from analysis.report.plots import _axes, _png, strategy_color
-from configs import metric_names as mn
+from analysis.report.plots import server_timeline
 
 
 def server_section(results, srv: pd.DataFrame) -> dict:
@@ -56,31 +54,5 @@ def server_section(results, srv: pd.DataFrame) -> dict:
             "counters give no per-step time, so this is the whole step (draft, verify, prefill "
             "and scheduling together).", fit))
     ts = server.timeseries(results)
-    out["figures"]["server_timeline"] = timeline_plot(ts)
+    out["figures"]["server_timeline"] = server_timeline(ts)
     return out
-
-
-def timeline_plot(ts: pd.DataFrame) -> bytes | None:
-    """Running batch and queue (sampled gauges) over the run, one line per served model."""
-    if ts.empty:
-        return None
-    gauges = ts[ts["metric"].isin([mn.SRV_RUNNING, mn.SRV_WAITING])]
-    if gauges.empty:
-        return None
-    t0 = float(ts["ts"].min())
-    fig, axes = _axes(2)
-    for ax, metric, title in ((axes[0], mn.SRV_RUNNING, "running requests (server gauge)"),
-                              (axes[1], mn.SRV_WAITING, "waiting requests (server gauge)")):
-        for model, g in gauges[gauges["metric"].eq(metric)].groupby("model"):
-            g = g.sort_values("ts")
-            ax.plot(g["ts"] - t0, g["value"], drawstyle="steps-post", label=str(model),
-                    color=strategy_color(str(model)))
-        ax.set(title=title, xlabel="seconds since the first scrape", ylabel="requests")
-        if ax.lines:
-            ax.legend(fontsize=8)
-    cells = ts.dropna(subset=[mn.REQ_TIER]).groupby([mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS,
-                                                     mn.REQ_USERS])["ts"].agg(["min", "max"])
-    for (_, row) in cells.iterrows():
-        for ax in axes:
-            ax.axvspan(row["min"] - t0, row["max"] - t0, color="#888", alpha=0.08)
-    return _png(fig) if np.isfinite(t0) else None

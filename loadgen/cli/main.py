@@ -386,10 +386,15 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     s.repeat = spec.repeat
     if server is not None:
         s.server_metrics = server
-        if server.get("unattributed_drafts"):
+        if server.get("unattributed_drafts") and not server.get("requests_without_stats"):
             s.warnings.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
                               "cell's requests report: other traffic reached the engine during the cell "
-                              "(its counters cannot tell it apart) or a request's stats were lost")
+                              "(its counters cannot tell it apart)")
+        elif server.get("unattributed_drafts"):
+            s.warnings.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
+                              f"cell's requests report; {server['requests_without_stats']} request(s) ended "
+                              "without stats (cancelled at the cell's end or failed) and drafted too, so "
+                              "other traffic cannot be told from them")
         if server.get("counter_resets"):
             s.warnings.append(f"{server['counter_resets']} server counter reset(s) during the cell (a "
                               "restart?): counted from 0 after each")

@@ -422,9 +422,10 @@ def metrics_url(mode: str, target: str) -> str | None:
 def attribution(figures: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Server deltas against what the cell's own requests reported (per-request stats).
 
-    Returns {"requests_num_drafts", "requests_num_accepted_tokens", "unattributed_drafts",
-    "unattributed_accepted_tokens"}: the server's counts minus the requests' (nonzero means
-    other traffic reached the engine during the cell, or a request's stats were lost);
+    Returns {"requests_num_drafts", "requests_num_accepted_tokens", "requests_without_stats",
+    "unattributed_drafts", "unattributed_accepted_tokens"}: the server's counts minus the
+    requests' (nonzero means other traffic reached the engine during the cell, or requests
+    that ended without stats, cancelled at the cell's end or failed, had drafted);
     {} when the rows carry no per-request stats or the server no drafts counter."""
     with_stats = [r for r in rows if r.get(M.NUM_DRAFTS) is not None]
     if not with_stats or figures.get(M.SRV_NUM_DRAFTS) is None:
@@ -432,6 +433,8 @@ def attribution(figures: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
     d = sum(int(r[M.NUM_DRAFTS]) for r in with_stats)
     a = sum(int(r.get(M.NUM_ACCEPTED_TOKENS) or 0) for r in with_stats)
     out = {"requests_num_drafts": d, "requests_num_accepted_tokens": a,
+           # cancelled / failed requests drafted on the server but report no stats
+           "requests_without_stats": len(rows) - len(with_stats),
            "unattributed_drafts": int(figures[M.SRV_NUM_DRAFTS]) - d}
     if figures.get(M.SRV_NUM_ACCEPTED_TOKENS) is not None:
         out["unattributed_accepted_tokens"] = int(figures[M.SRV_NUM_ACCEPTED_TOKENS]) - a
@@ -511,7 +514,7 @@ class RunServerMetrics:
         if label is None:
             return None
         figures = cell_figures(self.poller.window(t0, end.ts), label)
-        figures["model_label"] = label
+        figures.update(model_label=label, t0=t0, t1=end.ts)   # the bracketing scrapes, unix s
         figures.update(attribution(figures, rows or []))
         return figures
 
