@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
                     "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
     ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
-    ap.add_argument("--dataset", default=DEFAULT_DATASET, help="humaneval|docs|stdlib|mixed or FILE.jsonl")
+    ap.add_argument("--dataset", "--prompts", dest="dataset", default=DEFAULT_DATASET,
+                    help="humaneval|docs|stdlib|mixed, FILE.jsonl, or - for JSON lines on standard "
+                         "input (kept as prompts.jsonl in the run directory)")
     ap.add_argument("--max-prompt-chars", type=number(int, ge=1), default=None, help="override the profile's prompt cut")
     ap.add_argument("--results", default="results", type=output_dir(), help="results directory (a run_id folder goes inside)")
     ap.add_argument("--tiers-file", default="", type=existing_file(), help="default configs/tiers.yaml")
