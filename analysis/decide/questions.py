@@ -111,10 +111,21 @@ def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float =
     text = ("Greedy: the run's first N prompts sent to every strategy at temperature 0 with "
             "the cells' max_tokens, each output compared token by token (token ids, or text "
             "when the target returns none) with the baseline's; a lossless strategy is "
-            "identical on every request. earliest_divergence = first differing token index. "
+            "identical on every request, up to numerical ties. earliest_divergence = first "
+            "differing token index. Each first divergence is classified from the baseline's "
+            "own top-5 logprobs at that position (the prefix up to it is shared): a tie when "
+            "the strategy's token lies within tie_tolerance nats of the baseline's best (both "
+            "are correct greedy choices; tolerance by dtype: fp32 1e-3, fp16 0.05, bf16 0.25), "
+            "a violation otherwise; only violations flag a strategy. "
             "Sampled (opt-in, --consistency-sampled N): chi-square test of the token "
             "distribution at output positions 0 and 1 over N seeded requests vs the baseline, "
             "Bonferroni over positions at alpha 0.01; max TV = total variation distance.")
+    tols = sorted({e["tolerance"] for e in c.values() if e.get("tolerance") is not None})
+    if tols:
+        text += f" This run's tie tolerance: {', '.join(f'{t:g}' for t in tols)} nats."
+    elif c:
+        text += (" This run's divergences are NOT classified (the baseline returned no "
+                 "token-id logprobs): every divergence counts against the strategy.")
     if not c:
         text += (" This run has no consistency.json (run without the check, or an older "
                  "load generator): output consistency was NOT measured.")

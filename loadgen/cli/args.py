@@ -10,6 +10,7 @@ from typing import Any
 from configs import metric_names as M
 from configs.cli_args import existing_file, number, output_dir, path_component, port
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
+from analysis.data.consistency import TIE_TOLERANCE
 from loadgen.cli.consistency import DEFAULT_SAMPLES
 from loadgen.run.datasets import DEFAULT_DATASET
 from loadgen.run.sweep import sweep_levels
@@ -83,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "over N seeded sampled requests (chi-square; default 0 = off)")
     ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
                     help="strategy the consistency checks compare with (default autoregressive)")
+    ap.add_argument("--consistency-baseline-target", default="", metavar="URL",
+                    help="serve the baseline from this server instead of --target (e.g. "
+                         "specload's fp32 engine as the baseline of a vLLM bf16 target)")
+    ap.add_argument("--consistency-dtype", default="float32", choices=sorted(TIE_TOLERANCE),
+                    help="compute dtype of the engines compared: sets the tolerance under "
+                         "which a first divergence is a numerical tie, not a violation "
+                         f"({', '.join(f'{k} {v:g}' for k, v in sorted(TIE_TOLERANCE.items()))} "
+                         "nats of the baseline's logprob)")
+    ap.add_argument("--consistency-tie-tolerance", type=number(float, ge=0), default=None,
+                    metavar="NATS", help="the tie tolerance itself (overrides --consistency-dtype)")
     ap.add_argument("--warmup-s", type=number(ge=0), default=0.0,
                     help="seconds at the start of every cell the report excludes as warm-up "
                          "(stored in manifest.json; default 0)")

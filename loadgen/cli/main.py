@@ -304,6 +304,7 @@ def _check_consistency(st: _RunState) -> None:
     """Output consistency vs the baseline (``loadgen.cli.consistency``): consistency.json and a
     manifest summary. Skipped with --model (one name for every strategy) or after Ctrl-C;
     a failure is a warning, never a lost run."""
+    from analysis.data.consistency import tie_tolerance
     from loadgen.cli.consistency import run_checks
 
     args = st.args
@@ -315,7 +316,11 @@ def _check_consistency(st: _RunState) -> None:
             st.profile, st.tiers[0], st.outputs, st.run_dir, args.consistency,
             args.consistency_sampled, args.consistency_baseline,
             say=lambda m: st.console.print(m, highlight=False),
-            headers=st.auth.headers, insecure=st.auth.insecure)
+            headers=st.auth.headers, insecure=st.auth.insecure,
+            tolerance=(args.consistency_tie_tolerance if args.consistency_tie_tolerance is not None
+                       else tie_tolerance(args.consistency_dtype)),
+            baseline_url=(service.normalize_base_url(args.consistency_baseline_target)
+                          if args.consistency_baseline_target else None))
     except Exception as err:  # noqa: BLE001  (a failed check must not lose the run)
         st.manifest["consistency"] = {"skipped": f"failed: {err!r}"}
         st.console.print(f"[yellow]warning[/] consistency check failed: {err!r}")
