@@ -68,7 +68,7 @@ class EngineConfig(BaseModel):
     replica_id: str = "0"
     served_model_name: str | None = None
     strategy_options: dict[str, Any] = Field(default_factory=dict)
-    num_speculative_tokens_per_batch_size: dict[str, Any] | list[Any] | None = None
+    num_speculative_tokens_per_batch_size: Any = None   # {"a-b": k} or [[a, b, k]]; None: off
     draft_deadline_ms: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
