@@ -1,0 +1,151 @@
+"""Degrade instead of fail (issue 22 item 5): a drafter that raises, returns garbage or
+misses ``draft_deadline_ms`` costs its request the drafts, not the request.
+
+Each fault kind (``tests.spec_faults.FAULTS``) is injected through a test double
+(``FaultyProposer``, wrapping the engine's real proposer) into one request ("bad") of
+a batch of four, from its third drafter call on, for every drafter family: the
+draft-model proposer, n-gram lookup, and the parallel (block) drafters DFlash,
+DFlash 2 and DSpark. Asserted per run: no request fails; "bad" finishes with
+``degraded_reason`` = the fault's reason and its greedy output equal to
+autoregressive (near-ties told apart); it drafts nothing after the fault; its three
+neighbours keep speculating (their drafts and accepted tokens grow after it was
+degraded) and match autoregressive too; the engine counter, the step-log
+``degraded_requests`` / ``speculation_off`` columns and the request's stats agree.
+Run with ``-s`` for the family x fault -> ok / degraded / failed table.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from actors.engine.types import SamplingParams
+from configs import metric_names as M
+from tests.spec_faults import FAULTS, FaultyProposer, greedy_mismatch
+
+MAX_TOKENS = 32
+FAMILIES = [M.DRAFT_MODEL, M.NGRAM, M.DFLASH, M.DFLASH2, M.DSPARK]
+DEADLINE_MS = 1000.0      # generous: a healthy call here takes milliseconds
+SLEEP_S = 1.3             # what the "deadline" fault sleeps per call with the victim
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def table():
+    """family -> fault -> "ok/degraded/failed" counts; printed at the end of the module."""
+    t: dict[str, dict[str, str]] = collections.defaultdict(dict)
+    yield t
+    fams = [f for f in FAMILIES if f in t]
+    print("\n\ndrafter fault -> requests ok/degraded/failed (4 greedy requests per run, "
+          "the fault in one)")
+    print(f"{'fault':<15}" + "".join(f"{f:>13}" for f in fams) + "  reason")
+    for fault, reason in FAULTS.items():
+        print(f"{fault:<15}" + "".join(f"{t[f].get(fault, '-'):>13}" for f in fams)
+              + f"  {reason}")
+
+
+@pytest.fixture(scope="module")
+def prompts(heldout_prompts):
+    # code prompts on which n-gram lookup drafts early (the victim, first, from its 2nd step)
+    return [heldout_prompts[i] for i in (2, 6, 10, 1)]
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine, prompts):
+    from actors.engine.llm_engine import run_requests
+
+    ar = make_engine("autoregressive", max_num_seqs=8)
+    return run_requests(ar, [(p["id"], p["prompt"], SamplingParams(max_tokens=MAX_TOKENS))
+                             for p in prompts])
+
+
+def _drive(eng, reqs, victim):
+    """Run ``reqs`` [(id, prompt)] together, greedy. Returns (results, step rows,
+    neighbours' (drafts, accepted) when the victim was degraded, victim's drafts then)."""
+    rows: list[dict] = []
+    eng.on_step = rows.append
+    res = {rid: {"ids": [], "finish_reason": None, "error": None, "stats": None}
+           for rid, _ in reqs}
+    at_degrade = None
+    try:
+        for rid, prompt in reqs:
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        for _ in range(500):
+            if not eng.has_unfinished_requests():
+                break
+            for out in eng.step():
+                r = res[out.request_id]
+                r["ids"] += out.new_token_ids
+                if out.finished:
+                    r.update(finish_reason=out.finish_reason, error=out.error, stats=out.stats)
+            v = eng.requests.get(victim)
+            if at_degrade is None and (v is None or v.degraded):
+                others = [q.stats for rid, q in eng.requests.items() if rid != victim]
+                at_degrade = (sum(s.num_drafts for s in others),
+                              sum(s.num_accepted_tokens for s in others),
+                              v.stats.num_drafts if v is not None else None)
+        assert not eng.has_unfinished_requests()
+    finally:
+        eng.on_step = None
+    return res, rows, at_degrade
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafter_faults_degrade_the_request_alone(family, make_engine, prompts, reference,
+                                                  table):
+    ar_model = make_engine("autoregressive", max_num_seqs=8).model
+    for fault, reason in FAULTS.items():
+        kw = {"draft_deadline_ms": DEADLINE_MS} if fault == "deadline" else {}
+        eng = make_engine(family, max_num_seqs=8, **kw)
+        real = eng.proposer
+        eng.proposer = FaultyProposer(real, "bad", fault, after=2, sleep_s=SLEEP_S)
+        before = collections.Counter(eng.degraded_requests)
+        names = ["bad", "ok-1", "ok-2", "ok-3"]
+        try:
+            res, rows, at_degrade = _drive(eng, [(n, p["prompt"]) for n, p in zip(names, prompts)],
+                                           "bad")
+        finally:
+            eng.proposer = real
+        failed = [n for n in names if res[n]["finish_reason"] in (None, "error")]
+        degraded = [n for n in names if res[n]["stats"] and res[n]["stats"].degraded_reason]
+        table[family][fault] = f"{len(names) - len(failed) - len(degraded)}/{len(degraded)}/{len(failed)}"
+        where = f"{family} / {fault}"
+        assert not failed, (where, {n: res[n]["error"] for n in failed})
+        assert degraded == ["bad"], (where, degraded)
+        assert res["bad"]["stats"].degraded_reason == reason, where
+        # output: every request equals autoregressive (the degraded one included)
+        for n, p in zip(names, prompts):
+            ids = eng.tokenizer(p["prompt"], add_special_tokens=False)["input_ids"]
+            bad = greedy_mismatch(ar_model, ids, res[n]["ids"], reference[p["id"]]["token_ids"])
+            assert bad is None, (where, n, bad)
+        # counters: engine, step log, request stats agree on one degraded request
+        delta = collections.Counter(eng.degraded_requests) - before
+        assert delta == {reason: 1}, (where, delta)
+        assert sum(r[M.STEP_DEGRADED_REQUESTS] for r in rows) == 1, where
+        hit = next(i for i, r in enumerate(rows) if r[M.STEP_DEGRADED_REQUESTS])
+        if fault not in ("observe_raise", "admit_raise"):   # those strike after the step drafted
+            assert rows[hit][M.STEP_SPECULATION_OFF] == reason, where
+        assert all(r[M.STEP_SPECULATION_OFF] in ("", reason) for r in rows), where
+        assert any(reason == r[M.STEP_SPECULATION_OFF] for r in rows[hit:]), where
+        # the victim drafted before the fault (except a failed admission) and never after
+        stats = res["bad"]["stats"]
+        assert at_degrade is not None and stats.num_drafts == at_degrade[2], where
+        if fault == "admit_raise":
+            assert stats.num_drafts == 0, where
+        else:
+            assert stats.num_drafts >= 1, where
+        # the neighbours kept speculating after the victim lost its drafter
+        drafts = sum(res[n]["stats"].num_drafts for n in names[1:])
+        accepted = sum(res[n]["stats"].num_accepted_tokens for n in names[1:])
+        assert drafts > at_degrade[0] and accepted > at_degrade[1], (where, at_degrade,
+                                                                     drafts, accepted)
+        assert all(res[n]["stats"].degraded_reason == "" for n in names[1:]), where
