@@ -149,3 +149,40 @@ def test_drafter_faults_degrade_the_request_alone(family, make_engine, prompts, 
         assert drafts > at_degrade[0] and accepted > at_degrade[1], (where, at_degrade,
                                                                      drafts, accepted)
         assert all(res[n]["stats"].degraded_reason == "" for n in names[1:]), where
+
+
+def test_prometheus_counts_degraded_requests_by_reason():
+    """The replica's ``specload_degraded_requests`` counter (Ray exports it as
+    ``ray_specload_degraded_requests``) goes up once per finished degraded request,
+    labelled with its reason, next to the spec_decode counters."""
+    from actors.serve.deployments import _Metrics
+
+    class Counter:
+        def __init__(self):
+            self.calls = []
+
+        def inc(self, value=1.0, tags=None):
+            self.calls.append((value, tags))
+
+    m = _Metrics.__new__(_Metrics)   # the instruments without a Ray cluster
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted", "per_pos", "degraded"):
+        setattr(m, name, Counter())
+    base = {M.NUM_DRAFTS: 2, M.NUM_DRAFT_TOKENS: 6, M.NUM_ACCEPTED_TOKENS: 3,
+            M.NUM_ACCEPTED_TOKENS_PER_POS: [2, 1]}
+    m.observe_request({**base, M.DEGRADED_REASON: M.DEGRADE_DRAFT_DEADLINE})
+    m.observe_request({**base, M.DEGRADED_REASON: ""})
+    m.observe_request(base)   # stats of an older engine: no field
+    assert m.degraded.calls == [(1, {"reason": M.DEGRADE_DRAFT_DEADLINE})]
+    assert m.num_drafts.calls == [(2, None)] * 3
+    assert M.PROM_DEGRADED_REQUESTS == "degraded_requests"
+
+
+def test_spec_decode_stats_carry_the_reason():
+    """The per-request ``spec_decode`` object of a response (``SpecStats.to_dict``) has
+    ``degraded_reason``: "" for a request that speculated throughout."""
+    from actors.engine.types import SpecStats
+
+    s = SpecStats()
+    assert s.to_dict()[M.DEGRADED_REASON] == ""
+    s.degraded_reason = M.DEGRADE_INVALID_DRAFT
+    assert s.to_dict()[M.DEGRADED_REASON] == "invalid_draft"

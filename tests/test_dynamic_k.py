@@ -177,3 +177,20 @@ def test_greedy_identical_while_k_switches(strategy, make_engine, prompts, refer
     assert any(r[M.STEP_DRAFT_TOKENS] for r in rows[first_off:])
     assert sum(r[M.STEP_ACCEPTED_TOKENS] for r in rows if r[M.STEP_NUM_SPEC_TOKENS] == 4) > 0
     assert sum(o["stats"].num_accepted_tokens for o in out.values()) > 0
+
+
+def test_sampling_lossless_while_k_switches(make_engine):
+    """2,000 seeded trials in batches of up to 64 under a schedule that drafts 2 tokens
+    at batch <= 40 and 1 above (both ranges visited as the run drains): the joint of the
+    first three emitted tokens still matches the target's exact distribution."""
+    from tests.lossless import assert_sampling_lossless
+
+    eng = make_engine("draft_model", max_num_seqs=64, num_speculative_tokens=2,
+                      num_speculative_tokens_per_batch_size={"1-40": 2, "41-64": 1})
+    rows: list[dict] = []
+    eng.on_step = rows.append
+    try:
+        assert_sampling_lossless(eng, seed0=9000)
+    finally:
+        eng.on_step = None
+    assert {r[M.STEP_NUM_SPEC_TOKENS] for r in rows} == {1, 2}
