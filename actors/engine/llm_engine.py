@@ -349,7 +349,7 @@ class LLMEngine:
         if len(toks) > item.max_draft:
             return f"{len(toks)} tokens proposed; at most {item.max_draft} were allowed"
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V for t in toks):
-            return f"token ids outside [0, {V}): {[t for t in toks][:8]}"
+            return f"token ids outside [0, {V}) or not Python ints: {list(toks)[:8]}"
         q = p.probs
         if q is None:
             return None
