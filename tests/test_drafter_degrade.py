@@ -186,3 +186,76 @@ def test_spec_decode_stats_carry_the_reason():
     assert s.to_dict()[M.DEGRADED_REASON] == ""
     s.degraded_reason = M.DEGRADE_INVALID_DRAFT
     assert s.to_dict()[M.DEGRADED_REASON] == "invalid_draft"
+
+
+# ------------------------------------------------------------------ through the replica
+def make_degrading_engine(cfg: dict):
+    """Engine factory (test only): the real engine, its proposer wrapped so that request
+    "bad-1" gets a proposer that raises from its third drafting call on."""
+    from actors.serve.engine_core import make_llm_engine
+
+    eng = make_llm_engine(cfg)
+    eng.proposer = FaultyProposer(eng.proposer, "bad-1", "raise", after=2)
+    return eng
+
+
+def test_degraded_request_succeeds_through_the_replica(heldout_prompts):
+    """Through the Serve replica (the plain class, no Ray): the degraded request is a 200
+    with the autoregressive text; its ``spec_decode`` object (body, and the final usage
+    chunk of a stream) says ``degraded_reason: drafter_error``; the step log carries the
+    new columns; the Prometheus counter goes up once with that reason."""
+    import asyncio
+
+    from actors.serve.deployments import StrategyReplica as Replica
+    from actors.serve.openai_response import ResponseContext, collect_body, sse_events
+    from actors.serve.protocol import Admitted
+
+    prompt = heldout_prompts[2]["prompt"]
+    greedy = {"max_tokens": 24, "temperature": 0.0}
+
+    async def request(rep, rid, stream=False):
+        gen = rep.generate(rid, prompt, greedy)
+        first = await gen.__anext__()
+        assert isinstance(first, Admitted), first
+        ctx = ResponseContext(rid, "ngram", 0, False, first.num_prompt_tokens)
+        if stream:
+            import json
+            return [json.loads(x[6:]) for x in
+                    [line async for line in sse_events(gen, ctx, include_usage=True)]
+                    if x.startswith("data: ") and x[6:].strip() != "[DONE]"]
+        return await collect_body(gen, ctx)
+
+    class Counter:
+        def __init__(self):
+            self.calls = []
+
+        def inc(self, value=1.0, tags=None):
+            self.calls.append((value, tags))
+
+    async def main():
+        rep = Replica("ngram", {"strategy": "ngram", "max_num_seqs": 8, "torch_threads": 1},
+                      "tests.test_drafter_degrade:make_degrading_engine", engine_process=False)
+        rep._metrics.degraded = Counter()
+        try:
+            ok = await request(rep, "ok-0")
+            bad, ok1 = await asyncio.gather(request(rep, "bad-1"), request(rep, "ok-1"))
+            ev = await request(rep, "bad-1", stream=True)   # id reused: degraded again
+            rows = await rep.step_log()
+        finally:
+            rep.engine.shutdown()
+        return ok, bad, ok1, ev, rows, rep._metrics.degraded.calls
+
+    ok, bad, ok1, ev, rows, calls = asyncio.run(main())
+    assert bad["choices"][0]["token_ids"] == ok["choices"][0]["token_ids"]
+    assert bad["choices"][0]["finish_reason"] == ok["choices"][0]["finish_reason"]
+    assert bad[M.SPEC_DECODE_FIELD][M.DEGRADED_REASON] == M.DEGRADE_DRAFTER_ERROR
+    assert ok[M.SPEC_DECODE_FIELD][M.DEGRADED_REASON] == ""
+    assert ok1[M.SPEC_DECODE_FIELD][M.DEGRADED_REASON] == ""
+    assert ok1[M.SPEC_DECODE_FIELD][M.NUM_DRAFTS] > 0
+    assert ev[-1][M.SPEC_DECODE_FIELD][M.DEGRADED_REASON] == M.DEGRADE_DRAFTER_ERROR
+    assert "".join(e["choices"][0]["text"] for e in ev if e["choices"]) == \
+        ok["choices"][0]["text"]
+    assert calls == [(1, {"reason": M.DEGRADE_DRAFTER_ERROR})] * 2
+    assert sum(r[M.STEP_DEGRADED_REQUESTS] for r in rows) == 2
+    assert {r[M.STEP_NUM_SPEC_TOKENS] for r in rows} == {4}
+    assert any(r[M.STEP_SPECULATION_OFF] == M.DEGRADE_DRAFTER_ERROR for r in rows)
