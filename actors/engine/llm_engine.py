@@ -262,10 +262,11 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     # -- fault isolation ----------------------------------------------------------
-    # Every per-request phase runs under a guard. A batched phase (propose, the
-    # target forward) that raises is retried one request at a time, so only the
+    # Every per-request phase runs under a guard. A batched phase (the target
+    # forward, sampling) that raises is retried one request at a time, so only the
     # request that fails alone is finished with finish_reason "error"; the rest
-    # of the batch and the engine loop go on.
+    # of the batch and the engine loop go on. Drafting is retried the same way but
+    # degrades its culprit instead of failing it (``_propose``).
     def _hook(self, phase: str, request_id: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(phase, request_id)
