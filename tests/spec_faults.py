@@ -30,7 +30,8 @@ FAULTS = {
 
 class FaultyProposer:
     """Delegates to ``inner``; from the victim's ``after``-th+1 propose (or observe)
-    call on, injects ``fault`` (one of FAULTS) into what concerns ``victim``."""
+    call on, injects ``fault`` (one of FAULTS) into what concerns ``victim``
+    (``"*"``: every call, with fault "raise" only: a drafter broken for everyone)."""
 
     def __init__(self, inner, victim: str, fault: str, after: int = 2, sleep_s: float = 0.0):
         assert fault in FAULTS, fault
@@ -59,7 +60,8 @@ class FaultyProposer:
 
     def propose(self, batch):
         ids = [b.request_id for b in batch]
-        if self.victim not in ids or self.fault in ("observe_raise", "admit_raise"):
+        hit = self.victim == "*" or self.victim in ids   # "*": the whole drafter is broken
+        if not hit or self.fault in ("observe_raise", "admit_raise"):
             return self.inner.propose(batch)
         self.propose_calls += 1
         if self.propose_calls <= self.after:

@@ -259,3 +259,26 @@ def test_degraded_request_succeeds_through_the_replica(heldout_prompts):
     assert sum(r[M.STEP_DEGRADED_REQUESTS] for r in rows) == 2
     assert {r[M.STEP_NUM_SPEC_TOKENS] for r in rows} == {4}
     assert any(r[M.STEP_SPECULATION_OFF] == M.DEGRADE_DRAFTER_ERROR for r in rows)
+
+
+@pytest.mark.parametrize("family", [M.NGRAM, M.DFLASH])
+def test_drafter_broken_for_everyone_degrades_all_and_fails_none(family, make_engine, prompts,
+                                                                 reference):
+    """A proposer that raises on every call from the third on: the batched call fails,
+    every request's own retry fails too, so all four are degraded (drafter_error, logged),
+    none fails, and all four still equal autoregressive."""
+    eng = make_engine(family, max_num_seqs=8)
+    real = eng.proposer
+    eng.proposer = FaultyProposer(real, "*", "raise", after=2)
+    before = collections.Counter(eng.degraded_requests)
+    names = ["a", "b", "c", "d"]
+    try:
+        res, rows, _ = _drive(eng, [(n, p["prompt"]) for n, p in zip(names, prompts)], "a")
+    finally:
+        eng.proposer = real
+    assert all(res[n]["finish_reason"] not in (None, "error") for n in names), res
+    assert [res[n]["stats"].degraded_reason for n in names] == [M.DEGRADE_DRAFTER_ERROR] * 4
+    assert collections.Counter(eng.degraded_requests) - before == {M.DEGRADE_DRAFTER_ERROR: 4}
+    assert sum(r[M.STEP_DEGRADED_REQUESTS] for r in rows) == 4
+    for n, p in zip(names, prompts):
+        assert res[n]["ids"] == reference[p["id"]]["token_ids"], n
