@@ -53,6 +53,16 @@ DRAFT_MS = "draft_ms"                          # proposer wall time, ms
 VERIFY_MS = "verify_ms"                        # target forward + acceptance, ms
 QUEUE_MS = "queue_ms"                          # arrival -> first scheduled, ms
 SPEC_DECODE_FIELD = "spec_decode"              # extension field in API responses
+DEGRADED_REASON = "degraded_reason"            # spec_decode field: why the drafter was dropped, "" if not
+
+# Why a request (or a step) decoded without drafts although its strategy speculates.
+# A request degraded by its drafter stays autoregressive for the rest of its life.
+DEGRADE_DRAFTER_ERROR = "drafter_error"        # the proposer raised (propose / add_request / observe_target)
+DEGRADE_INVALID_DRAFT = "invalid_draft"        # out-of-vocab ids, too many tokens, wrong count, bad q
+DEGRADE_DRAFT_DEADLINE = "draft_deadline"      # its propose call returned after draft_deadline_ms
+DEGRADE_REASONS = (DEGRADE_DRAFTER_ERROR, DEGRADE_INVALID_DRAFT, DEGRADE_DRAFT_DEADLINE)
+SPEC_OFF_BATCH_SIZE_POLICY = "batch_size_policy"  # step's k is 0 by num_speculative_tokens_per_batch_size
+SPEC_OFF_REASONS = (SPEC_OFF_BATCH_SIZE_POLICY,) + DEGRADE_REASONS
 TOKEN_TS_FIELD = "token_ts"    # per-choice extension: engine emit time (unix s) of each token_ids entry
 STREAM_INTERVAL_FIELD = "stream_interval"        # request extension: tokens per streamed chunk
 STREAM_INTERVAL_MS_FIELD = "stream_interval_ms"  # request extension: or a chunk per this many ms
@@ -79,11 +89,17 @@ STEP_CONTEXT_TOKENS = "context_tokens"         # decode forward: sum over rows o
 # step_ms - cpu_ms is time lost to other processes on a shared machine
 STEP_CPU_MS = "cpu_ms"
 STEP_VERIFY_CPU_MS = "verify_cpu_ms"
+STEP_NUM_SPEC_TOKENS = "num_speculative_tokens"  # k of the step (batch-size schedule, else the engine's)
+# "," -joined SPEC_OFF_REASONS (fixed order) of the decoding requests that drafted nothing this
+# step although the strategy speculates; "" when none
+STEP_SPECULATION_OFF = "speculation_off"
+STEP_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter was dropped this step
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
                     STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS,
-                    STEP_CPU_MS, STEP_VERIFY_CPU_MS)
+                    STEP_CPU_MS, STEP_VERIFY_CPU_MS, STEP_NUM_SPEC_TOKENS, STEP_SPECULATION_OFF,
+                    STEP_DEGRADED_REQUESTS)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"
@@ -171,6 +187,7 @@ PROM_BATCH_SIZE = "batch_size"
 PROM_VERIFICATION_TOKENS = "verification_tokens_per_step"
 PROM_STEP_TIME_MS = "step_time_ms"
 PROM_QUEUE_DEPTH = "num_requests_waiting"
+PROM_DEGRADED_REQUESTS = "degraded_requests"   # counter, label ``reason`` (DEGRADE_REASONS)
 
 
 # --- a target's own Prometheus metrics (``--server-metrics``, server_metrics.parquet) ---
@@ -198,6 +215,8 @@ SRV_STEP_TOKENS = "step_tokens"                      # counter, tokens over thos
 SRV_STEP_MS = "step_ms"                              # counter, engine step wall time summed, ms (specload only)
 SRV_VERIFICATION_TOKENS = "verification_tokens"      # counter, sum(draft len + 1) over steps (specload only)
 SRV_DECODE_ROWS = "decode_rows"                      # counter, running requests summed over steps (specload only)
+SRV_ITL_SUM_S = "itl_seconds_sum"                    # counter, inter-token latencies summed, s (vLLM histogram)
+SRV_ITL_COUNT = "itl_count"                          # counter, inter-token latencies observed (one per request-step)
 SRV_RUNNING = "num_requests_running"                 # gauge, requests in the running batch
 SRV_WAITING = "num_requests_waiting"                 # gauge, requests queued for a slot
 SRV_KV_USAGE = "kv_cache_usage"                      # gauge, fraction 0..1 of the KV cache in use
@@ -205,7 +224,8 @@ SRV_ACCEPT_LENGTH = "accept_length"                  # gauge, the engine's own t
 SRV_ACCEPT_RATE = "accept_rate"                      # gauge, the engine's own acceptance rate (SGLang)
 SRV_COUNTERS = (SRV_NUM_DRAFTS, SRV_NUM_DRAFT_TOKENS, SRV_NUM_ACCEPTED_TOKENS, SRV_NUM_ACCEPTED_PER_POS,
                 SRV_PROMPT_TOKENS, SRV_GENERATION_TOKENS, SRV_REQUESTS_FINISHED, SRV_PREEMPTIONS,
-                SRV_ENGINE_STEPS, SRV_STEP_TOKENS, SRV_STEP_MS, SRV_VERIFICATION_TOKENS, SRV_DECODE_ROWS)
+                SRV_ENGINE_STEPS, SRV_STEP_TOKENS, SRV_STEP_MS, SRV_VERIFICATION_TOKENS, SRV_DECODE_ROWS,
+                SRV_ITL_SUM_S, SRV_ITL_COUNT)
 SRV_GAUGES = (SRV_RUNNING, SRV_WAITING, SRV_KV_USAGE, SRV_ACCEPT_LENGTH, SRV_ACCEPT_RATE)
 SRV_POSITION_LABEL = "position"                      # the per-position counter's label (0-based)
 
@@ -227,6 +247,10 @@ SERVER_METRIC_NAMES: dict[str, dict[str, tuple[str, str]]] = {
         # tokens per engine step = prompt tokens computed + output tokens emitted in it
         SRV_ENGINE_STEPS: ("vllm:iteration_tokens_total", "hist_count"),
         SRV_STEP_TOKENS: ("vllm:iteration_tokens_total", "hist_sum"),
+        # one sample per request per engine step that gave it tokens: the step's wall time as the
+        # running requests saw it (idle time between requests is not in it, unlike cell wall / steps)
+        SRV_ITL_SUM_S: ("vllm:inter_token_latency_seconds", "hist_sum"),
+        SRV_ITL_COUNT: ("vllm:inter_token_latency_seconds", "hist_count"),
         SRV_RUNNING: ("vllm:num_requests_running", "gauge"),
         SRV_WAITING: ("vllm:num_requests_waiting", "gauge"),
         SRV_KV_USAGE: ("vllm:kv_cache_usage_perc", "gauge"),

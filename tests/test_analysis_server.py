@@ -148,9 +148,14 @@ def test_a_server_without_speculative_counters_says_what_it_could_not_compute(tm
     run = write_run(tmp_path, {1: sglang}, facts={"engine": "sglang", "url": "u", "missing": []})
     results = load_results(run)
     notes = server.missing_figures(results, server.cell_table(results))
-    assert any(n.startswith("tau: not computed") and "num_drafts" in n for n in notes)
+    assert any(n.startswith("tau (from counters): not computed") and "num_drafts" in n for n in notes)
+    assert any(n.startswith("per-position acceptance: not computed") for n in notes)
     assert any(n.startswith("engine steps / step time") for n in notes)
     a = analyse(results, n_boot=20)
-    assert a.cells[M.ACCEPTANCE_LENGTH].isna().all()          # nothing invented
+    # SGLang's own acceptance-length gauge stands in, labelled; no per-position rows invented
+    assert list(a.cells[M.ACCEPTANCE_LENGTH]) == [2.7] and list(a.cells["acceptance_source"]) == ["server"]
+    assert a.positions.empty
+    (row,) = {t[0]: t[2] for t in a.server["tables"]}["Server metrics per cell"]
+    assert row["tau_from"] == "engine gauge (mean of samples)"
     text = " ".join(t[1] for t in a.server["tables"])
-    assert "tau: not computed" in text
+    assert "tau (from counters): not computed" in text

@@ -7,7 +7,8 @@ This module turns them into what the step log gives for specload's own engine
 (docs/design.md "Metric definitions"), per cell (run, strategy, tier, output
 class, users; repeats pooled):
 
-- tau = 1 + accepted / drafts;
+- tau = 1 + accepted / drafts (SGLang, which has no counters for it: the mean of its
+  ``spec_accept_length`` gauge over the cell's samples, labelled ``tau_from``);
 - per-position acceptance: unconditional = accepted at i / drafts (vLLM's
   definition); conditional = accepted at i / accepted at i-1 (position 1: / drafts),
   exact for prefix acceptance (a token at i is only accepted after i-1 was);
@@ -47,7 +48,7 @@ SUM_KEYS = tuple(k for k in mn.SRV_COUNTERS if k != mn.SRV_NUM_ACCEPTED_PER_POS)
 
 # figure -> the server counters it needs (the report names what is missing)
 NEEDS = {
-    "tau": (mn.SRV_NUM_DRAFTS, mn.SRV_NUM_ACCEPTED_TOKENS),
+    "tau (from counters)": (mn.SRV_NUM_DRAFTS, mn.SRV_NUM_ACCEPTED_TOKENS),
     "per-position acceptance": (mn.SRV_NUM_ACCEPTED_PER_POS, mn.SRV_NUM_DRAFTS),
     "wasted tokens": (mn.SRV_NUM_DRAFT_TOKENS, mn.SRV_NUM_ACCEPTED_TOKENS),
     "verification tokens": (mn.SRV_NUM_DRAFT_TOKENS, mn.SRV_GENERATION_TOKENS, mn.SRV_REQUESTS_FINISHED),
@@ -129,6 +130,11 @@ def _derive(row: dict) -> dict:
     prompt = _num(row.get(mn.SRV_PROMPT_TOKENS))
     dur = _num(row.get("duration_s"))
     row["tau"] = 1.0 + acc / drafts if drafts > 0 else (1.0 if drafts == 0 else np.nan)
+    row["tau_from"] = "drafts / accepted counters" if np.isfinite(row["tau"]) else None
+    gauge_tau = _num(row.get(f"{mn.SRV_ACCEPT_LENGTH}_mean"))
+    if not np.isfinite(row["tau"]) and np.isfinite(gauge_tau):
+        # SGLang publishes no counters for it, only its own running mean acceptance length
+        row["tau"], row["tau_from"] = gauge_tau, "engine gauge (mean of samples)"
     # decode request-steps: each emits 1 + its accepted tokens; the first token is prefill's
     req_steps, basis = np.nan, None
     if np.isfinite(gen) and np.isfinite(fin):
@@ -152,10 +158,16 @@ def _derive(row: dict) -> dict:
     row["batch_tokens_per_step"] = ((verif + (prompt if np.isfinite(prompt) else 0.0)) / steps
                                     if steps > 0 and np.isfinite(verif) else np.nan)
     step_ms_sum = _num(row.get(mn.SRV_STEP_MS))
+    itl_s, itl_n = _num(row.get(mn.SRV_ITL_SUM_S)), _num(row.get(mn.SRV_ITL_COUNT))
     row["step_ms"] = (step_ms_sum / steps if steps > 0 and np.isfinite(step_ms_sum) else
+                      1000.0 * itl_s / itl_n if itl_n > 0 and np.isfinite(itl_s) else
                       1000.0 * dur / steps if steps > 0 and dur > 0 else np.nan)
     row["step_ms_from"] = ("step-time histogram" if np.isfinite(step_ms_sum) else
+                           "inter-token latency histogram" if itl_n > 0 and np.isfinite(itl_s) else
                            "cell wall / steps" if np.isfinite(row["step_ms"]) else None)
+    row["wall_ms_per_step"] = 1000.0 * dur / steps if steps > 0 and dur > 0 else np.nan
+    row["engine_busy_share"] = (row["step_ms"] * steps / (1000.0 * dur)
+                                if row["step_ms_from"] == "inter-token latency histogram" and dur > 0 else np.nan)
     row["steps_per_s"] = steps / dur if steps > 0 and dur > 0 else np.nan
     row["batch_size_mean"] = _num(row.get(f"{mn.SRV_RUNNING}_mean"))
     if not np.isfinite(row["batch_size_mean"]) and np.isfinite(_num(row.get(mn.SRV_DECODE_ROWS))) and steps > 0:
@@ -216,9 +228,10 @@ def missing_figures(results, srv: pd.DataFrame) -> list[str]:
 def table_rows(srv: pd.DataFrame) -> list[dict]:
     """The report's per-cell server table."""
     cols = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS,
-            mn.SRV_NUM_DRAFTS, mn.SRV_NUM_DRAFT_TOKENS, mn.SRV_NUM_ACCEPTED_TOKENS, "tau",
+            mn.SRV_NUM_DRAFTS, mn.SRV_NUM_DRAFT_TOKENS, mn.SRV_NUM_ACCEPTED_TOKENS, "tau", "tau_from",
             "request_steps", "verification_tokens_total", "wasted_tokens", "wasted_share",
-            "steps", "tokens_per_step", "step_ms", "batch_size_mean", "waiting_mean",
+            "steps", "tokens_per_step", "step_ms", "step_ms_from", "wall_ms_per_step", "engine_busy_share",
+            "batch_size_mean", "waiting_mean",
             f"{mn.SRV_KV_USAGE}_max", mn.SRV_PREEMPTIONS, "counter_resets"]
     if srv.empty:
         return []

@@ -6,10 +6,11 @@ histogram's count), the tokens they carried and the cell's wall time. So the fit
 across cells, not steps: step_ms = cell wall / steps against the batch tokens of a
 mean step, T = (verification tokens + prompt tokens) / steps, fitted as the hinge
 ``analysis.model.capacity.fit_cost_curve`` (flat while memory-bound, linear past
-the knee; Williams, Waterman & Patterson 2009). Each cell is one sample, so the
-fit needs two cells with different T (two tiers or users levels); with one, the
-cost is flat at the measured step time (a model that cannot show the knee, said so
-in ``knee_observed`` = False and the notes).
+the knee; Williams, Waterman & Patterson 2009) from 4 cells with distinct T on, a
+line (non-negative slope) from 2 or 3 cells, flat at the measured step time with
+one (``knee_observed`` = False says the knee was not seen). step_ms is the mean
+inter-token latency where vLLM publishes its histogram (the step as its running
+requests saw it), else cell wall / steps.
 
 ``step_model`` turns a curve into the ``stepcost.StepModel`` that
 ``analysis.model.backtest.fit_server_cell_models`` makes the ``CellModel`` the
@@ -29,7 +30,8 @@ from analysis.model import stepcost
 from analysis.model.capacity import CostCurve, fit_cost_curve
 from configs import metric_names as mn
 
-SOURCE = "server /metrics (cell wall / engine steps)"
+SOURCE = "server /metrics (one sample per cell)"
+MIN_CELLS_FOR_KNEE = 4   # distinct token counts a hinge needs (3 parameters); fewer: a line
 
 
 def _samples(srv: pd.DataFrame, strategy: str, levels=None) -> pd.DataFrame:
@@ -51,12 +53,30 @@ def fit_curves(srv: pd.DataFrame, levels=None) -> dict[str, CostCurve]:
             continue
         t, y = g["batch_tokens_per_step"].to_numpy(float), g["step_ms"].to_numpy(float)
         try:
-            out[strategy] = fit_cost_curve(t, y)
+            out[strategy] = (fit_cost_curve(t, y) if len(np.unique(t)) >= MIN_CELLS_FOR_KNEE
+                             else _line(t, y, int(g["steps"].sum())))
         except ValueError:
             out[strategy] = CostCurve(floor_ms=float(np.mean(y)), slope_ms_per_token=0.0,
                                       knee_tokens=float(np.max(t)), r2=float("nan"),
                                       n_steps=int(g["steps"].sum()), knee_observed=False)
     return out
+
+
+def _line(t: np.ndarray, y: np.ndarray, n_steps: int) -> CostCurve:
+    """A line with a non-negative slope from the smallest observed T on (flat below it): with
+    2 or 3 cells a hinge's three parameters would pass through the points and say nothing.
+    Raises ValueError with fewer than 2 distinct T."""
+    if len(np.unique(t)) < 2:
+        raise ValueError("one token count")
+    slope, icpt = np.polyfit(t, y, 1)
+    if slope <= 0:
+        return CostCurve(floor_ms=float(np.mean(y)), slope_ms_per_token=0.0, knee_tokens=float(t.max()),
+                         r2=float("nan"), n_steps=n_steps, knee_observed=False)
+    pred = icpt + slope * t
+    sst = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((y - pred) ** 2)) / sst if sst > 0 else 1.0
+    return CostCurve(floor_ms=float(icpt + slope * t.min()), slope_ms_per_token=float(slope),
+                     knee_tokens=float(t.min()), r2=r2, n_steps=n_steps, knee_observed=False)
 
 
 def fit_table(srv: pd.DataFrame) -> list[dict]:

@@ -41,18 +41,21 @@ def server_section(results, srv: pd.DataFrame) -> dict:
         "wasted_tokens = draft - accepted tokens, wasted_share = wasted / verification; steps = "
         "engine iterations (vLLM: the iteration-tokens histogram's count); tokens_per_step = "
         "prompt tokens computed + output tokens emitted per step (vLLM's histogram); step_ms = "
-        "cell wall / steps; batch_size_mean / waiting_mean = sampled running / waiting gauges.",
+        "the mean inter-token latency (vLLM observes one per request per step: the step as its "
+        "running requests saw it), else cell wall / steps (step_ms_from says which); "
+        "wall_ms_per_step = cell wall / steps; engine_busy_share = step_ms x steps / cell wall; "
+        "batch_size_mean / waiting_mean = sampled running / waiting gauges.",
         server.table_rows(srv)))
     fit = server_fit.fit_table(srv)
     if fit:
         out["tables"].append((
             "Step cost from server metrics (no step log)",
-            "One sample per cell: step_ms = cell wall / engine steps against the batch tokens of "
-            "a mean step (verification + prompt tokens per step), fitted as a hinge floor + slope "
-            "* max(0, T - knee). With fewer than two distinct T the cost is flat "
-            "(knee_observed = no): run more tiers or users levels to see the knee. vLLM's "
-            "counters give no per-step time, so this is the whole step (draft, verify, prefill "
-            "and scheduling together).", fit))
+            "One sample per cell: step_ms (above) against the batch tokens of a mean step "
+            "(verification + prompt tokens per step), fitted as a hinge floor + slope * max(0, T - "
+            "knee) from 4 cells with distinct T, a line from 2 or 3, flat from one "
+            "(knee_observed = no: run more tiers or users levels to see the knee). vLLM publishes "
+            "no per-phase time, so this is the whole step (draft, verify, prefill and scheduling "
+            "together).", fit))
     ts = server.timeseries(results)
     out["figures"]["server_timeline"] = server_timeline(ts)
     return out
