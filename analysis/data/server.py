@@ -235,7 +235,7 @@ def table_rows(srv: pd.DataFrame) -> list[dict]:
             f"{mn.SRV_KV_USAGE}_max", mn.SRV_PREEMPTIONS, "counter_resets"]
     if srv.empty:
         return []
-    df = srv[[c for c in cols if c in srv.columns]]
+    df = srv[[c for c in cols if c in srv.columns]].sort_values([mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_USERS])
     return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
             for r in df.to_dict("records")]
 
