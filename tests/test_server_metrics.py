@@ -227,3 +227,20 @@ def test_server_metrics_flag_values():
     assert sm.server_metrics_arg("http://127.0.0.1:9/metrics").startswith("http://")
     with pytest.raises(argparse.ArgumentTypeError, match="auto, off or an http"):
         sm.server_metrics_arg("ftp://x")
+
+
+def test_vllm_venv_absent_skips_or_fails_under_require(monkeypatch, tmp_path):
+    from tests import vllm_server
+
+    monkeypatch.setenv(vllm_server.ENV_PYTHON, str(tmp_path / "no-such-python"))
+    monkeypatch.delenv(vllm_server.ENV_REQUIRE, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no vLLM venv"):
+        vllm_server.vllm_python()
+    monkeypatch.setenv(vllm_server.ENV_REQUIRE, "1")
+    with pytest.raises(pytest.fail.Exception, match="SPECLOAD_REQUIRE_VLLM=1"):
+        vllm_server.vllm_python()
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(vllm_server.ENV_PYTHON, str(fake))
+    assert vllm_server.vllm_python() == str(fake)
