@@ -131,10 +131,11 @@ def test_ngram_cell_equals_vllm_counters_and_other_traffic_before_is_excluded(vl
     # the time series file: the served model only, cell-labelled samples
     ts = pd.read_parquet(run / "server_metrics.parquet")
     assert set(ts["model"]) == {"ngram"} and (ts[M.REQ_TIER] == "mid").any()
-    _check_report(run, "ngram", got)
+    report = _check_report(run, "ngram", got)
     print(f"\nngram: drafts {got[M.SRV_NUM_DRAFTS]} accepted {got[M.SRV_NUM_ACCEPTED_TOKENS]} tau {tau:.3f} "
           f"per-pos {got[M.SRV_NUM_ACCEPTED_PER_POS]} (vLLM delta {vllm[DRAFTS]:.0f}/{vllm[ACCEPTED]:.0f}, "
-          f"{pre_drafts}/{pre_acc} of them before the cell); loadgen {wall:.0f} s")
+          f"{pre_drafts}/{pre_acc} of them before the cell); requests {len(req)}; loadgen {wall:.0f} s; "
+          f"report: {report}")
 
 
 def _check_report(run: Path, strategy: str, got: dict) -> None:
@@ -155,6 +156,10 @@ def _check_report(run: Path, strategy: str, got: dict) -> None:
     assert row["wasted_tokens"] == got[M.SRV_NUM_DRAFT_TOKENS] - got[M.SRV_NUM_ACCEPTED_TOKENS]
     md = (run / "report" / "report.md").read_text()
     assert "## Server metrics per cell" in md and "## Per-position acceptance" in md
+    return (f"tau {cell[M.ACCEPTANCE_LENGTH]:.3f}, uncond {[round(x, 3) for x in pos['uncond']]}, "
+            f"cond {[round(x, 3) for x in pos['cond']]}, wasted tokens {row['wasted_tokens']} "
+            f"(share {row['wasted_share']:.3f} of {row['verification_tokens_total']} verification tokens), "
+            f"steps {row['steps']}, step_ms {row['step_ms']:.1f}, running {row['batch_size_mean']:.2f}")
 
 
 def test_draft_model_other_traffic_during_the_cell_is_flagged(vllm_servers, tmp_path):
@@ -210,6 +215,10 @@ def test_draft_model_other_traffic_during_the_cell_is_flagged(vllm_servers, tmp_
     assert got[M.SRV_NUM_DRAFT_TOKENS] == 4 * got[M.SRV_NUM_DRAFTS]
     md = (run / "report" / "report.md").read_text()
     assert "other traffic reached the engine" in md
+    own_acc = int(req[M.NUM_ACCEPTED_TOKENS].sum())
     print(f"\ndraft_model: drafts {got[M.SRV_NUM_DRAFTS]} accepted {got[M.SRV_NUM_ACCEPTED_TOKENS]} "
-          f"tau {got[M.ACCEPTANCE_LENGTH]:.3f} per-pos {got[M.SRV_NUM_ACCEPTED_PER_POS]}; "
-          f"alias during the cell: {other} drafts (flagged)")
+          f"draft tokens {got[M.SRV_NUM_DRAFT_TOKENS]} tau {got[M.ACCEPTANCE_LENGTH]:.3f} per-pos "
+          f"{got[M.SRV_NUM_ACCEPTED_PER_POS]} (= vLLM delta {vllm[DRAFTS]:.0f}/{vllm[ACCEPTED]:.0f}); alias during "
+          f"the cell: {other} drafts / {got['unattributed_accepted_tokens']} accepted (flagged); the cell's own "
+          f"requests: {len(req)}, {got[M.SRV_NUM_DRAFTS] - other} drafts / {own_acc} accepted, tau "
+          f"{1 + own_acc / (got[M.SRV_NUM_DRAFTS] - other):.3f}")
