@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from actors.serve.openai_logprobs import choice_logprobs
 from actors.serve.protocol import ErrorMessage, Finished
 from configs import metric_names as mn
 
@@ -108,6 +109,7 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     """The non-stream response body, or the ErrorMessage that ended the request."""
     ids: list[int] = []
     text: list[str] = []
+    lps: list | None = None    # TokenLogprob entries, when the request asked for them
     last: Finished | ErrorMessage | None = None
     try:
         async for msg in messages:
@@ -116,6 +118,9 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
                 break
             ids.extend(msg.token_ids)
             text.append(msg.text)
+            if msg.logprobs is not None:
+                lps = [] if lps is None else lps
+                lps.extend(msg.logprobs)
             if isinstance(msg, Finished):
                 last = msg
                 break
@@ -130,10 +135,11 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     body = "".join(text)
     if ctx.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": body},
+                  "logprobs": choice_logprobs(lps, True),
                   "finish_reason": last.finish_reason, "token_ids": ids}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": body, "logprobs": None,
+        choice = {"index": 0, "text": body, "logprobs": choice_logprobs(lps, False),
                   "finish_reason": last.finish_reason, "token_ids": ids}
         obj = "text_completion"
     return {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
@@ -151,7 +157,8 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
         if ctx.chat:   # OpenAI sends the role first, without content
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                  "content": ""},
-                                             "finish_reason": None, "token_ids": []}]})
+                                             "logprobs": None, "finish_reason": None,
+                                             "token_ids": []}]})
         async for msg in messages:
             if isinstance(msg, ErrorMessage):   # the request failed part-way
                 done = True
@@ -160,11 +167,12 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
             finish = msg.finish_reason if isinstance(msg, Finished) else None
             if not msg.token_ids and not msg.text and finish is None:
                 continue
+            lps = choice_logprobs(msg.logprobs, ctx.chat)   # this chunk's tokens only
             if ctx.chat:
-                choice = {"index": 0, "delta": {"content": msg.text},
+                choice = {"index": 0, "delta": {"content": msg.text}, "logprobs": lps,
                           "finish_reason": finish, "token_ids": msg.token_ids}
             else:
-                choice = {"index": 0, "text": msg.text, "logprobs": None,
+                choice = {"index": 0, "text": msg.text, "logprobs": lps,
                           "finish_reason": finish, "token_ids": msg.token_ids}
             if msg.token_ts and len(msg.token_ts) == len(msg.token_ids):
                 choice[mn.TOKEN_TS_FIELD] = msg.token_ts
