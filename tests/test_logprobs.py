@@ -233,3 +233,26 @@ def test_skip_special_tokens(strategy, make_engine, heldout_prompts):
     assert EOS_TEXT not in hidden["text"]
     assert shown["text"].count(EOS_TEXT) == hidden["token_ids"].count(0) >= 1
     assert shown["text"].replace(EOS_TEXT, "") == hidden["text"]
+
+
+def test_draft_model_masks_eos_in_q_before_min_tokens(make_engine, heldout_prompts):
+    """The draft model's proposal skips a token that is EOS before min_tokens (as the
+    target's processing), and proposes it again once min_tokens is reached."""
+    from actors.engine.types import ProposeInput
+
+    eng = _engine(make_engine, "draft_model")
+    prop = eng.proposer
+    ids = eng.tokenizer(heldout_prompts[3]["prompt"], add_special_tokens=False)["input_ids"]
+
+    def first(params, num_output, eos):
+        prop.add_request("dq", ids)
+        try:
+            return prop.propose([ProposeInput("dq", ids, 2, params, None, num_output, eos)]
+                                )[0].token_ids
+        finally:
+            prop.remove_request("dq")
+
+    plain = first(SamplingParams(max_tokens=8), 3, None)
+    masked = first(SamplingParams(max_tokens=8, min_tokens=4), 3, plain[0])
+    assert masked[0] != plain[0]
+    assert first(SamplingParams(max_tokens=8, min_tokens=3), 3, plain[0]) == plain

@@ -340,7 +340,8 @@ class LLMEngine:
         reqs = [d.request for d in decodes]
         props = self._isolated("propose", self.proposer.propose, reqs, [
             ProposeInput(d.request.request_id, d.request.all_ids, d.max_draft,
-                         d.request.params, d.request.generator) for d in decodes])
+                         d.request.params, d.request.generator, len(d.request.output_ids),
+                         self.eos_token_id) for d in decodes])
         tv, cv = time.perf_counter(), time.thread_time()
         live: list[tuple[Request, DraftProposal]] = []
         for d, p in zip(decodes, props):

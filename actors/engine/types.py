@@ -204,6 +204,11 @@ class ProposeInput:
     token_ids: the request's whole sequence so far (prompt + emitted), the
     last of which is not yet in the target's KV cache. max_draft: the most
     draft tokens the scheduler allows this step (0..k, ragged across requests).
+    num_output: how many of ``token_ids`` are output tokens (the rest is the
+    prompt); eos_token_id: the engine's EOS. A proposer that samples may use
+    both to mask EOS before ``params.min_tokens`` as the target does
+    (``sampling.mask_min_tokens``): not needed for losslessness (the target
+    rejects an EOS it masked), only to waste fewer drafts.
     """
 
     request_id: str
@@ -211,6 +216,8 @@ class ProposeInput:
     max_draft: int
     params: SamplingParams
     generator: torch.Generator | None
+    num_output: int = 0
+    eos_token_id: int | None = None
 
 
 @dataclass(frozen=True)
