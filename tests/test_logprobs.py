@@ -256,3 +256,16 @@ def test_draft_model_masks_eos_in_q_before_min_tokens(make_engine, heldout_promp
     masked = first(SamplingParams(max_tokens=8, min_tokens=4), 3, plain[0])
     assert masked[0] != plain[0]
     assert first(SamplingParams(max_tokens=8, min_tokens=3), 3, plain[0]) == plain
+
+
+def test_token_texts_are_the_tokens_bytes(make_engine, heldout_prompts):
+    """Every vocabulary entry: its text is ``decode([id])`` and its bytes, joined over a
+    sequence, decode to the sequence's text (also across split UTF-8 characters)."""
+    eng = _engine(make_engine, "autoregressive")
+    tok, texts = eng.tokenizer, eng.detok.token_texts
+    for i in range(len(tok)):
+        assert texts.get(i)[0] == tok.decode([i]), i
+    ids = tok("naïve café — ½ ∑ 東京 " + heldout_prompts[30]["prompt"][:200],
+              add_special_tokens=False)["input_ids"]
+    assert b"".join(texts.get(i)[1] for i in ids).decode() == tok.decode(ids)
+    assert texts.get(eng.eos_token_id) == (EOS_TEXT, EOS_TEXT.encode())
