@@ -55,3 +55,17 @@ def test_body_and_stream_carry_logprobs():
     assert chunks[0]["choices"][0]["logprobs"] is None   # role chunk
     assert [[c["token"] for c in ch["choices"][0]["logprobs"]["content"]] for ch in chunks[1:]] \
         == [[" a"], ["\ufffd"]]
+
+
+def test_tokens_as_token_ids():
+    from actors.serve.openai_request import parse_request
+
+    assert parse_request({"model": "m", "prompt": "x", "return_tokens_as_token_ids": True},
+                         False).tokens_as_ids
+    out = completion_logprobs([A, B], as_ids=True)
+    assert out["tokens"] == ["token_id:5", "token_id:9"]
+    assert out["top_logprobs"][1] == {"token_id:7": -0.2, "token_id:8": NEG_INF_LOGPROB,
+                                      "token_id:9": -3.0}
+    (a, _) = chat_logprobs([A, B], as_ids=True)["content"]
+    assert a["token"] == "token_id:5" and a["bytes"] == [32, 97]
+    assert [t["token"] for t in a["top_logprobs"]] == ["token_id:5", "token_id:7"]

@@ -140,6 +140,10 @@ def test_completions_logprobs(client, reference, strategy, route):
         assert [set(t) for t in joined["top_logprobs"]] == [set(t) for t in lp["top_logprobs"]] \
             or n < len(ids)
         assert usage["completion_tokens"] == len(ids)
+        as_ids = post(client, route, strategy, **_greedy(
+            p, logprobs=TOP, return_tokens_as_token_ids=True))["choices"][0]["logprobs"]
+        assert as_ids["tokens"][:n] == [f"token_id:{t}" for t in ids[:n]]
+        assert as_ids["text_offset"][:n] == lp["text_offset"][:n]
         plain = post(client, route, strategy, **_greedy(p))["choices"][0]
         assert plain["logprobs"] is None and plain["token_ids"][:n] == ids[:n]
     print(f"{strategy} {route}: max |token_logprob - autoregressive| = {worst:.2e}")

@@ -48,6 +48,7 @@ NULLABLE = [
     ("min_tokens", "both", {"min_tokens": 0}),
     ("skip_special_tokens", "both", {"skip_special_tokens": True}),
     ("spaces_between_special_tokens", "both", {"spaces_between_special_tokens": True}),
+    ("return_tokens_as_token_ids", "both", {}),
     ("echo", "completions", {}),
     ("presence_penalty", "both", {}), ("frequency_penalty", "both", {}),
     ("logit_bias", "both", {}), ("best_of", "completions", {}), ("suffix", "completions", {}),

@@ -17,7 +17,10 @@ Chat (``logprobs: true, top_logprobs: N``), as OpenAI's chat completions::
                   "top_logprobs": [{"token", "logprob", "bytes"}] (N, best first)}]}
 
 A -inf logprob (a token top-k / top-p removed, listed among the top N) is
-written as -9999.0, as vLLM does: JSON has no infinity.
+written as -9999.0, as vLLM does: JSON has no infinity. With vLLM's
+``return_tokens_as_token_ids`` every token string is ``"token_id:<id>"`` (exact
+ids: two ids with one text, such as split UTF-8 pieces, stay apart); ``bytes``
+stay the token's own.
 """
 
 from __future__ import annotations
@@ -31,29 +34,36 @@ def _finite(lp: float) -> float:
     return lp if math.isfinite(lp) else NEG_INF_LOGPROB
 
 
-def completion_logprobs(entries: list) -> dict:
+def _name(token_id: int, token: str, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else token
+
+
+def completion_logprobs(entries: list, as_ids: bool = False) -> dict:
     """The completions ``choices[].logprobs`` object of ``entries`` ([TokenLogprob])."""
     tops = []
     for e in entries:
-        top = {tok: _finite(lp) for _, tok, _, lp in e.top}
-        top.setdefault(e.token, _finite(e.logprob))   # the chosen token, even outside top N
+        top = {_name(t, tok, as_ids): _finite(lp) for t, tok, _, lp in e.top}
+        # the chosen token, even outside the top N
+        top.setdefault(_name(e.token_id, e.token, as_ids), _finite(e.logprob))
         tops.append(top)
-    return {"tokens": [e.token for e in entries],
+    return {"tokens": [_name(e.token_id, e.token, as_ids) for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
             "top_logprobs": tops, "text_offset": [e.text_offset for e in entries]}
 
 
-def chat_logprobs(entries: list) -> dict:
+def chat_logprobs(entries: list, as_ids: bool = False) -> dict:
     """The chat ``choices[].logprobs`` object of ``entries`` ([TokenLogprob])."""
     return {"content": [
-        {"token": e.token, "logprob": _finite(e.logprob), "bytes": list(e.token_bytes),
-         "top_logprobs": [{"token": tok, "logprob": _finite(lp), "bytes": list(raw)}
-                          for _, tok, raw, lp in e.top]}
+        {"token": _name(e.token_id, e.token, as_ids), "logprob": _finite(e.logprob),
+         "bytes": list(e.token_bytes),
+         "top_logprobs": [{"token": _name(t, tok, as_ids), "logprob": _finite(lp),
+                           "bytes": list(raw)} for t, tok, raw, lp in e.top]}
         for e in entries]}
 
 
-def choice_logprobs(entries: list | None, chat: bool) -> dict | None:
-    """``choices[].logprobs`` for a choice or chunk: None when logprobs were not asked."""
+def choice_logprobs(entries: list | None, chat: bool, as_ids: bool = False) -> dict | None:
+    """``choices[].logprobs`` for a choice or chunk: None when logprobs were not asked.
+    as_ids: tokens as ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``)."""
     if entries is None:
         return None
-    return chat_logprobs(entries) if chat else completion_logprobs(entries)
+    return chat_logprobs(entries, as_ids) if chat else completion_logprobs(entries, as_ids)

@@ -48,6 +48,7 @@ logger = logging.getLogger("ray.serve")
 #   top_k, ignore_eos  0 (off), false     same (vLLM extensions) yes
 #   min_tokens         0                  0 (vLLM; <= max_tokens) yes
 #   skip_special_tokens, spaces_between_special_tokens: true, true (vLLM) yes
+#   return_tokens_as_token_ids  false (vLLM: logprobs tokens as "token_id:<id>") yes
 #   presence_penalty, frequency_penalty, repetition_penalty, logit_bias, best_of,
 #   suffix, tools, tool_choice, response_format: accepted only at null or their
 #   neutral value (``_UNSUPPORTED``); anything else is a 400 naming the field.
@@ -108,6 +109,7 @@ class _Common(BaseModel):
     min_tokens: StrictInt | None = None
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None   # vLLM: logprobs tokens as ids
     # specload extensions (vLLM's stream_interval, per request): tokens per streamed
     # chunk, or also a chunk once this many ms passed; None = the strategy's default
     stream_interval: StrictInt | None = Field(None, ge=1, le=4096)
@@ -176,6 +178,7 @@ class ParsedRequest:
     include_usage: bool
     stream_interval: int | None = None       # tokens per chunk (None: the strategy's)
     stream_interval_ms: float | None = None  # or a chunk once this many ms passed
+    tokens_as_ids: bool = False   # vLLM's return_tokens_as_token_ids: "token_id:<id>"
 
 
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
@@ -232,7 +235,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
                              param="min_tokens")
     return ParsedRequest(req.model, prompt, req.sampling(max_tokens), bool(req.stream),
                          bool(req.stream_options and req.stream_options.include_usage),
-                         req.stream_interval, req.stream_interval_ms)
+                         req.stream_interval, req.stream_interval_ms,
+                         bool(req.return_tokens_as_token_ids))
 
 
 def _check_logprobs(req: "_Common", chat: bool) -> None:

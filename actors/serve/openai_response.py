@@ -48,6 +48,7 @@ class ResponseContext:
     created: int
     chat: bool
     n_prompt: int
+    tokens_as_ids: bool = False   # logprobs tokens as "token_id:<id>" (vLLM's option)
 
 
 def _cancel(gen) -> None:
@@ -135,11 +136,11 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     body = "".join(text)
     if ctx.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": body},
-                  "logprobs": choice_logprobs(lps, True),
+                  "logprobs": choice_logprobs(lps, True, ctx.tokens_as_ids),
                   "finish_reason": last.finish_reason, "token_ids": ids}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": body, "logprobs": choice_logprobs(lps, False),
+        choice = {"index": 0, "text": body, "logprobs": choice_logprobs(lps, False, ctx.tokens_as_ids),
                   "finish_reason": last.finish_reason, "token_ids": ids}
         obj = "text_completion"
     return {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
@@ -167,7 +168,7 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
             finish = msg.finish_reason if isinstance(msg, Finished) else None
             if not msg.token_ids and not msg.text and finish is None:
                 continue
-            lps = choice_logprobs(msg.logprobs, ctx.chat)   # this chunk's tokens only
+            lps = choice_logprobs(msg.logprobs, ctx.chat, ctx.tokens_as_ids)   # this chunk's tokens only
             if ctx.chat:
                 choice = {"index": 0, "delta": {"content": msg.text}, "logprobs": lps,
                           "finish_reason": finish, "token_ids": msg.token_ids}
@@ -223,7 +224,8 @@ async def respond(start, req: ParsedRequest, rid: str, chat: bool, retry_after_s
                               "server_error", code="engine_unavailable")
     if isinstance(first, ErrorMessage):
         return message_error(first, retry_after_s)
-    ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens)
+    ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens,
+                          req.tokens_as_ids)
     messages = guard_replica(gen, req.model)
     if req.stream:
         return StreamingResponse(sse_events(messages, ctx, req.include_usage),
