@@ -269,3 +269,22 @@ def test_token_texts_are_the_tokens_bytes(make_engine, heldout_prompts):
               add_special_tokens=False)["input_ids"]
     assert b"".join(texts.get(i)[1] for i in ids).decode() == tok.decode(ids)
     assert texts.get(eng.eos_token_id) == (EOS_TEXT, EOS_TEXT.encode())
+
+
+@pytest.mark.parametrize("strategy", ["draft_model", "dflash2"])
+def test_min_tokens_sampling_lossless(strategy, make_engine):
+    """Sampled, with the target's most likely first token made EOS and min_tokens 4: the
+    joint of the first three tokens is the target's distribution with that token masked
+    (chi-square over 2,000 seeded requests; drafts proposing it are rejected)."""
+    from tests.lossless import PARAMS, PROMPT, assert_sampling_lossless
+
+    eng = make_engine(strategy, max_num_seqs=64, num_speculative_tokens=2)
+    ids = eng.tokenizer(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        eos = int(eng.model(torch.tensor([ids])).logits[0, -1].argmax())
+    params = {**PARAMS, "ignore_eos": False, "min_tokens": 4}
+    old = _with_eos([eng], eos)
+    try:
+        assert_sampling_lossless(eng, params=params, masked=eos)
+    finally:
+        eng.eos_token_id = old[0]
