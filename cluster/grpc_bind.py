@@ -20,8 +20,8 @@ keeps them reachable; on a loopback head it is 127.0.0.1.
 
 How it gets in: Ray's own ``preload_python_modules`` setting (``RAY_preload_python_modules``
 in the raylet's environment; ``configs.net.loopback_head`` sets it) makes every worker
-import this module before it runs a task or creates an actor. Importing it calls
-``install()``, which wraps ``add_insecure_port`` / ``add_secure_port`` of grpc's server
+import ``cluster.grpc_bind_preload`` before it runs a task or creates an actor; that
+module calls ``install()`` (this module changes nothing when imported), which wraps ``add_insecure_port`` / ``add_secure_port`` of grpc's server
 classes (sync and asyncio) so a wildcard host is replaced by the worker's node IP; any
 explicit host is left as given. Nothing else changes. Without the setting (a cluster you
 start yourself) nothing imports it.
@@ -85,5 +85,3 @@ def installed() -> bool:
 
     return getattr(aio_server.Server.add_insecure_port, _MARK, False)
 
-
-install()

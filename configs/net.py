@@ -82,7 +82,7 @@ RAY_MULTI_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 # The preload module that binds Serve's hard-coded ``[::]`` gRPC servers to the node IP
 # (cluster/grpc_bind.py says why). A module name, not an import: Ray's raylet has every
 # worker import it (Ray's ``preload_python_modules`` setting, env ``RAY_preload_python_modules``).
-GRPC_BIND_PRELOAD = "cluster.grpc_bind"
+GRPC_BIND_PRELOAD = "cluster.grpc_bind_preload"
 RAY_PRELOAD_ENV = "RAY_preload_python_modules"
 
 # Every port option of ``ray start --head`` (each picked free, so a head never meets another
@@ -130,7 +130,7 @@ def loopback_head(ports: dict[str, int] | None = None) -> RayHead:
       dashboard agent (HTTP, gRPC, metrics export), runtime-env agent, client server, the
       autoscaler monitor's and dashboard's metrics servers all bind the node IP;
     - ``--dashboard-host 127.0.0.1`` (Ray's default, said explicitly);
-    - ``RAY_preload_python_modules=cluster.grpc_bind``: Serve's replica and gRPC-ingress
+    - ``RAY_preload_python_modules=cluster.grpc_bind_preload``: Serve's replica and gRPC-ingress
       servers, hard-coded to ``[::]``, bind the node IP too;
     - every port picked free on 127.0.0.1 (``ports`` overrides by name).
     The Serve HTTP proxy binds ``http_options.host`` of the deploy config (127.0.0.1 in
