@@ -6,9 +6,11 @@
 2. Otherwise it connects to a Ray cluster given by ``--address`` /
    ``RAY_ADDRESS`` (its dashboard from ``--dashboard`` / ``RAY_DASHBOARD_ADDRESS``),
    or starts its own head: ``ray start --head --block`` as a child process in a
-   new session, every Ray port picked free on 127.0.0.1 (no collision with
-   another Ray on the box), ``PYTHONPATH`` including the repo so replicas
-   import ``actors`` without an install, and the Serve proxy's environment
+   new session, every listener of it on 127.0.0.1 and every Ray port picked free
+   there (``configs.net.loopback_head``; docs/network.md lists them; no collision
+   with another Ray on the box), ``PYTHONPATH`` including the repo so replicas
+   import ``actors`` (and the gRPC bind preload ``cluster.grpc_bind_preload``)
+   without an install, and the Serve proxy's environment
    (``configs.serve_config.PROXY_ENV``: gRPC from the proxy to the replicas).
 3. Deploys ``configs/serve.yaml`` (HTTP port overridden by ``--port``) through
    the dashboard's Serve REST API, like ``serve deploy``, in the one-hop layout
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 from configs.jsonio import write_json
-from configs.net import listener_on, loopback_head, port_in_use
+from configs.net import free_ports, listener_on, loopback_head, port_in_use  # noqa: F401  (free_ports: tests)
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.serve_config import PROXY_ENV
 
