@@ -130,6 +130,8 @@ class NetnsCluster:
                     "--temp-dir", str(self.temp_dir / f"ray-head-{self._starts + 1}")]
             for k, v in ports.items():
                 args += [f"--{k}", str(v)]
+            if system_config:
+                args += ["--system-config", json.dumps(system_config)]
             node = self._start("head", args, resources or {})
             if self._wait_started(node, timeout_s):
                 self.address = f"{node.host.ip}:{ports['port']}"

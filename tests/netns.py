@@ -133,10 +133,15 @@ class Lab:
         self.subnet = next((n for n in choices if not any(n.overlaps(t) for t in taken)), None)
         if self.subnet is None:
             raise NetnsUnavailable("no free /24 left in 198.18.0.0/15 on this machine")
-        _ip("link", "add", self.bridge, "type", "bridge")
         self._links.append(self.bridge)
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+        except subprocess.CalledProcessError as err:
+            self.close()
+            raise NetnsUnavailable(f"cannot set up the lab bridge {self.bridge}: "
+                                   f"{(err.stderr or '').strip()}") from None
         return self
 
     def add_host(self, name: str) -> Host:
@@ -147,9 +152,9 @@ class Lab:
         ip = str(self.subnet.network_address + 10 + i)
         _ip("netns", "add", netns)
         host = Host(name, netns, ip, veth)
-        self.hosts[name] = host
-        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+        self.hosts[name] = host   # from here on close() removes it
         self._links.append(veth)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
         _ip("link", "set", peer, "netns", netns)
         _ip("link", "set", veth, "master", self.bridge)
         _ip("link", "set", veth, "up")

@@ -84,8 +84,9 @@ def cluster():
         pytest.skip(f"multi-node tests run each Ray node in its own network namespace: {err}")
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"   # this process talks to the dashboard without a token
-    c = NetnsCluster(Lab().open())
+    c = NetnsCluster(Lab())
     try:
+        c.lab.open()
         c.start_head(num_cpus=1, resources={FRONT: 1}, system_config={"health_check_period_ms": 1000,
                                                 "health_check_timeout_ms": 1000,
                                                 "health_check_failure_threshold": 3,
@@ -411,8 +412,11 @@ def test_partition_mid_run(cluster, tmp_path):
             if not healed:
                 heal_ts = c.lab.heal(victim)
                 healed = True
-        assert moved_ts, (f"no {strategy} replica on {survivor.name} within 120 s of the cut: "
-                          f"{_replica_nodes(c)}")
+        assert moved_ts, (f"expected Serve to move the {strategy} replica from {victim} to "
+                          f"{survivor.name} within 120 s of the cut; replicas: "
+                          f"{ {s: [c.node_name(n) for n in ns] for s, ns in _replica_nodes(c).items()} }, "
+                          f"{victim} {c.node_state(victim_id)}; is the GCS health check fast "
+                          f"(system_config of the fixture)?")
         out_text = _finish(p, timeout=300)
     finally:
         if not healed:
