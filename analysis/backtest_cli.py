@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.backtest import backtest, to_json
-from analysis.load import load_results
+from analysis.model.backtest import backtest, to_json
+from analysis.data.load import load_results
 from configs.jsonio import write_json
 
 

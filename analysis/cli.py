@@ -11,7 +11,7 @@ import argparse
 import math
 import sys
 
-from analysis.load import ResultsError
+from analysis.data.load import ResultsError
 from configs.cli_args import (
     existing_file,
     existing_path,
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the plan as JSON; with --validate, write the validation JSON to FILE")
     q.add_argument("--validate", action="store_true",
                    help="deploy the planned replicas of the chosen strategy, drive Poisson arrivals at "
-                        "--qps, report SLO attainment with N and N-1 replicas (analysis/validate.py)")
+                        "--qps, report SLO attainment with N and N-1 replicas (analysis/decide/validate.py)")
     q.add_argument("--strategy", default=None, help="with --validate: strategy to validate "
                    "(default: the feasible one needing the fewest replicas)")
     q.add_argument("--output", default=None, choices=("short", "long"),
@@ -94,7 +94,7 @@ def _print_table(title: str, rows: list[dict], columns: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from analysis.render import fmt
+    from analysis.report.render import fmt
     table = Table(title=title)
     for c in columns:
         table.add_column(c)
@@ -106,9 +106,9 @@ def _print_table(title: str, rows: list[dict], columns: list[str]) -> None:
 def _report(args, parser) -> int:
     from pathlib import Path
 
-    from analysis.load import find_run_dirs
-    from analysis.recommend import headline_lines, recommendation_rows
-    from analysis.report import build_report, default_out_dir
+    from analysis.data.load import find_run_dirs
+    from analysis.decide.recommend import headline_lines, recommendation_rows
+    from analysis.report.build import build_report, default_out_dir
 
     root = Path(args.results_dir)
     runs = find_run_dirs(root) if root.is_dir() else []
@@ -194,8 +194,8 @@ def _plan_slos(args) -> None:
     import json
     from pathlib import Path
 
-    from analysis.load import MANIFEST_FILE, find_run_dirs
-    from analysis.slo import resolve_slos
+    from analysis.data.load import MANIFEST_FILE, find_run_dirs
+    from analysis.data.slo import resolve_slos
 
     root = Path(args.results_dir)
     config: dict = {}
@@ -215,11 +215,11 @@ def _plan_slos(args) -> None:
 
 
 def _plan(args, parser) -> int:
-    from analysis.plan import plan
+    from analysis.decide.plan import plan
     errors = _plan_errors(args)
     if errors:
         parser.error("\n  ".join([f"{len(errors)} argument error(s):"] + errors))
-    from analysis.load import check_results_dir
+    from analysis.data.load import check_results_dir
     check_results_dir(args.results_dir)   # a missing / empty RESULTS_DIR before any other line
     _plan_slos(args)
     try:
@@ -267,8 +267,8 @@ def _validate(args, out: dict, parser) -> int:
     """--validate: run the plan with N and N-1 replicas; print and (--json FILE) write it."""
     from pathlib import Path
 
-    from analysis import validate as va
-    from analysis.load import load_results
+    from analysis.decide import validate as va
+    from analysis.data.load import load_results
     from configs.jsonio import dumps, write_json
     from configs.tiers import Slo
     try:
@@ -306,7 +306,7 @@ def _validate(args, out: dict, parser) -> int:
 
 def _emit(args, out: dict, parser) -> dict:
     """Write --emit-serve-config; returns {"path", "replicas", "cluster_fit"}."""
-    from analysis import serve_plan as sp
+    from analysis.decide import serve_plan as sp
     base = args.base_config or sp.DEFAULT_BASE_CONFIG
     cluster_yaml = args.cluster_yaml or sp.DEFAULT_CLUSTER_YAML
     try:

@@ -96,9 +96,9 @@ def load_config(path: Path, port: int) -> dict:
 
     The whole config is validated first, as the deployment would (the application
     args and every strategy's engine section, ``strategy_options`` included:
-    ``loadgen.service.check_serve_config``), so a typo fails here, before Ray starts.
+    ``loadgen.run.service.check_serve_config``), so a typo fails here, before Ray starts.
     Raises ConfigError naming the file and the first error."""
-    from loadgen.service import check_serve_config
+    from loadgen.run.service import check_serve_config
 
     try:
         cfg = check_serve_config(path)

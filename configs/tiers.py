@@ -84,7 +84,7 @@ class Slo(_Strict):
     """Latency objectives: a request meets them when TTFT <= ttft_ms and TPOT <= tpot_ms.
 
     The one SLO type of the project: tier cells hold one (``source`` "tier
-    file"), and the analysis resolves one per tier (``analysis.slo``), saying
+    file"), and the analysis resolves one per tier (``analysis.data.slo``), saying
     where its numbers came from in ``source`` ("manifest", "flags",
     "flags+manifest", "default", ...; free text shown in the report).
     """

@@ -1,4 +1,4 @@
-"""``python -m loadgen`` (see loadgen/cli.py).
+"""``python -m loadgen`` (see loadgen/cli/main.py).
 
 gevent's monkey-patching must happen before anything imports ssl, sockets or
 threads, so it is done here, first, and only in the load-generator process
@@ -11,6 +11,6 @@ monkey.patch_all()
 
 import sys  # noqa: E402
 
-from loadgen.cli import main  # noqa: E402
+from loadgen.cli.main import main  # noqa: E402
 
 sys.exit(main())

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import metrics
-from analysis.capacity import fit_cost_curve
-from analysis.load import load_results
+from analysis.data import metrics
+from analysis.model.capacity import fit_cost_curve
+from analysis.data.load import load_results
 from configs.tiers import Slo
 from configs import metric_names as mn
 from tests import analysis_synth as syn

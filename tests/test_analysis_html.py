@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.report import build_report
+from analysis.report.build import build_report
 from tests import analysis_synth as syn
 from tests.cdp_client import CHROMIUM, Browser
 

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from analysis import cli
-from analysis import memory as mem
-from analysis.plan import GPUS, plan
+from analysis.data import memory as mem
+from analysis.decide.plan import GPUS, plan
 from configs import metric_names as mn
 from tests import analysis_synth as syn
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from analysis import cli
-from analysis.plan import GPUS, PointsCurve, plan, roofline_curve
+from analysis.decide.plan import GPUS, PointsCurve, plan, roofline_curve
 from configs import metric_names as mn
 from tests import analysis_synth as syn
 

@@ -10,10 +10,10 @@ import re
 import pandas as pd
 import pytest
 
-from analysis import consistency as cons
-from analysis import render
-from analysis.load import load_results
-from analysis.report import analyse, build_report
+from analysis.data import consistency as cons
+from analysis.report import render
+from analysis.data.load import load_results
+from analysis.report.build import analyse, build_report
 from configs import metric_names as mn
 from tests import analysis_synth as syn
 

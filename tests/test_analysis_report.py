@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from analysis import cli
-from analysis.load import load_results
-from analysis.report import analyse, build_report
+from analysis.data.load import load_results
+from analysis.report.build import analyse, build_report
 from configs import metric_names as mn
 from tests import analysis_synth as syn
 

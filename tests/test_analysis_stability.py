@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import stability as st
+from analysis.data import stability as st
 from configs import metric_names as mn
 
 T_975_2 = 4.302652729911275     # Student t, 97.5 % quantile, 2 degrees of freedom (table value)

@@ -45,7 +45,7 @@ def test_plan_reports_every_argument_error_at_once(two_runs, capsys):
 def test_report_merges_only_with_merge(two_runs, capsys, monkeypatch):
     """The guard and the one report location; build_report itself is tested elsewhere
     (a stand-in records what the CLI asks for, so no figures are rendered here)."""
-    from analysis import report
+    from analysis.report import build as report
 
     calls = []
 
@@ -83,7 +83,7 @@ def test_checks_flag_contradictions_and_weak_fits():
 
     import pandas as pd
 
-    from analysis.checks import model_checks
+    from analysis.decide.checks import model_checks
 
     cells = pd.DataFrame({"strategy": ["autoregressive"] * 3 + ["draft_model"] * 3 + ["ngram"] * 3,
                           "output_class": ["short"] * 9, "users": [1, 4, 16] * 3,

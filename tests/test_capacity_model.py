@@ -8,10 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.backtest import backtest
+from analysis.model.backtest import backtest
 from analysis.cli import main as analysis_main
-from analysis.load import load_results
-from analysis.stepcost import fit_decode_cost, fit_strategy
+from analysis.data.load import load_results
+from analysis.model.stepcost import fit_decode_cost, fit_strategy
 from configs import metric_names as mn
 from tests import capacity_synth as cs
 
@@ -56,7 +56,7 @@ def test_step_model_separates_prefill_and_decode():
     assert m.prefill(40) == pytest.approx(1.0, abs=1e-6)
     assert m.r2_step > 0.999
     # a pooled one-curve-for-everything fit on the same steps is far worse
-    from analysis.capacity import fit_cost_curve
+    from analysis.model.capacity import fit_cost_curve
     df = pd.DataFrame(rows)
     pooled = fit_cost_curve(df[mn.STEP_VERIFICATION_TOKENS] + df[mn.STEP_PREFILL_TOKENS], df[mn.STEP_MS])
     assert pooled.r2 < m.r2_step - 0.05
@@ -83,8 +83,8 @@ def test_backtest_recovers_known_crossover(tmp_path):
 def test_report_crossover_uses_the_step_model_on_every_level(tmp_path):
     """The report's predicted crossover comes from the one step cost model (fitted on every
     users level) and lands on the true one; the report has no second, pooled cost fit."""
-    from analysis import metrics
-    from analysis.report import predict_crossovers
+    from analysis.data import metrics
+    from analysis.report.build import predict_crossovers
     from configs.tiers import Slo
     results = load_results(cs.write_sweep_run(tmp_path / "run"))
     grid = np.geomspace(1, 64, 200_000)
@@ -122,7 +122,7 @@ def _inputs(tokens_per_req: dict[str, np.ndarray], duration: float = 10.0) -> di
 
 
 def test_tie_when_no_strategy_wins_at_90_percent():
-    from analysis.recommend import TIE, recommend_cell
+    from analysis.decide.recommend import TIE, recommend_cell
     rng = np.random.default_rng(3)
     # two strategies with the same token distribution, one 0.5% ahead: never crowned
     base = rng.integers(20, 200, 60)
@@ -144,7 +144,7 @@ def test_tie_when_no_strategy_wins_at_90_percent():
 def test_cpu_time_fit_sees_through_time_sharing():
     # CPU time follows the model exactly; wall time = CPU time x a random 1..3 slowdown
     # (other processes on the cores): the wall fit is poor, the CPU fit exact.
-    from analysis.stepcost import cpu_fit
+    from analysis.model.stepcost import cpu_fit
     rng = np.random.default_rng(4)
     rows = []
     for _ in range(300):

@@ -66,14 +66,14 @@ def _run(*cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--run-id", "a/b"], "--run-id", "plain name"),
 ])
 def test_loadgen_bad_flag(capsys, extra, flag, text):
-    from loadgen.args import parse_args
+    from loadgen.cli.args import parse_args
 
     last = _exit2(capsys, parse_args, ["--tier", "low", *extra], flag)
     assert text in last, last
 
 
 def test_loadgen_results_is_a_file(capsys, tmp_path):
-    from loadgen.args import parse_args
+    from loadgen.cli.args import parse_args
 
     f = tmp_path / "afile"
     f.write_text("x")
@@ -84,7 +84,7 @@ def test_loadgen_results_is_a_file(capsys, tmp_path):
 def test_loadgen_run_id_exists(capsys, tmp_path):
     """A second run with the same --run-id is refused before it connects, and the first
     run's directory is untouched."""
-    from loadgen.args import parse_args
+    from loadgen.cli.args import parse_args
 
     (tmp_path / "r1").mkdir()
     (tmp_path / "r1" / "manifest.json").write_text("{}")

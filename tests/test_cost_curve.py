@@ -11,7 +11,7 @@ import torch
 from actors.bench import main as bench_main
 from actors.cost_curve import SHAPES, shape_config
 from actors.engine.model import CausalLM, ModelConfig
-from analysis.plan import PointsCurve
+from analysis.decide.plan import PointsCurve
 
 
 def _params(name: str) -> int:

@@ -28,9 +28,9 @@ import pyarrow.parquet as pq
 import psutil
 import pytest
 
-from analysis import faults
+from analysis.data import faults
 from configs import metric_names as M
-from loadgen.cells import parse_retry_after, retry_delay_s
+from loadgen.run.cells import parse_retry_after, retry_delay_s
 from tests.serve_fixtures import cluster_up, process_running
 from tests.tiers_file import write_tiers
 
@@ -248,7 +248,7 @@ def test_kill9_of_the_load_generator_keeps_rows_up_to_the_last_second(service, t
     gap = t_kill - df[M.REQ_END_TS].max()
     rate = len(ok) / (ok[M.REQ_END_TS].max() - ok[M.REQ_SCHEDULED_TS].min())
     assert len(ok) >= 20 and gap <= 2.0, (len(ok), gap)
-    from analysis.load import load_results
+    from analysis.data.load import load_results
 
     assert len(load_results(run_dir).requests) == len(df)    # the analysis reads the killed run
     print(f"\nFIGURES kill -9: {len(df)} rows kept, newest row {gap:.2f} s before the kill, "
@@ -351,10 +351,10 @@ def test_load_worker_killed_mid_run(service, tmp_path):
 
 @pytest.mark.slow
 def test_soak_one_minute(service, tmp_path):
-    """``python -m loadgen.soak --minutes 1``: mixed strategies at the mid tier, no errors, RSS
+    """``python -m loadgen.tools.soak --minutes 1``: mixed strategies at the mid tier, no errors, RSS
     within 10% after warm-up, step log bounded, no fd leak, no restart."""
     tiers = _tiers(tmp_path, {"users": 4, "duration_s": 10, "max_tokens": 16})
-    p = subprocess.run([sys.executable, "-m", "loadgen.soak", "--minutes", "1", "--target", service,
+    p = subprocess.run([sys.executable, "-m", "loadgen.tools.soak", "--minutes", "1", "--target", service,
                         "--strategies", "autoregressive,ngram", "--tiers-file", str(tiers), "--results",
                         str(tmp_path / "soak"), "--warmup-s", "15", "--chunk-s", "20", "--sample-s", "5"],
                        cwd=REPO, capture_output=True, text=True, timeout=400)

@@ -26,14 +26,25 @@ LAYERS = [
     ("actors.serve", 5),
     ("actors", 6),          # CLIs: generate, bench, bench_serve, evaluate
     ("train", 7),
-    ("analysis", 8),
-    ("loadgen", 9),
+    # analysis along its data flow: results and per-cell metrics -> the step-cost and
+    # capacity model -> decisions (recommendation, plan, validation) -> the report -> CLI
+    ("analysis.data", 8.0),
+    ("analysis.model", 8.1),
+    ("analysis.decide", 8.2),
+    ("analysis.report", 8.3),
+    ("analysis", 8.4),      # cli, backtest_cli, __main__
+    # loadgen: sending traffic -> writing results -> the run's CLI phases -> tools
+    ("loadgen.run", 9.0),
+    ("loadgen.results", 9.1),
+    ("loadgen.cli", 9.2),
+    ("loadgen.tools", 9.3),
+    ("loadgen", 9.4),       # __main__
     ("cluster", 10),
 ]
 PACKAGES = sorted({p.split(".")[0] for p, _ in LAYERS})
 
 
-def layer_of(module: str) -> int | None:
+def layer_of(module: str) -> float | None:
     best = None
     for prefix, layer in LAYERS:
         if module == prefix or module.startswith(prefix + "."):
@@ -56,7 +67,7 @@ def imports_of(path: Path) -> set[str]:
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module)
-            # `from analysis import capacity` imports the submodule analysis.capacity
+            # `from analysis.model import capacity` imports the submodule analysis.model.capacity
             out.update(f"{node.module}.{a.name}" for a in node.names)
     return {m for m in out if m.split(".")[0] in PACKAGES}
 
@@ -102,6 +113,7 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("module,layer", [("actors.engine.model", 2), ("actors.proposers.dflash", 4),
-                                          ("actors.bench", 6), ("loadgen.cli", 9)])
+                                          ("actors.bench", 6), ("loadgen.cli.main", 9.2),
+                                          ("analysis.model.stepcost", 8.1), ("analysis.cli", 8.4)])
 def test_layer_lookup(module, layer):
     assert layer_of(module) == layer

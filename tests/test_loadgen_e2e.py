@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 from configs import metric_names as M
-from loadgen import fake_server
+from loadgen.tools import fake_server
 from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,8 +157,8 @@ def test_open_loop_stall_shows_in_latency(tmp_path):
 def test_route_choice(tmp_path):
     """--route: auto takes a listed one-hop route, model-field never does, a --model override
     needs the model field; --route strategy without a listed route exits 2 naming the flag."""
-    from loadgen.target import choose_routes
-    from loadgen.service import ServiceError
+    from loadgen.cli.target import choose_routes
+    from loadgen.run.service import ServiceError
 
     listed = {"autoregressive": "/strategies/autoregressive"}
     assert choose_routes("auto", ["autoregressive", "ngram"], listed) == {

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from configs import metric_names as M
-from loadgen import fake_server
-from loadgen.sweep import SweepState, grid_cells, sweep_cells, sweep_levels
+from loadgen.tools import fake_server
+from loadgen.run.sweep import SweepState, grid_cells, sweep_cells, sweep_levels
 from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from configs.net import free_port
-from loadgen import service
-from loadgen.target import Auth, discover_strategies as _strategies
+from loadgen.run import service
+from loadgen.cli.target import Auth, discover_strategies as _strategies
 
 NO_AUTH = Auth({})
 

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import metric_names as M
-from loadgen.cells import CellPlan, Dispenser, poisson_schedule, shuffled_prompts
-from loadgen.datasets import DatasetError, load_dataset, truncate
-from loadgen.summary import achieved_concurrency
-from loadgen.timing import SSEParser, StreamRecorder, weighted_percentile
-from loadgen.writer import RequestWriter
+from loadgen.run.cells import CellPlan, Dispenser, poisson_schedule, shuffled_prompts
+from loadgen.run.datasets import DatasetError, load_dataset, truncate
+from loadgen.results.summary import achieved_concurrency
+from loadgen.run.timing import SSEParser, StreamRecorder, weighted_percentile
+from loadgen.results.writer import RequestWriter
 
 
 def _chunk(text: str, **extra) -> str:
@@ -36,8 +36,8 @@ def _usage(n: int, **spec) -> str:
 
 
 def test_pure_modules_do_not_import_gevent():
-    code = ("import sys, loadgen, loadgen.timing, loadgen.cells, loadgen.summary, loadgen.writer, "
-            "loadgen.datasets, loadgen.service, loadgen.cli, configs.tiers; "
+    code = ("import sys, loadgen, loadgen.run.timing, loadgen.run.cells, loadgen.results.summary, loadgen.results.writer, "
+            "loadgen.run.datasets, loadgen.run.service, loadgen.cli.main, configs.tiers; "
             "bad=[m for m in ('gevent','locust') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -246,7 +246,7 @@ def test_user_jsonl_and_errors(tmp_path):
 
 def test_local_service_bring_up_is_stubbable(monkeypatch):
     """`python -m cluster up` prints the URL last; failures name the command and the way out."""
-    import loadgen.service as svc
+    import loadgen.run.service as svc
 
     import io
 

@@ -30,8 +30,8 @@ import pytest
 from configs import metric_names as M
 from configs.jsonio import loads_strict
 from configs.tiers import Slo
-from loadgen import fake_server
-from loadgen.summary import CONSOLE_COLUMNS, SUMMARY_CSV, csv_columns, render_table, summarize_cell
+from loadgen.tools import fake_server
+from loadgen.results.summary import CONSOLE_COLUMNS, SUMMARY_CSV, csv_columns, render_table, summarize_cell
 from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,9 +103,9 @@ def test_run_output_json_and_secrets(tmp_path):
     assert {M.CELL_OUTPUT_TOKENS_PER_S, M.CELL_TTFT_MS_P50, M.CELL_N_OK} <= set(man["cells"][0])
     assert "output_tok_s" not in man["cells"][0]
     # one definition per figure: the console / summary.csv numbers are the report's
-    from analysis import metrics
-    from analysis.load import load_results
-    from analysis.slo import resolve_slos
+    from analysis.data import metrics
+    from analysis.data.load import load_results
+    from analysis.data.slo import resolve_slos
 
     res = load_results(run_dir)
     flagged = metrics.with_slo_flags(res.requests, resolve_slos(["low", "mid", "high"], res.manifest_config))

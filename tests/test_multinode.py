@@ -282,7 +282,7 @@ def _replica_nodes_or_none(c: NetnsCluster, strategy: str) -> list[str] | None:
 
 def _outage(df, strategy: str) -> dict:
     """The outage-table row (``analysis.faults.outages``) of the run's one cell."""
-    from analysis.faults import outages
+    from analysis.data.faults import outages
 
     rows = outages(df)
     rows = rows[rows[mn.REQ_STRATEGY] == strategy]
@@ -291,7 +291,7 @@ def _outage(df, strategy: str) -> dict:
 
 
 def _report_section(run: Path, out: Path) -> str:
-    from analysis.report import build_report
+    from analysis.report.build import build_report
 
     md = Path(build_report(run, out)["paths"]["md"]).read_text()
     assert "## Faults and outages" in md

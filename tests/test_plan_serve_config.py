@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from analysis import cli
-from analysis.plan import plan
-from analysis.serve_plan import DEFAULT_BASE_CONFIG, DEFAULT_CLUSTER_YAML, cluster_fit, planned_replicas
+from analysis.decide.plan import plan
+from analysis.decide.serve_plan import DEFAULT_BASE_CONFIG, DEFAULT_CLUSTER_YAML, cluster_fit, planned_replicas
 from configs import metric_names as mn
 from configs.serve_config import ServeAppConfig
 from tests import analysis_synth as syn

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import validate as va
+from analysis.decide import validate as va
 from configs import metric_names as mn
 from configs.serve_config import ServeAppConfig
 from configs.tiers import Slo, load_tiers
@@ -130,7 +130,7 @@ def test_arrivals_are_qps_times_duration_and_a_stale_run_is_refused(tmp_path):
     """The open-loop schedule the load generator uses holds ~qps x duration arrivals; a
     validation that read another run's requests (once: 246 requests at 6.5 and at 9 req/s)
     or a load generator that stopped early gets no figure."""
-    from loadgen.cells import poisson_schedule
+    from loadgen.run.cells import poisson_schedule
     for qps, dur in ((1.3, 60.0), (6.5, 45.0), (9.0, 45.0), (40.0, 30.0)):
         counts = [len(poisson_schedule(qps, dur, seed)) for seed in range(20)]
         mean = qps * dur
@@ -166,7 +166,7 @@ def test_arrivals_are_qps_times_duration_and_a_stale_run_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_validate_drives_open_loop_load_through_loadgen(tmp_path):
-    from loadgen import fake_server
+    from loadgen.tools import fake_server
     with fake_server.running("--ttft-ms", "20", "--gap-ms", "5", "--tokens-per-chunk", "2") as url:
         res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "short", 2, 5.0), 8.0, "low", SLO, 0.9,
                                8, tmp_path / "out", duration_s=2.0, warmup_s=0.0,

@@ -1,4 +1,4 @@
-"""The plan's queue model (analysis.replica_model) against closed-form queues, and
+"""The plan's queue model (analysis.model.replica_model) against closed-form queues, and
 ``analysis plan`` on a synthetic run whose step cost is known (tests/capacity_synth.py)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from analysis import backtest as bt
-from analysis.plan import plan
-from analysis.replica_model import ReplicaModel, replicas_needed
-from analysis.stepcost import DecodeCost, StepModel
+from analysis.model import backtest as bt
+from analysis.decide.plan import plan
+from analysis.model.replica_model import ReplicaModel, replicas_needed
+from analysis.model.stepcost import DecodeCost, StepModel
 from configs import metric_names as mn
 from configs.tiers import Slo
 from tests import capacity_synth as cs

@@ -8,11 +8,11 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.load import STEP_PROPOSER, ResultsError, load_results
+from analysis.data.load import STEP_PROPOSER, ResultsError, load_results
 from configs import metric_names as M
 from configs import results_schema as S
-from loadgen.cli import _label_steps
-from loadgen.writer import RequestWriter, write_steps
+from loadgen.cli.main import _label_steps
+from loadgen.results.writer import RequestWriter, write_steps
 
 
 def _request(model: str, i: int) -> dict:

@@ -1,0 +1,1 @@
+"""Loading a run and per-cell metrics: the data every later room reads."""

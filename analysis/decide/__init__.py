@@ -1,0 +1,1 @@
+"""Decisions: the recommendation, model checks, the capacity plan and its validation."""

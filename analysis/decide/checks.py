@@ -1,0 +1,119 @@
+"""Model checks: sentences the report puts beside a figure when a prediction
+contradicts a measurement or a fit explains too little of its data.
+
+A capacity model is only worth what it predicts (docs/design.md, "Capacity
+model"). Until its predictions are validated, the report says in words where
+they disagree with what was measured, so a reader never takes a smooth fitted
+line for evidence:
+
+- predicted crossover vs measured speedup: the model says a strategy stops
+  beating ``autoregressive`` at X users, yet a measured level at or above X
+  shows speedup >= 1 (or the model says it never stops, yet a measured level
+  shows speedup < 1);
+- backtest rows (fit on lower users levels, predict the highest): a predicted
+  speedup on the other side of 1 from the measured one, or any predicted
+  figure off by more than ``BACKTEST_ERROR_MAX``;
+- fits with r² < ``R2_MIN`` (each strategy's step model).
+
+``model_checks`` returns ``{figure key: [sentences]}`` (keys of
+``analysis.report.build.make_figures``); every sentence also appears in the report's
+"Model checks" section.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from analysis.data.metrics import SPEEDUP
+from configs import metric_names as mn
+
+if TYPE_CHECKING:
+    from analysis.data.analysis import Analysis
+
+R2_MIN = 0.8                 # a fit explaining less than 80% of the variance is flagged
+BACKTEST_ERROR_MAX = 0.25    # a backtest prediction off by more than 25% is flagged
+
+
+def _num(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame) -> list[str]:
+    """Predicted crossover (``predicted_crossover_users``) against the measured speedups."""
+    out: list[str] = []
+    if crossover is None or crossover.empty or "predicted_crossover_users" not in crossover:
+        return out
+    spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
+    for _, row in crossover.iterrows():
+        strategy, oc = row.get(mn.REQ_STRATEGY), row.get(mn.REQ_OUTPUT_CLASS)
+        g = spec[spec[mn.REQ_STRATEGY].eq(strategy) & spec[mn.REQ_OUTPUT_CLASS].eq(oc)]
+        if g.empty:
+            continue
+        curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
+        predicted = _num(row.get("predicted_crossover_users"))
+        if predicted is not None:
+            above = curve[(curve.index >= predicted) & (curve >= 1.0)]
+            if len(above):
+                u, s = int(above.index[-1]), float(above.iloc[-1])
+                out.append(f"The model predicts {strategy} stops beating autoregressive at "
+                           f"{predicted:.1f} users ({oc} outputs), but its measured speedup is "
+                           f"{s:.2f}x at {u} users: the prediction contradicts the measurement.")
+        elif _num(row.get("tau")) is not None:   # the model ran and found no crossover
+            below = curve[curve < 1.0]
+            if len(below):
+                u, s = int(below.index[0]), float(below.iloc[0])
+                out.append(f"The model predicts {strategy} keeps beating autoregressive at every "
+                           f"concurrency ({oc} outputs), but its measured speedup is {s:.2f}x at "
+                           f"{u} users: the prediction contradicts the measurement.")
+    return out
+
+
+def backtest_checks(bt: dict | None) -> dict[str, list[str]]:
+    """Backtest rows whose prediction disagrees with the measurement, by figure key."""
+    out: dict[str, list[str]] = {}
+    for r in (bt or {}).get("rows", []):
+        p, m = _num(r.get("predicted")), _num(r.get("measured"))
+        if p is None or m is None:
+            continue
+        key = f"backtest_speedup_{r.get('output_class')}"
+        what = f"{r.get('strategy')} {r.get('metric')} at {r.get('users')} users ({r.get('output_class')})"
+        if r.get("metric") == SPEEDUP and (p >= 1.0) != (m >= 1.0):
+            out.setdefault(key, []).append(
+                f"Backtest: predicted {what} {p:.2f}x, measured {m:.2f}x: the model calls the "
+                f"wrong side of autoregressive.")
+        elif m != 0 and abs(p - m) / abs(m) > BACKTEST_ERROR_MAX:
+            out.setdefault(key, []).append(
+                f"Backtest: predicted {what} {p:.3g}, measured {m:.3g} ({abs(p - m) / abs(m):.0%} off, "
+                f"more than {BACKTEST_ERROR_MAX:.0%}).")
+    return out
+
+
+def fit_checks(a: "Analysis") -> dict[str, list[str]]:
+    """Fits with r² < R2_MIN, by figure key."""
+    out: dict[str, list[str]] = {}
+    for strategy, m in sorted((a.capacity_model or {}).get("step_models", {}).items()):
+        r2 = _num(getattr(m, "r2_step", None))
+        if r2 is not None and r2 < R2_MIN:
+            out.setdefault("step_residuals", []).append(
+                f"The step model of {strategy} has r² {r2:.2f} (< {R2_MIN}): its predictions "
+                "(backtest, crossover) are not reliable.")
+    return out
+
+
+def model_checks(a: "Analysis") -> dict[str, list[str]]:
+    """``{figure key: [sentences]}`` for every contradiction and weak fit found."""
+    out: dict[str, list[str]] = {}
+    cross = crossover_checks(a.cells, a.crossover)
+    if cross:
+        out["speedup"] = cross
+    for part in (backtest_checks((a.capacity_model or {}).get("backtest")), fit_checks(a)):
+        for k, v in part.items():
+            out.setdefault(k, []).extend(v)
+    return out

@@ -1,0 +1,1 @@
+"""The capacity model: batch capacity, the step-cost model, its backtest, the queue per replica."""

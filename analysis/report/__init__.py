@@ -1,0 +1,1 @@
+"""The report: figures, report.md, report.html, recommendation.json."""

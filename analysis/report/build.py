@@ -1,0 +1,172 @@
+"""``build_report``: results directory -> report.md, report.html, recommendation.json.
+
+Stages: load (analysis.data.load) -> per-request SLO flags and per-cell metrics
+(analysis.data.metrics) -> step-log capacity tables (analysis.model.capacity) and the step cost
+model (analysis.model.stepcost, via analysis.model.backtest) ->
+recommendation (analysis.decide.recommend) -> optional baseline comparison
+(analysis.data.degradation) -> output consistency, memory and stability
+(analysis.decide.questions) -> figures (analysis.report.plots) -> rendering (analysis.report.render).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.model import backtest as bt_mod
+from analysis.model import capacity
+from analysis.data import faults
+from analysis.data import metrics
+from analysis.report import plots
+from analysis.report import render
+from analysis.data import stability
+from analysis.data.analysis import Analysis
+from analysis.report.capacity_section import capacity_figures
+from analysis.decide.checks import model_checks
+from analysis.data.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
+from analysis.data.consistency import annotate_recommendation
+from analysis.data.load import Results, ResultsError, load_results
+from analysis.decide.questions import questions_section
+from analysis.decide.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION, recommend,
+                                recommendation_rows)
+from analysis.data.slo import resolve_slos
+from configs import metric_names as mn
+from configs.jsonio import write_json
+
+
+def predict_crossovers(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """Per strategy x output class: tau, verification tokens per row v and the predicted
+    crossover users, from the step cost model fitted on every users level
+    (``analysis.model.backtest.fit_all_levels``, the model ``analysis plan`` uses too)."""
+    cols = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, "tau", "verification_per_request",
+            "predicted_crossover_users"]
+    models = bt_mod.fit_all_levels(results, flagged, cells)
+    rows = [(s, oc, m.workload.tau, m.workload.v, bt_mod.predicted_crossover(models, s, oc))
+            for (s, oc), m in sorted(models.items()) if s != mn.AUTOREGRESSIVE]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+            baseline: str | Path | None = None, seed: int = DEFAULT_SEED,
+            n_boot: int = N_BOOTSTRAP, threshold: float = DEFAULT_THRESHOLD,
+            warmup_s: float | None = None) -> Analysis:
+    """Compute every table of the report (no files written).
+
+    warmup_s: seconds excluded from the start of every cell replicate (requests and
+    step rows, ``analysis.data.stability.apply_warmup``); None: the run manifest's
+    ``args.warmup_s``, else 0. Raises ResultsError when the cut leaves no request.
+    """
+    if warmup_s is None:
+        warmup_s = float(next((r.manifest.get("args", {}).get("warmup_s") or 0
+                               for r in results.runs if r.manifest.get("args")), 0) or 0)
+    dropped = 0
+    if warmup_s:
+        req, steps, dropped = stability.apply_warmup(results.requests, results.steps, warmup_s)
+        if req.empty:
+            raise ResultsError(f"--warmup-s {warmup_s:g} drops every request (each cell is "
+                               "shorter); pass a smaller warm-up")
+        results = dataclasses.replace(results, requests=req, steps=steps)
+    tiers = sorted(results.requests[mn.REQ_TIER].unique())
+    slos = resolve_slos(tiers, results.manifest_config, slo_ttft_ms, slo_tpot_ms)
+    flagged = metrics.with_slo_flags(results.requests, slos)
+    cells = metrics.cell_table(flagged)
+    cap = capacity.capacity_table(results.steps)
+    crossover = metrics.crossover_measured(cells).merge(
+        predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
+        how="outer")
+    rec = recommend(flagged, cells, slos, n_boot=n_boot, seed=seed)
+    outage = faults.outages(flagged)
+    faults.annotate_degraded(rec, outage)
+    answers = questions_section(results, flagged, warmup_s, dropped)
+    annotate_recommendation(rec, answers["diverging"])
+    degradation = None
+    if baseline is not None:
+        base = load_results(baseline)
+        base_slos = {t: slos.get(t) or resolve_slos([t], results.manifest_config,
+                                                    slo_ttft_ms, slo_tpot_ms)[t]
+                     for t in base.requests[mn.REQ_TIER].unique()}
+        base_flagged = metrics.with_slo_flags(base.requests, base_slos)
+        degradation = compare(flagged, cells, base_flagged, metrics.cell_table(base_flagged),
+                              threshold)
+    from analysis.report.capacity_section import capacity_section
+    return Analysis(results=results, slos=slos, flagged=flagged, cells=cells,
+                    positions=metrics.per_position(flagged), crossover=crossover,
+                    knees=metrics.throughput_latency_knee(cells), capacity=cap,
+                    recommendation=rec, degradation=degradation,
+                    outages=outage, timeline=faults.timeline(flagged),
+                    baseline_root=str(baseline) if baseline is not None else None,
+                    capacity_model=capacity_section(results), questions=answers,
+                    warmup_s=warmup_s)
+
+
+def make_figures(a: Analysis) -> dict[str, bytes | None]:
+    """All report figures as PNG bytes (None where the data is absent)."""
+    return {
+        "goodput": plots.goodput_bars(recommendation_rows(a.recommendation), a.recommendation),
+        "speedup": plots.speedup_vs_users(a.cells, a.crossover),
+        "throughput_latency": plots.throughput_latency(a.cells, a.knees),
+        "acceptance": plots.acceptance_hist(a.flagged),
+        "per_position": plots.per_position_plot(a.positions),
+        "verification": plots.verification_vs_batch(a.results.steps),
+        "step_cost": plots.step_cost(a.results.steps),
+        **capacity_figures(a.capacity_model),
+        "timeline": plots.outage_timeline(a.timeline, a.outages),
+        **a.questions.get("figures", {}),
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+REPORT_DIR = "report"   # the one place a report goes: <run dir>/report/
+
+
+def default_out_dir(results_dir) -> Path:
+    """Where a report on ``results_dir`` is written unless ``--out`` says otherwise:
+    ``<results_dir>/report/``, for ``python -m loadgen --report`` and ``python -m
+    analysis report`` alike."""
+    return Path(results_dir) / REPORT_DIR
+
+
+def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo_tpot_ms=None,
+                 seed: int = DEFAULT_SEED, n_boot: int = N_BOOTSTRAP,
+                 warmup_s: float | None = None) -> dict:
+    """Write report.md, report.html and recommendation.json; return a summary.
+
+    ``out_dir`` defaults to ``<results_dir>/report/`` (``default_out_dir``). Returns {"recommendation": {tier:
+    {output_class: {...}}}, "paths": {"md", "html", "json"}, "crossover": [rows],
+    "degradation": [rows] or None, "degraded": bool, "exit_code": 0 or
+    EXIT_DEGRADED, "slos": {tier: {...}}, "flags": [str], "diverging": [strategy]}. Raises analysis.data.load.ResultsError
+    for a missing or empty results directory.
+    """
+    results = load_results(results_dir)
+    a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot,
+                warmup_s=warmup_s)
+    a.figures = make_figures(a)
+    a.checks = model_checks(a)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "report.md", "html": out / "report.html",
+             "json": out / "recommendation.json"}
+    _write_atomic(paths["md"], render.markdown(a))
+    _write_atomic(paths["html"], render.html(a))
+    write_json(paths["json"], {"schema_version": RECOMMENDATION_SCHEMA_VERSION, **a.recommendation},
+               sort_keys=True)
+    degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
+    return {
+        "recommendation": a.recommendation,
+        "paths": {k: str(v) for k, v in paths.items()},
+        "crossover": render.records(a.crossover),
+        "degradation": render.records(a.degradation) if a.degradation is not None else None,
+        "degraded": degraded,
+        "exit_code": EXIT_DEGRADED if degraded else 0,
+        "slos": {t: s.model_dump() for t, s in a.slos.items()},
+        "flags": list(a.questions.get("flags", [])),       # top-of-report warnings
+        "diverging": list(a.questions.get("diverging", [])),
+    }

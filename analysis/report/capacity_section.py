@@ -1,0 +1,67 @@
+"""The report's capacity-model section: step cost fit per strategy (r², residuals),
+the backtest (fit on lower users levels, predict the highest) and the measured
+crossover interval beside the predicted one. Every part is optional: a run with
+no step log or a single users level gets an explanation instead of a table."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from analysis.model import backtest as bt_mod
+from analysis.report import capacity_plots
+from analysis.model import stepcost
+from analysis.data.load import Results
+
+
+def _clean(rows: list[dict]) -> list[dict]:
+    return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
+            for r in rows]
+
+
+def capacity_section(results: Results) -> dict:
+    """{"tables": [(title, text, rows)], "step_models", "backtest" (or None),
+    "notes": [str]}."""
+    out: dict = {"tables": [], "step_models": {}, "backtest": None, "notes": []}
+    models = stepcost.fit_step_models(results.steps)
+    out["step_models"] = models
+    if models:
+        out["tables"].append((
+            "Step cost model (per strategy)",
+            "Fitted per replica configuration on the whole step log, prefill and decode "
+            "separated: verify_ms = floor + row_ms*B + token_ms*max(0, T - knee) + "
+            "attn_ms*T*ctx/1000 (T = tokens the padded decode forward computes, ctx = KV "
+            "tokens per row); prefill (step - draft - verify on steps with prefill) as a hinge "
+            "in prompt tokens; draft_ms linear in B. r2_step = the whole step predicted from "
+            "its own B, T, ctx and prefill tokens against the measured step_ms. r2_*_cpu: the same "
+            "model on the engine thread's CPU time (cpu_ms), i.e. without waits for a core; "
+            "cpu_share = CPU ms / wall ms (below 1: the replica waited on other processes).",
+            _clean(stepcost.fit_table(models, results.steps).to_dict("records"))))
+    try:
+        bt = bt_mod.backtest(results)
+    except ValueError as exc:
+        out["notes"].append(f"backtest skipped: {exc}")
+        return out
+    out["backtest"] = bt
+    out["tables"].append((
+        "Backtest (fit on lower users levels, predict the highest)",
+        f"Fit on users {bt['fit_levels']}, predicted users {bt['holdout_users']}; "
+        f"median absolute error {bt['median_abs_error']:.1%}" if bt["median_abs_error"] is not None
+        else "no prediction could be compared", bt["rows"]))
+    out["tables"].append((
+        "Crossover: measured interval vs predicted",
+        "Measured: the users bracket [lo, hi] where the mean speedup first drops below 1 "
+        "(point = log-linear interpolation). Predicted: where the backtest model (fitted on "
+        "the levels below the highest) crosses 1.", _clean(bt["crossover"])))
+    return out
+
+
+def capacity_figures(section: dict) -> dict[str, bytes | None]:
+    """{"step_residuals", "backtest_speedup_<class>"} PNG bytes (absent parts skipped)."""
+    figs: dict[str, bytes | None] = {}
+    if section.get("step_models"):
+        figs["step_residuals"] = capacity_plots.residual_plot(section["step_models"])
+    bt = section.get("backtest")
+    if bt is not None:
+        for oc in sorted(bt["cells"]["output_class"].unique()):
+            figs[f"backtest_speedup_{oc}"] = capacity_plots.backtest_speedup(bt, oc)
+    return figs

@@ -1,0 +1,272 @@
+"""Render an ``Analysis`` to markdown and to one self-contained HTML page.
+
+The HTML has no scripts and no external resources: CSS is inline and every
+figure is a ``data:image/png;base64`` URI, so it opens offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import math
+import time
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from analysis.decide.checks import R2_MIN
+from analysis.decide.recommend import cell_order, headline_lines, recommendation_rows
+from configs import metric_names as mn
+from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
+
+if TYPE_CHECKING:
+    from analysis.data.analysis import Analysis
+
+CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "users", "n_requests", "n_ok",
+                "output_tokens_per_s", "speedup", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
+                "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p90",
+                "itl_ms_p99", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
+                mn.ACCEPTANCE_LENGTH, "tau_p10", "tau_p50", "tau_p90"]
+FIGURE_TITLES = {
+    "goodput": "Goodput per strategy (black outline = recommended; one colour per strategy in every figure)",
+    "speedup": "Speedup vs concurrency (dotted: measured crossover)",
+    "throughput_latency": "Throughput-latency curve and knee",
+    "acceptance": "Acceptance length distribution",
+    "per_position": "Per-position acceptance (unconditional and conditional, labelled)",
+    "verification": "Verification tokens per step vs batch size",
+    "step_cost": "Step time vs batch tokens (measured, per strategy)",
+    "step_residuals": "Step cost model residuals per strategy (decode / with prefill)",
+    "backtest_speedup_short": "Backtest, short outputs: predicted vs measured speedup",
+    "backtest_speedup_long": "Backtest, long outputs: predicted vs measured speedup",
+    "timeline": "Outage window: output tokens/s and error rate over time, one panel per strategy "
+                "(shaded: outage)",
+    "throughput_over_time": "Throughput over time per cell (one line per repeat; dashed: warm-up cut)",
+    "acceptance_by_source": "Per-request acceptance length by prompt source",
+}
+
+
+def fmt(v) -> str:
+    """Human formatting for tables: ints as is, floats rounded by magnitude, NaN as "-"."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) >= 100):
+        return str(int(v))
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        return f"{v:.2f}" if abs(v) >= 0.01 or v == 0 else f"{v:.2g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v)
+    return str(v)
+
+
+def records(df: pd.DataFrame | None) -> list[dict]:
+    """JSON-safe rows (NaN -> None)."""
+    if df is None:
+        return []
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else
+                 (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
+            for row in df.to_dict(orient="records")]
+
+
+def _started(m: dict):
+    """A manifest's start time: ``started``, else ``started_ts`` (epoch s) as UTC text, else None."""
+    ts = m.get("started_ts")
+    return m.get("started") or (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + " UTC"
+                                if isinstance(ts, (int, float)) else None)
+
+
+def _routes(m: dict):
+    """A manifest's routes as ``strategy: route, ...`` (None when it records none)."""
+    routes = m.get("routes")
+    if not isinstance(routes, dict):
+        return None
+    return ", ".join(f"{k}: {v.get('route') if isinstance(v, dict) else v}"
+                     for k, v in routes.items())
+
+
+def _sha(m: dict):
+    """A manifest's git commit (``git_sha`` or ``git.sha``; None when absent)."""
+    git = m.get("git")
+    return m.get("git_sha") or (git.get("sha") if isinstance(git, dict) else None)
+
+
+def _runs_table(a: Analysis) -> tuple[str, str, list[dict]]:
+    """The "Runs" table: one row per run directory read (id, path, start, commit, sizes, routes)."""
+    runs = [{"run_id": r.run_id, "path": str(r.path), "started": _started(r.manifest),
+             "git_sha": _sha(r.manifest), "schema_version": r.manifest.get("schema_version"),
+             "requests": len(r.requests),
+             "steps": len(r.steps), "versions": r.manifest.get("versions"),
+             "machine": r.manifest.get("machine"), "routes": _routes(r.manifest)}
+            for r in a.results.runs]
+    return ("Runs", "Run directories read. routes: the HTTP route each strategy was measured "
+            "on (strategy: its own one-hop route, <target>/strategies/<name>/v1/...; "
+            "model-field: <target>/v1/... with the model field, through the ingress).", runs)
+
+
+def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
+    """(section title, explanation, rows) for every table of the report."""
+    slo_rows = [{"tier": t, "ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "source": s.source}
+                for t, s in sorted(a.slos.items(), key=lambda kv: cell_order((kv[0], "")))]
+    out = [
+        ("Recommendation", "Per tier x output class: the strategy with the highest goodput "
+         "(output tokens/s of requests meeting both SLOs), margin = relative lead over the "
+         "runner-up, confidence = share of 1000 seeded bootstrap replicates over requests in "
+         "which it stays best.", recommendation_rows(a.recommendation)),
+        ("SLOs", "A request meets the SLO when TTFT <= ttft_ms and TPOT <= tpot_ms. Source: "
+         f"flags > run manifest (config.slo) > defaults (TTFT {DEFAULT_TTFT_MS:g} ms, "
+         f"TPOT {DEFAULT_TPOT_MS:g} ms).", slo_rows),
+        ("Crossover concurrency", "Measured: users level where speedup first drops below 1, "
+         "linearly interpolated between measured levels. Predicted: where the step cost model "
+         "(per strategy, fitted on every users level, calibrated per output class; see "
+         "\"Step cost model\" below) predicts a speedup below 1; tau = acceptance length, "
+         "verification_per_request = tokens the decode forward computes per row.",
+         records(a.crossover)),
+        *a.capacity_model.get("tables", []),
+        ("Throughput-latency knee", "Users level maximising throughput / p50 e2e latency "
+         "(Kleinrock's power).", records(a.knees)),
+        ("Batch capacity (step log)", "wasted_share = (verification - emitted) / verification "
+         "tokens; verification_per_emitted = batch tokens spent per emitted token; "
+         "ms_per_emitted_token = engine time per emitted token.", records(a.capacity)),
+        ("Per-cell metrics", "Per run x strategy x tier x output class x users. tokens/s over "
+         "the cell's wall time (first scheduled send to last end). ITL p50/p90 are over "
+         "requests' median ITL, p99 over requests' p99 ITL.",
+         records(_tier_sorted(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]]))),
+        ("Per-position acceptance", "uncond = accepted at i / drafts (vLLM); cond = accepted at "
+         "i / accepted at i-1 (DFlash 2, DSpark). Drafter top-k coverage is measured "
+         "offline (`python -m actors.evaluate`).",
+         records(a.positions)),
+        *a.questions.get("tables", []),   # output consistency, memory, stability
+    ]
+    outage_rows = records(a.outages) if a.outages is not None else []
+    out.insert(1, ("Faults and outages", "Cells with failed requests (the service accepted them "
+                   "and did not finish: error, timeout, disconnected) or rejected ones (HTTP 429, "
+                   "load shed on purpose). Outage: from the first failure to the first token of a "
+                   "successful request after the last failure (recovered = that token came within "
+                   "the cell). A recommendation over such a cell rests on a degraded run.",
+                   outage_rows))
+    if a.degradation is not None:
+        out.insert(1, ("Degradation vs baseline", f"Baseline {a.baseline_root}: flagged when "
+                       "acceptance length or goodput dropped by more than 10 %.",
+                       records(a.degradation)))
+    out.append(_runs_table(a))
+    return out
+
+
+def _empty(v) -> bool:
+    return v is None or v == "" or (isinstance(v, float) and math.isnan(v)) or (
+        isinstance(v, (list, tuple)) and not v)
+
+
+def _tier_sorted(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in low / mid / high order (then output class short / long) within each strategy."""
+    if df.empty or "tier" not in df:
+        return df
+    key = df.apply(lambda r: cell_order((r["tier"], r.get("output_class", ""))), axis=1)
+    lead = [c for c in ("run_id", "strategy") if c in df]
+    order = sorted(range(len(df)), key=lambda i: (*[str(df.iloc[i][c]) for c in lead], key.iloc[i],
+                                                   df.iloc[i].get("users", 0)))
+    return df.iloc[order]
+
+
+def shown_columns(rows: list[dict]) -> list[str]:
+    """The columns of ``rows`` that hold a value in at least one row (always-empty ones go)."""
+    cols = list(rows[0]) if rows else []
+    return [c for c in cols if any(not _empty(r.get(c)) for r in rows)]
+
+
+def _checks(a: Analysis) -> list[str]:
+    return [line for lines in a.checks.values() for line in lines]
+
+
+def _md_table(rows: list[dict]) -> str:
+    if not rows:
+        return "_no data_\n"
+    cols = shown_columns(rows)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(a: Analysis) -> str:
+    """The report as markdown (tables only; the figures are in report.html)."""
+    parts = ["# specload capacity report\n",
+             f"Results: `{a.results.root}` ({len(a.results.runs)} run(s), "
+             f"{len(a.results.requests)} requests, {len(a.results.steps)} engine steps). "
+             "Figures: see report.html.\n"]
+    flags = a.questions.get("flags", [])
+    if flags:   # first: a diverging strategy is never silently ranked
+        parts += ["## Warnings\n", "\n".join(f"- **{f}**" for f in flags) + "\n"]
+    parts += ["## Answer\n", "Per tier: the strategy to run, how sure we are (bootstrap confidence) "
+              "and by how much it wins (goodput margin over the runner-up).\n",
+              "\n".join(f"- {line}" for line in headline_lines(a.recommendation)) + "\n"]
+    checks = _checks(a)
+    if checks:
+        parts += ["## Model checks\n", "Where a prediction contradicts a measurement, or a fit "
+                  f"explains little (r² < {R2_MIN}):\n", "\n".join(f"- {c}" for c in checks) + "\n"]
+    for title, text, rows in _tables(a):
+        parts += [f"## {title}\n", text + "\n", _md_table(rows)]
+    return "\n".join(parts)
+
+
+def _html_table(rows: list[dict], table_id: str) -> str:
+    if not rows:
+        return "<p><em>no data</em></p>"
+    cols = shown_columns(rows)
+    head = "".join(f"<th>{_html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_html.escape(fmt(r.get(c)))}</td>" for c in cols)
+                   + "</tr>" for r in rows)
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+CSS = ("body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
+       "font-size:12px;margin-bottom:1em}td,th{border:1px solid #ccc;padding:3px 6px;"
+       "text-align:right}th{background:#eee}section{overflow-x:auto}img{max-width:100%}"
+       ".warn{color:#8a4b00;font-weight:bold}")
+
+
+def html(a: Analysis) -> str:
+    """The report as one self-contained HTML page (inline CSS, base64 PNG figures)."""
+    parts = ["<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">",
+             "<title>specload capacity report</title>",
+             f"<style>{CSS}</style></head><body><h1>specload capacity report</h1>",
+             f"<p>Results: <code>{_html.escape(str(a.results.root))}</code>, "
+             f"{len(a.results.runs)} run(s), {len(a.results.requests)} requests, "
+             f"{len(a.results.steps)} engine steps.</p>"]
+    flags = a.questions.get("flags", [])
+    if flags:   # first: a diverging strategy is never silently ranked
+        parts.append('<section id="warnings"><h2>Warnings</h2><ul>'
+                     + "".join(f"<li><strong>{_html.escape(f)}</strong></li>" for f in flags)
+                     + "</ul></section>")
+    parts.append("<section id=\"answer\"><h2>Answer</h2><p>Per tier: the strategy to run, how sure "
+                 "we are (bootstrap confidence) and by how much it wins (goodput margin over the "
+                 "runner-up).</p><ul>"
+                 + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(a.recommendation))
+                 + "</ul></section>")
+    checks = _checks(a)
+    if checks:
+        parts.append("<section id=\"checks\"><h2>Model checks</h2><p>Where a prediction contradicts "
+                     f"a measurement, or a fit explains little (r² &lt; {R2_MIN}):</p><ul>"
+                     + "".join(f"<li class=\"warn\">{_html.escape(c)}</li>" for c in checks)
+                     + "</ul></section>")
+    for title, text, rows in _tables(a):
+        table_id = title.split(" ")[0].lower().replace("-", "_")
+        parts.append(f"<section><h2>{_html.escape(title)}</h2><p>{_html.escape(text)}</p>"
+                     f"{_html_table(rows, table_id)}</section>")
+        if title == "Recommendation":
+            parts.append("<section><h2>Figures</h2>")
+            for key, png in a.figures.items():
+                if png:
+                    b64 = base64.b64encode(png).decode("ascii")
+                    notes = "".join(f"<p class=\"warn\">{_html.escape(n)}</p>"
+                                    for n in a.checks.get(key, []))
+                    parts.append(f"<figure><figcaption>{_html.escape(FIGURE_TITLES.get(key, key))}"
+                                 f"</figcaption><img id=\"fig-{key}\" alt=\"{key}\" "
+                                 f"src=\"data:image/png;base64,{b64}\">{notes}</figure>")
+            parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,1 @@
+"""``python -m loadgen``: flags -> target -> the run's phases; the consistency check."""

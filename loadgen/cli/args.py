@@ -1,0 +1,182 @@
+"""``python -m loadgen``'s command line: the parser, the checks that name a flag (exit 2),
+and the arguments as the manifest records them (credentials redacted)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from configs import metric_names as M
+from configs.cli_args import existing_file, number, output_dir, path_component, port
+from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
+from analysis.data.consistency import TIE_TOLERANCE
+from loadgen.cli.consistency import DEFAULT_SAMPLES
+from loadgen.run.datasets import DEFAULT_DATASET
+from loadgen.run.sweep import sweep_levels
+from loadgen.cli.target import ROUTE_AUTO, ROUTE_MODEL_FIELD, ROUTE_STRATEGY, parse_header
+
+
+def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags choosing the cells: tier, repeats, sweep, output class."""
+    ap.add_argument("--tier", default=None, choices=TIER_NAMES + ("all",),
+                    help="tier(s) to run (required unless --sweep; with --sweep: the template tier "
+                         "whose duration, max_tokens and SLOs the sweep cells use, default high)")
+    ap.add_argument("--repeats", type=number(int, ge=1), default=1,
+                    help="run each cell K times back to back (request column `repeat`, 0-based)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="concurrency sweep: users grow geometrically per strategy until its speedup "
+                         "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
+    ap.add_argument("--sweep-start", type=number(int, ge=1), default=1, help="first sweep users level (default 1)")
+    ap.add_argument("--sweep-factor", type=number(gt=1), default=2.0, help="users growth per level (default 2)")
+    ap.add_argument("--sweep-max-users", type=number(int, ge=1), default=64, help="last sweep users level (default 64)")
+    ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
+
+
+def _add_target_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags naming the target: strategies, URL or local service, route, workers."""
+    ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
+    ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
+                                                 "default: start/reuse the local service")
+    ap.add_argument("--local-port", type=port(), default=8000,
+                    help="without --target: port of the local service to start or reuse (default 8000)")
+    ap.add_argument("--local-config", default="", type=existing_file(),
+                    help="without --target: Serve config the local service deploys "
+                         "(default: the packaged configs/serve.yaml)")
+    ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
+    ap.add_argument("--route", default=ROUTE_AUTO, choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD),
+                    help="HTTP route of the load: strategy = each strategy's own one-hop route "
+                         "(<target>/strategies/<name>/v1/...; the strategy replica answers it without "
+                         "a second Ray hop); model-field = <target>/v1/... with the model field "
+                         "(through the ingress); auto (default) = strategy when the target lists the "
+                         "route (GET /specload/routes), else model-field. manifest.json routes "
+                         "records the choice per strategy")
+    ap.add_argument("--duration", type=number(gt=0), default=None, help="override every cell's duration_s, seconds")
+    ap.add_argument("--workers", type=number(int, ge=0), default=0, help="Locust workers as Ray actors; 0 = in-process")
+    ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
+                    help="with --workers: Ray SPREAD over the nodes (default), per-node (worker i on "
+                         "node i mod nodes: --workers = number of nodes gives one per node), or pack")
+    ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
+                    "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
+
+
+def _add_input_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags choosing the inputs and outputs: profile, dataset, results, run id."""
+    ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
+    ap.add_argument("--dataset", "--prompts", dest="dataset", default=DEFAULT_DATASET,
+                    help="humaneval|docs|stdlib|mixed, FILE.jsonl, or - for JSON lines on standard "
+                         "input (kept as prompts.jsonl in the run directory)")
+    ap.add_argument("--max-prompt-chars", type=number(int, ge=1), default=None, help="override the profile's prompt cut")
+    ap.add_argument("--results", default="results", type=output_dir(), help="results directory (a run_id folder goes inside)")
+    ap.add_argument("--tiers-file", default="", type=existing_file(), help="default configs/tiers.yaml")
+    ap.add_argument("--run-id", default="", type=path_component(), help="default: <date>-<time>-<tier>-<random>")
+
+
+def _add_http_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags of every HTTP request: credentials, headers, TLS, 429 retries."""
+    ap.add_argument("--api-key", default=None,
+                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY); never written "
+                         "to the manifest or logs")
+    ap.add_argument("--header", action="append", default=[], metavar="'K: V'",
+                    help="extra HTTP header on every request, repeatable ('X-Team: a' or 'X-Team:a'); "
+                         "values are never written to the manifest or logs")
+    ap.add_argument("--insecure", action="store_true",
+                    help="https targets: skip TLS certificate verification (off by default)")
+    ap.add_argument("--retry", type=number(int, ge=0), default=0, metavar="N",
+                    help="re-send a request answered 429 up to N times (exponential backoff from "
+                         "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
+                         "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
+    ap.add_argument("--retry-backoff-s", type=number(ge=0), default=0.5, help="first retry delay, seconds (doubles)")
+
+
+def _add_after_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags of what follows the cells: consistency checks, warm-up cut, report."""
+    ap.add_argument("--consistency", type=number(int, ge=0), default=DEFAULT_SAMPLES, metavar="N",
+                    help="after the cells, send N greedy requests (the run's first N prompts) to every "
+                         "strategy and compare each output token by token with the baseline's; "
+                         f"writes consistency.json (default {DEFAULT_SAMPLES}; 0 = off)")
+    ap.add_argument("--consistency-sampled", type=number(int, ge=0), default=0, metavar="N",
+                    help="also compare each strategy's first-token distributions with the baseline's "
+                         "over N seeded sampled requests (chi-square; default 0 = off)")
+    ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
+                    help="strategy the consistency checks compare with (default autoregressive)")
+    ap.add_argument("--consistency-baseline-target", default="", metavar="URL",
+                    help="serve the baseline from this server instead of --target (e.g. "
+                         "specload's fp32 engine as the baseline of a vLLM bf16 target)")
+    ap.add_argument("--consistency-dtype", default="float32", choices=sorted(TIE_TOLERANCE),
+                    help="compute dtype of the engines compared: sets the tolerance under "
+                         "which a first divergence is a numerical tie, not a violation "
+                         f"({', '.join(f'{k} {v:g}' for k, v in sorted(TIE_TOLERANCE.items()))} "
+                         "nats of the baseline's logprob)")
+    ap.add_argument("--consistency-tie-tolerance", type=number(float, ge=0), default=None,
+                    metavar="NATS", help="the tie tolerance itself (overrides --consistency-dtype)")
+    ap.add_argument("--warmup-s", type=number(ge=0), default=0.0,
+                    help="seconds at the start of every cell the report excludes as warm-up "
+                         "(stored in manifest.json; default 0)")
+    ap.add_argument("--report", action="store_true",
+                    help="after the run, write the analysis report (python -m analysis report) "
+                         "into the run directory and print the recommendation table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
+    _add_cell_flags(ap)
+    _add_target_flags(ap)
+    _add_input_flags(ap)
+    _add_http_flags(ap)
+    _add_after_flags(ap)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; a bad value exits 2 with a message naming its flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tier is None and not args.sweep:
+        parser.error("--tier is required (low, mid, high or all), unless --sweep is given")
+    if args.sweep:
+        args.tier = args.tier or "high"
+        if args.tier == "all":
+            parser.error("--tier with --sweep names one template tier (low, mid or high), not all")
+        try:
+            sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
+        except ValueError as err:
+            parser.error(f"--sweep-start/--sweep-factor/--sweep-max-users: {err}")
+    # numbers, ports and paths are checked by their argparse types (configs.cli_args)
+    if args.run_id and (Path(args.results) / args.run_id).exists():
+        parser.error(f"--run-id: the run directory {Path(args.results) / args.run_id} exists already; "
+                     "pick another --run-id (a run never overwrites another)")
+    for h in args.header:
+        try:
+            parse_header(h)
+        except ValueError as err:
+            parser.error(str(err))
+    return args
+
+
+def check_local_strategy_names(args: argparse.Namespace) -> str | None:
+    """Without ``--target``: every ``--strategies`` name must be one the local service deploys.
+
+    Checked before anything starts, so a typo costs no service start-up. Returns
+    the error message, or None.
+    """
+    if args.target or not args.strategies:
+        return None
+    from configs.serve_config import configured_strategy_names
+
+    known = configured_strategy_names()
+    asked = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in asked if s not in known]
+    if unknown:
+        return (f"--strategies: {', '.join(map(repr, unknown))} not deployed by the local service "
+                f"(configs/serve.yaml deploys {', '.join(known)})")
+    return None
+
+
+def manifest_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI arguments as recorded in the manifest: credentials never in clear."""
+    out = dict(vars(args))
+    out["api_key"] = "<redacted>" if args.api_key else None
+    out["header"] = [f"{k}: <redacted>" for k, _ in (parse_header(h) for h in args.header or [])]
+    return out
+

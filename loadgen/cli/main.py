@@ -1,0 +1,480 @@
+"""``python -m loadgen``: run tier traffic against every strategy and write a run directory.
+
+    python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b] [--repeats K]
+    python -m loadgen --sweep [--tier TEMPLATE] [--sweep-max-users N] [--sweep-factor F] ...
+        [--target URL] [--route auto|strategy|model-field] [--model NAME] [--duration SECONDS]
+        [--workers N] [--profile cpu|gpu]
+        [--dataset NAME|FILE.jsonl] [--results DIR] [--tiers-file FILE]
+
+Without ``--target`` the embedded local service is started or reused
+(``python -m cluster up``). Strategies default to the target's ``/v1/models``.
+Each strategy runs every selected cell in turn (strategy-major order), with the
+same prompts, max_tokens and seeds. Output: ``RESULTS_DIR/<run_id>/`` with
+``requests.parquet``, ``steps.parquet`` (specload targets) and ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from configs import metric_names as M
+from configs.results_schema import SCHEMA_VERSION as RESULTS_SCHEMA_VERSION
+from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
+from loadgen.run import service
+from loadgen.cli.args import check_local_strategy_names, manifest_args, parse_args
+from loadgen.run.cells import CellPlan, shuffled_prompts
+from configs.jsonio import STDIN
+from loadgen.run.datasets import PROMPTS_FILE, DatasetError, load_dataset, write_prompts
+from loadgen.results.progress import Progress
+from loadgen.results.summary import SUMMARY_CSV, clock
+from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
+from loadgen.cli.target import (
+    ROUTE_MODEL_FIELD,
+    ROUTE_STRATEGY,
+    Auth,
+    choose_routes,
+    connect,
+    route_names,
+    route_url,
+)
+
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
+# one version for the run directory (manifest, request rows, step rows): configs/results_schema.py
+MANIFEST_SCHEMA_VERSION = RESULTS_SCHEMA_VERSION
+
+
+def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]:
+    """Add run_id, tier, output_class, users and repeat (by step time inside a cell window)
+    to step rows."""
+    for r in rows:
+        r[M.REQ_RUN_ID] = run_id
+        ts = r.get(M.STEP_TS)
+        for c in cells:
+            # a cell's "strategy" is the served model name; so is a step row's STEP_MODEL
+            # (STEP_STRATEGY is the engine's id; servers older than STEP_MODEL sent only that)
+            if c["strategy"] == r.get(M.STEP_MODEL, r.get(M.STEP_STRATEGY)) and ts is not None \
+                    and c["t0"] <= ts <= c["t1"]:
+                r[M.REQ_TIER], r[M.REQ_OUTPUT_CLASS] = c["tier"], c["output_class"]
+                r[M.REQ_USERS], r[M.REQ_REPEAT] = c.get("users"), c.get("repeat", 0)
+                break
+    return rows
+
+
+
+
+
+
+class _FlagError(Exception):
+    """A bad value found after parsing; ``flag`` is the option to fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag, self.message = flag, message
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole run; returns the exit code. Locust is imported here (gevent already patched).
+
+    Whenever the local service was started or reused (no ``--target``), every exit
+    path, errors included, ends with the hint that stops it.
+    """
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    console = Console(width=None if tty else int(os.environ.get("COLUMNS") or 100))
+    err = check_local_strategy_names(args)
+    if err:
+        console.print(f"[red]argument error:[/] {err}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    try:   # each failure names its flag (a KeyError's text is its repr: take the message)
+        try:
+            tiers = load_tiers(args.tiers_file or None)
+        except TierConfigError as err:
+            raise _FlagError("--tiers-file", str(err)) from None
+        try:
+            profile = tiers.profile(args.profile or None)
+        except KeyError as err:
+            raise _FlagError("--profile", str(err.args[0] if err.args else err)) from None
+        max_chars = args.max_prompt_chars or profile.max_prompt_chars
+        try:
+            prompts = shuffled_prompts(load_dataset(args.dataset, max_chars), profile.seed)
+        except DatasetError as err:
+            raise _FlagError("--dataset", str(err)) from None
+        if not args.target and args.local_config:   # a bad Serve config: before anything starts
+            try:
+                service.check_serve_config(args.local_config)
+            except ValueError as err:
+                raise _FlagError("--local-config", str(err)) from None
+    except _FlagError as err:
+        console.print(f"[red]config error:[/] {err.flag}: {err.message}", markup=True, highlight=False,
+                      soft_wrap=True)   # one line per error, however wide
+        return EXIT_CONFIG
+    local: dict[str, Any] = {"url": None}
+    try:
+        return _run(args, console, tty, profile, prompts, local)
+    finally:
+        if not args.target:
+            down = "python -m cluster down" + (f" --port {args.local_port}" if args.local_port != 8000 else "")
+            if local["url"]:
+                console.print(f"the local service is still up at {local['url']} (reused by the next run); "
+                              f"stop it with `{down}`", highlight=False)
+            else:
+                console.print("if `python -m cluster up` left anything running, stop it with "
+                              f"`{down}`", highlight=False)
+            sys.stdout.flush()
+
+
+@dataclasses.dataclass
+class _RunState:
+    """Everything one run accumulates, shared by its phases."""
+
+    args: argparse.Namespace
+    console: Any
+    profile: Any
+    prompts: list
+    target: str
+    strategies: list[str]
+    auth: Auth
+    prefixes: dict[str, str | None]   # strategy -> one-hop route path (None: the model field)
+    tiers: list[str]
+    outputs: list[str]
+    levels: list[int]
+    run_id: str = ""
+    run_dir: Path = Path()
+    writer: Any = None
+    manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
+    summaries: list = dataclasses.field(default_factory=list)
+    steps: list[dict] = dataclasses.field(default_factory=list)
+    cell_windows: list[dict] = dataclasses.field(default_factory=list)
+    fetched: dict[str, float] = dataclasses.field(default_factory=dict)  # strategy -> newest step ts
+    status: str = "finished"
+    n_steps: int = 0
+    cell_no: int = 0
+    stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
+
+
+def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
+         local: dict[str, Any]) -> int:
+    """Phases: connect -> open the run directory -> drive every cell -> close -> print."""
+    try:
+        target, strategies, auth = connect(args, console, local)
+        prefixes = choose_routes(args.route, strategies, {} if args.route == ROUTE_MODEL_FIELD else
+                                 service.strategy_routes(target, headers=auth.headers,
+                                                         insecure=auth.insecure), args.model)
+    except service.ServiceError as err:
+        console.print(f"[red]target error:[/] {err}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    st = _RunState(args, console, profile, prompts, target, strategies, auth, prefixes,
+                   tiers=list(TIER_NAMES) if args.tier == "all" else [args.tier],
+                   outputs=list(OUTPUT_CLASSES) if args.output == "all" else [args.output],
+                   levels=sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
+                   if args.sweep else [])
+    n_cells, planned_cell_s = _open_run(st)
+    _catch_signals(st.stop)
+    runner = None
+    try:
+        from loadgen.run.locust_runner import LoadRunner
+
+        runner = LoadRunner(args.workers, on_row=st.writer.add, should_stop=lambda: st.stop["stop"],
+                            ray_address=args.ray_address, worker_placement=args.worker_placement)
+        if args.workers > 0:   # pids and nodes of the load workers (fault tests kill one by pid)
+            from loadgen.results.writer import write_manifest
+
+            st.manifest["load_workers"] = runner.worker_info
+            st.manifest["worker_placement"] = args.worker_placement
+            write_manifest(st.run_dir / "manifest.json", st.manifest)
+        with Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
+            _drive(st, runner, progress)
+        _check_consistency(st)
+    except KeyboardInterrupt:
+        st.status = "interrupted"
+        console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
+    finally:
+        _close_run(st, runner)
+    return _print_outcome(st)
+
+
+
+
+def _read_once(dataset: str) -> bool:
+    """True when ``--dataset`` is standard input or a pipe: it cannot be read again."""
+    return dataset == STDIN or (Path(dataset).exists() and not Path(dataset).is_file())
+
+
+def _open_run(st: _RunState) -> tuple[int, float]:
+    """Create the run directory, the request writer and the first manifest; print the plan.
+    Returns (cells planned, planned seconds per cell)."""
+    from loadgen.results.writer import RowSink, environment_info, write_manifest
+
+    args, profile, tiers, outputs = st.args, st.profile, st.tiers, st.outputs
+    label = SWEEP_TIER if args.sweep else args.tier
+    st.run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
+    st.run_dir = Path(args.results) / st.run_id
+    st.run_dir.mkdir(parents=True, exist_ok=False)
+    if _read_once(args.dataset):   # stdin or a pipe: keep what was read, for the analysis
+        write_prompts(st.run_dir / PROMPTS_FILE, st.prompts)
+    # cells to run (a sweep stops early: its count is an upper bound) and the planned time per cell:
+    # offered load + half the drain timeout (the ETA uses it until cells have finished)
+    if args.sweep:
+        n_cells = len(st.strategies) * len(outputs) * len(st.levels) * args.repeats
+        durations = [args.duration or profile.cell(tiers[0], oc).duration_s for oc in outputs]
+    else:
+        n_cells = len(st.strategies) * len(tiers) * len(outputs) * args.repeats
+        durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
+    planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
+    st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
+                     f"{' at most' if args.sweep else ''} against {st.target} (route: {route_names(st.prefixes)}), about "
+                     f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
+    st.writer = RowSink(st.run_dir)
+    st.manifest = {
+        "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
+        "target": st.target, "strategies": st.strategies, "tiers": tiers, "outputs": outputs,
+        # the HTTP route each strategy was measured on: its own (one hop) or the model field
+        "routes": {s: {"route": ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD,
+                       "base_url": route_url(st.target, p)} for s, p in st.prefixes.items()},
+        "args": manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
+        "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],
+        "dataset_file": PROMPTS_FILE if _read_once(args.dataset) else None,
+        # the analysis reads per-tier SLOs from config.slo (analysis/data/slo.py)
+        "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
+        "schema_version": MANIFEST_SCHEMA_VERSION, "repeats": args.repeats,
+        "writer_pid": st.writer.pid, "driver_pid": os.getpid(), "load_workers": [], "worker_losses": [],
+        "retry": {"max_retries": args.retry, "backoff_s": args.retry_backoff_s},
+        **environment_info()}
+    if args.sweep:
+        st.manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
+        st.manifest["sweep"] = {"template_tier": tiers[0], "levels": st.levels, "factor": args.sweep_factor,
+                                "stopped": {}}
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+    return n_cells, planned_cell_s
+
+
+def _catch_signals(stop: dict[str, bool]) -> None:
+    """Ctrl-C / SIGTERM set a flag that the driver loop turns into KeyboardInterrupt: under gevent
+    a raw KeyboardInterrupt can land in a user greenlet and never reach this frame. A second
+    Ctrl-C exits at once (the writer process still finishes the request files)."""
+    def _on_signal(*_: Any) -> None:
+        if stop["stop"]:
+            os._exit(EXIT_INTERRUPTED)
+        stop["stop"] = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
+def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
+    """Run every cell in order (a sweep decides its next cell from the last results); then
+    each strategy's replica memory report (peaks reset first: this run's only)."""
+    for strategy in st.strategies:
+        service.fetch_memory(st.target, strategy, reset_peak=True, headers=st.auth.headers,
+                             insecure=st.auth.insecure)
+    if st.args.sweep:
+        sweep = SweepState()
+        order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
+    else:
+        sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats)
+    for spec in order:
+        s, cell_t0 = _run_cell(st, spec, runner, progress)
+        if sweep is not None:
+            sweep.record(spec.strategy, spec.output_class, s.users, s.output_tokens_per_s,
+                         s.n_ok / s.n_requests if s.n_requests else 0.0)
+        _record_cell(st, s, sweep)
+        # per cell: the replica's step ring buffer holds minutes, not a whole run
+        _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
+    for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
+        _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
+        report = service.fetch_memory(st.target, strategy, headers=st.auth.headers,
+                                      insecure=st.auth.insecure)
+        if report:  # weights, KV cache, process memory (specload targets only)
+            st.manifest.setdefault("memory", {})[strategy] = report
+
+
+def _check_consistency(st: _RunState) -> None:
+    """Output consistency vs the baseline (``loadgen.cli.consistency``): consistency.json and a
+    manifest summary. Skipped with --model (one name for every strategy) or after Ctrl-C;
+    a failure is a warning, never a lost run."""
+    from analysis.data.consistency import tie_tolerance
+    from loadgen.cli.consistency import run_checks
+
+    args = st.args
+    if args.model or st.stop["stop"]:
+        return
+    try:
+        st.manifest["consistency"] = run_checks(
+            st.target, st.strategies, [[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
+            st.profile, st.tiers[0], st.outputs, st.run_dir, args.consistency,
+            args.consistency_sampled, args.consistency_baseline,
+            say=lambda m: st.console.print(m, highlight=False),
+            headers=st.auth.headers, insecure=st.auth.insecure,
+            tolerance=(args.consistency_tie_tolerance if args.consistency_tie_tolerance is not None
+                       else tie_tolerance(args.consistency_dtype)),
+            baseline_url=(service.normalize_base_url(args.consistency_baseline_target)
+                          if args.consistency_baseline_target else None))
+    except Exception as err:  # noqa: BLE001  (a failed check must not lose the run)
+        st.manifest["consistency"] = {"skipped": f"failed: {err!r}"}
+        st.console.print(f"[yellow]warning[/] consistency check failed: {err!r}")
+
+
+def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tuple[Any, float]:
+    """Offer one cell's load and summarise it; returns (CellSummary, cell start unix s)."""
+    from loadgen.results.summary import add_speedups, summarize_cell
+
+    args, profile = st.args, st.profile
+    strategy, tier, oc = spec.strategy, spec.tier, spec.output_class
+    cell = profile.cell(spec.template_tier, oc)
+    users = spec.users if spec.users is not None else cell.users
+    duration = args.duration if args.duration else cell.duration_s
+    t0 = time.time() + (0.2 if args.workers <= 0 else 1.0)
+    plan = CellPlan(
+        run_id=st.run_id, strategy=strategy, model=args.model or strategy, tier=tier,
+        output_class=oc, dataset=args.dataset, base_url=route_url(st.target, st.prefixes.get(strategy)),
+        arrival=cell.arrival,
+        users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
+        prompts=[[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
+        max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
+        sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
+        request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
+        cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
+        headers=st.auth.headers, insecure=st.auth.insecure,
+        max_retries=args.retry, retry_backoff_s=args.retry_backoff_s)
+    rep = f" r{spec.repeat}" if args.repeats > 1 else ""
+    sweep_users = f" u{users}" if args.sweep else ""
+    progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
+    cell_t0 = time.time()
+    # rows go to the writer process as they complete (cells/NNN-...parquet, a row group a second);
+    # no Arrow conversion in this gevent loop, which would delay in-flight chunks' timestamps
+    st.cell_no += 1
+    st.writer.start_cell(f"{st.cell_no:03d}-{strategy}-{tier}-{oc}-u{users}-r{spec.repeat}")
+    try:
+        cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, progress.tick)
+    finally:
+        st.writer.end_cell()
+        _record_losses(st, runner)
+    st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
+                            "repeat": spec.repeat, "t0": cell_t0, "t1": time.time()})
+    s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
+                       arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
+                       slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
+    s.repeat = spec.repeat
+    for loss in runner.worker_losses:
+        if loss["cell_id"] == plan.cell_id:
+            s.warnings.append(f"load worker {loss['worker_index']} lost: its {loss['in_flight_at_last_report']} "
+                              f"in-flight request(s) have no row ({loss['rows_delivered']} rows it sent are "
+                              "kept); the cell finished on the other workers")
+    s.workers = cell_run.workers   # per Locust worker: node, CPU %, achieved users, rows
+    st.summaries.append(s)
+    add_speedups(st.summaries)
+    progress.done(s)
+    for w in s.warnings:
+        st.console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}: {w}", highlight=False)
+    return s, cell_t0
+
+
+def _record_cell(st: _RunState, s: Any, sweep: SweepState | None) -> None:
+    """After each cell: manifest and summary.csv on disk, so a crash keeps what finished."""
+    from loadgen.results.summary import write_csv
+    from loadgen.results.writer import write_manifest
+
+    st.manifest["cells"] = [dataclasses.asdict(x) for x in st.summaries]
+    if sweep is not None:
+        st.manifest["sweep"]["stopped"] = {f"{k[0]}/{k[1]}": v for k, v in sweep.stopped.items()}
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+    write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
+
+
+def _record_losses(st: _RunState, runner: Any) -> None:
+    """Load workers lost so far (``LoadRunner.worker_losses``) into the manifest, at once."""
+    from loadgen.results.writer import write_manifest
+
+    losses = list(getattr(runner, "worker_losses", []))
+    if losses != st.manifest.get("worker_losses"):
+        st.manifest["worker_losses"] = losses
+        write_manifest(st.run_dir / "manifest.json", st.manifest)
+
+
+def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
+    """Append the target's step rows of ``strategy`` (served name) newer than ``since``."""
+    rows = service.fetch_step_log(st.target, strategy, since, headers=st.auth.headers,
+                                  insecure=st.auth.insecure)
+    if rows:
+        st.fetched[strategy] = max(st.fetched.get(strategy, 0.0),
+                                   max(r.get(M.STEP_TS, 0.0) for r in rows))
+    st.steps.extend(rows)
+
+
+def _close_run(st: _RunState, runner: Any) -> None:
+    """Stop the load runner, close requests.parquet, write steps.parquet and the final manifest."""
+    from loadgen.results.summary import add_speedups, write_csv
+    from loadgen.results.writer import write_manifest, write_steps
+
+    if runner is not None:
+        runner.close()
+    st.writer.close()
+    try:
+        st.n_steps = write_steps(st.run_dir / "steps.parquet",
+                                 _label_steps(st.steps, st.run_id, st.cell_windows))
+    except Exception as err:  # noqa: BLE001  (step rows of an unexpected shape must not lose the run)
+        st.console.print(f"[yellow]warning[/] could not write steps.parquet: {err}")
+    add_speedups(st.summaries)
+    st.manifest.update(status=st.status, finished_ts=time.time(), requests=st.writer.rows_written,
+                       steps=st.n_steps, cells=[dataclasses.asdict(x) for x in st.summaries],
+                       worker_losses=list(getattr(runner, "worker_losses", [])))
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+    write_csv(st.run_dir / SUMMARY_CSV, st.summaries)
+
+
+def _print_outcome(st: _RunState) -> int:
+    """The summary table, failures, the optional report and the results path; the exit code."""
+    from loadgen.results.summary import legend, render_table
+
+    console, summaries = st.console, st.summaries
+    if summaries:
+        table, shown = render_table(summaries, max_width=console.width)
+        console.print(table)
+        console.print(f"Columns: {legend(shown)} Every column, p99s included: {st.run_dir / SUMMARY_CSV}",
+                      highlight=False)
+    console.print(f"requests: {st.writer.rows_written}, steps: {st.n_steps}, "
+                  f"wall time {clock(time.time() - st.manifest['started_ts'])}", highlight=False)
+    empty = [f"{s.strategy}/{s.tier}/{s.output_class}" for s in summaries if not s.n_ok]
+    if empty:
+        console.print(f"[red]no successful request[/] in {', '.join(empty)}; see the `error` "
+                      f"column of {st.run_dir / 'requests.parquet'}", highlight=False)
+    if st.args.report and st.writer.rows_written and len(empty) < len(summaries):
+        _report(st.run_dir, console)
+    print(f"results: {st.run_dir}", flush=True)
+    if st.status == "interrupted":
+        return EXIT_INTERRUPTED
+    return EXIT_NO_SUCCESS if summaries and len(empty) == len(summaries) else 0
+
+
+def _report(run_dir: Path, console: Any) -> None:
+    """Write the analysis report into the run's report folder; print the headline and its paths."""
+    from analysis.decide.recommend import headline_lines
+    from analysis.report.build import build_report, default_out_dir
+
+    out = build_report(run_dir, default_out_dir(run_dir))
+    console.print("recommendation per tier (highest goodput under the SLOs):", highlight=False)
+    for line in headline_lines(out["recommendation"]):
+        console.print(f"  {line}", highlight=False, markup=False)
+    for name, path in out["paths"].items():
+        console.print(f"{name}: {path}", highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+if __name__ == "__main__":
+    sys.exit(main())

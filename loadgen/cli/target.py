@@ -1,0 +1,132 @@
+"""The target of a load run: credentials, which strategies it serves and the route each
+one's load takes (its own one-hop route or the ``model`` field), the local service when
+no ``--target`` is given."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from configs import metric_names as M
+from loadgen.run import service
+
+ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "auto", "strategy", "model-field"
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """``'K: V'`` or ``'K:V'`` -> (K, V); ValueError naming ``--header`` when malformed."""
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip() or any(c.isspace() for c in name.strip()):
+        raise ValueError(f"--header expects 'Name: value', got {text.split(':')[0]!r}...")
+    return name.strip(), value.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Auth:
+    """Credentials and TLS choice for every call to the target (load, model list, step log)."""
+
+    headers: dict[str, str]
+    insecure: bool = False
+
+    def __repr__(self) -> str:  # never print credentials, even in a traceback
+        return f"Auth(headers=<{len(self.headers)} redacted>, insecure={self.insecure})"
+
+
+def auth_from_args(args: argparse.Namespace) -> Auth:
+    """Headers from ``--header`` and ``--api-key`` / ``$OPENAI_API_KEY`` (Authorization: Bearer);
+    without ``--target``, ``$SPECLOAD_API_KEY`` (the key the local service requires) as a last resort."""
+    headers = dict(parse_header(h) for h in args.header or [])
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if not key and not args.target:   # the local service's own key, if it was given one
+        key = os.environ.get("SPECLOAD_API_KEY")
+    if key and not any(k.lower() == "authorization" for k in headers):
+        headers["Authorization"] = f"Bearer {key}"
+    return Auth(headers, bool(args.insecure))
+
+
+def discover_strategies(args: argparse.Namespace, target: str, auth: Auth, console: Any = None) -> list[str]:
+    """Strategies to drive. Without --strategies / --model they come from the target's
+    ``/v1/models`` (discovery; a failure names the URL). With them, discovery is
+    skipped when the target answers without a model list (a server or gateway
+    without ``/v1/models``) and only used, when it has one, to catch a misspelt
+    name; an unreachable target still fails here, before any cell runs."""
+    asked = ([s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies
+             else [args.model] if args.model else [])
+    if asked:
+        try:
+            models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
+        except service.DiscoveryUnavailable as err:   # unreachable still fails
+            if console is not None:
+                console.print(f"[yellow]{err}; using {asked} as given[/]", highlight=False)
+            return asked
+    else:
+        models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
+    unknown = [s for s in asked if models and s not in models and not args.model]
+    if args.model and models and args.model not in models:
+        unknown = [args.model]
+    if unknown:
+        flag = "--model" if args.model else "--strategies"
+        raise service.ServiceError(f"{flag}: {', '.join(map(repr, unknown))} not served by "
+                                   f"{target}; it serves {models}")
+    if asked:
+        return asked
+    if not models:
+        raise service.ServiceError(f"{target}/v1/models lists no models; pass --strategies")
+    known = [s for s in M.STRATEGIES if s in models]  # canonical order, baseline first
+    return known + [m for m in models if m not in known]
+
+
+def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
+                  model_override: str = "") -> dict[str, str | None]:
+    """Strategy -> path of the one-hop route its load takes (relative to the target), or
+    None for the model-field route. ``route``: the ``--route`` value; ``routes``: what the
+    target lists (``service.strategy_routes``). A ``--model`` override always takes the
+    model-field route (its name need not be a strategy's). Raises ServiceError naming
+    ``--route`` when ``strategy`` is asked for and a strategy has no such route."""
+    if route == ROUTE_STRATEGY:
+        missing = [s for s in strategies if s not in routes or model_override]
+        if missing:
+            raise service.ServiceError(
+                f"--route strategy: the target lists no one-hop route for {missing} "
+                f"(GET /specload/routes: {routes or 'none'}{'; --model is set' if model_override else ''}); "
+                "use --route auto or model-field")
+    if route == ROUTE_MODEL_FIELD or model_override:
+        return {s: None for s in strategies}
+    return {s: routes.get(s) for s in strategies}
+
+
+def route_names(prefixes: dict[str, str | None]) -> str:
+    return ", ".join(sorted({ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD for p in prefixes.values()}))
+
+
+def route_url(target: str, path: str | None) -> str:
+    """Base URL of a strategy's load: ``target`` + its one-hop route path, or ``target``."""
+    return target + path if path else target
+
+
+def connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tuple[str, list[str], Auth]:
+    """The target's base URL (starting or reusing the local service without --target) and
+    the strategies to run; raises service.ServiceError."""
+    auth = auth_from_args(args)
+    if args.target:   # with or without /v1, with or without a trailing slash
+        target = service.normalize_base_url(args.target)
+    else:
+        console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
+        target = service.start_local_service(
+            port=args.local_port, config=args.local_config or None,
+            on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+        local["url"] = target
+    try:
+        strategies = discover_strategies(args, target, auth, console)
+    except service.ServiceError as err:
+        if args.target or not any(f"HTTP {c}" in str(err) for c in (401, 403)):
+            raise
+        raise service.ServiceError(   # the local service reads its key from SPECLOAD_API_KEY
+            f"{err}; the local service requires the key it was started with: "
+            "export SPECLOAD_API_KEY=KEY (what `cluster up` read) or pass --api-key KEY") from None
+    if args.sweep and M.AUTOREGRESSIVE not in strategies:
+        strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
+    return target, strategies, auth
+

@@ -1,0 +1,116 @@
+"""One streamed completion over geventhttpclient (gevent-native; no asyncio in the gevent loop).
+
+The body is read line by line to the very end of the stream (``readline``
+returns as soon as a line is buffered, so each chunk is stamped when it
+arrives); the response time never stops at the headers. Every outcome is a
+row: ``ok``, ``error`` (HTTP status or an error object in the stream), ``replica_lost``
+(the error code says the replica serving it died),
+``timeout`` (whole-request client timeout), ``disconnected`` (stream closed
+before ``[DONE]``/finish), ``rejected`` (HTTP 429: the server shed the request;
+its ``Retry-After`` is returned under ``RETRY_AFTER_KEY`` for the retry policy)
+or ``cancelled`` (the cell was stopped mid-request).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import gevent
+from geventhttpclient import HTTPClient
+
+from configs import metric_names as M
+from loadgen.run.service import ssl_context
+from loadgen.run.cells import parse_retry_after
+from loadgen.run.timing import SSEParser, StreamRecorder
+
+COMPLETIONS_PATH = "/v1/completions"
+RETRY_AFTER_KEY = "_retry_after_s"   # in a rejected row's fields: the server's Retry-After, seconds (None: absent)
+
+
+def make_http_client(base_url: str, timeout_s: float, headers: dict[str, str] | None = None,
+                     insecure: bool = False) -> HTTPClient:
+    """One keep-alive connection (a Locust user has exactly one request in flight).
+
+    ``headers`` (``--header``, ``Authorization`` from ``--api-key``) go with every
+    request. ``https://`` targets verify the server certificate against the
+    system CA store (or ``SSL_CERT_FILE``) unless ``insecure``.
+    """
+    u = urlsplit(base_url)
+    kw: dict[str, Any] = {}
+    if u.scheme == "https":
+        # our context (system CAs / SSL_CERT_FILE, like the urllib preflight calls); geventhttpclient
+        # re-applies check_hostname = not insecure, so insecure goes to it as well
+        kw.update(ssl_context_factory=lambda **_: ssl_context(insecure), insecure=insecure)
+    return HTTPClient.from_url(f"{u.scheme}://{u.netloc}", concurrency=1, connection_timeout=min(timeout_s, 30.0),
+                               network_timeout=timeout_s,
+                               headers={"Accept": "text/event-stream", **(headers or {})}, **kw)
+
+
+def path_prefix(base_url: str) -> str:
+    """Path part of the base URL (``http://h/prefix`` -> ``/prefix``), no trailing slash."""
+    return urlsplit(base_url).path.rstrip("/")
+
+
+def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], scheduled_ts: float | None,
+                      timeout_s: float, on_cancel: Callable[[dict[str, Any]], None] | None = None,
+                      ) -> tuple[dict[str, Any], bool]:
+    """Send one streaming completion; returns (timing row fields, connection_ok).
+
+    ``scheduled_ts`` (unix s) is the open-loop slot; None means "now" (closed
+    loop). If the calling greenlet is killed (cell stopped), ``on_cancel`` gets a
+    ``cancelled`` row before GreenletExit propagates. ``connection_ok`` is
+    False when the caller should drop and recreate ``http``.
+    """
+    sent = time.time()
+    rec = StreamRecorder(scheduled_ts=scheduled_ts if scheduled_ts is not None else sent, sent_ts=sent)
+    payload = json.dumps(body)
+    timer = gevent.Timeout(timeout_s)
+    timer.start()
+    resp = None
+    try:
+        resp = http.post(path, body=payload, headers={"Content-Type": "application/json"})
+        if resp.status_code != 200:
+            text = resp.read()[:300].decode("utf-8", errors="replace")
+            if resp.status_code == 429:
+                row = rec.row(time.time(), M.STATUS_REJECTED, f"HTTP 429: {text}")
+                row[RETRY_AFTER_KEY] = parse_retry_after(resp.get("retry-after"))
+                return row, True
+            lost = f'"code":"{M.ERROR_CODE_REPLICA_LOST}"' in text.replace(" ", "")
+            return rec.row(time.time(), M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR,
+                           f"HTTP {resp.status_code}: {text}"), True
+        parser = SSEParser()
+        while True:
+            line = resp.readline(b"\n")
+            now = time.time()
+            if not line:
+                for data in parser.flush():
+                    rec.on_data(data, now)
+                break
+            for data in parser.feed_line(line):
+                rec.on_data(data, now)
+            if rec.done or rec.error:
+                break
+        end = time.time()
+        if rec.error:
+            lost = rec.error_code == M.ERROR_CODE_REPLICA_LOST
+            return rec.row(end, M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR), False
+        if not rec.complete:
+            return rec.row(end, M.STATUS_DISCONNECTED, "stream ended before [DONE] or finish_reason"), False
+        resp.read()  # the chunked terminator, so the connection can be reused
+        return rec.row(end, M.STATUS_OK), True
+    except gevent.Timeout as t:
+        if t is not timer:
+            raise
+        return rec.row(time.time(), M.STATUS_TIMEOUT, f"no complete response within {timeout_s:g} s"), False
+    except gevent.GreenletExit:
+        if on_cancel is not None:
+            on_cancel(rec.row(time.time(), M.STATUS_CANCELLED, "cell stopped while in flight"))
+        raise
+    except Exception as err:  # connection refused/reset, closed mid-stream, ...
+        status = M.STATUS_DISCONNECTED if rec.chunk_ts else M.STATUS_ERROR
+        return rec.row(time.time(), status, f"{type(err).__name__}: {err}"[:500]), False
+    finally:
+        timer.cancel()

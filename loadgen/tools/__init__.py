@@ -1,0 +1,1 @@
+"""Tools around the load generator: the fake server, the soak, benchmarks."""

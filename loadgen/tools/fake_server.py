@@ -1,0 +1,278 @@
+"""A fake OpenAI-compatible streaming server with known timings (tests and ``bench_timing``).
+
+Run: ``python -m loadgen.tools.fake_server [--port 0] [--ttft-ms 100] [--gap-ms 20] ...``;
+the last stdout line is the base URL (an ephemeral port by default, 127.0.0.1 only).
+
+Each ``POST /v1/completions`` streams: an empty-text first chunk at once (the
+"role chunk" peers wrongly stamp TTFT on), then after ``--ttft-ms`` the first
+content chunk (one token), then chunks of ``--tokens-per-chunk`` tokens every
+``--gap-ms`` until ``max_tokens``, then a ``choices: []`` chunk with ``usage``
+and ``spec_decode`` stats, then ``[DONE]``. The text is words ``"t "``, so
+re-tokenising it would give a different count than ``usage`` (on purpose).
+
+Test hooks: ``--fail-every K`` answers every K-th request with HTTP 500;
+``--disconnect-every K`` drops every K-th stream after two chunks;
+``POST /fake/stall?s=S`` holds every write for S seconds; ``GET /fake/timings``
+returns the server-side truth per request keyed by ``"<model>:<seed>"``:
+receive, first-content-write and end times (unix s). ``/v1/models`` and
+``/specload/step_log`` are served too.
+
+``--strategy-routes`` also serves specload's one-hop routes: ``GET
+/specload/routes`` lists ``/strategies/<model>`` per model and ``POST
+/strategies/<model>/v1/completions`` streams as above; the truth records the
+path each request came on (``path``).
+
+``--api-key K`` requires ``Authorization: Bearer K`` on ``/v1/*`` and
+``/specload/*`` (401 in OpenAI's error shape otherwise); ``GET /fake/auth``
+counts accepted and rejected requests and echoes the ``X-*`` headers seen.
+``--tls-cert F --tls-key F`` serves https.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any, Iterator
+
+from aiohttp import web
+
+from configs import metric_names as M
+from configs.paths import PACKAGE_ROOT
+
+
+class FakeServer:
+    """Holds the timing knobs (ms) and the recorded truth."""
+
+    def __init__(self, ttft_ms: float, gap_ms: float, tokens_per_chunk: int, models: list[str],
+                 fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
+                 prompt_tokens: int = 17, api_key: str | None = None,
+                 strategy_routes: bool = False) -> None:
+        self.ttft_s = ttft_ms / 1000.0
+        self.gap_s = gap_ms / 1000.0
+        self.tpc = max(1, tokens_per_chunk)
+        self.models = models
+        self.fail_every = fail_every
+        self.disconnect_every = disconnect_every
+        self.per_chunk_tokens = per_chunk_tokens
+        self.prompt_tokens = prompt_tokens
+        self.count = 0
+        self.in_flight = 0
+        self.stall_until = 0.0
+        self.truth: dict[str, dict] = {}
+        self.steps: list[dict] = []
+        self.api_key = api_key
+        self.strategy_routes = strategy_routes
+        self.auth = {"accepted": 0, "rejected": 0, "x_headers": {}}
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(("/v1/", "/specload/", "/strategies/")):
+            self.auth["x_headers"].update({k: v for k, v in request.headers.items() if k.lower().startswith("x-")})
+            if self.api_key is not None:
+                if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                    self.auth["rejected"] += 1
+                    return web.json_response({"error": {"message": "invalid API key", "type": "invalid_request_error",
+                                                        "param": None, "code": "invalid_api_key"}}, status=401)
+                self.auth["accepted"] += 1
+        return await handler(request)
+
+    async def auth_counts(self, request: web.Request) -> web.Response:
+        return web.json_response(self.auth)
+
+    async def _hold(self) -> None:
+        while (left := self.stall_until - time.time()) > 0:
+            await asyncio.sleep(left)
+
+    def _chunk(self, model: str, text: str, n: int | None = None, finish: str | None = None) -> bytes:
+        choice: dict = {"index": 0, "text": text, "finish_reason": finish}
+        obj: dict = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
+                     "model": model, "choices": [choice]}
+        if n is not None and self.per_chunk_tokens:
+            obj[M.SPEC_DECODE_FIELD] = {"num_tokens": n}
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        recv = time.time()
+        body = await request.json()
+        self.count += 1
+        k = self.count
+        model = body.get("model", "fake")
+        n_total = int(body.get("max_tokens", 16))
+        key = f"{model}:{body.get('seed')}"
+        if self.fail_every and k % self.fail_every == 0:
+            self.truth[key] = {"recv_ts": recv, "status": "error"}
+            return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        self.in_flight += 1
+        try:
+            await resp.write(self._chunk(model, ""))          # empty role chunk, immediately
+            await asyncio.sleep(self.ttft_s)
+            await self._hold()
+            await resp.write(self._chunk(model, "t ", 1))
+            first = time.time()
+            sent, chunks = 1, 1
+            while sent < n_total:
+                await asyncio.sleep(self.gap_s)
+                await self._hold()
+                n = min(self.tpc, n_total - sent)
+                if self.disconnect_every and k % self.disconnect_every == 0 and chunks >= 2:
+                    self.truth[key] = {"recv_ts": recv, "status": "disconnected"}
+                    request.transport.close()
+                    return resp
+                await resp.write(self._chunk(model, "t " * n, n))
+                sent += n
+                chunks += 1
+                self.steps.append({M.STEP_TS: time.time(), M.STEP_STRATEGY: model, M.STEP_MODEL: model,
+                                   M.STEP_REPLICA: "fake-0",
+                                   M.STEP_BATCH_SIZE: self.in_flight, M.STEP_PREFILL_TOKENS: 0,
+                                   M.STEP_VERIFICATION_TOKENS: self.tpc, M.STEP_DRAFT_TOKENS: self.tpc - 1,
+                                   M.STEP_ACCEPTED_TOKENS: n - 1, M.STEP_EMITTED_TOKENS: n,
+                                   M.STEP_PREFILL_EMITTED_TOKENS: 0,
+                                   M.STEP_MS: self.gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
+                                   M.STEP_VERIFY_MS: self.gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
+                                   M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent,
+                                   M.STEP_CPU_MS: 0.1, M.STEP_VERIFY_CPU_MS: 0.05})
+            drafts = max(chunks - 1, 0)
+            accepted = sent - 1 - drafts
+            final = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
+                     "model": model, "choices": [],
+                     "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": sent,
+                               "total_tokens": self.prompt_tokens + sent},
+                     M.SPEC_DECODE_FIELD: {
+                         M.NUM_DRAFTS: drafts, M.NUM_DRAFT_TOKENS: drafts * (self.tpc - 1),
+                         M.NUM_ACCEPTED_TOKENS: accepted,
+                         M.NUM_ACCEPTED_TOKENS_PER_POS: [drafts] * (self.tpc - 1),
+                         M.ACCEPTANCE_LENGTH: M.acceptance_length(drafts, accepted),
+                         M.DRAFT_MS: 0.1 * drafts, M.VERIFY_MS: self.gap_s * 1000 * drafts,
+                         M.QUEUE_MS: 0.0}}
+            await resp.write(self._chunk(model, "", None, "length"))
+            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            end = time.time()
+            self.truth[key] = {"recv_ts": recv, "first_content_ts": first, "end_ts": end,
+                               "completion_tokens": sent, "status": "ok", "path": request.path}
+            await resp.write_eof()
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):  # the client went away (cancelled)
+            return resp
+        finally:
+            self.in_flight -= 1
+
+    async def models_list(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def routes(self, request: web.Request) -> web.Response:
+        return web.json_response({"routes": {m: f"/strategies/{m}" for m in self.models}})
+
+    async def step_log(self, request: web.Request) -> web.Response:
+        strategy = request.query.get("strategy")
+        since = float(request.query.get("since", 0))
+        rows = [r for r in self.steps if r[M.STEP_TS] >= since and (not strategy or r[M.STEP_MODEL] == strategy)]
+        return web.json_response({"rows": rows})
+
+    async def stall(self, request: web.Request) -> web.Response:
+        self.stall_until = time.time() + float(request.query.get("s", 1.0))
+        return web.json_response({"stall_until": self.stall_until})
+
+    async def timings(self, request: web.Request) -> web.Response:
+        return web.json_response(self.truth)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._check_key])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models_list)
+        app.router.add_get("/specload/step_log", self.step_log)
+        if self.strategy_routes:
+            app.router.add_get("/specload/routes", self.routes)
+            app.router.add_post("/strategies/{model}/v1/completions", self.completions)
+        app.router.add_post("/fake/stall", self.stall)
+        app.router.add_get("/fake/timings", self.timings)
+        app.router.add_get("/fake/auth", self.auth_counts)
+        return app
+
+
+async def _serve(server: FakeServer, host: str, port: int, tls: tuple[str, str] | None = None) -> None:
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    ctx = None
+    if tls is not None:
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(*tls)
+    site = web.TCPSite(runner, host, port, backlog=1024, ssl_context=ctx)
+    await site.start()
+    actual = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"{'https' if tls else 'http'}://{host}:{actual}", flush=True)
+    await asyncio.Event().wait()
+
+
+@contextlib.contextmanager
+def running(*args: str, startup_timeout_s: float = 30.0) -> Iterator[str]:
+    """Run the fake server in a subprocess (its own CPU and event loop); yields its base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "loadgen.tools.fake_server", *args], stdout=subprocess.PIPE,
+                            text=True, cwd=str(PACKAGE_ROOT))
+    try:
+        deadline = time.time() + startup_timeout_s
+        line = ""
+        while time.time() < deadline and not line.startswith("http"):
+            line = (proc.stdout.readline() if proc.stdout else "").strip()
+            if proc.poll() is not None:
+                raise RuntimeError(f"fake server exited with {proc.returncode}")
+        if not line.startswith("http"):
+            raise RuntimeError("fake server printed no URL")
+        yield line
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def get_json(url: str, method: str = "GET") -> Any:
+    """Small helper for the test hooks (``/fake/timings``, ``/fake/stall``)."""
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    import ssl
+
+    ctx = ssl._create_unverified_context() if url.startswith("https://") else None  # self-signed test cert
+    with urllib.request.urlopen(req, timeout=30, context=ctx) as r:  # noqa: S310 (127.0.0.1 only)
+        return json.loads(r.read())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="fake OpenAI-compatible streaming server (127.0.0.1)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 = ephemeral")
+    ap.add_argument("--ttft-ms", type=float, default=100.0, help="delay before the first content chunk, ms")
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="gap between content chunks, ms")
+    ap.add_argument("--tokens-per-chunk", type=int, default=3)
+    ap.add_argument("--models", default=",".join(M.STRATEGIES))
+    ap.add_argument("--fail-every", type=int, default=0)
+    ap.add_argument("--disconnect-every", type=int, default=0)
+    ap.add_argument("--per-chunk-tokens", action="store_true",
+                    help="add spec_decode.num_tokens to every content chunk")
+    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /specload")
+    ap.add_argument("--strategy-routes", action="store_true",
+                    help="also serve /specload/routes and /strategies/<model>/v1/completions")
+    ap.add_argument("--tls-cert", default=None, help="PEM certificate: serve https (with --tls-key)")
+    ap.add_argument("--tls-key", default=None)
+    a = ap.parse_args(argv)
+    srv = FakeServer(a.ttft_ms, a.gap_ms, a.tokens_per_chunk, a.models.split(","), a.fail_every,
+                     a.disconnect_every, a.per_chunk_tokens, api_key=a.api_key,
+                     strategy_routes=a.strategy_routes)
+    try:
+        asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
