@@ -281,7 +281,7 @@ def _replica_nodes_or_none(c: NetnsCluster, strategy: str) -> list[str] | None:
 
 
 def _outage(df, strategy: str) -> dict:
-    """The outage-table row (``analysis.faults.outages``) of the run's one cell."""
+    """The outage-table row (``analysis.data.faults.outages``) of the run's one cell."""
     from analysis.data.faults import outages
 
     rows = outages(df)
