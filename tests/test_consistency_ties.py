@@ -85,3 +85,65 @@ def test_top_logprobs_parsed_from_token_id_rendering():
     # tokens rendered as text: ids cannot be recovered, so nothing is classified
     assert top_logprobs_of({"logprobs": {"top_logprobs": [{"def": -0.1}]}}) is None
     assert top_logprobs_of({"text": "x"}) is None
+
+
+# --- real engines: specload's six strategies, and a deliberately broken one ---------------
+STRATEGIES = ["autoregressive", "draft_model", "ngram", "dflash", "dflash2", "dspark"]
+
+
+@pytest.fixture(scope="module")
+def real_outputs(make_engine, heldout_prompts):
+    """Greedy outputs of every strategy on 12 held-out prompts (6 code, 6 prose), 32
+    tokens, in one ragged batch; the baseline also returns its top-5 logprobs."""
+    from actors.engine.llm_engine import run_requests
+    from actors.engine.types import SamplingParams
+
+    prompts = heldout_prompts[:6] + heldout_prompts[24:30]
+    out = {}
+    for s in STRATEGIES:
+        eng = make_engine(s, max_num_seqs=12)
+        lp = c.TOP_LOGPROBS if s == "autoregressive" else None
+        out[s] = run_requests(eng, [(p["id"], p["prompt"], SamplingParams(
+            max_tokens=32, logprobs=lp)) for p in prompts], batch_size=len(prompts))
+    return out
+
+
+def _baseline_top(res: dict) -> dict[str, list[dict[int, float]]]:
+    return {k: [{t: v for t, _, _, v in e.top} | {e.token_id: e.logprob} for e in r["logprobs"]]
+            for k, r in res.items()}
+
+
+def test_six_strategies_have_no_violation(real_outputs):
+    base = real_outputs["autoregressive"]
+    tops = _baseline_top(base)
+    ids = {s: {k: r["token_ids"] for k, r in real_outputs[s].items()} for s in STRATEGIES}
+    table = {}
+    for s in STRATEGIES:
+        e = c.compare_outputs(ids["autoregressive"], ids[s], "short", baseline_top=tops,
+                              tolerance=c.tie_tolerance("float32"))
+        table[s] = (e["compared"], e["identical"], e["ties"], e["violations"])
+        assert e["compared"] == 12 and e["violations"] == 0 and e["unclassified"] == 0, (s, e)
+        assert e["identical"] + e["ties"] == 12
+    print("\nstrategy: compared / identical / tie / violation", table)
+
+
+def test_a_broken_strategy_is_a_violation(real_outputs):
+    """A test double: autoregressive's output with one token flipped, at the position
+    where the baseline's margin to its runner-up is largest: a violation, with that gap."""
+    base = real_outputs["autoregressive"]
+    tops = _baseline_top(base)
+    key, pos, gap = max(((k, i, max(row.values()) - sorted(row.values())[-2])
+                         for k, rows in tops.items() for i, row in enumerate(rows)),
+                        key=lambda x: x[2])
+    assert gap > 1.0   # a decisive position exists on held-out text
+    ids = {k: list(r["token_ids"]) for k, r in base.items()}
+    broken = {k: list(v) for k, v in ids.items()}
+    row = tops[key][pos]
+    runner_up = sorted(row, key=row.get)[-2]
+    broken[key][pos] = runner_up
+    e = c.compare_outputs(ids, broken, "short", baseline_top=tops,
+                          tolerance=c.tie_tolerance("float32"))
+    assert (e["identical"], e["ties"], e["violations"]) == (11, 0, 1)
+    assert e["first_divergence"][0]["kind"] == c.VIOLATION
+    assert e["first_divergence"][0]["gap"] == pytest.approx(gap, rel=1e-6)
+    assert c.diverges(e)

@@ -27,7 +27,8 @@ from actors.engine.detokenizer import Detokenizer
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
-from actors.engine.sampling import make_generator
+from actors.engine.logprobs import emitted_logprobs
+from actors.engine.sampling import make_generator, mask_min_tokens
 from actors.engine.scheduler import Request, ScheduledDecode, ScheduledPrefill, Scheduler
 from actors.engine.strategies import get_proposer_class
 from actors.engine.types import (DraftProposal, ProposeInput, RequestOutput, SamplingParams,
@@ -409,7 +410,8 @@ class LLMEngine:
             return out
         reqs = [decodes[i].request for i in idx]
         items = [ProposeInput(r.request_id, r.all_ids, decodes[i].max_draft, r.params,
-                              r.generator) for i, r in zip(idx, reqs)]
+                              r.generator, len(r.output_ids), self.eos_token_id)
+                 for i, r in zip(idx, reqs)]
         gens = [(r, r.generator.get_state() if r.generator is not None else None) for r in reqs]
 
         def rewind(r, state):
@@ -513,6 +515,9 @@ class LLMEngine:
             stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
             stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
             ok = [(r, p, row, f) for (r, p), row, f in zip(live, rows, fwd) if f is not None]
+            for r, _, _, f in ok:   # min_tokens: EOS is -inf where it may not come yet
+                if r.params.min_tokens > len(r.output_ids):
+                    mask_min_tokens(f[0], len(r.output_ids), r.params, self.eos_token_id)
             # every verdict of the batch from one device-to-host transfer (a batch that
             # raises is retried request by request, so a bad row fails alone)
             verdicts = self._isolated("sample", lambda items: verify_batch(
@@ -522,7 +527,7 @@ class LLMEngine:
                 [r for r, _, _, _ in ok], ok)
             for (r, p, row, f), res in zip(ok, verdicts):
                 if res is not None:
-                    self._accept(r, p, row, res, f[1], stats)
+                    self._accept(r, p, row, res, f, stats)
         draft_ms, verify_ms = (tv - td) * 1e3, (time.perf_counter() - tv) * 1e3
         stats.draft_ms, stats.verify_ms = draft_ms, verify_ms
         stats.verify_cpu_ms = (time.thread_time() - cv) * 1e3
@@ -531,14 +536,16 @@ class LLMEngine:
             r.stats.verify_ms += verify_ms
 
     def _accept(self, r: Request, p: DraftProposal, row: RowInput, res: VerificationResult,
-                aux: torch.Tensor | None, stats: "_StepCounters") -> None:
+                fwd: tuple, stats: "_StepCounters") -> None:
         """Apply one request's verdict (``verify_batch``): keep the accepted prefix
         plus one target token and roll the rest out of the cache.
 
         Counts what the user received: of the accepted drafts + bonus token only
         ``kept`` survive EOS / max_tokens / a stop string; the step's own token
         is one of them, the other kept - 1 are accepted drafts. A fault fails
-        ``r`` alone (not counted)."""
+        ``r`` alone (not counted). fwd: (logits [len(row), V], aux or None) of
+        the row; a request that asked for logprobs gets them from those logits."""
+        logits, aux = fwd
         phase = "accept"
         try:
             committed = row.token_ids[:1 + res.num_accepted]
@@ -546,9 +553,12 @@ class LLMEngine:
             r.num_computed = self.kv.length(r.request_id)
             self._observe(r, row.start, committed,
                           aux[:len(committed)] if aux is not None else None, stats)
+            phase = "logprobs"
+            lps = None if r.params.logprobs is None else emitted_logprobs(
+                logits, res.emitted, r.params, r.params.logprobs)
             phase = "detokenize"
             self._hook(phase, r.request_id)
-            kept = self.detok.append(r, res.emitted)
+            kept = self.detok.append(r, res.emitted, lps)
         except Exception as exc:  # noqa: BLE001
             self._fail(r, phase, exc)
             return
@@ -584,6 +594,8 @@ class LLMEngine:
                 continue
             if not r.in_prefill:
                 touched[r.request_id] = r
+                if r.params.min_tokens > 0:
+                    mask_min_tokens(f[0][-1:], 0, r.params, self.eos_token_id)
                 done.append((r, f[0][-1:]))
         if not done:
             return
@@ -592,14 +604,18 @@ class LLMEngine:
             [lg for _, lg in items], [1] * len(items), [[] for _ in items],
             [None] * len(items), [r.params for r, _ in items],
             [r.generator for r, _ in items]), [r for r, _ in done], done)
-        for (r, _), res in zip(done, firsts):
+        for (r, lg), res in zip(done, firsts):
             if res is None:
                 continue
+            phase = "logprobs"
             try:
-                self._hook("detokenize", r.request_id)
-                stats.prefill_emitted_tokens += self.detok.append(r, res.emitted)
+                lps = None if r.params.logprobs is None else emitted_logprobs(
+                    lg, res.emitted, r.params, r.params.logprobs)
+                phase = "detokenize"
+                self._hook(phase, r.request_id)
+                stats.prefill_emitted_tokens += self.detok.append(r, res.emitted, lps)
             except Exception as exc:  # noqa: BLE001
-                self._fail(r, "detokenize", exc)
+                self._fail(r, phase, exc)
 
     def _finish(self, touched: list[Request]) -> list[RequestOutput]:
         """Deltas for the requests that emitted; finished ones leave the engine."""
@@ -641,7 +657,8 @@ def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], S
     At most ``batch_size`` requests are in the engine at once; with
     ``arrival_steps`` request i is not added before engine step
     ``arrival_steps[i]`` (staggered arrivals). Returns id -> {token_ids, text,
-    finish_reason, stats (SpecStats)}.
+    finish_reason, stats (SpecStats), logprobs ([TokenLogprob], empty unless the
+    request asked)}.
     """
     pending = list(range(len(requests)))
     results: dict[str, dict] = {}
@@ -651,11 +668,13 @@ def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], S
                 arrival_steps is None or arrival_steps[pending[0]] <= step):
             rid, prompt, params = requests[pending.pop(0)]
             engine.add_request(rid, prompt, params)
-            results[rid] = {"token_ids": [], "text": "", "finish_reason": None, "stats": None}
+            results[rid] = {"token_ids": [], "text": "", "finish_reason": None, "stats": None,
+                            "logprobs": []}
         for out in engine.step():
             res = results[out.request_id]
             res["token_ids"].extend(out.new_token_ids)
             res["text"] += out.new_text
+            res["logprobs"].extend(out.logprobs or [])
             if out.finished:
                 res["finish_reason"] = out.finish_reason
                 res["stats"] = out.stats

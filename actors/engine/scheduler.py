@@ -34,6 +34,8 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     token_ts: list[float] = field(default_factory=list)  # unix s, one per output id
+    # one logprobs.RawLogprob per output id when params.logprobs is set (else stays [])
+    logprobs: list = field(default_factory=list)
     num_computed: int = 0
     slot: int = -1
     first_scheduled: float | None = None

@@ -35,6 +35,7 @@ import sys
 import threading
 from pathlib import Path
 
+from configs.net import LOOPBACK, loopback_env
 from configs.paths import PACKAGE_ROOT
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray  # only here: never in a process that imported locust
 
+    if not a.address:   # a private single-node Ray: every listener on 127.0.0.1 (docs/network.md)
+        for k, v in loopback_env().items():
+            os.environ.setdefault(k, v)
+        a.master_host = a.master_host or LOOPBACK
     started = not ray.is_initialized()
     # "local" rather than None: None silently joins whatever cluster /tmp/ray last recorded,
     # which may be stale (seen here: a dead GCS from another process made ray.init hang).
