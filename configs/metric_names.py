@@ -170,6 +170,7 @@ CELL_ITL_MS_P50 = "itl_ms_p50"                 # median over requests of their m
 CELL_SEND_LAG_MS_P99 = "send_lag_ms_p99"       # open loop: actual - scheduled send time, ms
 CELL_CPU_MEAN_PERCENT = "cpu_mean_percent"     # the load generator's own CPU, % of one core
 CELL_CPU_MAX_PERCENT = "cpu_max_percent"
+CELL_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter failed (degraded, not failed)
 
 
 def percentile_name(metric_ms: str, p: int) -> str:

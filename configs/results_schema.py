@@ -22,7 +22,7 @@ Versions (``SCHEMA_VERSION``):
      never-produced top-k coverage columns are gone.
   4: step columns ``num_speculative_tokens`` (the step's k), ``speculation_off``
      (reasons) and ``degraded_requests``.
-  5: request columns ``spec_source``, ``num_spec_tokens``, ``acceptance_histogram``
+  5: request columns ``spec_source``, ``num_spec_tokens``, ``acceptance_histogram``, ``degraded_reason``
      (per-request speculative stats of vLLM / SGLang); ``server_metrics.parquet`` (the
      target's own Prometheus series, sampled during the run: ``SERVER_METRIC_COLUMNS``).
 """
@@ -104,6 +104,9 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_NUM_SPEC_TOKENS, "int32", "tokens", "k, draft tokens proposed per step (vLLM)"),
     _c(M.REQ_ACCEPTANCE_HISTOGRAM, "list<int64>", "steps",
        "verification steps by accepted draft tokens 0..k (vLLM)"),
+    _c(M.DEGRADED_REASON, "string", doc="specload: why the request's drafter was dropped and it "
+       "went on autoregressively (drafter_error | invalid_draft | draft_deadline); '' when it "
+       "speculated throughout; null: the server does not say"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------

@@ -152,3 +152,24 @@ def test_warmup_cut_said_in_report(tmp_path):
     assert 0 < dropped < len(results.requests)
     assert len(a.flagged) == len(results.requests) - dropped
     assert "WARM-UP" in render.markdown(a).split("## Recommendation")[0]
+
+
+def test_degraded_requests_counted_flagged_and_per_cell(tmp_path):
+    """Requests that degraded to autoregressive (drafter fault) are counted per strategy x
+    reason, flagged at the top, and counted per cell."""
+    run = tmp_path / "run"
+    syn.write_run(run)
+    req = pd.read_parquet(run / "requests.parquet")
+    ng = req.index[req[mn.REQ_STRATEGY].eq("ngram")]
+    req[mn.DEGRADED_REASON] = ""
+    req.loc[ng[:3], mn.DEGRADED_REASON] = "drafter_error"
+    req.loc[ng[3:4], mn.DEGRADED_REASON] = "draft_deadline"
+    req.to_parquet(run / "requests.parquet")
+    a = analyse(load_results(run))
+    table = a.questions["degraded"].set_index("reason")
+    assert table.loc["drafter_error", "requests"] == 3 and table.loc["draft_deadline", "requests"] == 1
+    assert (table[mn.REQ_STRATEGY] == "ngram").all()
+    assert any(f.startswith("DEGRADED SPECULATION") and "ngram 3 (drafter_error)" in f
+               for f in a.questions["flags"])
+    assert a.cells.loc[a.cells[mn.REQ_STRATEGY].eq("ngram"), mn.CELL_DEGRADED_REQUESTS].sum() == 4
+    assert a.cells.loc[a.cells[mn.REQ_STRATEGY].ne("ngram"), mn.CELL_DEGRADED_REQUESTS].sum() == 0

@@ -150,6 +150,9 @@ def test_sglang_and_specload_per_request_stats():
     own = engine_spec_stats({M.SPEC_DECODE_FIELD: {M.NUM_DRAFTS: 3, M.NUM_ACCEPTED_TOKENS: 5,
                                                    M.NUM_ACCEPTED_TOKENS_PER_POS: [3, 2]}})
     assert own[M.REQ_SPEC_SOURCE] == "specload" and own[M.NUM_DRAFTS] == 3
+    assert own.get(M.DEGRADED_REASON) is None   # not said: unknown, not "not degraded"
+    deg = engine_spec_stats({M.SPEC_DECODE_FIELD: {M.NUM_DRAFTS: 2, M.DEGRADED_REASON: "invalid_draft"}})
+    assert deg[M.DEGRADED_REASON] == "invalid_draft"
     assert engine_spec_stats({M.SPEC_DECODE_FIELD: {"num_tokens": 2}}) == {}   # per-chunk count only
     assert engine_spec_stats({"choices": []}) == {}
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pandas as pd
@@ -222,3 +223,49 @@ def test_draft_model_other_traffic_during_the_cell_is_flagged(vllm_servers, tmp_
           f"the cell: {other} drafts / {got['unattributed_accepted_tokens']} accepted (flagged); the cell's own "
           f"requests: {len(req)}, {got[M.SRV_NUM_DRAFTS] - other} drafts / {own_acc} accepted, tau "
           f"{1 + own_acc / (got[M.SRV_NUM_DRAFTS] - other):.3f}")
+
+
+def _vllm_greedy(url: str, model: str, prompts: list[dict], max_tokens: int) -> dict[str, list[int]]:
+    """Greedy token ids from a vLLM server (``return_token_ids``), one request per prompt."""
+    out = {}
+    for p in prompts:
+        body = {"model": model, "prompt": p["prompt"], "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True}
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:   # noqa: S310 (loopback)
+            out[p["id"]] = json.loads(r.read())["choices"][0]["token_ids"]
+    return out
+
+
+def test_consistency_ties_vllm_fp32_and_bf16_against_specload(vllm_servers, vllm_bf16,
+                                                              make_engine, heldout_prompts):
+    """specload's fp32 autoregressive engine is the baseline (its own top-5 logprobs at each
+    position); vLLM fp32 (ngram, draft_model speculation) and vLLM bf16 (no speculation)
+    on the same 12 held-out prompts x 48 greedy tokens: every first divergence is a tie
+    within the dtype's tolerance, none a violation."""
+    from actors.engine.llm_engine import run_requests
+    from actors.engine.types import SamplingParams
+    from analysis.data import consistency as c
+
+    prompts = heldout_prompts[:6] + heldout_prompts[24:30]
+    eng = make_engine("autoregressive", max_num_seqs=12)
+    ref = run_requests(eng, [(p["id"], p["prompt"], SamplingParams(max_tokens=48, logprobs=5))
+                             for p in prompts], batch_size=len(prompts))
+    base = {k: r["token_ids"] for k, r in ref.items()}
+    tops = {k: [{t: v for t, _, _, v in e.top} | {e.token_id: e.logprob} for e in r["logprobs"]]
+            for k, r in ref.items()}
+    cases = {"vllm fp32 ngram": (vllm_servers["ngram"].url, "ngram", "float32"),
+             "vllm fp32 draft_model": (vllm_servers["draft_model"].url, "draft_model", "float32"),
+             "vllm bf16": (vllm_bf16.url, "bf16", "bfloat16")}
+    table = {}
+    for name, (url, model, dtype) in cases.items():
+        got = _vllm_greedy(url, model, prompts, 48)
+        e = c.compare_outputs(base, got, "short", baseline_top=tops, tolerance=c.tie_tolerance(dtype))
+        table[name] = {k: e[k] for k in ("compared", "identical", "ties", "violations", "unclassified")}
+        table[name]["gaps"] = [round(d["gap"], 6) for d in e["first_divergence"] if d.get("gap") is not None]
+        assert e["compared"] == 12
+    print("\nconsistency vs specload fp32 autoregressive:", json.dumps(table, indent=1))
+    for name, row in table.items():
+        assert row["violations"] == 0 and row["unclassified"] == 0, (name, row)
+        assert row["identical"] + row["ties"] == 12, (name, row)

@@ -92,6 +92,8 @@ def _cell_row(g: pd.DataFrame) -> dict:
         "output_tokens_mean": ok[mn.REQ_OUTPUT_TOKENS].mean(),
         "prompt_tokens_mean": ok[mn.REQ_PROMPT_TOKENS].mean(),
         mn.ACCEPTANCE_LENGTH: pooled_tau(ok),
+        mn.CELL_DEGRADED_REQUESTS: (int(g[mn.DEGRADED_REASON].fillna("").astype(str).ne("").sum())
+                                    if mn.DEGRADED_REASON in g else 0),
     }
     for name, col in (("ttft_ms", mn.REQ_TTFT_MS), ("tpot_ms", mn.REQ_TPOT_MS),
                       ("e2e_ms", mn.REQ_E2E_MS)):

@@ -195,6 +195,33 @@ def _drift_and_sources(flagged: pd.DataFrame, out: dict, warmup_s: float) -> Non
                       "acceptance_by_source": acceptance_boxes(flagged)}
 
 
+def _degraded(flagged: pd.DataFrame, out: dict) -> None:
+    """Requests whose drafter failed and that went on autoregressively (specload's
+    degrade-instead-of-fail, ``spec_decode.degraded_reason``): a table per strategy x
+    reason, and a flag at the top, since their speed is not the strategy's."""
+    if mn.DEGRADED_REASON not in flagged:
+        return
+    reason = flagged[mn.DEGRADED_REASON].fillna("").astype(str)
+    deg = flagged[reason.ne("")]
+    if deg.empty:
+        return
+    table = (deg.assign(reason=reason[reason.ne("")])
+             .groupby([mn.REQ_STRATEGY, "reason"]).size().rename("requests").reset_index())
+    total = flagged.groupby(mn.REQ_STRATEGY).size()
+    table["share"] = table["requests"] / table[mn.REQ_STRATEGY].map(total)
+    out["degraded"] = table
+    names = ", ".join(f"{r[mn.REQ_STRATEGY]} {r['requests']} ({r['reason']})"
+                      for _, r in table.iterrows())
+    out["flags"].append(f"DEGRADED SPECULATION: requests whose drafter failed went on "
+                        f"autoregressively (they succeeded): {names}; those strategies' speed "
+                        "is partly autoregressive's (see Degraded speculation).")
+    out["tables"].append(("Degraded speculation",
+                          "Requests whose drafter raised, returned an invalid draft or missed "
+                          "its deadline: the engine dropped speculation for the rest of that "
+                          "request (it succeeded), counted by reason (share of the strategy's "
+                          "requests).", _clean(table)))
+
+
 def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float = 0.0,
                       warmup_dropped: int = 0) -> dict:
     """{"tables": [(title, text, rows)], "flags": [str] (top-of-report warnings),
@@ -202,6 +229,7 @@ def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float =
     "diverging": [strategy], "stability": DataFrame}."""
     out: dict = {"tables": [], "flags": [], "figures": {}}
     _consistency(results, out)
+    _degraded(flagged, out)
     _memory(results, out)
     _stability(flagged, out, warmup_s, warmup_dropped)
     _drift_and_sources(flagged, out, warmup_s)

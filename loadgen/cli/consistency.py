@@ -167,9 +167,11 @@ def greedy_check(base_url: str, strategies: list[str], prompts: list[list[Any]],
         for s in everyone:
             top = {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True} \
                 if s == baseline and tolerance is not None else {}
+            # return_token_ids: vLLM sends the ids only when asked (specload always does)
             bodies = [{**(extra_body or {}), "model": model_of(s), "prompt": p[1],
                        "max_tokens": _max_tokens(mt, seed, i, p[2]), "temperature": 0.0,
-                       "seed": seed, **top} for i, p in enumerate(sample)]
+                       "seed": seed, "return_token_ids": True, **top}
+                      for i, p in enumerate(sample)]
             url = baseline_url if s == baseline and baseline_url else base_url
             res = _run_all(url, bodies, timeout_s, concurrency, headers, insecure)
             outputs[s] = {k: r for k, r in zip(keys, res) if r is not None}

@@ -85,6 +85,7 @@ class CellSummary:
     speedup: float = math.nan               # output_tokens_per_s / autoregressive's, same cell
     repeat: int = 0                         # 0-based repeat (--repeats)
     duration_s: float = math.nan            # first scheduled send -> last end of any row, s
+    degraded_requests: int = 0              # requests whose drafter failed: went on autoregressively
     warnings: list[str] = field(default_factory=list)
     # --workers N: per Locust worker {worker_index, client_id, ray_node_id, cpu_percent_mean/max,
     # users_max/last, rows, lost} (loadgen.run.locust_runner.CellRun.workers)
@@ -115,6 +116,7 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
         s.by_status[r[M.REQ_STATUS]] = s.by_status.get(r[M.REQ_STATUS], 0) + 1
     ok = [r for r in rows if r[M.REQ_STATUS] == M.STATUS_OK]
     s.n_ok = len(ok)
+    s.degraded_requests = sum(1 for r in rows if r.get(M.DEGRADED_REASON))
     s.achieved_concurrency = achieved_concurrency(rows, *window)
     # The same definitions as the report (analysis/data/metrics.py): the cell's wall time runs from
     # the first scheduled send to the last end of any row; SLO attainment is over all requests.

@@ -45,7 +45,7 @@ SPEC_FLOAT_FIELDS = (M.ACCEPTANCE_LENGTH, M.DRAFT_MS, M.VERIFY_MS, M.QUEUE_MS)
 SPEC_LIST_FIELDS = (M.NUM_ACCEPTED_TOKENS_PER_POS,)
 PER_CHUNK_TOKENS_FIELD = "num_tokens"  # optional per-chunk extension: spec_decode.num_tokens
 # what other engines report per request, under specload's names (engine_spec_stats)
-ENGINE_SPEC_FIELDS = (M.REQ_SPEC_SOURCE, M.REQ_NUM_SPEC_TOKENS)
+ENGINE_SPEC_FIELDS = (M.REQ_SPEC_SOURCE, M.REQ_NUM_SPEC_TOKENS, M.DEGRADED_REASON)
 ENGINE_LIST_FIELDS = (M.REQ_ACCEPTANCE_HISTOGRAM,)
 
 
@@ -70,6 +70,8 @@ def engine_spec_stats(obj: dict[str, Any]) -> dict[str, Any]:
         out = {k: spec[k] for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS if k in spec}
         if out:
             out[M.REQ_SPEC_SOURCE] = M.ENGINE_SPECLOAD
+            if isinstance(spec.get(M.DEGRADED_REASON), str):   # degrade-instead-of-fail
+                out[M.DEGRADED_REASON] = spec[M.DEGRADED_REASON]
         return out
     metrics = obj.get("metrics")
     sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
