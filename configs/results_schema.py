@@ -20,6 +20,11 @@ Versions (``SCHEMA_VERSION``):
   2: request column ``repeat``; manifest ``schema_version``.
   3: step rows carry ``model``; the version is in the Parquet metadata; the
      never-produced top-k coverage columns are gone.
+  4: request columns ``sampling`` (the cell's sampling label: ``greedy``, ``t0.7``;
+     part of ``metric_names.CELL_KEY``), ``temperature``, ``ignore_eos`` and
+     ``min_tokens`` (the output-length settings sent); step rows carry
+     ``sampling`` too. Older runs load with the label of their profile's one
+     sampling setting (``analysis.data.load``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -94,6 +99,11 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.QUEUE_MS, "float64", "ms", "arrival -> first scheduled, server side"),
     _c(M.REQ_REPEAT, "int32", doc="0-based repeat of the cell (--repeats)"),
     _c(M.REQ_RETRIES, "int32", doc="re-sends after HTTP 429 (--retry N); 0 without retries", default=0),
+    _c(M.REQ_SAMPLING, "string", doc="the cell's sampling label (configs/tiers.py Sampling.label): "
+       "greedy, t0.7, ..."),
+    _c(M.REQ_TEMPERATURE, "float64", doc="temperature sent"),
+    _c(M.REQ_IGNORE_EOS, "int32", doc="1 when ignore_eos was sent (lengths fixed by max_tokens)"),
+    _c(M.REQ_MIN_TOKENS, "int32", "tokens", "min_tokens sent; null when not sent"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------
@@ -127,6 +137,7 @@ STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_OUTPUT_CLASS, "string", doc="cell's output class"),
     _c(M.REQ_USERS, "int32", "users", "cell's requested concurrency"),
     _c(M.REQ_REPEAT, "int32", doc="cell's repeat"),
+    _c(M.REQ_SAMPLING, "string", doc="cell's sampling label"),
 )
 STEP_COLUMNS: tuple[Column, ...] = ENGINE_STEP_COLUMNS + STEP_LABEL_COLUMNS
 
