@@ -31,7 +31,7 @@ from configs import metric_names as mn
 REPEAT = getattr(mn, "REQ_REPEAT", "repeat")   # integer request column, 0-based
 CV_THRESHOLD = 0.10
 CONFIDENCE = 0.95
-CELL = [mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+CELL = list(mn.CELL_KEY)
 REPLICATE = CELL + [mn.REQ_RUN_ID, REPEAT]
 STABILITY_METRICS = ("output_tokens_per_s", "tpot_ms_p50", mn.ACCEPTANCE_LENGTH)
 
@@ -140,7 +140,9 @@ def apply_warmup(requests: pd.DataFrame, steps: pd.DataFrame, warmup_s: float
         for _, s in starts.iterrows():
             in_cell = (steps[mn.STEP_STRATEGY].eq(s[mn.REQ_STRATEGY]).to_numpy()
                        & steps[mn.REQ_TIER].eq(s[mn.REQ_TIER]).to_numpy()
-                       & steps[mn.REQ_OUTPUT_CLASS].eq(s[mn.REQ_OUTPUT_CLASS]).to_numpy())
+                       & steps[mn.REQ_OUTPUT_CLASS].eq(s[mn.REQ_OUTPUT_CLASS]).to_numpy()
+                       & (steps[mn.REQ_SAMPLING].eq(s[mn.REQ_SAMPLING]).to_numpy()
+                          if mn.REQ_SAMPLING in steps.columns else True))
             drop |= in_cell & (ts >= s["t0"]) & (ts < s["t0"] + warmup_s)
         steps = steps.loc[~drop]
     return kept, steps, int((~keep).sum())
