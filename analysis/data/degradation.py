@@ -16,6 +16,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis.data.metrics import DURATION_S, GOOD, pooled_tau
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 
 DEFAULT_THRESHOLD = 0.10
@@ -47,6 +48,9 @@ def compare(cur_flagged, cur_cells, base_flagged, base_cells,
 
     Acceptance is only checked where both sides drafted (tau > 1 is possible).
     """
+    cur_flagged, base_flagged = with_sampling(cur_flagged), with_sampling(base_flagged)
+    cur_cells, base_cells = with_sampling(cur_cells), with_sampling(base_cells)
+
     def cell_set(f):
         return set(zip(*(f[c] for c in mn.CELL_KEY)))
     shared = cell_set(cur_flagged) & cell_set(base_flagged)

@@ -94,3 +94,15 @@ def primary_sampling(frame: pd.DataFrame) -> pd.DataFrame:
     that draw one line per strategy show this setting only."""
     labels = sampling_labels(frame)
     return frame[frame[mn.REQ_SAMPLING].eq(labels[0])] if len(labels) > 1 else frame
+
+
+def with_sampling(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``sampling`` column (``greedy`` where absent or null), so a frame
+    built without ``analysis.data.load`` (older callers, tests) groups by ``CELL_KEY``.
+    Returns ``frame`` itself when nothing is missing, else a copy."""
+    if mn.REQ_SAMPLING in frame.columns and not frame[mn.REQ_SAMPLING].isna().any():
+        return frame
+    df = frame.copy()
+    df[mn.REQ_SAMPLING] = (df[mn.REQ_SAMPLING].fillna(mn.GREEDY) if mn.REQ_SAMPLING in df.columns
+                           else mn.GREEDY)
+    return df

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 
 CELL = [mn.REQ_RUN_ID, *mn.CELL_KEY]
@@ -38,6 +39,7 @@ def outages(requests: pd.DataFrame) -> pd.DataFrame:
     ``failed_by_status`` e.g. ``"disconnected: 3, error: 1"``.
     """
     rows = []
+    requests = with_sampling(requests)
     retries = (requests[mn.REQ_RETRIES] if mn.REQ_RETRIES in requests
                else pd.Series(0, index=requests.index)).fillna(0)
     for key, g in requests.groupby(CELL, sort=True):

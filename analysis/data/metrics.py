@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 from configs.tiers import Slo
 
@@ -120,6 +121,7 @@ def cell_table(flagged: pd.DataFrame) -> pd.DataFrame:
     Speedup is NaN where the same run/tier/output class/users has no
     ``autoregressive`` cell.
     """
+    flagged = with_sampling(flagged)
     attrs = [c for c in CELL_ATTRS if c in flagged.columns]
     rows = [dict(zip(CELL_KEYS, key), **{c: g[c].iloc[0] for c in attrs}, **_cell_row(g))
             for key, g in flagged.groupby(CELL_KEYS, sort=True, dropna=False)]

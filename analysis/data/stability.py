@@ -26,6 +26,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 
 REPEAT = getattr(mn, "REQ_REPEAT", "repeat")   # integer request column, 0-based
@@ -37,8 +38,9 @@ STABILITY_METRICS = ("output_tokens_per_s", "tpot_ms_p50", mn.ACCEPTANCE_LENGTH)
 
 
 def with_repeat(requests: pd.DataFrame) -> pd.DataFrame:
-    """Copy with an integer ``repeat`` column (0 where the load generator wrote none)."""
-    df = requests.copy()
+    """Copy with an integer ``repeat`` column (0 where the load generator wrote none) and a
+    ``sampling`` label (``greedy`` where none: ``analysis.data.dimensions.with_sampling``)."""
+    df = with_sampling(requests).copy()
     if REPEAT not in df.columns:
         df[REPEAT] = 0
     df[REPEAT] = pd.to_numeric(df[REPEAT], errors="coerce").fillna(0).astype(int)

@@ -253,19 +253,24 @@ def headline_lines(rec: dict) -> list[str]:
 
 def recommendation_rows(rec: dict) -> list[dict]:
     """Flatten the recommendation for tables: one dict per tier x output class x sampling
-    label, low to high (with the deployment's ``base_strategy`` and ``k``).
+    label, low to high. ``sampling`` is a column when the run had several settings,
+    ``base_strategy`` and ``k`` when a recommended deployment is a variant (``dflash2-k4``).
 
     ``margin`` and ``confidence`` are percent strings here (display); the
     recommendation dict and recommendation.json keep the fractions.
     """
     rows = []
+    every = [r for _, _, r in entries(rec)]
+    several = any(r.get("by_sampling") for r in every)
+    variants = any(r.get("base_strategy") not in (None, r.get("strategy")) for r in every)
     for tier, oc, r in entries(rec):
         strategy = r["strategy"]
         if strategy == TIE:
             strategy = f"tie ({', '.join(r.get('tied', []))})"
-        rows.append({"tier": tier, "output_class": oc, "sampling": r.get("sampling", mn.GREEDY),
+        rows.append({"tier": tier, "output_class": oc,
+                     **({"sampling": r.get("sampling", mn.GREEDY)} if several else {}),
                      "users": r["users"], "strategy": strategy,
-                     "base_strategy": r.get("base_strategy"), "k": r.get("k"),
+                     **({"base_strategy": r.get("base_strategy"), "k": r.get("k")} if variants else {}),
                      "goodput_tok_s": r["goodput"],
                      "goodput_rps": r["goodput_rps"], "speedup": r["speedup"],
                      "runner_up": r["runner_up"], "margin": percent(r["margin"]),
