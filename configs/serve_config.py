@@ -275,7 +275,8 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
     ``variants``: served name -> {"base_strategy" (the entry's name), "strategy" (engine id),
     "k", "top_k_candidates", "engine"} for every deployment of the new config.
 
-    Raises VariantError naming ``--k`` (k < 1, above ``MAX_K``, or above a block drafter's
+    Raises VariantError naming ``--strategies`` (a name the config does not deploy),
+    ``--k`` (k < 1, above ``MAX_K``, or above a block drafter's
     ``block_size - 1``: ``drafter_max_k``) or ``--top-k-candidates`` (out of 1..MAX_CANDIDATES,
     or no kept strategy has candidates).
     """
@@ -297,6 +298,10 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
         if app.get("import_path") != "actors.serve.app:build_app":
             continue
         args = ServeAppConfig.model_validate(app.get("args") or {})
+        unknown = [x for x in (strategies or []) if x not in [e.name for e in args.strategies]]
+        if unknown:
+            raise VariantError(f"--strategies: {unknown} not in the Serve config (it deploys "
+                               f"{[e.name for e in args.strategies]})")
         entries: list[dict] = []
         for e in args.strategies:
             strategy = e.engine["strategy"]
@@ -331,9 +336,6 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
                 variants[v["name"]] = {"base_strategy": e.name, "strategy": strategy,
                                        "k": k if k is not None else e.engine.get("num_speculative_tokens"),
                                        "top_k_candidates": c, "engine": v["engine"]}
-        if not entries:
-            raise VariantError(f"--strategies: none of {strategies} is in the Serve config "
-                               f"(it deploys {[s.name for s in args.strategies]})")
         app["args"] = {**(app.get("args") or {}), "strategies": entries}
         ServeAppConfig.model_validate(app["args"])   # names unique, entries valid
     if candidates and not used_candidates:
