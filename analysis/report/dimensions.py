@@ -64,6 +64,8 @@ def k_table(cells: pd.DataFrame) -> pd.DataFrame:
     best = agg.groupby(line, dropna=False)[SPEEDUP].transform("max")
     agg["best_k"] = agg[SPEEDUP].eq(best) & agg[SPEEDUP].notna()
     agg[K] = agg[K].astype(int)
+    agg[CANDIDATES] = pd.Series([None if pd.isna(v) else int(v) for v in agg[CANDIDATES]],
+                                index=agg.index, dtype=object)
     return agg[cols].reset_index(drop=True)
 
 
@@ -150,15 +152,21 @@ def temperature_figure(table: pd.DataFrame) -> bytes | None:
     from analysis.report.plots import strategy_color
 
     panels = list(dict.fromkeys(zip(spec[mn.REQ_TIER], spec[mn.REQ_OUTPUT_CLASS])))
-    fig = Figure(figsize=(4.2 * len(panels), 6.4), layout="constrained")
+    fig = Figure(figsize=(4.8 * len(panels), 6.8), layout="constrained")
     axes = fig.subplots(2, len(panels), squeeze=False)
+    # variants of one strategy share its colour; line style and marker tell them apart
+    names = sorted(spec[mn.REQ_STRATEGY].unique())
+    rank = {n: [m for m in names if strategy_color(m) == strategy_color(n)].index(n) for n in names}
+    styles, markers = ("-", "--", ":", "-."), ("o", "s", "^", "D", "v", "P")
     for j, (tier, oc) in enumerate(panels):
         sel = spec[spec[mn.REQ_TIER].eq(tier) & spec[mn.REQ_OUTPUT_CLASS].eq(oc)]
         for strategy, g in sel.groupby(mn.REQ_STRATEGY, sort=True):
             g = g.sort_values(mn.REQ_TEMPERATURE)
+            r = rank[strategy]
             for i, metric in enumerate((TAU, SPEEDUP)):
-                axes[i][j].plot(g[mn.REQ_TEMPERATURE], g[metric], marker="o", label=strategy,
-                                color=strategy_color(strategy))
+                axes[i][j].plot(g[mn.REQ_TEMPERATURE], g[metric], label=strategy,
+                                color=strategy_color(strategy), ls=styles[r % len(styles)],
+                                marker=markers[r % len(markers)])
         axes[0][j].set(title=f"{tier} / {oc}", xlabel="temperature",
                        ylabel="tau (tokens per step)")
         axes[1][j].axhline(1.0, color="black", lw=1)
