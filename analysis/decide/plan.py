@@ -232,6 +232,17 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     """
     results = load_results(results_dir)
     req = results.requests
+    # one sampling setting per plan: the first label (greedy first), said in the assumptions
+    from analysis.data.dimensions import sampling_labels
+
+    labels = sampling_labels(req)
+    if len(labels) > 1:
+        import dataclasses
+
+        st = results.steps
+        results = dataclasses.replace(results, requests=req[req[mn.REQ_SAMPLING].eq(labels[0])],
+                                      steps=st[st[mn.REQ_SAMPLING].eq(labels[0]) | st[mn.REQ_SAMPLING].isna()])
+        req = results.requests
     tiers = sorted(req[mn.REQ_TIER].unique())
     if tier not in tiers:
         raise ValueError(f"tier {tier!r} is not in the results (found {tiers}); pass one of them.")
@@ -248,6 +259,9 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
         "429 beyond max_waiting (configs/serve.yaml); replicas = smallest N whose predicted "
         f"SLO attainment >= {attainment:.0%}",
     ]
+    if len(labels) > 1:
+        assumptions.append(f"sampling: the {labels[0]!r} cells only (the run also measured "
+                           f"{', '.join(labels[1:])}; acceptance, hence capacity, differs by setting)")
     from analysis.model.replica_model import fit_replica_models
     models = fit_replica_models(results, flagged, cells, notes=assumptions)
     rows = model_plan(models, qps, classes, slo, attainment)
