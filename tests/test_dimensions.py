@@ -356,3 +356,18 @@ def test_runs_before_schema_4_load_with_their_profile_sampling(tmp_path):
                    "ngram-k2": {"base_strategy": "ngram", "k": 2}}
     run = syn.write_run(tmp_path / "b", strats=(syn.AR,))
     assert set(load_results(run).requests[M.REQ_SAMPLING]) == {"greedy"}
+
+
+def test_tier_lists_and_temperature_override():
+    from loadgen.cli.args import parse_args, tier_list
+    from loadgen.cli.main import _samplings
+
+    assert tier_list("high,low") == ["low", "high"] and tier_list("all") == ["low", "mid", "high"]
+    args = parse_args(["--tier", "low,high", "--temperature", "0,0.7,1", "--k", "2,4,4"])
+    assert args.k == [2, 4] and args.temperature == [0.0, 0.7, 1.0]
+    profile = load_tiers().profile("cpu")
+    got = _samplings(args, profile)
+    assert [s.name for s in got[("high", "long")]] == ["greedy", "t0.7", "t1"]
+    assert {s.seed for s in got[("low", "short")]} == {profile.sampling.seed}
+    args = parse_args(["--tier", "low"])
+    assert [s.name for s in _samplings(args, profile)[("low", "short")]] == ["greedy", "t0.7"]
