@@ -179,7 +179,7 @@ _CURVE = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING]
 
 
 def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
-    """Concurrency where speedup first falls below 1, per strategy x output class.
+    """Concurrency where speedup first falls below 1, per strategy x output class x sampling.
 
     Users levels are pooled across tiers and runs (mean speedup per level), then
     linearly interpolated in users between the last level with speedup >= 1
@@ -188,6 +188,7 @@ def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
     ``users`` is then that level).
     """
     rows = []
+    cells = with_sampling(cells)
     spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
     for (strategy, oc, samp), g in spec.groupby(_CURVE, sort=True):
         curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
@@ -208,7 +209,7 @@ def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
-    """Knee of each strategy x output class throughput-latency curve.
+    """Knee of each strategy x output class (x sampling) throughput-latency curve.
 
     The knee is the users level maximising Kleinrock's power = throughput /
     latency (Kleinrock 1979, "Power and deterministic rules of thumb"), with
@@ -216,6 +217,7 @@ def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
     latency grows faster than throughput.
     """
     rows = []
+    cells = with_sampling(cells)
     for (strategy, oc, samp), g in cells.groupby(_CURVE, sort=True):
         curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
         curve = curve.dropna()
