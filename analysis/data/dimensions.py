@@ -6,7 +6,7 @@ deployment per variant) and the cell's sampling setting (``configs/tiers.py``
 ``add_dimensions`` gives every request row, at load time:
 
 - ``sampling`` / ``temperature``: as the load generator wrote them; older runs (schema
-  version < 4) get the label and temperature of their profile's one ``sampling``
+  version < 5) get the label and temperature of their profile's one ``sampling``
   setting from the manifest (``greedy`` when the manifest has none).
 - ``base_strategy``, ``k`` (num_speculative_tokens), ``top_k_candidates``: from the
   manifest's ``variants`` table (written with ``--k``), else from the deployment's
