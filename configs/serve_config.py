@@ -424,8 +424,9 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
             for k, c in combos:
                 v = copy.deepcopy(raw)
                 v["name"] = mn.variant_name(str(e.name), k, c)
-                if k is not None:
+                if k is not None:   # a k variant fixes k: no per-batch-size schedule
                     v["engine"]["num_speculative_tokens"] = k
+                    v["engine"].pop("num_speculative_tokens_per_batch_size", None)
                 if c is not None:
                     v["engine"]["strategy_options"] = {**v["engine"].get("strategy_options", {}), "top_k": c}
                 v["ray_actor_options"] = {**raw.get("ray_actor_options", {}), "num_cpus": round(cpus, 4)}

@@ -127,6 +127,16 @@ def test_variant_config_without_strategies_varies_every_speculative_one():
     assert list(variants) == ["autoregressive"] + [f"{s}-k3" for s in M.SPECULATIVE_STRATEGIES]
 
 
+def test_k_variant_drops_a_per_batch_size_schedule():
+    cfg = _serve_cfg()
+    ngram = next(e for e in cfg["applications"][0]["args"]["strategies"] if e["engine"]["strategy"] == "ngram")
+    ngram["engine"]["num_speculative_tokens_per_batch_size"] = {"1-8": 4, "9-32": 1}
+    out, _ = variant_config(cfg, ["ngram"], [2], None)
+    entry = next(e for e in out["applications"][0]["args"]["strategies"] if e["name"] == "ngram-k2")
+    assert entry["engine"]["num_speculative_tokens"] == 2
+    assert "num_speculative_tokens_per_batch_size" not in entry["engine"]
+
+
 @pytest.mark.parametrize("strategies, ks, cands, flag, what", [
     (["dflash2"], [4, 8], None, "--k", "[8] too large for dflash2: its drafter (models/dflash2) was "
                                        "trained with block_size 8, so it drafts at most 7 tokens"),
