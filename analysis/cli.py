@@ -128,10 +128,10 @@ def _report(args, parser) -> int:
     for line in headline_lines(out["recommendation"]):
         print(f"  {line}")
     _print_table("recommendation", recommendation_rows(out["recommendation"]),
-                 ["tier", "output_class", "users", "strategy", "goodput_tok_s", "speedup",
-                  "runner_up", "margin", "confidence"])
+                 ["tier", "output_class", "sampling", "users", "strategy", "k", "goodput_tok_s",
+                  "speedup", "runner_up", "margin", "confidence"])
     _print_table("crossover concurrency", out["crossover"],
-                 ["strategy", "output_class", "crossover_users", "status",
+                 ["strategy", "output_class", "sampling", "crossover_users", "status",
                   "predicted_crossover_users"])
     if out["degradation"] is not None:
         flagged = [r for r in out["degradation"] if r["flagged"]]

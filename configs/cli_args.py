@@ -54,6 +54,25 @@ def number(kind: type = float, ge: float | None = None, gt: float | None = None,
     return parse
 
 
+def number_list(kind: type = float, ge: float | None = None, gt: float | None = None,
+                le: float | None = None) -> Callable[[str], list]:
+    """Comma-separated ``number`` values (``2,4,7``), each checked as ``number`` checks one;
+    duplicates are dropped, order kept. Raises ArgumentTypeError naming the bad item."""
+    one = number(kind, ge, gt, le)
+
+    def parse(text: str) -> list:
+        items = [t.strip() for t in str(text).split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expects a comma-separated list such as 2,4,7, got {text!r}")
+        out: list = []
+        for t in items:
+            v = one(t)
+            if v not in out:
+                out.append(v)
+        return out
+    return parse
+
+
 def port() -> Callable[[str], int]:
     """A TCP port number, 1..65535."""
     return number(int, ge=PORT_MIN, le=PORT_MAX)

@@ -29,6 +29,10 @@ DFLASH2 = "dflash2"
 DSPARK = "dspark"
 STRATEGIES = (AUTOREGRESSIVE, DRAFT_MODEL, NGRAM, DFLASH, DFLASH2, DSPARK)  # canonical order, baseline first
 BLOCK_DRAFTER_STRATEGIES = (DFLASH, DFLASH2, DSPARK)   # the parallel (block) drafter family
+SPECULATIVE_STRATEGIES = STRATEGIES[1:]                 # every strategy with a draft length k
+# strategies whose proposer picks a path among top-k candidates per position
+# (strategy_options.top_k; ``loadgen --top-k-candidates``)
+CANDIDATE_STRATEGIES = (DFLASH2,)
 
 # The one strategy table: id -> "module:Class" of its proposer. Adding a strategy is
 # one file under actors/proposers/ and one line here. Import paths are strings so
@@ -134,6 +138,19 @@ REQ_RETRIES = "retries"                        # times this request was re-sent 
 REQ_SPEC_SOURCE = "spec_source"                # who reported the row's spec stats: specload | vllm | sglang
 REQ_NUM_SPEC_TOKENS = "num_spec_tokens"        # k: draft tokens the server proposes per step (vLLM)
 REQ_ACCEPTANCE_HISTOGRAM = "acceptance_histogram"  # list[int]: steps by accepted count 0..k (vLLM)
+REQ_SAMPLING = "sampling"                      # the cell's sampling label ("greedy", "t0.7", ...)
+REQ_TEMPERATURE = "temperature"                # temperature sent with the request
+REQ_IGNORE_EOS = "ignore_eos"                  # ignore_eos sent (output class fixes lengths)
+REQ_MIN_TOKENS = "min_tokens"                  # min_tokens sent (null: not sent)
+
+# The one cell key (without the run id): every groupby over cells, in the load generator
+# (summary speedups, step labels) and in the analysis (cell table, stability, faults,
+# recommendation), uses these columns, so two sampling settings of one tier x output class
+# are two cells.
+CELL_KEY = (REQ_STRATEGY, REQ_TIER, REQ_OUTPUT_CLASS, REQ_SAMPLING, REQ_USERS)
+# the same cell without the strategy: what speedup compares against (autoregressive's cell)
+CELL_KEY_NO_STRATEGY = tuple(k for k in CELL_KEY if k != REQ_STRATEGY)
+GREEDY = "greedy"                              # sampling label of temperature 0
 
 # request status values (REQ_STATUS)
 STATUS_OK = "ok"
@@ -171,6 +188,24 @@ CELL_SEND_LAG_MS_P99 = "send_lag_ms_p99"       # open loop: actual - scheduled s
 CELL_CPU_MEAN_PERCENT = "cpu_mean_percent"     # the load generator's own CPU, % of one core
 CELL_CPU_MAX_PERCENT = "cpu_max_percent"
 CELL_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter failed (degraded, not failed)
+
+
+def variant_name(strategy: str, k: int | None = None, candidates: int | None = None) -> str:
+    """Served name of one variant of a strategy: ``dflash2-k4``, ``dflash2-k4-c16``,
+    ``dflash2-c4`` (k: ``num_speculative_tokens``; c: ``strategy_options.top_k``)."""
+    return strategy + (f"-k{k}" if k is not None else "") + (f"-c{candidates}" if candidates is not None else "")
+
+
+def parse_variant_name(name: str) -> tuple[str, int | None, int | None] | None:
+    """``variant_name``'s inverse: ``"dflash2-k4-c16"`` -> ``("dflash2", 4, 16)``; a plain
+    strategy id -> ``(id, None, None)``; None for any other name."""
+    import re
+
+    m = re.fullmatch(r"([a-z0-9_]+?)(?:-k(\d+))?(?:-c(\d+))?", name or "")
+    if not m or m.group(1) not in STRATEGIES:
+        return None
+    return (m.group(1), int(m.group(2)) if m.group(2) else None,
+            int(m.group(3)) if m.group(3) else None)
 
 
 def percentile_name(metric_ms: str, p: int) -> str:

@@ -25,6 +25,11 @@ Versions (``SCHEMA_VERSION``):
   5: request columns ``spec_source``, ``num_spec_tokens``, ``acceptance_histogram``, ``degraded_reason``
      (per-request speculative stats of vLLM / SGLang); ``server_metrics.parquet`` (the
      target's own Prometheus series, sampled during the run: ``SERVER_METRIC_COLUMNS``).
+  6: request columns ``sampling`` (the cell's sampling label: ``greedy``, ``t0.7``;
+     part of ``metric_names.CELL_KEY``), ``temperature``, ``ignore_eos`` and
+     ``min_tokens`` (the output-length settings sent); step rows carry
+     ``sampling`` too. Older runs load with the label of their profile's one
+     sampling setting (``analysis.data.load``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -107,6 +112,11 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.DEGRADED_REASON, "string", doc="specload: why the request's drafter was dropped and it "
        "went on autoregressively (drafter_error | invalid_draft | draft_deadline); '' when it "
        "speculated throughout; null: the server does not say"),
+    _c(M.REQ_SAMPLING, "string", doc="the cell's sampling label (configs/tiers.py Sampling.label): "
+       "greedy, t0.7, ..."),
+    _c(M.REQ_TEMPERATURE, "float64", doc="temperature sent"),
+    _c(M.REQ_IGNORE_EOS, "int32", doc="1 when ignore_eos was sent (lengths fixed by max_tokens)"),
+    _c(M.REQ_MIN_TOKENS, "int32", "tokens", "min_tokens sent; null when not sent"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------
@@ -146,6 +156,7 @@ STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_OUTPUT_CLASS, "string", doc="cell's output class"),
     _c(M.REQ_USERS, "int32", "users", "cell's requested concurrency"),
     _c(M.REQ_REPEAT, "int32", doc="cell's repeat"),
+    _c(M.REQ_SAMPLING, "string", doc="cell's sampling label"),
 )
 STEP_COLUMNS: tuple[Column, ...] = ENGINE_STEP_COLUMNS + STEP_LABEL_COLUMNS
 

@@ -318,3 +318,125 @@ def configured_strategy_names(path: str | None = None) -> list[str]:
         if app.get("import_path") == "actors.serve.app:build_app":
             names += [str(e.name) for e in ServeAppConfig.model_validate(app.get("args") or {}).strategies]
     return names
+
+
+# --- variants: one deployment per (strategy, k, candidates) -------------------------
+# ``python -m loadgen --k 2,4,7 --top-k-candidates 4,16`` deploys each speculative strategy
+# as several deployments of one strategy, named ``metric_names.variant_name`` (``dflash2-k4``,
+# ``dflash2-k4-c16``); each is its own cell in the report.
+MAX_K = 64   # EngineConfig's bound on num_speculative_tokens
+MAX_CANDIDATES = 256   # DFlashOptions.top_k's bound
+
+
+class VariantError(ValueError):
+    """A ``--k`` / ``--top-k-candidates`` value no deployment can take; the message names the flag."""
+
+
+def drafter_max_k(engine: dict) -> tuple[int, str] | None:
+    """(the most draft tokens per step, why) of a block-drafter strategy's engine section:
+    its drafter's trained ``block_size`` - 1 (the anchor takes one position;
+    ``actors/drafters/config.py`` DrafterConfig), read from ``<drafter>/config.json``
+    (``strategy_options.drafter``, else ``draft_model``, else ``models/<strategy>``, relative
+    to the repository root). None for other strategies or when the file is absent (the
+    strategy is then skipped as missing when the app is built)."""
+    import json
+    from pathlib import Path
+
+    from configs.paths import MODELS_DIR, REPO_ROOT
+
+    strategy = engine.get("strategy")
+    if strategy not in mn.BLOCK_DRAFTER_STRATEGIES:
+        return None
+    opts = engine.get("strategy_options") or {}
+    raw = opts.get("drafter") or engine.get("draft_model")
+    path = Path(raw) if raw else MODELS_DIR / str(strategy)
+    path = path if path.is_absolute() else REPO_ROOT / path
+    try:
+        block = int(json.loads((path / "config.json").read_text())["block_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    rel = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    return block - 1, f"its drafter ({rel}) was trained with block_size {block}"
+
+
+def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None,
+                   candidates: list[int] | None) -> tuple[dict, dict[str, dict]]:
+    """A Serve config deploying variants of ``cfg``'s strategies; returns (config, variants).
+
+    ``strategies``: served names to keep (None or []: every entry); ``autoregressive``
+    entries are kept as they are (the speedup baseline), every other kept entry becomes one
+    entry per k in ``ks`` (``num_speculative_tokens``; None: as configured) and, for
+    ``metric_names.CANDIDATE_STRATEGIES``, per count in ``candidates``
+    (``strategy_options.top_k``), named ``variant_name(name, k, c)``, its replica's
+    ``num_cpus`` divided among the variants (the box's CPUs stay enough for all of them).
+    ``variants``: served name -> {"base_strategy" (the entry's name), "strategy" (engine id),
+    "k", "top_k_candidates", "engine"} for every deployment of the new config.
+
+    Raises VariantError naming ``--strategies`` (a name the config does not deploy),
+    ``--k`` (k < 1, above ``MAX_K``, or above a block drafter's
+    ``block_size - 1``: ``drafter_max_k``) or ``--top-k-candidates`` (out of 1..MAX_CANDIDATES,
+    or no kept strategy has candidates).
+    """
+    import copy
+
+    ks = list(ks or [])
+    candidates = list(candidates or [])
+    bad = [k for k in ks if not 1 <= k <= MAX_K]
+    if bad:
+        raise VariantError(f"--k: {bad} out of range; each k (num_speculative_tokens) must be "
+                           f"1..{MAX_K} (k = 0 is autoregressive, always run as the baseline)")
+    bad = [c for c in candidates if not 1 <= c <= MAX_CANDIDATES]
+    if bad:
+        raise VariantError(f"--top-k-candidates: {bad} out of range; each must be 1..{MAX_CANDIDATES}")
+    out = copy.deepcopy(cfg)
+    variants: dict[str, dict] = {}
+    used_candidates = False
+    for app in out.get("applications") or []:
+        if app.get("import_path") != "actors.serve.app:build_app":
+            continue
+        args = ServeAppConfig.model_validate(app.get("args") or {})
+        unknown = [x for x in (strategies or []) if x not in [e.name for e in args.strategies]]
+        if unknown:
+            raise VariantError(f"--strategies: {unknown} not in the Serve config (it deploys "
+                               f"{[e.name for e in args.strategies]})")
+        entries: list[dict] = []
+        for e in args.strategies:
+            strategy = e.engine["strategy"]
+            if strategies and e.name not in strategies and strategy != mn.AUTOREGRESSIVE:
+                continue
+            raw = e.model_dump(exclude_none=True)
+            raw["engine"] = dict(e.engine)
+            if strategy == mn.AUTOREGRESSIVE:
+                entries.append(raw)
+                variants[str(e.name)] = {"base_strategy": e.name, "strategy": strategy, "k": 0,
+                                         "top_k_candidates": None, "engine": raw["engine"]}
+                continue
+            limit = drafter_max_k(e.engine)
+            over = [k for k in ks if limit and k > limit[0]]
+            if over:
+                raise VariantError(f"--k: {over} too large for {e.name}: {limit[1]}, so it drafts at "
+                                   f"most {limit[0]} tokens per step; use --k values <= {limit[0]} "
+                                   f"(or leave {e.name} out of --strategies)")
+            cands = candidates if (candidates and strategy in mn.CANDIDATE_STRATEGIES) else [None]
+            used_candidates |= cands != [None]
+            combos = [(k, c) for k in (ks or [None]) for c in cands]
+            cpus = e.ray_actor_options.num_cpus / len(combos)
+            for k, c in combos:
+                v = copy.deepcopy(raw)
+                v["name"] = mn.variant_name(str(e.name), k, c)
+                if k is not None:   # a k variant fixes k: no per-batch-size schedule
+                    v["engine"]["num_speculative_tokens"] = k
+                    v["engine"].pop("num_speculative_tokens_per_batch_size", None)
+                if c is not None:
+                    v["engine"]["strategy_options"] = {**v["engine"].get("strategy_options", {}), "top_k": c}
+                v["ray_actor_options"] = {**raw.get("ray_actor_options", {}), "num_cpus": round(cpus, 4)}
+                entries.append(v)
+                variants[v["name"]] = {"base_strategy": e.name, "strategy": strategy,
+                                       "k": k if k is not None else e.engine.get("num_speculative_tokens"),
+                                       "top_k_candidates": c, "engine": v["engine"]}
+        app["args"] = {**(app.get("args") or {}), "strategies": entries}
+        ServeAppConfig.model_validate(app["args"])   # names unique, entries valid
+    if candidates and not used_candidates:
+        raise VariantError(f"--top-k-candidates: no selected strategy picks among candidates "
+                           f"(only {', '.join(mn.CANDIDATE_STRATEGIES)} does); add one to --strategies")
+    return out, variants

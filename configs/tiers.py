@@ -4,7 +4,10 @@ A *profile* (``cpu``, ``gpu``, ...) holds three tiers (``low``, ``mid``, ``high`
 concurrency); each tier holds two *cells* (``short`` and ``long`` outputs). A cell
 says how traffic arrives (closed: a fixed number of users that loop
 request -> request; open: Poisson arrivals at ``rate_rps``), for how long, how
-many tokens each request asks for, and the SLOs it is judged against.
+many tokens each request asks for, and the SLOs it is judged against. A cell may also fix output lengths (``ignore_eos``,
+``min_tokens``) and list several sampling settings (``samplings``, at cell, tier
+or profile level): each setting is then a cell of its own, labelled ``greedy``,
+``t0.7``, ... (``Sampling.name``) in the request rows and the report.
 
 Unknown keys are errors: ``load_tiers`` raises ``TierConfigError`` whose message
 names the key path, e.g. ``profiles.cpu.tiers.low.short.userz``.
@@ -18,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from configs.metric_names import GREEDY
 
 DEFAULT_TIERS_FILE = Path(__file__).with_name("tiers.yaml")
 TIER_NAMES = ("low", "mid", "high")
@@ -94,6 +99,49 @@ class Slo(_Strict):
     source: str = "tier file"
 
 
+class Sampling(_Strict):
+    """Sampling fields sent with every request of a cell (same for every strategy).
+
+    ``label`` names the setting in request rows (column ``sampling``), the manifest and
+    the report: ``greedy`` for temperature 0, else ``t<temperature>`` (``t0.7``), with
+    ``-p<top_p>`` / ``-k<top_k>`` when those are set; give ``label`` to name it yourself.
+    """
+
+    temperature: float = Field(default=0.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)            # 0 = off
+    seed: int | None = 0                           # request seed = seed + request index; null: omit
+    stop: list[str] | None = None
+    label: str | None = Field(default=None, min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_.+-]+$")
+
+    @property
+    def name(self) -> str:
+        """The label: ``label`` if given, else ``greedy`` / ``t0.7`` (+ ``-p0.9`` / ``-k50``)."""
+        if self.label:
+            return self.label
+        if self.temperature == 0:
+            return GREEDY
+        out = f"t{self.temperature:g}"
+        if self.top_p < 1:
+            out += f"-p{self.top_p:g}"
+        if self.top_k:
+            out += f"-k{self.top_k}"
+        return out
+
+
+def _unique_labels(samplings: "list[Sampling] | None") -> "list[Sampling] | None":
+    if samplings is not None:
+        if not samplings:
+            raise ValueError("samplings must list at least one setting (omit the key for the "
+                             "profile's `sampling`)")
+        names = [x.name for x in samplings]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"samplings: labels must be unique, {dup} repeat (two settings that "
+                             "differ only by seed share a label: give each a `label`)")
+    return samplings
+
+
 class Cell(_Strict):
     """One tier x output class: how load is offered and judged.
 
@@ -110,9 +158,22 @@ class Cell(_Strict):
     duration_s: float = Field(gt=0)                # seconds of offered load (drain excluded)
     max_tokens: MaxTokens
     slo: Slo
+    # Output lengths fixed the way peer benchmarks do (vLLM bench --ignore-eos): the server
+    # keeps generating past EOS up to max_tokens; min_tokens (vLLM's field) forbids stopping
+    # before that many tokens. Both are sent in the request body when set.
+    ignore_eos: bool = False
+    min_tokens: int | None = Field(default=None, ge=1)
+    # several sampling settings: each is its own cell (label in the `sampling` column);
+    # None: the tier's `samplings`, else the profile's
+    samplings: list[Sampling] | None = None
 
     @model_validator(mode="after")
     def _rate_matches_arrival(self) -> "Cell":
+        _unique_labels(self.samplings)
+        lowest = self.max_tokens.value if self.max_tokens.dist == "fixed" else self.max_tokens.min
+        if self.min_tokens is not None and self.min_tokens > int(lowest):  # type: ignore[arg-type]
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds the smallest max_tokens "
+                             f"draw ({lowest}); a request cannot give more than max_tokens")
         if self.arrival == "open" and self.rate_rps is None:
             raise ValueError("arrival 'open' needs rate_rps (Poisson arrivals per second)")
         if self.arrival == "closed" and self.rate_rps is not None:
@@ -123,22 +184,18 @@ class Cell(_Strict):
 class Tier(_Strict):
     short: Cell
     long: Cell
+    samplings: list[Sampling] | None = None        # both cells' settings unless a cell names its own
+
+    @model_validator(mode="after")
+    def _labels(self) -> "Tier":
+        _unique_labels(self.samplings)
+        return self
 
 
 class Tiers(_Strict):
     low: Tier
     mid: Tier
     high: Tier
-
-
-class Sampling(_Strict):
-    """Sampling fields sent with every request (same for every strategy)."""
-
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)            # 0 = off
-    seed: int | None = 0                           # request seed = seed + request index; null: omit
-    stop: list[str] | None = None
 
 
 class Profile(_Strict):
@@ -150,6 +207,8 @@ class Profile(_Strict):
     max_prompt_chars: int = Field(default=1200, ge=16)     # prompts are cut to this many characters
     seed: int = 0                                          # prompt order, max_tokens draws, arrivals
     sampling: Sampling = Sampling()
+    # several settings, each its own cell (most specific wins: cell, tier, profile); None: [sampling]
+    samplings: list[Sampling] | None = None
     extra_body: dict[str, Any] = Field(default_factory=dict)  # merged into every request body
     tiers: Tiers
 
@@ -158,6 +217,18 @@ class Profile(_Strict):
             raise KeyError(f"unknown cell {tier}/{output_class}: tiers are {TIER_NAMES}, "
                            f"outputs are {OUTPUT_CLASSES}")
         return getattr(getattr(self.tiers, tier), output_class)
+
+    def samplings_for(self, tier: str, output_class: str) -> list[Sampling]:
+        """The sampling settings of one tier x output class, in the file's order: the cell's
+        ``samplings``, else the tier's, else the profile's, else ``[sampling]``."""
+        cell = self.cell(tier, output_class)
+        t = getattr(self.tiers, tier)
+        return list(cell.samplings or t.samplings or self.samplings or [self.sampling])
+
+    @model_validator(mode="after")
+    def _labels(self) -> "Profile":
+        _unique_labels(self.samplings)
+        return self
 
 
 class TiersFile(_Strict):

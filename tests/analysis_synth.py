@@ -125,23 +125,50 @@ def _steps(strat: Strat, seed: int) -> list[dict]:
     return rows
 
 
+def sampled(strat: Strat, scale: float) -> Strat:
+    """``strat`` at a sampling setting whose acceptance rates and speedup gain are ``scale``
+    times the greedy ones (speedup = 1 + scale * (speedup - 1))."""
+    return Strat(strat.name, {u: 1.0 + scale * (v - 1.0) for u, v in strat.speedup.items()},
+                 tuple(r * scale for r in strat.accept_rates), strat.draft_ms,
+                 dict(strat.ttft_violation))
+
+
+def synth_tau(strat: Strat, scale: float = 1.0) -> float:
+    """The tau the rows of ``write_run`` give ``strat`` at ``scale`` (per-position counts are
+    rounded to integers per request, as a real run's are)."""
+    if not strat.k:
+        return 1.0
+    acc = sum(int(round(DRAFTS_PER_REQUEST * r * scale)) for r in strat.accept_rates)
+    return 1.0 + acc / DRAFTS_PER_REQUEST
+
+
 def write_run(path: Path, run_id: str = "run-a", strats=STRATS, tiers=None,
               tau_scale: dict[str, float] | None = None, with_steps: bool = True,
               with_spec_columns: bool = True, manifest_slo: dict | None = SLO,
-              ar_tps: dict[int, float] | None = None) -> Path:
+              ar_tps: dict[int, float] | None = None,
+              samplings: dict[str, tuple[float, float]] | None = None,
+              manifest_extra: dict | None = None) -> Path:
     """Write one synthetic run directory; ``tau_scale`` scales accepted counts per
     dataset (e.g. {"pydoc": 0.8} for a known acceptance drop); ``tiers`` maps
-    tier -> users; ``ar_tps`` maps users -> autoregressive tokens/s."""
+    tier -> users; ``ar_tps`` maps users -> autoregressive tokens/s. ``samplings``:
+    label -> (temperature, scale): every cell once per label with columns ``sampling`` /
+    ``temperature``, acceptance and speedup gain scaled (``sampled``); None: no such
+    columns (a run before schema 4). ``manifest_extra`` is merged into the manifest."""
     path.mkdir(parents=True, exist_ok=True)
     tiers = tiers or TIERS
     rows = []
     t0 = 1.7e9
-    for strat in strats:
-        for tier, users in tiers.items():
-            for oc in OUTPUT_TOKENS:
-                rows += _requests(strat, tier, users, oc, run_id, t0, tau_scale or {},
-                                  ar_tps or AR_TOKENS_PER_S)
-                t0 += 10_000.0
+    for label, (temp, scale) in (samplings or {None: (None, 1.0)}).items():
+        for strat in strats:
+            for tier, users in tiers.items():
+                for oc in OUTPUT_TOKENS:
+                    new = _requests(sampled(strat, scale), tier, users, oc, run_id, t0,
+                                    tau_scale or {}, ar_tps or AR_TOKENS_PER_S)
+                    if label is not None:
+                        for r in new:
+                            r[mn.REQ_SAMPLING], r[mn.REQ_TEMPERATURE] = label, temp
+                    rows += new
+                    t0 += 10_000.0
     df = pd.DataFrame(rows)
     if not with_spec_columns:
         df = df.drop(columns=[c for c in df.columns if c.startswith("num_") or c.endswith("_per_pos")
@@ -155,5 +182,6 @@ def write_run(path: Path, run_id: str = "run-a", strats=STRATS, tiers=None,
         config["slo"] = manifest_slo
     (path / "manifest.json").write_text(json.dumps({
         "run_id": run_id, "started": "2026-01-01T00:00:00Z", "config": config,
-        "versions": {"specload": "test"}, "git_sha": "0" * 40, "machine": {"cpus": 2}}))
+        "versions": {"specload": "test"}, "git_sha": "0" * 40, "machine": {"cpus": 2},
+        **(manifest_extra or {})}))
     return path

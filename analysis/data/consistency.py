@@ -269,8 +269,10 @@ def annotate_recommendation(rec: dict, bad: list[str]) -> dict:
     for cells in rec.values():
         if not isinstance(cells, dict):
             continue
-        for r in cells.values():
-            if isinstance(r, dict) and r.get("strategy") in bad:
+        for top in cells.values():
+            for r in [top, *((top.get("by_sampling") or {}).values() if isinstance(top, dict) else [])]:
+                if not (isinstance(r, dict) and r.get("strategy") in bad):
+                    continue
                 r["consistency_warning"] = ("output diverges from autoregressive: "
                                             "not lossless here, do not deploy on speed alone")
     return rec

@@ -16,11 +16,12 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis.data.metrics import DURATION_S, GOOD, pooled_tau
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 
 DEFAULT_THRESHOLD = 0.10
 EXIT_DEGRADED = 3
-_CELL = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+_CELL = [mn.REQ_RUN_ID, *mn.CELL_KEY]
 
 
 def _by_domain(flagged: pd.DataFrame, cells: pd.DataFrame, shared_cells: set) -> pd.DataFrame:
@@ -28,8 +29,7 @@ def _by_domain(flagged: pd.DataFrame, cells: pd.DataFrame, shared_cells: set) ->
     dur = cells.set_index(_CELL)[DURATION_S]
     rows = []
     for (strategy, dataset), g in flagged.groupby([mn.REQ_STRATEGY, mn.REQ_DATASET]):
-        g = g[[k in shared_cells for k in
-               zip(g[mn.REQ_STRATEGY], g[mn.REQ_TIER], g[mn.REQ_OUTPUT_CLASS], g[mn.REQ_USERS])]]
+        g = g[[k in shared_cells for k in zip(*(g[c] for c in mn.CELL_KEY))]]
         if g.empty:
             continue
         keys = g[_CELL].drop_duplicates().itertuples(index=False, name=None)
@@ -48,8 +48,11 @@ def compare(cur_flagged, cur_cells, base_flagged, base_cells,
 
     Acceptance is only checked where both sides drafted (tau > 1 is possible).
     """
+    cur_flagged, base_flagged = with_sampling(cur_flagged), with_sampling(base_flagged)
+    cur_cells, base_cells = with_sampling(cur_cells), with_sampling(base_cells)
+
     def cell_set(f):
-        return set(zip(f[mn.REQ_STRATEGY], f[mn.REQ_TIER], f[mn.REQ_OUTPUT_CLASS], f[mn.REQ_USERS]))
+        return set(zip(*(f[c] for c in mn.CELL_KEY)))
     shared = cell_set(cur_flagged) & cell_set(base_flagged)
     cur = _by_domain(cur_flagged, cur_cells, shared)
     base = _by_domain(base_flagged, base_cells, shared)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 
-CELL = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+CELL = [mn.REQ_RUN_ID, *mn.CELL_KEY]
 OUTAGE_COLUMNS = CELL + ["n_requests", "n_failed", "n_rejected", "n_retried", "failed_by_status",
                          "outage_start_ts", "outage_end_ts", "outage_s", "recovered"]
 TIMELINE_COLUMNS = [mn.REQ_STRATEGY, "t_s", "n_ended", "n_failed", "n_rejected", "error_rate",
@@ -56,6 +57,7 @@ def outages(requests: pd.DataFrame) -> pd.DataFrame:
     ``failed_by_status`` e.g. ``"disconnected: 3, error: 1"``.
     """
     rows = []
+    requests = with_sampling(requests)
     retries = (requests[mn.REQ_RETRIES] if mn.REQ_RETRIES in requests
                else pd.Series(0, index=requests.index)).fillna(0)
     for key, g in requests.groupby(CELL, sort=True):
@@ -120,22 +122,26 @@ def annotate_degraded(rec: dict, outage: pd.DataFrame) -> dict:
     "recovered"}}) to every entry, and prefixes the note. Returns ``rec`` (changed in place).
     """
     bad = outage[outage["n_failed"] > 0] if not outage.empty else outage
-    for tier, by_oc in rec.items():
-        for oc, r in by_oc.items():
-            sel = bad[bad[mn.REQ_TIER].eq(tier) & bad[mn.REQ_OUTPUT_CLASS].eq(oc)] if len(bad) else bad
-            info = {}
-            for strategy, g in (sel.groupby(mn.REQ_STRATEGY) if len(sel) else []):
-                secs = g["outage_s"].dropna()
-                info[strategy] = {"failed": int(g["n_failed"].sum()),
-                                  "outage_s": float(secs.sum()) if len(secs) else None,
-                                  "recovered": bool(g["recovered"].fillna(False).all())}
-            r["degraded"] = bool(info)
-            r["degraded_strategies"] = info
-            if info:
-                what = "; ".join(f"{s}: {v['failed']} failed request(s)"
-                                 + (f", {v['outage_s']:.1f} s outage" if v["outage_s"] is not None else "")
-                                 + ("" if v["recovered"] else ", not recovered in the cell")
-                                 for s, v in sorted(info.items()))
-                note = f"rests on a degraded run ({what}); re-run this cell for a clean measurement"
-                r["note"] = f"{note}. {r['note']}" if r.get("note") else note
+    every = [(tier, oc, r) for tier, by_oc in rec.items() if isinstance(by_oc, dict)
+             for oc, top in by_oc.items()
+             for r in [top, *(top.get("by_sampling") or {}).values()]]   # each sampling label's too
+    for tier, oc, r in every:
+        sel = bad[bad[mn.REQ_TIER].eq(tier) & bad[mn.REQ_OUTPUT_CLASS].eq(oc)
+                  & (bad[mn.REQ_SAMPLING].eq(r["sampling"]) if r.get("sampling") else True)
+                  ] if len(bad) else bad
+        info = {}
+        for strategy, g in (sel.groupby(mn.REQ_STRATEGY) if len(sel) else []):
+            secs = g["outage_s"].dropna()
+            info[strategy] = {"failed": int(g["n_failed"].sum()),
+                              "outage_s": float(secs.sum()) if len(secs) else None,
+                              "recovered": bool(g["recovered"].fillna(False).all())}
+        r["degraded"] = bool(info)
+        r["degraded_strategies"] = info
+        if info:
+            what = "; ".join(f"{s}: {v['failed']} failed request(s)"
+                             + (f", {v['outage_s']:.1f} s outage" if v["outage_s"] is not None else "")
+                             + ("" if v["recovered"] else ", not recovered in the cell")
+                             for s, v in sorted(info.items()))
+            note = f"rests on a degraded run ({what}); re-run this cell for a clean measurement"
+            r["note"] = f"{note}. {r['note']}" if r.get("note") else note
     return rec

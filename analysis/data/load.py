@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import add_dimensions, profile_sampling
 from configs import metric_names as mn
 from configs import results_schema as S
 
@@ -180,10 +181,15 @@ def load_run(path: Path) -> Run:
     run_id = str(manifest.get("run_id") or
                  (raw[mn.REQ_RUN_ID].dropna().iloc[0] if mn.REQ_RUN_ID in raw.columns
                   and raw[mn.REQ_RUN_ID].notna().any() else path.name))
-    requests = _normalise_requests(raw, run_id, path)
+    requests = add_dimensions(_normalise_requests(raw, run_id, path), manifest)
     steps_path = path / STEPS_FILE
     steps = (_normalise_steps(_read(steps_path), run_id) if steps_path.is_file()
              else _normalise_steps(pd.DataFrame(columns=list(mn.STEP_LOG_COLUMNS)), run_id))
+    if mn.REQ_SAMPLING not in steps.columns:   # runs before schema 4: the profile's one setting
+        steps[mn.REQ_SAMPLING] = None
+    in_cell = (steps[mn.REQ_TIER].notna() if mn.REQ_TIER in steps.columns
+               else pd.Series(False, index=steps.index))
+    steps.loc[in_cell & steps[mn.REQ_SAMPLING].isna(), mn.REQ_SAMPLING] = profile_sampling(manifest)[0]
     return Run(run_id=run_id, path=path, requests=requests, steps=steps, manifest=manifest)
 
 

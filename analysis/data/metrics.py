@@ -1,14 +1,14 @@
 """Per-cell request metrics: throughput, speedup, latency percentiles, goodput,
 acceptance length and per-position acceptance.
 
-A cell is (run_id, strategy, tier, output_class, users). Definitions follow
+A cell is (run_id, strategy, tier, output_class, sampling, users): ``CELL_KEYS``. Definitions follow
 docs/design.md "Metric definitions":
 
 - output tokens/s = sum of ``ok`` requests' output tokens / cell wall time, the
   wall time running from the first scheduled send to the last response end
   (scheduled, not actual, send time: no coordinated omission).
 - speedup = strategy tokens/s / ``autoregressive`` tokens/s, same run, tier,
-  output class and users.
+  output class, sampling label and users.
 - goodput = requests/s and output tokens/s of ``ok`` requests meeting every SLO
   (DistServe, Zhong et al. 2024, section 2).
 - acceptance length tau = 1 + accepted / drafts (tokens per verification step).
@@ -22,10 +22,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 from configs.tiers import Slo
 
-CELL_KEYS = [mn.REQ_RUN_ID, mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+CELL_KEYS = [mn.REQ_RUN_ID, *mn.CELL_KEY]   # configs/metric_names.py CELL_KEY: sampling label included
+# per-deployment attributes carried into the cell table (analysis.data.load adds them)
+BASE_STRATEGY, K, CANDIDATES = "base_strategy", "k", "top_k_candidates"
+CELL_ATTRS = (BASE_STRATEGY, K, CANDIDATES, mn.REQ_TEMPERATURE)
 PERCENTILES = (50, 90, 99)
 # Derived column names: the one per-cell scheme of configs/metric_names.py (CELL_*),
 # shared with the load generator's live summary and summary.csv.
@@ -119,8 +123,10 @@ def cell_table(flagged: pd.DataFrame) -> pd.DataFrame:
     Speedup is NaN where the same run/tier/output class/users has no
     ``autoregressive`` cell.
     """
-    rows = [dict(zip(CELL_KEYS, key), **_cell_row(g))
-            for key, g in flagged.groupby(CELL_KEYS, sort=True)]
+    flagged = with_sampling(flagged)
+    attrs = [c for c in CELL_ATTRS if c in flagged.columns]
+    rows = [dict(zip(CELL_KEYS, key), **{c: g[c].iloc[0] for c in attrs}, **_cell_row(g))
+            for key, g in flagged.groupby(CELL_KEYS, sort=True, dropna=False)]
     cells = pd.DataFrame(rows)
     ar = cells[cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE)]
     base_keys = [k for k in CELL_KEYS if k != mn.REQ_STRATEGY]
@@ -169,8 +175,13 @@ def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFr
     return pd.DataFrame(rows, columns=[by, "position", "accepted", "uncond", "cond"])
 
 
+# curves over users levels: one per strategy x output class x sampling label (a temperature's
+# cells never mix into another's curve)
+_CURVE = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING]
+
+
 def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
-    """Concurrency where speedup first falls below 1, per strategy x output class.
+    """Concurrency where speedup first falls below 1, per strategy x output class x sampling.
 
     Users levels are pooled across tiers and runs (mean speedup per level), then
     linearly interpolated in users between the last level with speedup >= 1
@@ -179,8 +190,9 @@ def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
     ``users`` is then that level).
     """
     rows = []
+    cells = with_sampling(cells)
     spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
-    for (strategy, oc), g in spec.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], sort=True):
+    for (strategy, oc, samp), g in spec.groupby(_CURVE, sort=True):
         curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
         users, s = curve.index.to_numpy(dtype=float), curve.to_numpy(dtype=float)
         status, value = "never", None
@@ -192,15 +204,14 @@ def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
                     frac = (s[i - 1] - 1.0) / (s[i - 1] - s[i])
                     status, value = "crossed", float(users[i - 1] + frac * (users[i] - users[i - 1]))
                     break
-        rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc,
+        rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc, mn.REQ_SAMPLING: samp,
                      "crossover_users": value, "status": status,
                      "levels": ", ".join(f"{int(u)}:{v:.2f}x" for u, v in zip(users, s))})
-    return pd.DataFrame(rows, columns=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS,
-                                       "crossover_users", "status", "levels"])
+    return pd.DataFrame(rows, columns=[*_CURVE, "crossover_users", "status", "levels"])
 
 
 def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
-    """Knee of each strategy x output class throughput-latency curve.
+    """Knee of each strategy x output class (x sampling) throughput-latency curve.
 
     The knee is the users level maximising Kleinrock's power = throughput /
     latency (Kleinrock 1979, "Power and deterministic rules of thumb"), with
@@ -208,16 +219,17 @@ def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
     latency grows faster than throughput.
     """
     rows = []
-    for (strategy, oc), g in cells.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], sort=True):
+    cells = with_sampling(cells)
+    for (strategy, oc, samp), g in cells.groupby(_CURVE, sort=True):
         curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
         curve = curve.dropna()
         if curve.empty:
             continue
         power = curve[OUTPUT_TOKENS_PER_S] / curve["e2e_ms_p50"]
         knee = power.idxmax()
-        rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc,
+        rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc, mn.REQ_SAMPLING: samp,
                      "knee_users": int(knee),
                      "knee_tokens_per_s": float(curve.loc[knee, OUTPUT_TOKENS_PER_S]),
                      "knee_e2e_ms_p50": float(curve.loc[knee, "e2e_ms_p50"])})
-    return pd.DataFrame(rows, columns=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, "knee_users",
+    return pd.DataFrame(rows, columns=[*_CURVE, "knee_users",
                                        "knee_tokens_per_s", "knee_e2e_ms_p50"])

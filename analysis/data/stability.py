@@ -26,19 +26,21 @@ import math
 import numpy as np
 import pandas as pd
 
+from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 
 REPEAT = getattr(mn, "REQ_REPEAT", "repeat")   # integer request column, 0-based
 CV_THRESHOLD = 0.10
 CONFIDENCE = 0.95
-CELL = [mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+CELL = list(mn.CELL_KEY)
 REPLICATE = CELL + [mn.REQ_RUN_ID, REPEAT]
 STABILITY_METRICS = ("output_tokens_per_s", "tpot_ms_p50", mn.ACCEPTANCE_LENGTH)
 
 
 def with_repeat(requests: pd.DataFrame) -> pd.DataFrame:
-    """Copy with an integer ``repeat`` column (0 where the load generator wrote none)."""
-    df = requests.copy()
+    """Copy with an integer ``repeat`` column (0 where the load generator wrote none) and a
+    ``sampling`` label (``greedy`` where none: ``analysis.data.dimensions.with_sampling``)."""
+    df = with_sampling(requests).copy()
     if REPEAT not in df.columns:
         df[REPEAT] = 0
     df[REPEAT] = pd.to_numeric(df[REPEAT], errors="coerce").fillna(0).astype(int)
@@ -140,7 +142,9 @@ def apply_warmup(requests: pd.DataFrame, steps: pd.DataFrame, warmup_s: float
         for _, s in starts.iterrows():
             in_cell = (steps[mn.STEP_STRATEGY].eq(s[mn.REQ_STRATEGY]).to_numpy()
                        & steps[mn.REQ_TIER].eq(s[mn.REQ_TIER]).to_numpy()
-                       & steps[mn.REQ_OUTPUT_CLASS].eq(s[mn.REQ_OUTPUT_CLASS]).to_numpy())
+                       & steps[mn.REQ_OUTPUT_CLASS].eq(s[mn.REQ_OUTPUT_CLASS]).to_numpy()
+                       & (steps[mn.REQ_SAMPLING].eq(s[mn.REQ_SAMPLING]).to_numpy()
+                          if mn.REQ_SAMPLING in steps.columns else True))
             drop |= in_cell & (ts >= s["t0"]) & (ts < s["t0"] + warmup_s)
         steps = steps.loc[~drop]
     return kept, steps, int((~keep).sum())

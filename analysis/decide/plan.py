@@ -220,6 +220,23 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
     return rows
 
 
+def _one_sampling(results):
+    """(results of the first sampling label only, every label): one sampling setting per
+    plan (greedy first, ``analysis.data.dimensions.sampling_labels``); a run with one label
+    is returned as it is."""
+    import dataclasses
+
+    from analysis.data.dimensions import sampling_labels
+
+    labels = sampling_labels(results.requests)
+    if len(labels) < 2:
+        return results, labels
+    req, st = results.requests, results.steps
+    return dataclasses.replace(results, requests=req[req[mn.REQ_SAMPLING].eq(labels[0])],
+                               steps=st[st[mn.REQ_SAMPLING].eq(labels[0]) | st[mn.REQ_SAMPLING].isna()]
+                               ), labels
+
+
 def _flagged(results, tier: str, slo_ttft_ms: float, slo_tpot_ms: float,
              slo_source: str) -> tuple[Slo, pd.DataFrame, pd.DataFrame, list[str]]:
     """The SLO, requests flagged against it, the cell table and the tier's output classes.
@@ -335,10 +352,13 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     is absent, --gpu lacks model_params / model_shape, or the shape is unknown;
     analysis.data.load.ResultsError for bad results dirs.
     """
-    results = load_results(results_dir)
+    results, labels = _one_sampling(load_results(results_dir))
     slo, flagged, cells, classes = _flagged(results, tier, slo_ttft_ms, slo_tpot_ms, slo_source)
     rows, assumptions = _model_rows(results, flagged, cells, qps, tier, classes, slo,
                                     slo_ttft_ms, slo_tpot_ms, attainment)
+    if len(labels) > 1:
+        assumptions.append(f"sampling: the {labels[0]!r} cells only (the run also measured "
+                           f"{', '.join(labels[1:])}; acceptance, hence capacity, differs by setting)")
     out = {"qps": qps, "tier": tier, "slo": slo.model_dump(), "assumptions": assumptions,
            "model": rows, "gpu_plan": None, "memory": None}
     if model_shape is not None and gpu is None:

@@ -142,6 +142,60 @@ def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
     return out
 
 
+def recommend_by_sampling(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
+                          n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict:
+    """``recommend`` per tier x output class x sampling label (``metric_names.CELL_KEY``).
+
+    Returns ``{tier: {output_class: rec}}`` where ``rec`` is the first sampling label's
+    (``analysis.data.dimensions.sampling_labels``: greedy first) and carries the others in
+    ``rec["by_sampling"] = {label: rec}``. Every rec gets ``sampling``, ``temperature`` and
+    the recommended deployment's ``base_strategy``, ``k`` and ``top_k_candidates`` (from the
+    cell table; None when unknown or a tie). A run with one sampling setting gives exactly
+    ``recommend``'s dict plus those fields.
+    """
+    from analysis.data.dimensions import BASE_STRATEGY, CANDIDATES, K, sampling_labels
+
+    attrs = {}
+    if not cells.empty:
+        cols = [c for c in (BASE_STRATEGY, K, CANDIDATES) if c in cells.columns]
+        attrs = cells.groupby(mn.REQ_STRATEGY)[cols].first().to_dict("index") if cols else {}
+    labels = sampling_labels(flagged) or [None]
+    out: dict = {}
+    for label in labels:
+        f = flagged if label is None else flagged[flagged[mn.REQ_SAMPLING].eq(label)]
+        c = cells if label is None else cells[cells[mn.REQ_SAMPLING].eq(label)]
+        temp = (f[mn.REQ_TEMPERATURE].dropna().iloc[0] if mn.REQ_TEMPERATURE in f
+                and f[mn.REQ_TEMPERATURE].notna().any() else None)
+        for tier, by in recommend(f, c, slos, n_boot, seed).items():
+            for oc, r in by.items():
+                a = attrs.get(r.get("strategy"), {})
+                r.update(sampling=label or mn.GREEDY, temperature=None if temp is None else float(temp),
+                         base_strategy=a.get(BASE_STRATEGY, r.get("strategy") if r.get("strategy") != TIE
+                                             else None),
+                         k=_int_or_none(a.get(K)), top_k_candidates=_int_or_none(a.get(CANDIDATES)))
+                slot = out.setdefault(tier, {})
+                if oc not in slot:
+                    slot[oc] = r
+                else:
+                    slot[oc].setdefault("by_sampling", {})[r["sampling"]] = r
+    return out
+
+
+def _int_or_none(v) -> int | None:
+    return None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v)
+
+
+def entries(rec: dict):
+    """Every (tier, output_class, rec) of a recommendation, low to high; per cell the first
+    sampling label's rec, then the others (``by_sampling``)."""
+    for tier, oc in sorted(((t, o) for t, by in rec.items() if isinstance(by, dict) for o in by),
+                           key=cell_order):
+        r = rec[tier][oc]
+        yield tier, oc, r
+        for other in (r.get("by_sampling") or {}).values():
+            yield tier, oc, other
+
+
 def cell_order(key: tuple[str, str]) -> tuple:
     """Sort key for (tier, output_class): low, mid, high, then other tiers by name; short before long."""
     tier, oc = key
@@ -172,13 +226,14 @@ def _sureness(confidence: float | None) -> str:
 def headline_lines(rec: dict) -> list[str]:
     """The answer first, one line per tier x output class, low to high.
 
-    ``"low / short: run ngram; 23.4% more goodput than autoregressive (sure: confidence 99%)"``.
+    ``"low / short: run ngram; 23.4% more goodput than autoregressive (sure: confidence 99%)"``;
+    with several sampling settings one line each: ``"low / short / t0.7: run ..."``.
     Confidence words: sure >= 95%, likely >= 75%, else uncertain (bootstrap share).
     """
     lines = []
-    for tier, oc in sorted(((t, o) for t, by in rec.items() for o in by), key=cell_order):
-        r = rec[tier][oc]
-        head = f"{tier} / {oc}:"
+    several = any(r.get("by_sampling") for _, _, r in entries(rec))
+    for tier, oc, r in entries(rec):
+        head = f"{tier} / {oc}{' / ' + r['sampling'] if several and r.get('sampling') else ''}:"
         if r.get("strategy") is None:
             lines.append(f"{head} no strategy met the SLOs; nothing to recommend")
         elif r.get("strategy") == TIE:
@@ -197,19 +252,26 @@ def headline_lines(rec: dict) -> list[str]:
 
 
 def recommendation_rows(rec: dict) -> list[dict]:
-    """Flatten the recommendation for tables: one dict per tier x output class, low to high.
+    """Flatten the recommendation for tables: one dict per tier x output class x sampling
+    label, low to high. ``sampling`` is a column when the run had several settings,
+    ``base_strategy`` and ``k`` when a recommended deployment is a variant (``dflash2-k4``).
 
     ``margin`` and ``confidence`` are percent strings here (display); the
     recommendation dict and recommendation.json keep the fractions.
     """
     rows = []
-    for tier, oc in sorted(((t, o) for t, by in rec.items() for o in by), key=cell_order):
-        r = rec[tier][oc]
+    every = [r for _, _, r in entries(rec)]
+    several = any(r.get("by_sampling") for r in every)
+    variants = any(r.get("base_strategy") not in (None, r.get("strategy")) for r in every)
+    for tier, oc, r in entries(rec):
         strategy = r["strategy"]
         if strategy == TIE:
             strategy = f"tie ({', '.join(r.get('tied', []))})"
-        rows.append({"tier": tier, "output_class": oc, "users": r["users"],
-                     "strategy": strategy, "goodput_tok_s": r["goodput"],
+        rows.append({"tier": tier, "output_class": oc,
+                     **({"sampling": r.get("sampling", mn.GREEDY)} if several else {}),
+                     "users": r["users"], "strategy": strategy,
+                     **({"base_strategy": r.get("base_strategy"), "k": r.get("k")} if variants else {}),
+                     "goodput_tok_s": r["goodput"],
                      "goodput_rps": r["goodput_rps"], "speedup": r["speedup"],
                      "runner_up": r["runner_up"], "margin": percent(r["margin"]),
                      "confidence": percent(r["confidence"], 0), "note": r["note"]})

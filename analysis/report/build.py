@@ -33,11 +33,24 @@ from analysis.data.degradation import DEFAULT_THRESHOLD, EXIT_DEGRADED, compare
 from analysis.data.consistency import annotate_recommendation
 from analysis.data.load import Results, ResultsError, load_results
 from analysis.decide.questions import questions_section
-from analysis.decide.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION, recommend,
-                                recommendation_rows)
+from analysis.report.dimensions import dimensions_section
+from analysis.decide.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION,
+                                       recommend_by_sampling, recommendation_rows)
 from analysis.data.slo import resolve_slos
 from configs import metric_names as mn
 from configs.jsonio import write_json
+
+
+def recommendation_json_rows(rec: dict) -> list[dict]:
+    """recommendation.json ``rows``: per tier x output class x sampling label the recommended
+    ``strategy`` (served name; ``tie`` with ``tied``), its ``base_strategy`` and ``k``
+    (draft length; ``top_k_candidates`` where varied), the sampling label and temperature,
+    goodput (tokens/s), speedup, margin and confidence (fractions)."""
+    from analysis.decide.recommend import entries
+
+    keys = ("strategy", "leader", "tied", "base_strategy", "k", "top_k_candidates", "sampling",
+            "temperature", "goodput", "speedup", "runner_up", "margin", "confidence", "users")
+    return [{"tier": t, "output_class": oc, **{k: r.get(k) for k in keys}} for t, oc, r in entries(rec)]
 
 
 def predict_crossovers(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
@@ -81,10 +94,13 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     crossover = metrics.crossover_measured(cells).merge(
         predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
         how="outer")
-    rec = recommend(flagged, cells, slos, n_boot=n_boot, seed=seed)
+    rec = recommend_by_sampling(flagged, cells, slos, n_boot=n_boot, seed=seed)
     outage = faults.outages(flagged)
     faults.annotate_degraded(rec, outage)
     answers = questions_section(results, flagged, warmup_s, dropped)
+    dims = dimensions_section(cells)   # speedup / tau vs k and vs temperature (when varied)
+    answers.setdefault("tables", []).extend(dims["tables"])
+    answers.setdefault("figures", {}).update({k: v for k, v in dims["figures"].items() if v})
     annotate_recommendation(rec, answers["diverging"])
     degradation = None
     if baseline is not None:
@@ -162,7 +178,10 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
              "json": out / "recommendation.json"}
     _write_atomic(paths["md"], render.markdown(a))
     _write_atomic(paths["html"], render.html(a))
-    write_json(paths["json"], {"schema_version": RECOMMENDATION_SCHEMA_VERSION, **a.recommendation},
+    # "rows": one per tier x output class x sampling label, with the deployment's
+    # strategy (served name), base_strategy and k (python -m loadgen --k)
+    write_json(paths["json"], {"schema_version": RECOMMENDATION_SCHEMA_VERSION, **a.recommendation,
+                               "rows": recommendation_json_rows(a.recommendation)},
                sort_keys=True)
     degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
     return {

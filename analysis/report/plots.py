@@ -14,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from analysis.model.capacity import BATCH_TOKENS, step_table
+from analysis.data.dimensions import primary_sampling
 from analysis.data.metrics import OUTPUT_TOKENS_PER_S, SPEEDUP
 from configs import metric_names as mn
 
@@ -29,6 +30,9 @@ def strategy_color(strategy: str) -> str:
     """The colour of ``strategy`` in every figure of the report."""
     if strategy in STRATEGY_COLORS:
         return STRATEGY_COLORS[strategy]
+    parsed = mn.parse_variant_name(strategy)   # a variant (dflash2-k4) has its strategy's colour
+    if parsed:
+        return STRATEGY_COLORS[parsed[0]]
     return _SPARE_COLORS[sum(map(ord, str(strategy))) % len(_SPARE_COLORS)]
 
 
@@ -48,6 +52,7 @@ def _axes(n: int, width: float = 5.0, height: float = 3.6):
 
 def speedup_vs_users(cells: pd.DataFrame, crossover: pd.DataFrame) -> bytes | None:
     """Speedup (strategy / autoregressive tokens/s) against requested users, per output class."""
+    cells = primary_sampling(cells)   # one sampling setting's curves (greedy first)
     spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
     if spec.empty:
         return None
@@ -74,6 +79,7 @@ def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None
     """Output tokens/s against p50 end-to-end latency, one point per users level; knee starred."""
     if cells.empty:
         return None
+    cells = primary_sampling(cells)
     classes = sorted(cells[mn.REQ_OUTPUT_CLASS].unique())
     fig, axes = _axes(len(classes))
     for ax, oc in zip(axes, classes):
@@ -97,14 +103,18 @@ def goodput_bars(rec_rows: list[dict], rec: dict) -> bytes | None:
         return None
     fig, axes = _axes(len(rec_rows), width=3.6)
     for ax, row in zip(axes, rec_rows):
-        by = rec[row["tier"]][row["output_class"]]["goodput_by_strategy"]
+        r = rec[row["tier"]][row["output_class"]]
+        if row.get("sampling") and r.get("sampling") not in (None, row["sampling"]):
+            r = r["by_sampling"][row["sampling"]]
+        by = r["goodput_by_strategy"]
         names = list(by)
         ax.bar(range(len(names)), [by[n] for n in names],
                color=[strategy_color(n) for n in names],
                edgecolor=["black" if n == row["strategy"] else "none" for n in names],
                linewidth=2, hatch=None)
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
-        ax.set(title=f"{row['tier']} / {row['output_class']}", ylabel="goodput (tokens/s)")
+        samp = f" / {row['sampling']}" if row.get("sampling") not in (None, mn.GREEDY) else ""
+        ax.set(title=f"{row['tier']} / {row['output_class']}{samp}", ylabel="goodput (tokens/s)")
     return _png(fig)
 
 

@@ -22,7 +22,8 @@ from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 if TYPE_CHECKING:
     from analysis.data.analysis import Analysis
 
-CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "users", "n_requests", "n_ok",
+CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "sampling", "users", "k",
+                "n_requests", "n_ok",
                 "output_tokens_per_s", "speedup", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
                 "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p90",
                 "itl_ms_p99", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
@@ -44,6 +45,9 @@ FIGURE_TITLES = {
     "acceptance_by_source": "Per-request acceptance length by prompt source",
     "server_timeline": "Server gauges over the run: running and waiting requests per served model "
                        "(shaded: cells)",
+    "k_curve": "Speedup and acceptance length vs draft length k, per tier (one line per strategy; "
+               "dashed / dotted: other candidate counts)",
+    "temperature": "Acceptance length and speedup vs sampling temperature, per strategy",
 }
 
 

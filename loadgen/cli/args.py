@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from configs import metric_names as M
-from configs.cli_args import existing_file, number, output_dir, path_component, port
+from configs.cli_args import existing_file, number, number_list, output_dir, path_component, port
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
 from analysis.data.consistency import TIE_TOLERANCE
 from loadgen.cli.consistency import DEFAULT_SAMPLES
@@ -20,9 +20,10 @@ from loadgen.cli.target import ROUTE_AUTO, ROUTE_MODEL_FIELD, ROUTE_STRATEGY, pa
 
 def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
     """Flags choosing the cells: tier, repeats, sweep, output class."""
-    ap.add_argument("--tier", default=None, choices=TIER_NAMES + ("all",),
-                    help="tier(s) to run (required unless --sweep; with --sweep: the template tier "
-                         "whose duration, max_tokens and SLOs the sweep cells use, default high)")
+    ap.add_argument("--tier", default=None, metavar="{low,mid,high,all}[,...]",
+                    help="tier(s) to run: one, a comma-separated list (low,high) or all (required "
+                         "unless --sweep; with --sweep: the one template tier whose duration, "
+                         "max_tokens and SLOs the sweep cells use, default high)")
     ap.add_argument("--repeats", type=number(int, ge=1), default=1,
                     help="run each cell K times back to back (request column `repeat`, 0-based)")
     ap.add_argument("--sweep", action="store_true",
@@ -37,6 +38,20 @@ def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
 def _add_target_flags(ap: argparse.ArgumentParser) -> None:
     """Flags naming the target: strategies, URL or local service, route, workers."""
     ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
+    ap.add_argument("--k", type=number_list(int, ge=1, le=64), default=None, metavar="K[,K...]",
+                    help="draft lengths (num_speculative_tokens) to measure: every speculative strategy "
+                         "runs once per k as its own deployment <strategy>-k<K> (local service: "
+                         "deployed from the Serve config; --target: those names must be served). A "
+                         "block drafter refuses k above its trained block_size - 1")
+    ap.add_argument("--top-k-candidates", type=number_list(int, ge=1, le=256), default=None,
+                    metavar="C[,C...]",
+                    help="dflash2's candidates per position (strategy_options.top_k) to measure: one "
+                         "deployment per count, <strategy>[-k<K>]-c<C>")
+    ap.add_argument("--temperature", type=number_list(float, ge=0, le=2), default=None,
+                    metavar="T[,T...]",
+                    help="sampling settings to run, overriding the tier file's (0 = greedy): each "
+                         "temperature is its own cell (label greedy / t0.7), request seeds from the "
+                         "profile's sampling seed")
     ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
                                                  "default: start/reuse the local service")
     ap.add_argument("--local-port", type=port(), default=8000,
@@ -145,10 +160,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tier is None and not args.sweep:
         parser.error("--tier is required (low, mid, high or all), unless --sweep is given")
+    if args.tier is not None:
+        try:
+            tier_list(args.tier)
+        except ValueError as err:
+            parser.error(str(err))
     if args.sweep:
         args.tier = args.tier or "high"
-        if args.tier == "all":
-            parser.error("--tier with --sweep names one template tier (low, mid or high), not all")
+        if args.tier not in TIER_NAMES:
+            parser.error("--tier with --sweep names one template tier (low, mid or high), "
+                         f"not {args.tier!r}")
         try:
             sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
         except ValueError as err:
@@ -165,6 +186,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def tier_list(text: str) -> list[str]:
+    """``--tier`` -> tier names in canonical order: ``all``, one name or ``low,high``.
+    Raises ValueError naming ``--tier`` for an unknown name."""
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    if "all" in names:
+        return list(TIER_NAMES)
+    bad = [t for t in names if t not in TIER_NAMES]
+    if bad or not names:
+        raise ValueError(f"--tier: {bad or text!r} not a tier; expected low, mid, high, all or a "
+                         "comma-separated list such as low,high")
+    return [t for t in TIER_NAMES if t in names]
+
+
 def check_local_strategy_names(args: argparse.Namespace) -> str | None:
     """Without ``--target``: every ``--strategies`` name must be one the local service deploys.
 
@@ -175,7 +209,7 @@ def check_local_strategy_names(args: argparse.Namespace) -> str | None:
         return None
     from configs.serve_config import configured_strategy_names
 
-    known = configured_strategy_names()
+    known = configured_strategy_names(args.local_config or None)
     asked = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in asked if s not in known]
     if unknown:

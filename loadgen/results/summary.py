@@ -84,6 +84,7 @@ class CellSummary:
     cpu_max_percent: float = math.nan
     speedup: float = math.nan               # output_tokens_per_s / autoregressive's, same cell
     repeat: int = 0                         # 0-based repeat (--repeats)
+    sampling: str = M.GREEDY                # sampling label (configs.tiers.Sampling.name): part of the cell
     duration_s: float = math.nan            # first scheduled send -> last end of any row, s
     degraded_requests: int = 0              # requests whose drafter failed: went on autoregressively
     warnings: list[str] = field(default_factory=list)
@@ -162,11 +163,14 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
 
 
 def add_speedups(summaries: list[CellSummary], baseline: str = M.AUTOREGRESSIVE) -> None:
-    """Set ``speedup`` = tokens/s / the baseline strategy's tokens/s in the same tier x output cell."""
-    base = {(s.tier, s.output_class, s.users, s.repeat): s.output_tokens_per_s
-            for s in summaries if s.strategy == baseline}
+    """Set ``speedup`` = tokens/s / the baseline strategy's tokens/s in the same cell
+    (``metric_names.CELL_KEY`` without the strategy: tier, output class, sampling, users) and repeat."""
+    def key(s: CellSummary) -> tuple:
+        return tuple(getattr(s, k) for k in M.CELL_KEY_NO_STRATEGY) + (s.repeat,)
+
+    base = {key(s): s.output_tokens_per_s for s in summaries if s.strategy == baseline}
     for s in summaries:
-        b = base.get((s.tier, s.output_class, s.users, s.repeat))
+        b = base.get(key(s))
         if b and not math.isnan(b) and b > 0 and not math.isnan(s.output_tokens_per_s):
             s.speedup = s.output_tokens_per_s / b
 
@@ -190,7 +194,8 @@ def _users(s: CellSummary) -> str:
 CONSOLE_COLUMNS: tuple[tuple[str, Any, str], ...] = (
     ("strategy", lambda s: s.strategy, "decoding strategy (the request's model)"),
     ("tier", lambda s: s.tier, "load tier (configs/tiers.yaml)"),
-    ("out", lambda s: s.output_class, "output class: short or long max_tokens"),
+    ("out", lambda s: s.output_class + ("" if s.sampling == M.GREEDY else f"/{s.sampling}"),
+     "output class: short or long max_tokens (/t0.7: its sampling setting; none shown: greedy)"),
     ("users", _users, "requested concurrency (closed loop) or arrival rate (open loop, req/s)"),
     ("conc", lambda s: _num(s.achieved_concurrency, ".1f"),
      "achieved concurrency: time-weighted mean of requests in flight"),
@@ -330,7 +335,8 @@ def cell_line(index: int, total: int, s: CellSummary, elapsed_s: float, eta_s: f
            else "")
     users = f" u{s.users}" if s.tier == "sweep" else ""
     rep = f" r{s.repeat}" if s.repeat else ""
-    return (f"cell {index}/{total}{' max' if at_most else ''} {s.strategy} {s.tier}/{s.output_class}"
+    samp = "" if s.sampling == M.GREEDY else f"/{s.sampling}"
+    return (f"cell {index}/{total}{' max' if at_most else ''} {s.strategy} {s.tier}/{s.output_class}{samp}"
             f"{users}{rep}: ok {s.n_ok}/{s.n_requests}, "
             f"{_num(s.output_tokens_per_s, '.1f')} tok/s, speedup {_num(s.speedup, '.2f')}, "
             f"TTFT p50 {_num(s.ttft_ms_p50, '.0f')} ms, SLO {_pct_str(s.slo_attainment)} "

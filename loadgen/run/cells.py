@@ -49,6 +49,9 @@ class CellPlan:
     max_retries: int = 0           # re-sends of a request answered 429 (0: record it as rejected at once)
     retry_backoff_s: float = 0.5   # first retry delay, doubled per retry; never below Retry-After
     mix: list[str] = field(default_factory=list)  # models to interleave (request i -> mix[i % len]); [] = model
+    sampling_label: str = "greedy"  # the cell's sampling label (configs.tiers.Sampling.name; column `sampling`)
+    ignore_eos: bool = False       # output class fixes lengths: sent as ignore_eos (vLLM's field)
+    min_tokens: int | None = None  # sent as min_tokens (capped at the request's max_tokens); None: not sent
 
     def __repr__(self) -> str:  # headers may hold credentials: never in a log line or traceback
         return f"CellPlan(cell_id={self.cell_id!r}, base_url={self.base_url!r}, headers=<redacted>)"
@@ -153,6 +156,10 @@ class Dispenser:
             body["seed"] = int(p.sampling["seed"]) + index
         if p.sampling.get("stop"):
             body["stop"] = p.sampling["stop"]
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if p.min_tokens:
+            body["min_tokens"] = min(int(p.min_tokens), int(max_tokens))
         body.update(p.extra_body)
         return Job(index, scheduled_ts, pid, body, model if p.mix else p.strategy)
 

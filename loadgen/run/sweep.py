@@ -12,7 +12,8 @@ speedup can no longer move; a strategy that saturates while autoregressive
 still grows keeps going, since that is how the crossover is reached), or where
 fewer than half its requests succeeded (``failing``). The sweep ends
 when no strategy is active. Cells carry tier ``sweep`` and their users level;
-every other setting (duration, max_tokens, SLOs) comes from the template tier.
+every other setting (duration, max_tokens, SLOs) comes from the template tier, and
+so does the sampling: the template cell's first sampling setting only.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class CellSpec:
     output_class: str
     users: int | None       # None: the template cell's own users
     repeat: int = 0
+    sampling: str = ""      # sampling label (configs.tiers.Sampling.name); "": the cell's first
 
 
 @dataclass
@@ -112,13 +114,17 @@ class SweepState:
 
 
 def grid_cells(strategies: list[str], tiers: list[str], outputs: list[str],
-               repeats: int = 1) -> Iterator[CellSpec]:
-    """The tier grid: strategy-major, then tier, output class, repeat (repeats back to back)."""
+               repeats: int = 1, samplings: dict[tuple[str, str], list[str]] | None = None
+               ) -> Iterator[CellSpec]:
+    """The tier grid: strategy-major, then tier, output class, sampling label, repeat
+    (repeats back to back). ``samplings``: (tier, output class) -> its sampling labels
+    (None or a missing key: one cell, the cell's first setting)."""
     for s in strategies:
         for t in tiers:
             for oc in outputs:
-                for k in range(repeats):
-                    yield CellSpec(s, t, t, oc, None, k)
+                for label in (samplings or {}).get((t, oc)) or [""]:
+                    for k in range(repeats):
+                        yield CellSpec(s, t, t, oc, None, k, label)
 
 
 def sweep_cells(strategies: list[str], outputs: list[str], template_tier: str, levels: list[int],

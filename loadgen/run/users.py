@@ -46,7 +46,10 @@ class CellContext:
                 M.REQ_OUTPUT_CLASS: p.output_class, M.REQ_DATASET: p.dataset, M.REQ_PROMPT_ID: job.prompt_id,
                 M.REQ_USERS: p.users, M.REQ_ARRIVAL: p.arrival, M.REQ_RATE_RPS: p.rate_rps,
                 M.REQ_REQUEST_INDEX: job.index, M.REQ_MAX_TOKENS: job.body.get("max_tokens"),
-                M.REQ_REPEAT: p.repeat}
+                M.REQ_REPEAT: p.repeat, M.REQ_SAMPLING: p.sampling_label,
+                M.REQ_TEMPERATURE: job.body.get("temperature"),
+                M.REQ_IGNORE_EOS: int(bool(job.body.get("ignore_eos"))),
+                M.REQ_MIN_TOKENS: job.body.get("min_tokens")}
 
     def emit(self, job: Job, fields: dict[str, Any]) -> dict[str, Any]:
         row = self.base_row(job)

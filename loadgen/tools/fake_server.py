@@ -157,7 +157,10 @@ class FakeServer:
             await resp.write(b"data: [DONE]\n\n")
             end = time.time()
             self.truth[key] = {"recv_ts": recv, "first_content_ts": first, "end_ts": end,
-                               "completion_tokens": sent, "status": "ok", "path": request.path}
+                               "completion_tokens": sent, "status": "ok", "path": request.path,
+                               # the sampling / output-length fields the client sent
+                               "sent": {f: body.get(f) for f in ("temperature", "top_p", "seed",
+                                                                  "ignore_eos", "min_tokens")}}
             await resp.write_eof()
             return resp
         except (ConnectionResetError, asyncio.CancelledError):  # the client went away (cancelled)
