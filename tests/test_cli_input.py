@@ -64,6 +64,11 @@ def _run(*cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--local-config", "/"], "--local-config", "directory"),
     (["--run-id", "../../x"], "--run-id", "plain name"),
     (["--run-id", "a/b"], "--run-id", "plain name"),
+    (["--strategies", ""], "--strategies", "expected comma-separated"),
+    (["--strategies", "ngram,,dflash"], "--strategies", "expected comma-separated"),
+    (["--strategies", "ngram,autoregressive,ngram"], "--strategies", "ngram named twice"),
+    (["--consistency-dtype", "fp8"], "--consistency-dtype", "invalid choice"),
+    (["--consistency-tie-tolerance", "-1"], "--consistency-tie-tolerance", ">= 0"),
 ])
 def test_loadgen_bad_flag(capsys, extra, flag, text):
     from loadgen.cli.args import parse_args

@@ -37,7 +37,8 @@ def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
 
 def _add_target_flags(ap: argparse.ArgumentParser) -> None:
     """Flags naming the target: strategies, URL or local service, route, workers."""
-    ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
+    ap.add_argument("--strategies", default=None,
+                    help="comma-separated; default: the target's /v1/models")
     ap.add_argument("--k", type=number_list(int, ge=1, le=64), default=None, metavar="K[,K...]",
                     help="draft lengths (num_speculative_tokens) to measure: every speculative strategy "
                          "runs once per k as its own deployment <strategy>-k<K> (local service: "
@@ -174,6 +175,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
         except ValueError as err:
             parser.error(f"--sweep-start/--sweep-factor/--sweep-max-users: {err}")
+    if args.strategies is not None:   # given: not empty, no name twice (a cell measured twice)
+        names = [x.strip() for x in args.strategies.split(",")]
+        if not any(names) or "" in names[:-1]:
+            parser.error(f"--strategies: expected comma-separated strategy names, got "
+                         f"{args.strategies!r} (omit the flag for every strategy the target serves)")
+        names = [n for n in names if n]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            parser.error(f"--strategies: {', '.join(dup)} named twice; each strategy runs once per cell")
+    else:
+        args.strategies = ""
     # numbers, ports and paths are checked by their argparse types (configs.cli_args)
     if args.run_id and (Path(args.results) / args.run_id).exists():
         parser.error(f"--run-id: the run directory {Path(args.results) / args.run_id} exists already; "

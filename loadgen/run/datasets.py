@@ -119,7 +119,7 @@ def load_dataset(name: str = DEFAULT_DATASET, max_chars: int = 1200,
         if not path.exists():
             raise DatasetError(f"{path} missing; rebuild it with `python -m loadgen.run.datasets`")
         rows = _read_jsonl(path, name)
-    elif name == STDIN or name.endswith(".jsonl") or Path(name).exists():
+    elif name == STDIN or name.endswith(".jsonl") or Path(name).exists() or os.sep in name:
         try:
             stem, text = read_text_source(name)
         except SourceError as err:
