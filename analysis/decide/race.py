@@ -48,6 +48,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
+from analysis.data.metrics import GOOD, with_slo_flags
+from analysis.data.slo import resolve_slos
+from analysis.data.stability import apply_warmup
 from configs import metric_names as mn
 
 DEFAULT_CONFIDENCE = 0.9
@@ -56,7 +59,6 @@ N_BOOTSTRAP = 1000
 DEFAULT_SEED = 0
 DECIDED, EQUIVALENT, UNDECIDED = "decided", "equivalent", "undecided"
 STATUSES = (DECIDED, EQUIVALENT, UNDECIDED)
-GOOD = "meets_slo"            # analysis.data.metrics.GOOD (kept literal: this module needs no metrics import)
 REPEAT = getattr(mn, "REQ_REPEAT", "repeat")
 # The cell a decision is about: the one cell key without strategy and users (tier, output
 # class and whatever else identifies a cell, e.g. a sampling label), as far as the rows have it.
@@ -293,6 +295,16 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
                    "over": "repeats x requests" if max(len(v) for v in reps.values()) > 1
                    else "requests",
                    "confidence": confidence, "equivalence_margin": margin})
+
+
+def flag_requests(requests: pd.DataFrame, manifest_config: dict, warmup_s: float = 0.0) -> pd.DataFrame:
+    """Request rows (``analysis.data.load`` normalised) -> the flagged rows the decision reads,
+    the way the report builds them: the warm-up cut (``apply_warmup``, seconds), then the
+    SLO flags against the manifest's per-tier SLOs (``resolve_slos``)."""
+    if warmup_s:
+        requests, _, _ = apply_warmup(requests, None, warmup_s)
+    slos = resolve_slos(sorted(requests[mn.REQ_TIER].unique()), manifest_config)
+    return with_slo_flags(requests, slos)
 
 
 def decision_key(frame: pd.DataFrame) -> list[str]:

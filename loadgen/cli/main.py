@@ -161,6 +161,9 @@ class _RunState:
     n_steps: int = 0
     cell_no: int = 0
     stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
+    race_rows: list[dict] = dataclasses.field(default_factory=list)   # request rows (racing only)
+    race_cells: dict = dataclasses.field(default_factory=dict)  # cell key -> {strategy: CellSpec}
+    cell_seconds: dict = dataclasses.field(default_factory=dict)  # (cell key, strategy) -> [s, ...]
 
 
 def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
@@ -283,12 +286,46 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         _record_cell(st, s, sweep)
         # per cell: the replica's step ring buffer holds minutes, not a whole run
         _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
+    if st.args.budget_s > 0 and sweep is None:
+        _race(st, runner, progress)
     for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
         _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
         report = service.fetch_memory(st.target, strategy, headers=st.auth.headers,
                                       insecure=st.auth.insecure)
         if report:  # weights, KV cache, process memory (specload targets only)
             st.manifest.setdefault("memory", {})[strategy] = report
+
+
+def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
+    """Racing to a decision (``--budget``): after the first pass, rounds of repeats of the
+    undecided cells' contending strategies (``loadgen.cli.race``), each cell's contenders
+    run back to back in a rotating order, until every cell is decided or equivalent, or the
+    next round would end past the budget (wall time since the run started). The decisions
+    go to the manifest (``race``) and the console."""
+    from loadgen.cli import race as race_mod
+    from loadgen.results.writer import write_manifest
+
+    args = st.args
+    racer = race_mod.Racer(budget_s=args.budget_s, confidence=args.confidence,
+                           margin=args.equivalence_margin, first_pass_repeats=args.repeats,
+                           started_ts=st.manifest["started_ts"], run_id=st.run_id,
+                           manifest_config=st.manifest["config"], warmup_s=args.warmup_s)
+    st.manifest["race"] = racer.manifest_entry()
+    say = lambda m: st.console.print(m, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    try:
+        for plan in racer.rounds(st.race_rows, st.race_cells, st.cell_seconds, say):
+            progress.total += len(plan)
+            for key, spec in plan:
+                s, cell_t0 = _run_cell(st, spec, runner, progress)
+                _record_cell(st, s, None)
+                _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
+    finally:
+        st.manifest["race"] = racer.manifest_entry()
+        write_manifest(st.run_dir / "manifest.json", st.manifest)
+    for line in racer.final_lines(st.race_rows):
+        say(line)
+    st.manifest["race"] = racer.manifest_entry()
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
 
 
 def _check_consistency(st: _RunState) -> None:
@@ -334,7 +371,7 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
         cell_id=f"{strategy}/{tier}/{oc}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
         headers=st.auth.headers, insecure=st.auth.insecure,
         max_retries=args.retry, retry_backoff_s=args.retry_backoff_s)
-    rep = f" r{spec.repeat}" if args.repeats > 1 else ""
+    rep = f" r{spec.repeat}" if args.repeats > 1 or spec.repeat else ""
     sweep_users = f" u{users}" if args.sweep else ""
     progress.new_cell(f"{strategy} {tier}/{oc}{sweep_users}{rep}", plan)
     cell_t0 = time.time()
@@ -349,6 +386,13 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
         _record_losses(st, runner)
     st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
                             "repeat": spec.repeat, "t0": cell_t0, "t1": time.time()})
+    if args.budget_s > 0 and not args.sweep:   # racing decides on these rows (loadgen.cli.race)
+        from loadgen.cli.race import cell_key
+
+        st.race_rows.extend(cell_run.rows)
+        key = cell_key(cell_run.rows, spec)
+        st.race_cells.setdefault(key, {}).setdefault(strategy, spec)
+        st.cell_seconds.setdefault((key, strategy), []).append(time.time() - cell_t0)
     s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
                        arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
                        slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
