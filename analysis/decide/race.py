@@ -17,8 +17,17 @@ replicate's goodput rescaled by the resample's good tokens per second of request
 (a ratio estimator, as ``analysis.decide.recommend`` has always done: resampling good
 tokens alone gives no variance when every request has the same length). With >= 2
 replicates the bootstrap is two-level: resample the replicates, then the requests within
-each resampled replicate; with one, over requests alone. Strategies are resampled
-independently. The generator is seeded, so a decision is reproducible.
+each resampled replicate; with one, over requests alone. Both levels scale the bootstrap
+deviations by sqrt(n / (n - 1)) (n units resampled: requests, or repeats), the usual
+small-sample correction of the bootstrap variance of a mean (Efron & Tibshirani 1993, An
+Introduction to the Bootstrap, section 5.2): with 2 repeats the plain bootstrap gives half
+the variance. Strategies are resampled independently. The generator is seeded, so a
+decision is reproducible.
+
+Limits: one repeat sees only request-to-request noise, not drift between cells (a
+cell-level slowdown on a busy machine looks like a real difference until a repeat shows
+it); and every racing round is another look at the data, so the chance that some round
+drops a strategy that is not worse grows with the rounds (no alpha spending here).
 
 Rules, at confidence ``c`` (default 0.9) and margin ``m`` (default 0.03):
 
@@ -153,7 +162,14 @@ def _boot_replicate(rep: Replicate, n_boot: int, rng: np.random.Generator) -> np
     idx = rng.integers(0, rep.tokens.size, size=(n_boot, rep.tokens.size))
     full_rate = rep.tokens.sum() / rep.e2e_ms.sum()
     rate = rep.tokens[idx].sum(axis=1) / rep.e2e_ms[idx].sum(axis=1)
-    return point * rate / full_rate
+    return _unshrink(point * rate / full_rate, point, rep.tokens.size)
+
+
+def _unshrink(boot: np.ndarray, centre: float, n: int) -> np.ndarray:
+    """Scale bootstrap deviations by sqrt(n / (n - 1)): the bootstrap variance of a mean of
+    n units is (n - 1) / n of the unbiased estimate, which matters with few units (2 repeats:
+    half the variance)."""
+    return centre + (boot - centre) * math.sqrt(n / (n - 1)) if n > 1 else boot
 
 
 def bootstrap_goodput(reps: list[Replicate], n_boot: int, rng: np.random.Generator) -> np.ndarray:
@@ -164,7 +180,7 @@ def bootstrap_goodput(reps: list[Replicate], n_boot: int, rng: np.random.Generat
         return pools[0]
     which = rng.integers(0, len(reps), size=(n_boot, len(reps)))       # replicates drawn
     draw = rng.integers(0, n_boot, size=(n_boot, len(reps)))           # an independent request resample each
-    return pools[which, draw].mean(axis=1)
+    return _unshrink(pools[which, draw].mean(axis=1), float(np.mean([r.goodput for r in reps])), len(reps))
 
 
 def _rank(point: dict[str, float]) -> list[str]:

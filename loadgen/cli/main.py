@@ -490,13 +490,16 @@ def _print_outcome(st: _RunState) -> int:
 
 def _report(run_dir: Path, console: Any) -> None:
     """Write the analysis report into the run's report folder; print the headline and its paths."""
+    from analysis.decide.claims import claim_lines
     from analysis.decide.recommend import headline_lines
     from analysis.report.build import build_report, default_out_dir
 
     out = build_report(run_dir, default_out_dir(run_dir))
     console.print("recommendation per tier (highest goodput under the SLOs):", highlight=False)
-    for line in headline_lines(out["recommendation"]):
+    for line in headline_lines(out["recommendation"], (out.get("race") or {}).get("undecided_reason")):
         console.print(f"  {line}", highlight=False, markup=False)
+    for line in claim_lines(out.get("claims") or []):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
     for name, path in out["paths"].items():
         console.print(f"{name}: {path}", highlight=False)
 
