@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="FRACTION",
                     help="racing: contenders whose relative goodput difference to the leader lies "
                          "inside +-FRACTION (at --confidence) are equivalent: run any of them "
-                         f"(default {DEFAULT_MARGIN:g} = {DEFAULT_MARGIN:.0%})")
+                         f"(default {DEFAULT_MARGIN:g} = {100 * DEFAULT_MARGIN:.0f}%%)")
     ap.add_argument("--sweep", action="store_true",
                     help="concurrency sweep: users grow geometrically per strategy until its speedup "
                          "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
