@@ -230,7 +230,10 @@ def _open_run(st: _RunState) -> tuple[int, float]:
     planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
     st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
                      f"{' at most' if args.sweep else ''} against {st.target} (route: {route_names(st.prefixes)}), about "
-                     f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
+                     f"{clock(n_cells * planned_cell_s)} planned"
+                     + (f", then racing the undecided cells to a decision within a {clock(args.budget_s)} budget"
+                        if args.budget_s > 0 and not args.sweep else "")
+                     + f"; results in {st.run_dir}", highlight=False)
     st.writer = RowSink(st.run_dir)
     st.manifest = {
         "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
@@ -320,6 +323,8 @@ def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
                 _record_cell(st, s, None)
                 _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
     finally:
+        if racer.stopped == "running":   # Ctrl-C or an error inside a round
+            racer.stopped = "interrupted"
         st.manifest["race"] = racer.manifest_entry()
         write_manifest(st.run_dir / "manifest.json", st.manifest)
     for line in racer.final_lines(st.race_rows):
@@ -497,7 +502,7 @@ def _report(run_dir: Path, console: Any) -> None:
     out = build_report(run_dir, default_out_dir(run_dir))
     console.print("recommendation per tier (highest goodput under the SLOs):", highlight=False)
     for line in headline_lines(out["recommendation"], (out.get("race") or {}).get("undecided_reason")):
-        console.print(f"  {line}", highlight=False, markup=False)
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)   # one line each
     for line in claim_lines(out.get("claims") or []):
         console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
     for name, path in out["paths"].items():
