@@ -161,7 +161,7 @@ def test_headline_says_status_confidence_repeats_and_time():
     assert lines[0].startswith("low / short: run dflash2; ") and "(decided, sure: confidence" in lines[0]
     assert "1 repeat, 0:" in lines[0]
     assert lines[1].startswith("low / long: run any of dflash2, dspark (equivalent within +-3%")
-    assert lines[2].startswith("high / short: run any of dflash, ngram (undecided (budget spent): ")
+    assert lines[2].startswith("high / short: run any of dflash, ngram (undecided, budget spent: ")
 
 
 # --- the round plan and the budget rule ---------------------------------------------------

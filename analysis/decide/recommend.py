@@ -228,7 +228,7 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
         if r.get("strategy") is None:
             lines.append(f"{head} no strategy met the SLOs; nothing to recommend")
         elif r.get("strategy") == TIE:
-            why = f"undecided{f' ({undecided_reason})' if undecided_reason else ''}: " if status else "a tie: "
+            why = f"undecided{f', {undecided_reason}' if undecided_reason else ''}: " if status else "a tie: "
             lines.append(f"{head} run any of {', '.join(r.get('tied', []))} ({why}{r.get('leader')} leads "
                          f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
                          f"< {level}{effort})")

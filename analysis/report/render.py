@@ -16,7 +16,7 @@ import pandas as pd
 
 from analysis.decide.checks import R2_MIN
 from analysis.decide.claims import claim_lines
-from analysis.decide.recommend import cell_order, headline_lines, recommendation_rows
+from analysis.decide.recommend import cell_order, headline_lines, percent, recommendation_rows
 from configs import metric_names as mn
 from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 
@@ -193,7 +193,7 @@ def _race_rows(a: Analysis) -> list[dict]:
                      "leader": r.get("leader"), "contenders": r.get("contenders"),
                      "equivalent": r.get("equivalent"),
                      "dropped": ", ".join(f"{s} (r{k})" for s, k in (r.get("dropped") or {}).items()),
-                     "confidence": r.get("confidence"), "repeats": r.get("repeats"),
+                     "confidence": percent(r.get("confidence"), 0), "repeats": r.get("repeats"),
                      "time_s": r.get("time_s"),
                      "interval": "; ".join(f"{s} {100 * v[0]:+.1f}..{100 * v[1]:+.1f}%"
                                            for s, v in iv.items())})
