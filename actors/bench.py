@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,12 +101,9 @@ def flops_per_token(model, ctx: float) -> float:
     return 2.0 * (c.num_hidden_layers * (per_layer + attn) + c.hidden_size * c.vocab_size)
 
 
-def main(argv=None) -> int:
-    import sys
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["cost-curve"]:  # python -m actors.bench cost-curve ... (actors/cost_curve.py)
-        from actors.cost_curve import main as cost_curve_main
-        return cost_curve_main(args[1:])
+def _parse(argv) -> tuple[argparse.Namespace, list[int], list[str]]:
+    """Parse and check the flags; return (args, batch sizes with 1 and 8 always in, strategies
+    with ``autoregressive`` first). A bad flag exits 2 through ``ap.error``."""
     ap = argparse.ArgumentParser(prog="python -m actors.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -135,6 +133,22 @@ def main(argv=None) -> int:
     for s in strategies:
         if s not in PROPOSERS:
             ap.error(f"--strategies: unknown strategy {s!r}; known: {sorted(PROPOSERS)}")
+    return a, batches, strategies
+
+
+@dataclass
+class _Setup:
+    """What every repetition runs on: tokenizer, HF target and draft, prompts, warm engines."""
+    tok: object
+    hf: object
+    hf_draft: object
+    p1: list[str]
+    pb: dict[int, list[str]]
+    engines: dict[str, LLMEngine]
+
+
+def _load(a: argparse.Namespace, batches: list[int], strategies: list[str]) -> _Setup:
+    """Load the HF target and draft, the prompts, and one engine per strategy; warm each up."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_TARGET))
@@ -150,36 +164,55 @@ def main(argv=None) -> int:
             draft_model=str(DEFAULT_DRAFT) if s == "draft_model" else None))
         engine_tps(engines[s], p1[:1], 1, 8)  # warm-up
     hf_tps(hf, tok, p1[:1], 1, 8)
+    return _Setup(tok, hf, hf_draft, p1, pb, engines)
+
+
+def _rows(a: argparse.Namespace, batches: list[int], strategies: list[str],
+          st: _Setup) -> list[tuple[str, object]]:
+    """The rows of one repetition, in run order: (key, a call returning that row's measurement)."""
+    hf, tok, p1, pb, engines, hf_draft = st.hf, st.tok, st.p1, st.pb, st.engines, st.hf_draft
+    plan = [("hf_generate_b1", lambda: hf_tps(hf, tok, p1, 1, a.max_tokens)),
+            ("autoregressive_b1", lambda: engine_tps(engines["autoregressive"], p1, 1,
+                                                     a.max_tokens)),
+            ("hf_generate_b8", lambda: hf_tps(hf, tok, pb[8], 8, a.max_tokens)),
+            ("autoregressive_b8", lambda: engine_tps(engines["autoregressive"], pb[8], 8,
+                                                     a.max_tokens))]
+    if "draft_model" in strategies:
+        plan += [("hf_assisted_b1", lambda: hf_tps(hf, tok, p1, 1, a.max_tokens,
+                                                   assistant=hf_draft)),
+                 ("draft_model_b1", lambda: engine_tps(engines["draft_model"], p1, 1,
+                                                       a.max_tokens))]
+    for bsz in batches:
+        for s in strategies:
+            key = f"{s}_b{bsz}"
+            if key not in dict(plan):
+                plan.append((key, lambda s=s, bsz=bsz: engine_tps(
+                    engines[s], p1 if bsz == 1 else pb[bsz], bsz, a.max_tokens)))
+    if a.roof_batch:
+        plan += [("matmul_roof", lambda: matmul_roof(a.threads)),
+                 (f"autoregressive_b{a.roof_batch}", lambda: engine_tps(
+                     engines["autoregressive"], load_prompts(a.roof_batch), a.roof_batch,
+                     a.max_tokens))]
+    return plan
+
+
+def _measure(a: argparse.Namespace, batches: list[int], strategies: list[str],
+             st: _Setup) -> dict[str, list[dict]]:
+    """Run ``--reps`` repetitions of every row; return each row's measurements, one per rep."""
     # Every repetition runs every row once, in the same order (HF next to the engine),
     # so background load drifts hit both sides of a ratio alike; ratios are taken per
     # repetition and the median reported.
     runs: dict[str, list[dict]] = {}
     for rep in range(a.reps):
-        plan = [("hf_generate_b1", lambda: hf_tps(hf, tok, p1, 1, a.max_tokens)),
-                ("autoregressive_b1", lambda: engine_tps(engines["autoregressive"], p1, 1,
-                                                         a.max_tokens)),
-                ("hf_generate_b8", lambda: hf_tps(hf, tok, pb[8], 8, a.max_tokens)),
-                ("autoregressive_b8", lambda: engine_tps(engines["autoregressive"], pb[8], 8,
-                                                         a.max_tokens))]
-        if "draft_model" in strategies:
-            plan += [("hf_assisted_b1", lambda: hf_tps(hf, tok, p1, 1, a.max_tokens,
-                                                       assistant=hf_draft)),
-                     ("draft_model_b1", lambda: engine_tps(engines["draft_model"], p1, 1,
-                                                           a.max_tokens))]
-        for bsz in batches:
-            for s in strategies:
-                key = f"{s}_b{bsz}"
-                if key not in dict(plan):
-                    plan.append((key, lambda s=s, bsz=bsz: engine_tps(
-                        engines[s], p1 if bsz == 1 else pb[bsz], bsz, a.max_tokens)))
-        if a.roof_batch:
-            plan += [("matmul_roof", lambda: matmul_roof(a.threads)),
-                     (f"autoregressive_b{a.roof_batch}", lambda: engine_tps(
-                         engines["autoregressive"], load_prompts(a.roof_batch), a.roof_batch,
-                         a.max_tokens))]
-        for key, fn in plan:
+        for key, fn in _rows(a, batches, strategies, st):
             runs.setdefault(key, []).append(fn())
         print(f"repetition {rep + 1}/{a.reps} done", flush=True)
+    return runs
+
+
+def _summarize(a: argparse.Namespace, batches: list[int], strategies: list[str], st: _Setup,
+               runs: dict[str, list[dict]]) -> tuple[dict, dict]:
+    """Medians per row (``raw``) and the per-repetition ratios' medians (``ratios``)."""
     med = lambda xs: statistics.median(xs)
     raw = {k: {"tokens_per_s": med([r["tokens_per_s"] for r in v]) if "tokens_per_s" in v[0]
                else None, **{f: med([r[f] for r in v]) for f in ("acceptance_length", "flop_s")
@@ -195,7 +228,8 @@ def main(argv=None) -> int:
         for bsz in batches:
             ratios[f"{s}_vs_engine_ar_b{bsz}"] = r(f"{s}_b{bsz}", f"autoregressive_b{bsz}")
     if a.roof_batch:
-        fpt = flops_per_token(engines["autoregressive"].model,
+        tok = st.tok
+        fpt = flops_per_token(st.engines["autoregressive"].model,
                               ctx=statistics.mean(len(tok(p)["input_ids"]) for p in
                                                   load_prompts(a.roof_batch)) + a.max_tokens / 2)
         key = f"autoregressive_b{a.roof_batch}"
@@ -203,9 +237,11 @@ def main(argv=None) -> int:
             e["tokens_per_s"] * fpt / m["flop_s"] for e, m in zip(runs[key],
                                                                runs["matmul_roof"])]), 4)
         raw["matmul_roof"]["flops_per_token"] = fpt
-    result = {"ratios": ratios, "raw": raw, "max_tokens": a.max_tokens, "threads": a.threads,
-              "reps": a.reps, "note": "ratios: medians over interleaved repetitions",
-              "torch": torch.__version__, "device": "cpu"}
+    return raw, ratios
+
+
+def _print_outcome(ratios: dict, raw: dict) -> None:
+    """Print the ratios and raw rows as rich tables (the ratios as JSON without rich)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -225,6 +261,22 @@ def main(argv=None) -> int:
         Console().print(t); Console().print(t2)
     except ImportError:
         print(json.dumps(ratios, indent=2))
+
+
+def main(argv=None) -> int:
+    import sys
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["cost-curve"]:  # python -m actors.bench cost-curve ... (actors/cost_curve.py)
+        from actors.cost_curve import main as cost_curve_main
+        return cost_curve_main(args[1:])
+    a, batches, strategies = _parse(argv)
+    st = _load(a, batches, strategies)
+    runs = _measure(a, batches, strategies, st)
+    raw, ratios = _summarize(a, batches, strategies, st, runs)
+    result = {"ratios": ratios, "raw": raw, "max_tokens": a.max_tokens, "threads": a.threads,
+              "reps": a.reps, "note": "ratios: medians over interleaved repetitions",
+              "torch": torch.__version__, "device": "cpu"}
+    _print_outcome(ratios, raw)
     if a.out:
         write_json(a.out, result)
     return 0

@@ -199,7 +199,8 @@ def summarize(runs: dict[tuple[int, str], list[dict]], concs: list[int],
     return per_c
 
 
-def main(argv: list[str] | None = None) -> int:
+def _build_parser() -> argparse.ArgumentParser:
+    """The command's parser (flags and help exactly as ``--help`` shows them)."""
     ap = argparse.ArgumentParser(prog="python -m actors.bench_serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", default="autoregressive")
@@ -219,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="Serve's defaults instead of configs/serve.yaml's env_vars and "
                          "cluster up's proxy environment (configs.serve_config.PROXY_ENV)")
     ap.add_argument("--json", type=output_file(), default=None, help="write the result here")
+    return ap
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[int]]:
+    """Parse and check the flags; return (args, concurrencies, stream intervals).
+    A bad list or unknown strategy exits 2 through ``ap.error``."""
+    ap = _build_parser()
     a = ap.parse_args(argv)
     try:
         concs = [int(c) for c in a.concurrency.split(",") if c.strip()]
@@ -236,18 +244,29 @@ def main(argv: list[str] | None = None) -> int:
     if a.strategy not in STRATEGIES:
         ap.error(f"argument --strategy: unknown strategy {a.strategy!r}; expected one of "
                  f"{', '.join(STRATEGIES)}")
-    extra = sorted({i for i in intervals if i != 1})
+    return a, concs, intervals
 
-    engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),
-                  "torch_threads": a.torch_threads,
-                  "num_speculative_tokens": 0 if a.strategy == "autoregressive"
-                  else a.num_speculative_tokens}
+
+def _run_way(way: str, eng, base: str, own: str, a: argparse.Namespace, prompts: list[str],
+             tag: str) -> dict:
+    """One measurement of one way (direct engine, strategy route at an interval, model field)."""
+    if way == DIRECT:
+        return asyncio.run(run_direct(eng, prompts, a.max_tokens, tag))
+    if way == MODEL_FIELD:
+        return asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens))
+    si = int(way.rsplit("_si", 1)[1]) if "_si" in way else None
+    return asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens, own, si))
+
+
+def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
+             engine_cfg: dict) -> dict[tuple[int, str], list[dict]]:
+    """Start the direct engine and the local Serve app, run ``--reps`` interleaved repetitions
+    of every way at every concurrency, shut both down; return the runs by (users, way)."""
     import torch
 
     from actors.serve.app import strategy_route
 
     torch.set_num_threads(a.torch_threads)  # the direct runs share this process, as a replica would
-    ways = [DIRECT, STRATEGY_ROUTE, MODEL_FIELD] + [f"{STRATEGY_ROUTE}_si{i}" for i in extra]
     own = strategy_route(a.strategy) + "/v1/completions"
     runs: dict[tuple[int, str], list[dict]] = {}
     eng = make_direct_engine(engine_cfg)
@@ -260,14 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in concs:
                 prompts = load_prompts(c)
                 for way in order:
-                    if way == DIRECT:
-                        res = asyncio.run(run_direct(eng, prompts, a.max_tokens, f"r{rep}c{c}"))
-                    elif way == MODEL_FIELD:
-                        res = asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens))
-                    else:
-                        si = int(way.rsplit("_si", 1)[1]) if "_si" in way else None
-                        res = asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens,
-                                                   own, si))
+                    res = _run_way(way, eng, base, own, a, prompts, f"r{rep}c{c}")
                     runs.setdefault((c, way), []).append(res)
                     print(f"rep {rep + 1}/{a.reps} users {c:>3} {way:<20} "
                           f"{res['tokens_per_s']:8.1f} output tokens/s", flush=True)
@@ -277,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         eng.shutdown()
         serve.shutdown()
         ray.shutdown()
+    return runs
 
-    per_c = summarize(runs, concs, ways)
-    result = {
+
+def _result(a: argparse.Namespace, concs: list[int], per_c: dict) -> dict:
+    """The result document: the worst concurrency's ratios and TTFT added (ms), per concurrency."""
+    return {
         "strategy": a.strategy, "max_tokens": a.max_tokens, "reps": a.reps,
         "engine_process": a.engine_process,
         "concurrency": concs, "route": STRATEGY_ROUTE,
@@ -293,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         "note": "medians of interleaved repetitions; ratio / ttft_added_ms_p50: the worst "
                 "concurrency, strategy route (the load generator's default), stream_interval 1",
     }
-    if a.json:
-        write_json(a.json, result)
+
+
+def _print_outcome(result: dict, per_c: dict, concs: list[int], ways: list[str]) -> None:
+    """Print per concurrency and way tokens/s, ratio, TTFT/e2e added (ms); then the summary."""
     for c in concs:
         o = per_c[str(c)]
         print(f"users {c}: direct {o['direct_tokens_per_s']:.1f} output tokens/s")
@@ -308,8 +325,23 @@ def main(argv: list[str] | None = None) -> int:
           f"route) {result['ttft_added_ms_p50']:.1f} ms")
     print(json.dumps({k: result[k] for k in ("ratio", "ttft_added_ms_p50", "ratio_model_field",
                                              "ttft_added_ms_p50_model_field")}))
-    return 0
 
+
+def main(argv: list[str] | None = None) -> int:
+    a, concs, intervals = _parse(argv)
+    extra = sorted({i for i in intervals if i != 1})
+    engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),
+                  "torch_threads": a.torch_threads,
+                  "num_speculative_tokens": 0 if a.strategy == "autoregressive"
+                  else a.num_speculative_tokens}
+    ways = [DIRECT, STRATEGY_ROUTE, MODEL_FIELD] + [f"{STRATEGY_ROUTE}_si{i}" for i in extra]
+    runs = _measure(a, concs, ways, engine_cfg)
+    per_c = summarize(runs, concs, ways)
+    result = _result(a, concs, per_c)
+    if a.json:
+        write_json(a.json, result)
+    _print_outcome(result, per_c, concs, ways)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

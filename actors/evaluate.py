@@ -38,7 +38,7 @@ import numpy as np
 
 from actors.engine.types import SamplingParams, SpecStats
 from configs import metric_names as M
-from configs.jsonio import write_json
+from configs.jsonio import SourceError, read_text_source, write_json
 from configs.paths import MODELS_DIR, PROMPTS_DIR
 
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -208,7 +208,8 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=Path, default=None, help="JSONL rows with prompt[, domain]")
+    ap.add_argument("--prompts", default=None,
+                    help="JSONL rows with prompt[, domain]; - (or /dev/stdin) reads standard input")
     ap.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--per-domain", type=int, default=16, help="prompts per domain (default set)")
@@ -217,9 +218,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.prompts:
-        rows = [json.loads(line) for line in a.prompts.read_text().splitlines() if line.strip()]
-        if any("prompt" not in r for r in rows):
-            raise SystemExit(f"{a.prompts}: every row needs a 'prompt' field")
+        try:
+            _, text = read_text_source(a.prompts)
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except (SourceError, json.JSONDecodeError) as err:
+            ap.error(f"--prompts: {err}")
+        if not rows or any(not isinstance(r, dict) or "prompt" not in r for r in rows):
+            ap.error(f"--prompts: {a.prompts}: every row needs a 'prompt' field")
     else:
         rows = default_prompts(a.per_domain)
     import torch

@@ -17,14 +17,18 @@ import sys
 from pathlib import Path
 
 from actors.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from configs.jsonio import SourceError, read_text_source
 
 
-def read_prompts(path: Path, parser: argparse.ArgumentParser) -> list[dict]:
-    """Rows of a JSONL file; errors name the flag and the line."""
-    if not path.is_file():
-        parser.error(f"--prompts: {path} does not exist")
+def read_prompts(path: str, parser: argparse.ArgumentParser) -> list[dict]:
+    """Rows of a JSONL source (a file, ``-`` for stdin, ``/dev/stdin`` or a pipe);
+    errors name the flag and the line."""
+    try:
+        _, text = read_text_source(str(path))
+    except SourceError as err:
+        parser.error(f"--prompts: {err}")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -44,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="python -m actors.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--strategy", default="autoregressive", choices=sorted(PROPOSERS))
-    ap.add_argument("--prompts", type=Path, required=True, help="JSONL with id, prompt")
+    ap.add_argument("--prompts", required=True,
+                    help="JSONL with id, prompt; - (or /dev/stdin) reads standard input")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)

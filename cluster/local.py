@@ -6,9 +6,11 @@
 2. Otherwise it connects to a Ray cluster given by ``--address`` /
    ``RAY_ADDRESS`` (its dashboard from ``--dashboard`` / ``RAY_DASHBOARD_ADDRESS``),
    or starts its own head: ``ray start --head --block`` as a child process in a
-   new session, every Ray port picked free on 127.0.0.1 (no collision with
-   another Ray on the box), ``PYTHONPATH`` including the repo so replicas
-   import ``actors`` without an install, and the Serve proxy's environment
+   new session, every listener of it on 127.0.0.1 and every Ray port picked free
+   there (``configs.net.loopback_head``; docs/network.md lists them; no collision
+   with another Ray on the box), ``PYTHONPATH`` including the repo so replicas
+   import ``actors`` (and the gRPC bind preload ``cluster.grpc_bind_preload``)
+   without an install, and the Serve proxy's environment
    (``configs.serve_config.PROXY_ENV``: gRPC from the proxy to the replicas).
 3. Deploys ``configs/serve.yaml`` (HTTP port overridden by ``--port``) through
    the dashboard's Serve REST API, like ``serve deploy``, in the one-hop layout
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 from configs.jsonio import write_json
-from configs.net import free_ports, listener_on, port_in_use
+from configs.net import free_ports, listener_on, loopback_head, port_in_use  # noqa: F401  (free_ports: tests)
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.serve_config import PROXY_ENV
 
@@ -141,30 +143,28 @@ def one_hop_config(cfg: dict) -> dict:
 
 
 def start_head(num_cpus: int | None) -> dict:
-    """Start ``ray start --head --block`` in its own session; return its facts."""
-    names = ("port", "dashboard-port", "ray-client-server-port", "metrics-export-port",
-             "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-             "runtime-env-agent-port", "node-manager-port", "object-manager-port")
-    ports = dict(zip(names, free_ports(len(names))))
+    """Start ``ray start --head --block`` in its own session; return its facts.
+
+    Every listener of the head binds 127.0.0.1 (``configs.net.loopback_head``: the flags and
+    environment, in one place; ``tests/test_loopback.py`` audits it). The environment set
+    here wins over the caller's for those variables: a loopback head whose node address
+    came out as the host's own would listen on it."""
+    head = loopback_head()
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-           "--node-ip-address", HOST, "--dashboard-host", HOST, "--include-dashboard", "true",
-           "--disable-usage-stats"]
-    for name, p in ports.items():
-        cmd += [f"--{name}", str(p)]
+           "--include-dashboard", "true", "--disable-usage-stats", *head.flags]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
-    env = {**PROXY_ENV, **os.environ}   # the Serve proxy's settings, unless set already
+    env = {**PROXY_ENV, **os.environ, **head.env}   # the Serve proxy's settings, unless set already
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH"))
                                         if p)
-    logf = state_dir() / f"ray-head-{ports['port']}.log"
-    log(f"starting a Ray head (gcs {HOST}:{ports['port']}, dashboard "
-        f"{HOST}:{ports['dashboard-port']}); log: {logf}")
+    logf = state_dir() / f"ray-head-{head.ports['port']}.log"
+    log(f"starting a Ray head (gcs {head.gcs_address}, dashboard {head.dashboard_url}, every "
+        f"listener on {HOST}); log: {logf}")
     with open(logf, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return {"ray_pid": proc.pid, "address": f"{HOST}:{ports['port']}",
-            "dashboard": f"http://{HOST}:{ports['dashboard-port']}",
-            "metrics_export_port": ports["metrics-export-port"], "log": str(logf)}
+    return {"ray_pid": proc.pid, "address": head.gcs_address, "dashboard": head.dashboard_url,
+            "metrics_export_port": head.ports["metrics-export-port"], "log": str(logf)}
 
 
 def use_ray_auth_token() -> None:

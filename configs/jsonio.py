@@ -74,3 +74,34 @@ def _reject_constant(name: str) -> Any:
 def loads_strict(text: str) -> Any:
     """Parse JSON, raising ValueError on ``NaN`` / ``Infinity`` (what strict readers do)."""
     return json.loads(text, parse_constant=_reject_constant)
+
+
+STDIN = "-"
+
+
+class SourceError(ValueError):
+    """A ``--prompts`` / ``--dataset`` source that cannot be read (message names it)."""
+
+
+def read_text_source(spec: str) -> tuple[str, str]:
+    """``(name, text)`` of a text source given on a command line, as Unix tools read one.
+
+    ``-`` is standard input (name ``"stdin"``). Any other value is a path that is read
+    as a stream, so ``/dev/stdin``, a named pipe and a shell's ``<(...)`` (``/dev/fd/N``)
+    work like a regular file (checking ``is_file()`` first would refuse them). Raises
+    SourceError when the path does not exist, is a directory, or cannot be read.
+    """
+    if spec == STDIN:
+        import sys
+
+        return "stdin", sys.stdin.read()
+    path = Path(spec)
+    if path.is_dir():
+        raise SourceError(f"{spec} is a directory; expected a JSON-lines file, or - for stdin")
+    if not path.exists():
+        raise SourceError(f"{spec} does not exist; expected a JSON-lines file, or - for stdin")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return path.stem, f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SourceError(f"{spec} cannot be read ({err})") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
 
@@ -77,3 +78,68 @@ def listener_on(port: int) -> str | None:
 # to start a worker node with it (multi-node on one machine cannot be loopback-only).
 RAY_SINGLE_NODE_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 RAY_MULTI_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+# The preload module that binds Serve's hard-coded ``[::]`` gRPC servers to the node IP
+# (cluster/grpc_bind.py says why). A module name, not an import: Ray's raylet has every
+# worker import it (Ray's ``preload_python_modules`` setting, env ``RAY_preload_python_modules``).
+GRPC_BIND_PRELOAD = "cluster.grpc_bind_preload"
+RAY_PRELOAD_ENV = "RAY_preload_python_modules"
+
+# Every port option of ``ray start --head`` (each picked free, so a head never meets another
+# Ray on the box) and the two fixed-port metrics servers Ray configures by env only
+# (autoscaler/_private/constants.py AUTOSCALER_METRIC_PORT 44217, dashboard/consts.py
+# DASHBOARD_METRIC_PORT 44227: two heads on one box would both want them).
+RAY_HEAD_PORT_OPTIONS = ("port", "dashboard-port", "ray-client-server-port", "metrics-export-port",
+                         "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                         "runtime-env-agent-port", "node-manager-port", "object-manager-port")
+RAY_HEAD_PORT_ENV = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """How to start a Ray head: ``ray start --head`` flags, the environment its processes
+    need, and the ports picked (by option / variable name)."""
+
+    flags: list[str]
+    env: dict[str, str]
+    ports: dict[str, int]
+
+    @property
+    def gcs_address(self) -> str:
+        return f"{LOOPBACK}:{self.ports['port']}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports['dashboard-port']}"
+
+
+def loopback_env() -> dict[str, str]:
+    """Environment of every process of a single-node, loopback-only Ray (head and the drivers
+    that join it): node address 127.0.0.1 (``RAY_SINGLE_NODE_LOOPBACK_ENV``) and Serve's
+    wildcard gRPC servers bound to it (``GRPC_BIND_PRELOAD``). The importable module must be
+    on the workers' ``PYTHONPATH`` (``cluster.local.start_head`` puts the checkout there)."""
+    return {**RAY_SINGLE_NODE_LOOPBACK_ENV, RAY_PRELOAD_ENV: GRPC_BIND_PRELOAD}
+
+
+def loopback_head(ports: dict[str, int] | None = None) -> RayHead:
+    """Flags and environment for a single-node Ray head whose every listener is on 127.0.0.1.
+
+    The one place that says how (docs/network.md has the table):
+    - ``--node-ip-address 127.0.0.1`` with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (else Ray
+      swaps in the host's own address): GCS, raylet, object manager, core workers, the
+      dashboard agent (HTTP, gRPC, metrics export), runtime-env agent, client server, the
+      autoscaler monitor's and dashboard's metrics servers all bind the node IP;
+    - ``--dashboard-host 127.0.0.1`` (Ray's default, said explicitly);
+    - ``RAY_preload_python_modules=cluster.grpc_bind_preload``: Serve's replica and gRPC-ingress
+      servers, hard-coded to ``[::]``, bind the node IP too;
+    - every port picked free on 127.0.0.1 (``ports`` overrides by name).
+    The Serve HTTP proxy binds ``http_options.host`` of the deploy config (127.0.0.1 in
+    ``configs/serve.yaml``)."""
+    names = RAY_HEAD_PORT_OPTIONS + RAY_HEAD_PORT_ENV
+    picked = dict(zip(names, free_ports(len(names))))
+    picked.update(ports or {})
+    flags = ["--node-ip-address", LOOPBACK, "--dashboard-host", LOOPBACK]
+    for name in RAY_HEAD_PORT_OPTIONS:
+        flags += [f"--{name}", str(picked[name])]
+    env = {**loopback_env(), **{k: str(picked[k]) for k in RAY_HEAD_PORT_ENV}}
+    return RayHead(flags, env, picked)

@@ -14,9 +14,10 @@ PARAMS = dict(temperature=0.9, top_k=3, max_tokens=4, ignore_eos=True)
 
 
 def exact_joint(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams,
-                depth: int) -> dict[tuple[int, ...], float]:
+                depth: int, masked: int | None = None) -> dict[tuple[int, ...], float]:
     """Exact target probability of every ``depth``-token continuation under
-    ``params`` (a small support thanks to top_k)."""
+    ``params`` (a small support thanks to top_k); ``masked``: a token id whose logit
+    is -inf at every position first (min_tokens' EOS mask)."""
     probs = {}
 
     def rec(prefix, pr):
@@ -24,7 +25,10 @@ def exact_joint(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams
             probs[tuple(prefix)] = pr
             return
         with torch.inference_mode():
-            lg = engine.model(torch.tensor([prompt_ids + prefix])).logits[0, -1]
+            lg = engine.model(torch.tensor([prompt_ids + prefix])).logits[0, -1].float()
+        if masked is not None:
+            lg = lg.clone()
+            lg[masked] = float("-inf")
         p = process_logits(lg, params)
         for t in torch.nonzero(p > 0).flatten().tolist():
             rec(prefix + [t], pr * float(p[t]))
@@ -33,18 +37,22 @@ def exact_joint(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams
     return probs
 
 
-def assert_sampling_lossless(engine: LLMEngine, n: int = 2000, seed0: int = 1000) -> float:
+def assert_sampling_lossless(engine: LLMEngine, n: int = 2000, seed0: int = 1000,
+                             params: dict | None = None, masked: int | None = None) -> float:
     """``n`` seeded requests; the joint of the first three emitted tokens (the
     prefill token, then the first two speculative positions) must match the
-    target's exact distribution (chi-square, p > 0.001). Returns the p-value."""
+    target's exact distribution (chi-square, p > 0.001). Returns the p-value.
+    params: SamplingParams fields instead of PARAMS; masked: a token the target may
+    not emit at those positions (min_tokens' EOS: the engine must mask it too)."""
+    params = PARAMS if params is None else params
     ids = engine.tokenizer(PROMPT)["input_ids"]
-    out = run_requests(engine, [(f"s{i}", ids, SamplingParams(seed=seed0 + i, **PARAMS))
+    out = run_requests(engine, [(f"s{i}", ids, SamplingParams(seed=seed0 + i, **params))
                                 for i in range(n)], batch_size=64)
     drafted = sum(o["stats"].num_draft_tokens for o in out.values())
     accepted = sum(o["stats"].num_accepted_tokens for o in out.values())
     # the verifier must have seen plenty of both outcomes for the test to mean anything
     assert accepted >= 200 and drafted - accepted >= 200, (drafted, accepted)
-    exact = exact_joint(engine, ids, SamplingParams(**PARAMS), 3)
+    exact = exact_joint(engine, ids, SamplingParams(**params), 3, masked)
     counts = {k: 0 for k in exact}
     for o in out.values():
         counts[tuple(o["token_ids"][:3])] += 1  # KeyError = a token outside the support

@@ -128,3 +128,30 @@ def test_relative_links_resolve(page):
     missing = [m.group(1) for m in LINK.finditer(page.read_text())
                if "://" not in m.group(1) and not (page.parent / m.group(1)).exists()]
     assert missing == []
+
+
+def test_screenshot_script_draws_a_report(tmp_path):
+    """``docs/screenshot.py`` (the README's picture) draws a real HTML report to a PNG."""
+    import shutil
+
+    if shutil.which("chromium") is None:
+        pytest.skip("chromium absent: apt-get install -y chromium (.ci/run installs it)")
+    from tests.analysis_synth import write_run
+
+    run = tmp_path / "run"
+    write_run(run)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "analysis", "report", str(run)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "shot.png"
+    s = subprocess.run([sys.executable, str(REPO / "docs" / "screenshot.py"), str(run), "--out",
+                        str(out), "--width", "800", "--height", "600"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert s.returncode == 0, s.stderr[-2000:]
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[16:20], "big") == 800 and int.from_bytes(png[20:24], "big") == 600
+    bad = subprocess.run([sys.executable, str(REPO / "docs" / "screenshot.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "run_dir" in bad.stderr

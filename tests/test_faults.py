@@ -45,6 +45,18 @@ def _row(strategy, status, end, first=None, tokens=8, tier="low", oc="short"):
             M.REQ_RETRIES: 0}
 
 
+def test_a_timeout_opens_the_outage_at_its_last_sign_of_life():
+    """A partitioned node: requests in flight time out a full timeout after the cut (115),
+    their first tokens came at ~105: the window opens there, not at 115."""
+    rows = [_row("ngram", "ok", 100.0 + i, 99.5 + i) for i in range(5)]
+    rows += [_row("ngram", "timeout", 115.0, first=105.1), _row("ngram", "timeout", 115.2)]
+    rows += [_row("ngram", "ok", 121.0, 120.0)]
+    out = faults.outages(pd.DataFrame(rows)).set_index(M.REQ_STRATEGY)
+    # the second timeout had no token: its send time (scheduled 114.2 here) is later
+    assert out.loc["ngram", "outage_start_ts"] == pytest.approx(105.1)
+    assert out.loc["ngram", "outage_end_ts"] == 120.0 and out.loc["ngram", "recovered"]
+
+
 def test_outage_window_timeline_and_degraded_note():
     rows = [_row("ngram", "ok", 100.0 + i, 99.5 + i) for i in range(5)]           # 100..104 ok
     rows += [_row("ngram", "disconnected", 105.2), _row("ngram", "disconnected", 105.3)]  # replica died

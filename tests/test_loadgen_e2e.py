@@ -44,6 +44,33 @@ def _run(cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
     return p
 
 
+def _run_audited(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, set]:
+    """``_run``, sampling every 0.5 s the listening sockets of the command's process tree
+    (tests.socket_audit): returns the result and every listener seen."""
+    import psutil
+
+    from tests.socket_audit import listeners
+
+    heard: set = set()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + timeout
+    try:
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                tree = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                break
+            heard |= set(listeners(tree))
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.time()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    return p, heard
+
+
 def _run_dir(results: Path) -> Path:
     (d,) = list(results.iterdir())
     return d
@@ -199,8 +226,12 @@ def test_ray_distributed_workers(tmp_path):
     """--workers 2: Locust workers as Ray actors (subprocesses), rows streamed to the master."""
     with fake_server.running("--ttft-ms", "50", "--gap-ms", "20") as url:
         tiers = _tiers(tmp_path, {"users": 4, "duration_s": 4, "max_tokens": 8})
-        p = _run(_cmd(url, tiers, tmp_path / "res", "--output", "short", "--workers", "2"), timeout=300)
+        p, heard = _run_audited(_cmd(url, tiers, tmp_path / "res", "--output", "short",
+                                     "--workers", "2"), timeout=300)
         truth = _truth(url)
+    # the Locust master and the private Ray behind the workers listen on 127.0.0.1 only
+    assert heard and [x for x in heard if x.ip != "127.0.0.1"] == [], heard
+    print(f"\nlisteners of the run (Locust master, private Ray): {len(heard)}, all on 127.0.0.1")
     df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
     assert len(df) == len(truth) and (df[M.REQ_STATUS] == M.STATUS_OK).all(), p.stdout[-2000:]
     idx = set(df[M.REQ_REQUEST_INDEX])

@@ -107,7 +107,8 @@ def train_step(model: BlockDrafter, batch, gamma: float, top_k: int,
     return loss, stats
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
+    """The command's flags (from ``sys.argv``; a bad one exits 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=sorted(SWITCHES), required=True)
     ap.add_argument("--target", type=Path, default=Path("models/target"))
@@ -130,17 +131,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/specload_drafter_feats"))
     ap.add_argument("--prepare-only", action="store_true", help="build the feature cache, exit")
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    rng = np.random.default_rng(a.seed)
-    out = a.out or Path("models") / a.method
-    target = CausalLM.from_pretrained(a.target).requires_grad_(False)
-    sw = dict(SWITCHES[a.method])
-    if a.no_selector:
-        sw.pop("use_selector", None)
-    cfg = DrafterConfig.for_target(target.config, a.method, num_layers=a.layers,
-                                   block_size=a.block_size, **sw)
+    return ap.parse_args()
+
+
+def _features(a: argparse.Namespace, target: CausalLM,
+              cfg: DrafterConfig) -> tuple[dict, dict, dict[str, dict], float]:
+    """The target's features (cached under ``--cache``) for the train, calibration and
+    held-out code/prose windows, and the seconds they took."""
     arrays = {f"{d}.{s}": np.load(f"data/tokens/{d}.{s}.tokens.npy")
               for d in ("code", "prose") for s in ("train", "heldout")}
     L = a.prompt_len
@@ -159,11 +156,13 @@ def main() -> None:
         np.random.default_rng(99)), 256)
     held = {d: split(f"heldout_{d}", lambda d=d: spaced_windows(arrays[f"{d}.heldout"], 192, L),
                      192) for d in ("code", "prose")}
-    prep_s = time.time() - t0
-    print(f"features ready in {prep_s:.0f}s: train {tuple(train['feats'].shape)}", flush=True)
-    if a.prepare_only:
-        return
-    model = BlockDrafter(cfg).bind_target(target)
+    return train, calib, held, time.time() - t0
+
+
+def _train(a: argparse.Namespace, model: BlockDrafter, train: dict, cfg: DrafterConfig,
+           rng: np.random.Generator) -> tuple[int, list[dict], float]:
+    """Train within ``--minutes`` / ``--max-steps`` (cosine LR, printing a JSON row every 100
+    steps); return (steps, logged rows, train seconds)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr,
                             betas=(0.9, 0.95), weight_decay=0.01)
     budget = a.minutes * 60
@@ -189,15 +188,14 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             log.append(row)
         step += 1
-    train_s = time.time() - t_train
-    model.eval()
-    calibration = {}
-    if model.confidence is not None:
-        calibration = fit_platt(model, calib)
-        model.config = replace(model.config, calib_a=calibration["a"], calib_b=calibration["b"])
-    metrics = {d: evaluate_split(model, held[d]) for d in held}
-    model.save(out)
-    card = {"method": a.method, "config": json.loads(model.config.to_json()),
+    return step, log, time.time() - t_train
+
+
+def _card(a: argparse.Namespace, model: BlockDrafter, target: CausalLM, out: Path, step: int,
+          log: list[dict], train_s: float, prep_s: float, calibration: dict,
+          metrics: dict) -> dict:
+    """The drafter card of a saved model (sizes, wall seconds, args, held-out metrics, log)."""
+    return {"method": a.method, "config": json.loads(model.config.to_json()),
             "params": model.num_params(),
             "params_by_component": {c: model.num_params(c)
                                     for c in ("conv", "selector", "markov", "confidence")},
@@ -207,9 +205,36 @@ def main() -> None:
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
             "calibration": calibration, "heldout": metrics, "log": log,
             "weights_bytes": (out / "model.safetensors").stat().st_size}
+
+
+def main() -> None:
+    a = _parse()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    rng = np.random.default_rng(a.seed)
+    out = a.out or Path("models") / a.method
+    target = CausalLM.from_pretrained(a.target).requires_grad_(False)
+    sw = dict(SWITCHES[a.method])
+    if a.no_selector:
+        sw.pop("use_selector", None)
+    cfg = DrafterConfig.for_target(target.config, a.method, num_layers=a.layers,
+                                   block_size=a.block_size, **sw)
+    train, calib, held, prep_s = _features(a, target, cfg)
+    print(f"features ready in {prep_s:.0f}s: train {tuple(train['feats'].shape)}", flush=True)
+    if a.prepare_only:
+        return
+    model = BlockDrafter(cfg).bind_target(target)
+    step, log, train_s = _train(a, model, train, cfg, rng)
+    model.eval()
+    calibration = {}
+    if model.confidence is not None:
+        calibration = fit_platt(model, calib)
+        model.config = replace(model.config, calib_a=calibration["a"], calib_b=calibration["b"])
+    metrics = {d: evaluate_split(model, held[d]) for d in held}
+    model.save(out)
+    card = _card(a, model, target, out, step, log, train_s, prep_s, calibration, metrics)
     write_card(out, card)
     print(json.dumps({k: v for k, v in card.items() if k not in ("log", "config")}, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -13,16 +13,15 @@ import torch
 from actors.engine.types import SamplingParams
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature / top-k / top-p.
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits after temperature / top-k / top-p (removed tokens -inf), sampled params only.
 
-    logits: [..., V] (any float dtype) -> probs: [..., V] float32, rows sum to 1.
-    Greedy params (temperature 0) give a one-hot on the argmax.
+    logits: [..., V] (any float dtype) -> [..., V] float32. Raises ValueError for
+    greedy params (their distribution is the argmax one-hot: see ``process_logits``).
     """
-    logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+        raise ValueError("processed_logits is for sampled params; greedy is the argmax")
+    logits = logits.float() / params.temperature
     if params.top_k and params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -33,7 +32,49 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         remove_sorted[..., -1] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, idx, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    return logits.softmax(-1)
+    return logits
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature / top-k / top-p.
+
+    logits: [..., V] (any float dtype) -> probs: [..., V] float32, rows sum to 1.
+    Greedy params (temperature 0) give a one-hot on the argmax.
+    """
+    if params.greedy:
+        logits = logits.float()
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return processed_logits(logits, params).softmax(-1)
+
+
+def logprob_rows(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities the tokens are reported with (``SamplingParams.logprobs``).
+
+    logits: [n, V] target logits (the min_tokens mask already applied) ->
+    [n, V] float32 natural logs: greedy params, ``log_softmax(logits)`` (vLLM's
+    raw logprobs); sampled params, ``log_softmax`` of ``processed_logits``
+    (vLLM's processed logprobs: -inf where top-k / top-p removed a token).
+    """
+    if params.greedy:
+        return torch.log_softmax(logits.float(), -1)
+    return torch.log_softmax(processed_logits(logits, params), -1)
+
+
+def mask_min_tokens(logits: torch.Tensor, num_output: int, params: SamplingParams,
+                    eos_token_id: int | None) -> None:
+    """Forbid EOS before ``params.min_tokens`` output tokens, in place (vLLM's
+    ``MinTokensLogitsProcessor``).
+
+    logits: [n, V] target logits of positions that pick output tokens number
+    ``num_output .. num_output + n - 1`` (0-based); rows with index <
+    ``min_tokens`` get EOS at -inf. No-op when min_tokens is 0, with
+    ``ignore_eos`` (EOS does not end the request then) or without an EOS id.
+    """
+    if eos_token_id is None or params.ignore_eos:
+        return
+    rows = min(params.min_tokens - num_output, logits.shape[0])
+    if rows > 0:
+        logits[:rows, eos_token_id] = float("-inf")
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

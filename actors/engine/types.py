@@ -20,6 +20,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1   # a seed is an int64 (vLLM's range)
+MAX_LOGPROBS = 20   # most top logprobs per position (OpenAI's limit for both endpoints)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,22 @@ class SamplingParams:
     top-k. ``seed`` makes the request's sampling reproducible whatever else is
     in the batch. ``max_tokens`` may exceed the context: the engine stops at
     ``max_model_len`` with finish_reason "length".
+
+    ``logprobs`` (vLLM's field): None = compute none (no cost); N in 0..20 =
+    the target's log-probability of every emitted token plus the N most likely
+    tokens at that position (``TokenLogprob``), from the logits the token was
+    chosen from: after the ``min_tokens`` mask, and for sampled requests after
+    temperature / top-k / top-p (vLLM's ``processed_logprobs``; tokens cut by
+    top-k / top-p are -inf); for greedy requests the log_softmax of the target
+    logits (vLLM's ``raw_logprobs`` when min_tokens is 0).
+    ``min_tokens`` (vLLM semantics): EOS (unless ``ignore_eos``) cannot be
+    emitted before ``min_tokens`` output tokens (its logit is -inf there, in the
+    target's processing, so greedy output is the same for every strategy), and
+    stop strings are searched only in text after the first ``min_tokens``
+    tokens. ``skip_special_tokens`` (default True, vLLM's): special tokens such
+    as EOS are left out of ``text``; ``spaces_between_special_tokens`` is
+    passed to a slow tokenizer's decode (a fast tokenizer ignores it, as in
+    vLLM). Token ids and counts are the same either way.
     Raises InvalidRequest (a ValueError) with ``param`` = the field on invalid
     values (see ``validate``).
     """
@@ -44,6 +61,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,11 +96,50 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest(f"stop must be non-empty strings, got {self.stop!r}",
                                  param="stop")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
+                                 f"got {self.logprobs!r}", param="logprobs")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+                                 param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                                 f"({self.max_tokens})", param="min_tokens")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a boolean, got {getattr(self, name)!r}",
+                                     param=name)
 
     @property
     def greedy(self) -> bool:
         """True for temperature 0 and for temperatures too small to divide by (< 1e-5)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token (``SamplingParams.logprobs``).
+
+    token_id / token / token_bytes: the emitted token (its text alone, and its
+    exact bytes: a byte-level token that is part of a UTF-8 character has
+    ``token`` "\ufffd" but its true bytes); logprob: natural log, <= 0 (-inf
+    never: the token was chosen, so it had mass); top: the N most likely tokens
+    at that position, best first, as (token_id, token, token_bytes, logprob)
+    (logprob may be -inf for tokens top-k / top-p removed); text_offset:
+    characters of the request's text before this token.
+    """
+
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[tuple[int, str, bytes, float], ...]
+    text_offset: int
 
 
 @dataclass
@@ -94,6 +154,9 @@ class SpecStats:
     verify_ms: float = 0.0
     queue_ms: float = 0.0
     num_steps: int = 0
+    # why the request's drafter was dropped ("" = it speculated throughout): one of
+    # configs.metric_names.DEGRADE_REASONS; from then on it decoded autoregressively
+    degraded_reason: str = ""
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         """Add one verification step with ``num_draft`` proposed and ``num_accepted`` accepted."""
@@ -134,7 +197,8 @@ class SpecStats:
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "acceptance_length": round(self.acceptance_length, 4),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
-                "queue_ms": round(self.queue_ms, 3), "num_steps": self.num_steps}
+                "queue_ms": round(self.queue_ms, 3), "num_steps": self.num_steps,
+                "degraded_reason": self.degraded_reason}
 
 
 @dataclass(frozen=True)
@@ -144,6 +208,11 @@ class ProposeInput:
     token_ids: the request's whole sequence so far (prompt + emitted), the
     last of which is not yet in the target's KV cache. max_draft: the most
     draft tokens the scheduler allows this step (0..k, ragged across requests).
+    num_output: how many of ``token_ids`` are output tokens (the rest is the
+    prompt); eos_token_id: the engine's EOS. A proposer that samples may use
+    both to mask EOS before ``params.min_tokens`` as the target does
+    (``sampling.mask_min_tokens``): not needed for losslessness (the target
+    rejects an EOS it masked), only to waste fewer drafts.
     """
 
     request_id: str
@@ -151,6 +220,8 @@ class ProposeInput:
     max_draft: int
     params: SamplingParams
     generator: torch.Generator | None
+    num_output: int = 0
+    eos_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -203,3 +274,5 @@ class RequestOutput:
     stats: SpecStats
     error: str | None = None
     token_ts: list[float] = field(default_factory=list)
+    # [len(new_token_ids)] when the request asked for logprobs, else None
+    logprobs: list[TokenLogprob] | None = None

@@ -18,7 +18,7 @@ import torch
 from actors.engine import memory as mem
 from actors.engine.model import CausalLM
 from actors.engine.runner import ModelRunner, RowInput
-from actors.engine.sampling import process_logits, sample
+from actors.engine.sampling import mask_min_tokens, process_logits, sample
 from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
 
@@ -79,8 +79,14 @@ class DraftModelProposer(Proposer):
         self.state.pop(request_id, None)
         self.pool.free(request_id)
 
-    def _pick(self, logits: torch.Tensor, r: ProposeInput):
-        """logits [V] -> (token, q [V] or None)."""
+    def _pick(self, logits: torch.Tensor, r: ProposeInput, drafted: int):
+        """logits [V] of the ``drafted``-th draft position -> (token, q [V] or None).
+        EOS is masked before min_tokens, as in the target's processing (fewer wasted
+        drafts; the verifier would reject a masked EOS anyway)."""
+        if r.params.min_tokens > r.num_output + drafted:
+            logits = logits.clone()[None]
+            mask_min_tokens(logits, r.num_output + drafted, r.params, r.eos_token_id)
+            logits = logits[0]
         if r.params.greedy:
             return int(logits.argmax()), None
         q = process_logits(logits, r.params)
@@ -117,7 +123,7 @@ class DraftModelProposer(Proposer):
             for i in group:
                 self.state[batch[i].request_id].cached = list(batch[i].token_ids)
             for i, lg in zip(group, logits):
-                tok, q = self._pick(lg[-1], batch[i])
+                tok, q = self._pick(lg[-1], batch[i], len(drafts[i]))
                 drafts[i].append(tok)
                 if q is not None:
                     qs[i].append(q)
@@ -135,7 +141,7 @@ class DraftModelProposer(Proposer):
             for i in step:
                 self.state[batch[i].request_id].cached.append(drafts[i][-1])
             for i, lg in zip(step, logits):
-                tok, q = self._pick(lg[-1], batch[i])
+                tok, q = self._pick(lg[-1], batch[i], len(drafts[i]))
                 drafts[i].append(tok)
                 if q is not None:
                     qs[i].append(q)

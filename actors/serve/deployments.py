@@ -83,6 +83,9 @@ class _Metrics:
                             boundaries=STEP_MS_BUCKETS)
         self.queue_depth = make(m.Gauge, mn.PROM_QUEUE_DEPTH,
                                 "requests waiting for a batch slot")
+        self.degraded = make(m.Counter, mn.PROM_DEGRADED_REQUESTS,
+                             "finished requests whose drafter was dropped (they decoded "
+                             "autoregressively from then on), by reason", ("reason",))
 
     def observe_step(self, row: dict) -> None:
         self.batch_size.observe(row.get(mn.STEP_BATCH_SIZE, 0))
@@ -100,6 +103,8 @@ class _Metrics:
         for pos, n in enumerate(stats.get(mn.NUM_ACCEPTED_TOKENS_PER_POS) or []):
             if n:
                 self.per_pos.inc(n, tags={"position": str(pos)})
+        if stats.get(mn.DEGRADED_REASON):
+            self.degraded.inc(1, tags={"reason": stats[mn.DEGRADED_REASON]})
 
 
 @serve.deployment
@@ -293,7 +298,8 @@ class StrategyReplica:
         """Stream one request as typed messages (``actors.serve.protocol``).
 
         First ``Admitted`` or an ``ErrorMessage`` (then nothing follows). Then
-        ``Delta`` messages (with each token's engine emit time, ``token_ts``);
+        ``Delta`` messages (with each token's engine emit time, ``token_ts``, and
+        its ``TokenLogprob`` when the request asked for logprobs);
         deltas that queued up while the consumer was busy are merged, so one
         may carry several tokens. ``stream_interval`` (vLLM's name; default:
         the deployment's, 1) holds a delta back until it carries that many
@@ -322,6 +328,8 @@ class StrategyReplica:
         ids: list[int] = []
         ts: list[float] = []
         text: list[str] = []
+        want_lps = sp.logprobs is not None
+        lps: list = []
         sent_any, last_sent = False, time.monotonic()
         try:
             while not finished:
@@ -342,11 +350,14 @@ class StrategyReplica:
                     ids.extend(out.new_token_ids)
                     ts.extend(out.token_ts or [])
                     text.append(out.new_text)
+                    lps.extend(out.logprobs or [])
                     if out.finished:
                         stats = out.stats.to_dict()
                         self._metrics.observe_request(stats)
-                        msg = Finished(ids, "".join(text), ts, out.finish_reason,
-                                       out.num_output_tokens, stats)
+                        msg = Finished(ids, "".join(text), ts, lps if want_lps else None,
+                                       finish_reason=out.finish_reason,
+                                       num_output_tokens=out.num_output_tokens,
+                                       spec_decode=stats)
                         break
                 finished = msg is not None
                 if finished:
@@ -356,9 +367,9 @@ class StrategyReplica:
                 if sent_any and len(ids) < interval and not (
                         every_s is not None and now - last_sent >= every_s):
                     continue                    # hold the tokens for a fuller chunk
-                yield Delta(ids, "".join(text), ts)
+                yield Delta(ids, "".join(text), ts, lps if want_lps else None)
                 sent_any, last_sent = True, now
-                ids, ts, text = [], [], []
+                ids, ts, text, lps = [], [], [], []
         finally:
             if not finished:
                 self.engine.abort(request_id)

@@ -38,6 +38,10 @@ Extensions to OpenAI's body (vLLM does the same for token ids):
 - request fields ``stream_interval`` (tokens per chunk, vLLM's name; default:
   the strategy's) and ``stream_interval_ms`` (also a chunk once this many ms
   passed); the first token is never held back.
+- request fields ``logprobs`` (completions: 0..20; chat: bool with ``top_logprobs``
+  0..20), ``min_tokens``, ``skip_special_tokens`` and ``spaces_between_special_tokens``
+  (vLLM's); the logprobs shapes are OpenAI's (``actors.serve.openai_logprobs``), per
+  chunk when streaming.
 - every choice carries ``token_ids``: the token ids of this chunk (stream) or
   of the whole completion, so a client gets exact per-chunk token counts
   (ITL per token) without re-tokenizing.

@@ -43,8 +43,12 @@ logger = logging.getLogger("ray.serve")
 #   stop               null               null                 yes (string or list)
 #   seed               null               null                 yes
 #   echo               false (only false) -                    yes
-#   logprobs           null (unsupported) false (unsupported)  yes
+#   logprobs           null (int 0..20)   false (bool)         yes (completions: false = null)
+#   top_logprobs       -                  0 (int 0..20)        yes (chat; > 0 needs logprobs)
 #   top_k, ignore_eos  0 (off), false     same (vLLM extensions) yes
+#   min_tokens         0                  0 (vLLM; <= max_tokens) yes
+#   skip_special_tokens, spaces_between_special_tokens: true, true (vLLM) yes
+#   return_tokens_as_token_ids  false (vLLM: logprobs tokens as "token_id:<id>") yes
 #   presence_penalty, frequency_penalty, repetition_penalty, logit_bias, best_of,
 #   suffix, tools, tool_choice, response_format: accepted only at null or their
 #   neutral value (``_UNSUPPORTED``); anything else is a 400 naming the field.
@@ -102,11 +106,18 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = None
     ignore_eos: StrictBool | None = None
-    logprobs: Any = None
+    min_tokens: StrictInt | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None   # vLLM: logprobs tokens as ids
     # specload extensions (vLLM's stream_interval, per request): tokens per streamed
     # chunk, or also a chunk once this many ms passed; None = the strategy's default
     stream_interval: StrictInt | None = Field(None, ge=1, le=4096)
     stream_interval_ms: Number | None = Field(None, gt=0, le=60_000)
+
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per position asked for (0..20), or None: no logprobs."""
+        raise NotImplementedError
 
     def sampling(self, max_tokens: int | None) -> dict:
         """SamplingParams kwargs, defaults filled in (the replica validates them again).
@@ -116,12 +127,25 @@ class _Common(BaseModel):
                 "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p,
                 "top_k": self.top_k or 0, "seed": self.seed, "stop": tuple(stop),
-                "ignore_eos": bool(self.ignore_eos)}
+                "ignore_eos": bool(self.ignore_eos), "logprobs": self.num_logprobs(),
+                "min_tokens": self.min_tokens or 0,
+                "skip_special_tokens": self.skip_special_tokens is not False,
+                "spaces_between_special_tokens": self.spaces_between_special_tokens is not False}
+
+
+def _false_is_null(v: Any) -> Any:
+    """Completions ``logprobs``: false means null (clients that send chat's boolean)."""
+    return None if v is False else v
 
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool | None = None
+    # OpenAI's completions logprobs: how many top tokens per position (0..20), or null
+    logprobs: Annotated[StrictInt | None, BeforeValidator(_false_is_null)] = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -133,6 +157,11 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None          # chat: whether to return logprobs
+    top_logprobs: StrictInt | None = None       # and how many top tokens per position
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -149,14 +178,16 @@ class ParsedRequest:
     include_usage: bool
     stream_interval: int | None = None       # tokens per chunk (None: the strategy's)
     stream_interval_ms: float | None = None  # or a chunk once this many ms passed
+    tokens_as_ids: bool = False   # vLLM's return_tokens_as_token_ids: "token_id:<id>"
 
 
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
     """Validate an OpenAI request body (JSON already decoded).
 
     Raises InvalidRequest naming ``param`` for anything the engine cannot honour:
-    a wrong type, an unsupported field at a non-neutral value, n != 1, logprobs,
-    echo, batched or empty prompts. Unknown models are the caller's check.
+    a wrong type, an unsupported field at a non-neutral value, n != 1, logprobs /
+    top_logprobs outside 0..20 (or top_logprobs without logprobs: true), min_tokens
+    < 0 or over max_tokens, echo, batched or empty prompts. Unknown models are the caller's check.
     """
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
@@ -177,8 +208,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
                              "and vLLM)", param="stream_options")
     if req.n not in (None, 1):
         raise InvalidRequest(f"n must be 1 (got {req.n})", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise InvalidRequest("logprobs is not supported", param="logprobs")
+    _check_logprobs(req, chat)
     if chat:
         prompt: Any = chat_prompt(req.messages)
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
@@ -196,9 +226,31 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
             raise InvalidRequest("prompt must not be empty", param="prompt")
         max_tokens = (COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None
                       else req.max_tokens)
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise InvalidRequest(f"min_tokens must be an integer >= 0, got {req.min_tokens}",
+                             param="min_tokens")
+    if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
+                             f"({max_tokens}{', the default' if req.max_tokens is None else ''})",
+                             param="min_tokens")
     return ParsedRequest(req.model, prompt, req.sampling(max_tokens), bool(req.stream),
                          bool(req.stream_options and req.stream_options.include_usage),
-                         req.stream_interval, req.stream_interval_ms)
+                         req.stream_interval, req.stream_interval_ms,
+                         bool(req.return_tokens_as_token_ids))
+
+
+def _check_logprobs(req: "_Common", chat: bool) -> None:
+    """Ranges of the logprobs fields (OpenAI's: 0..20), named as the client sent them."""
+    from actors.engine.types import MAX_LOGPROBS
+
+    name = "top_logprobs" if chat else "logprobs"
+    n = req.top_logprobs if chat else req.logprobs
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {n}",
+                             param=name)
+    if chat and n and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true (as OpenAI and vLLM)",
+                             param="top_logprobs")
 
 
 # pydantic's union branch names in error locations (``stop.str``, ``prompt.list[int]``)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from actors.serve.openai_logprobs import choice_logprobs
 from actors.serve.protocol import ErrorMessage, Finished
 from configs import metric_names as mn
 
@@ -47,6 +48,7 @@ class ResponseContext:
     created: int
     chat: bool
     n_prompt: int
+    tokens_as_ids: bool = False   # logprobs tokens as "token_id:<id>" (vLLM's option)
 
 
 def _cancel(gen) -> None:
@@ -108,6 +110,7 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     """The non-stream response body, or the ErrorMessage that ended the request."""
     ids: list[int] = []
     text: list[str] = []
+    lps: list | None = None    # TokenLogprob entries, when the request asked for them
     last: Finished | ErrorMessage | None = None
     try:
         async for msg in messages:
@@ -116,6 +119,9 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
                 break
             ids.extend(msg.token_ids)
             text.append(msg.text)
+            if msg.logprobs is not None:
+                lps = [] if lps is None else lps
+                lps.extend(msg.logprobs)
             if isinstance(msg, Finished):
                 last = msg
                 break
@@ -130,10 +136,11 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     body = "".join(text)
     if ctx.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": body},
+                  "logprobs": choice_logprobs(lps, True, ctx.tokens_as_ids),
                   "finish_reason": last.finish_reason, "token_ids": ids}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": body, "logprobs": None,
+        choice = {"index": 0, "text": body, "logprobs": choice_logprobs(lps, False, ctx.tokens_as_ids),
                   "finish_reason": last.finish_reason, "token_ids": ids}
         obj = "text_completion"
     return {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
@@ -151,7 +158,8 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
         if ctx.chat:   # OpenAI sends the role first, without content
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                  "content": ""},
-                                             "finish_reason": None, "token_ids": []}]})
+                                             "logprobs": None, "finish_reason": None,
+                                             "token_ids": []}]})
         async for msg in messages:
             if isinstance(msg, ErrorMessage):   # the request failed part-way
                 done = True
@@ -160,11 +168,12 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
             finish = msg.finish_reason if isinstance(msg, Finished) else None
             if not msg.token_ids and not msg.text and finish is None:
                 continue
+            lps = choice_logprobs(msg.logprobs, ctx.chat, ctx.tokens_as_ids)   # this chunk's tokens only
             if ctx.chat:
-                choice = {"index": 0, "delta": {"content": msg.text},
+                choice = {"index": 0, "delta": {"content": msg.text}, "logprobs": lps,
                           "finish_reason": finish, "token_ids": msg.token_ids}
             else:
-                choice = {"index": 0, "text": msg.text, "logprobs": None,
+                choice = {"index": 0, "text": msg.text, "logprobs": lps,
                           "finish_reason": finish, "token_ids": msg.token_ids}
             if msg.token_ts and len(msg.token_ts) == len(msg.token_ids):
                 choice[mn.TOKEN_TS_FIELD] = msg.token_ts
@@ -215,7 +224,8 @@ async def respond(start, req: ParsedRequest, rid: str, chat: bool, retry_after_s
                               "server_error", code="engine_unavailable")
     if isinstance(first, ErrorMessage):
         return message_error(first, retry_after_s)
-    ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens)
+    ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens,
+                          req.tokens_as_ids)
     messages = guard_replica(gen, req.model)
     if req.stream:
         return StreamingResponse(sse_events(messages, ctx, req.include_usage),

@@ -40,6 +40,9 @@ class Delta:
     # engine emit time (unix s) of each token_ids entry (tokens of one speculative
     # step share it); [] when the engine does not stamp them
     token_ts: list[float] = field(default_factory=list)
+    # one actors.engine.types.TokenLogprob per token_ids entry when the request asked
+    # for logprobs; None otherwise
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True)

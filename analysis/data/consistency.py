@@ -13,8 +13,19 @@ load generator measures both in the run (``loadgen.cli.consistency``) and writes
 
 ``position`` is the first differing token index (character index in text mode)
 and ``baseline`` / ``strategy`` the token ids (characters) found there; None
-past the end of the shorter output. A strategy diverges when ``identical <
-compared`` or its sampled check rejects equality (``diverges``).
+past the end of the shorter output.
+
+Numerical ties: two tokens whose target logits differ by ~1e-6 can swap between a
+one-token and a block forward, and in bf16 by far more; either is a correct greedy
+choice. So each first divergence is classified (``classify_divergence``) from the
+BASELINE's own top logprobs at that position (the prefix up to it is shared):
+``tie`` when the strategy's token is within ``tolerance`` (logprob units, nats) of the
+baseline's best, ``violation`` otherwise (or when the strategy's token is not among the
+baseline's top-N and the N-th is already farther than the tolerance), ``unclassified``
+when the baseline returned no logprobs. Entries then carry ``ties``, ``violations`` and
+``tolerance``; a strategy diverges when it has a violation, or, for entries without
+classification (text mode, an engine without logprobs), when ``identical < compared``;
+or when its sampled check rejects equality (``diverges``).
 """
 
 from __future__ import annotations
@@ -30,6 +41,48 @@ import pandas as pd
 CONSISTENCY_FILE = "consistency.json"
 DEFAULT_ALPHA = 0.01          # family-wise level of the sampled check (Bonferroni over positions)
 MIN_EXPECTED = 5              # chi-square rule of thumb: categories expected below 5 are pooled
+TOP_LOGPROBS = 5              # top logprobs the baseline returns at every position
+# Tie tolerance in logprob (nats) by the compute dtype of the engine under test. fp32: a
+# one-token vs a block forward moves logits by ~1e-6 (measured on the embedded target:
+# 1.1e-6 at one held-out position); bf16 keeps 8 mantissa bits, so logits of magnitude
+# 10-20 carry errors of ~0.05-0.1 after a few layers; fp16 has 11 bits.
+TIE_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.25}
+TIE, VIOLATION, UNCLASSIFIED = "tie", "violation", "unclassified"
+
+
+def tie_tolerance(*dtypes: str | None) -> float:
+    """The tolerance for comparing engines of these dtypes: the loosest one's (a dtype
+    not in ``TIE_TOLERANCE`` counts as bfloat16, the loosest). Default float32."""
+    known = [d for d in dtypes if d]
+    return max((TIE_TOLERANCE.get(str(d).replace("torch.", ""), TIE_TOLERANCE["bfloat16"])
+                for d in known), default=TIE_TOLERANCE["float32"])
+
+
+def classify_divergence(top: dict[int, float] | None, baseline_token: int | None,
+                        strategy_token: int | None, tolerance: float,
+                        eos_token_id: int | None = None) -> tuple[str, float | None]:
+    """``(kind, gap)`` of one first divergence from the baseline's top logprobs there.
+
+    top: {token id: logprob} at that position, as the baseline returned it (its best
+    first or not; the best is taken as the max). baseline_token / strategy_token: the
+    ids each side emitted there; None for "ended here" (EOS; counted as ``eos_token_id``
+    when given). gap = best logprob - the strategy token's logprob (nats; a lower bound
+    best - min(top) when the token is not in ``top``). Returns ``(TIE | VIOLATION |
+    UNCLASSIFIED, gap or None)``.
+    """
+    if not top:
+        return UNCLASSIFIED, None
+    best = max(top.values())
+    tok = eos_token_id if strategy_token is None else strategy_token
+    if tok is None:
+        return UNCLASSIFIED, None
+    if tok in top:
+        gap = best - top[tok]
+    else:   # beyond the top-N: at least as far as the N-th best
+        gap = best - min(top.values())
+        if gap <= tolerance:
+            return UNCLASSIFIED, None   # N near-equal candidates and the token not among them
+    return (TIE if gap <= tolerance else VIOLATION), float(gap)
 
 
 def first_divergence(baseline: Sequence, other: Sequence) -> int | None:
@@ -42,15 +95,20 @@ def first_divergence(baseline: Sequence, other: Sequence) -> int | None:
 
 
 def compare_outputs(baseline: dict[str, Sequence], outputs: dict[str, Sequence],
-                    output_class: str = "") -> dict:
+                    output_class: str = "", baseline_top: dict[str, list] | None = None,
+                    tolerance: float | None = None, eos_token_id: int | None = None) -> dict:
     """Compare a strategy's outputs with the baseline's, request by request.
 
     baseline / outputs: request key (prompt id) -> token ids or text; keys
-    missing on either side (failed requests) are not compared. Returns
-    {"compared", "identical", "first_divergence": [...]} (see module doc).
+    missing on either side (failed requests) are not compared. baseline_top: request
+    key -> the baseline's top logprobs per output position ([{token id: logprob}]);
+    with it (and ``tolerance``) each divergence is classified (``classify_divergence``)
+    and ``ties`` / ``violations`` / ``unclassified`` are counted. Returns
+    {"compared", "identical", "first_divergence": [...], ...} (see module doc).
     """
     compared = identical = 0
     diverged = []
+    counts = {TIE: 0, VIOLATION: 0, UNCLASSIFIED: 0}
     for key, base in baseline.items():
         if key not in outputs or base is None or outputs[key] is None:
             continue
@@ -60,21 +118,37 @@ def compare_outputs(baseline: dict[str, Sequence], outputs: dict[str, Sequence],
         if pos is None:
             identical += 1
             continue
-        diverged.append({"prompt_id": key, "output_class": output_class, "position": pos,
-                         "baseline": base[pos] if pos < len(base) else None,
-                         "strategy": got[pos] if pos < len(got) else None})
-    return {"compared": compared, "identical": identical, "first_divergence": diverged}
+        d = {"prompt_id": key, "output_class": output_class, "position": pos,
+             "baseline": base[pos] if pos < len(base) else None,
+             "strategy": got[pos] if pos < len(got) else None}
+        if baseline_top is not None and tolerance is not None:
+            tops = baseline_top.get(key) or []
+            kind, gap = classify_divergence(tops[pos] if pos < len(tops) else None,
+                                            d["baseline"], d["strategy"], tolerance, eos_token_id)
+            d.update(kind=kind, gap=gap)
+            counts[kind] += 1
+        diverged.append(d)
+    out = {"compared": compared, "identical": identical, "first_divergence": diverged}
+    if baseline_top is not None and tolerance is not None:
+        out.update(ties=counts[TIE], violations=counts[VIOLATION],
+                   unclassified=counts[UNCLASSIFIED], tolerance=tolerance)
+    return out
 
 
 def merge_counts(parts: list[dict]) -> dict:
     """Sum ``compared`` / ``identical`` / ``errors`` and concatenate ``first_divergence``."""
     out = {"compared": 0, "identical": 0, "errors": 0, "first_divergence": []}
     for p in parts:
-        out["compared"] += p.get("compared", 0)
-        out["identical"] += p.get("identical", 0)
-        out["errors"] += p.get("errors", 0)
+        for k in ("compared", "identical", "errors", *CLASS_COUNTS):
+            if k in p:
+                out[k] = out.get(k, 0) + p[k]
         out["first_divergence"] += p.get("first_divergence", [])
+        if p.get("tolerance") is not None:
+            out["tolerance"] = p["tolerance"]
     return out
+
+
+CLASS_COUNTS = ("ties", "violations", "unclassified")
 
 
 def first_token_test(baseline: Sequence, other: Sequence) -> dict:
@@ -125,7 +199,10 @@ def diverges(entry: dict) -> bool:
     """True when a strategy's consistency entry shows a divergence (greedy or sampled)."""
     if entry.get("baseline_self"):
         return False
-    if entry.get("compared", 0) and entry.get("identical", 0) < entry["compared"]:
+    if "violations" in entry:   # classified: only violations (and unclassified) count
+        if entry["violations"] or entry.get("unclassified", 0):
+            return True
+    elif entry.get("compared", 0) and entry.get("identical", 0) < entry["compared"]:
         return True
     return bool((entry.get("sampled") or {}).get("diverges"))
 
@@ -146,6 +223,11 @@ def load_consistency(run_paths: list[Path]) -> dict[str, dict]:
                                                "first_divergence": []})
             for k in ("compared", "identical", "errors"):
                 cur[k] += int(entry.get(k) or 0)
+            for k in CLASS_COUNTS:
+                if k in entry:
+                    cur[k] = cur.get(k, 0) + int(entry.get(k) or 0)
+            if entry.get("tolerance") is not None:
+                cur["tolerance"] = max(cur.get("tolerance", 0.0), float(entry["tolerance"]))
             cur["first_divergence"] += list(entry.get("first_divergence") or [])
             for k in ("mode", "baseline", "baseline_self", "skipped"):
                 if entry.get(k) is not None:
@@ -167,6 +249,8 @@ def consistency_table(cons: dict[str, dict]) -> pd.DataFrame:
                      "mode": e.get("mode"),
                      "compared": e.get("compared", 0), "identical": e.get("identical", 0),
                      "identical_share": (e["identical"] / e["compared"]) if e.get("compared") else None,
+                     "ties": e.get("ties"), "violations": e.get("violations"),
+                     "tie_tolerance": e.get("tolerance"),
                      "errors": e.get("errors", 0),
                      "earliest_divergence": first[0] if first else None,
                      "sampled_n": s.get("n"), "sampled_min_p_value": s.get("min_p_value"),

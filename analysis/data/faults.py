@@ -31,10 +31,28 @@ def _failed(df: pd.DataFrame) -> pd.Series:
     return df[mn.REQ_STATUS].isin(mn.FAILURE_STATUSES)
 
 
+def _failure_onset(failed: pd.DataFrame) -> pd.Series:
+    """When each failed request last showed life: its end, except for a ``timeout``, which
+    ends a full request timeout after its server went silent (nothing crosses a cut link,
+    and Serve does not fail requests to a node it declared dead): its first token's time,
+    else its send time. The outage then opens at the fault, not one timeout later."""
+    onset = failed[mn.REQ_END_TS].astype(float)
+    timed_out = failed[mn.REQ_STATUS].eq(mn.STATUS_TIMEOUT)
+    if timed_out.any():
+        alive = failed[mn.REQ_FIRST_TOKEN_TS].astype(float)
+        for col in (mn.REQ_SENT_TS, mn.REQ_SCHEDULED_TS):
+            if col in failed:
+                alive = alive.fillna(failed[col].astype(float))
+        onset = onset.where(~timed_out, alive.fillna(onset).clip(upper=onset))
+    return onset
+
+
 def outages(requests: pd.DataFrame) -> pd.DataFrame:
     """One row per cell with at least one failed or rejected request (``OUTAGE_COLUMNS``).
 
-    ``outage_s`` is the window length in seconds (NaN without failures);
+    The window opens at the first failed request's onset (``_failure_onset``: its end, or
+    for a timeout its last sign of life) and closes at the first token of an ``ok`` request
+    after the last failure. ``outage_s`` is the window length in seconds (NaN without failures);
     ``failed_by_status`` e.g. ``"disconnected: 3, error: 1"``.
     """
     rows = []
@@ -52,7 +70,7 @@ def outages(requests: pd.DataFrame) -> pd.DataFrame:
                                               failed[mn.REQ_STATUS].value_counts().sort_index().items()),
                    outage_start_ts=np.nan, outage_end_ts=np.nan, outage_s=np.nan, recovered=None)
         if not failed.empty:
-            start = float(failed[mn.REQ_END_TS].min())
+            start = float(_failure_onset(failed).min())
             last = float(failed[mn.REQ_END_TS].max())
             ok = g[g[mn.REQ_STATUS].eq(mn.STATUS_OK)]
             after = ok.loc[ok[mn.REQ_FIRST_TOKEN_TS] > last, mn.REQ_FIRST_TOKEN_TS]

@@ -211,6 +211,102 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
     return rows
 
 
+def _flagged(results, tier: str, slo_ttft_ms: float, slo_tpot_ms: float,
+             slo_source: str) -> tuple[Slo, pd.DataFrame, pd.DataFrame, list[str]]:
+    """The SLO, requests flagged against it, the cell table and the tier's output classes.
+    Raises ValueError when ``tier`` is not in the results."""
+    req = results.requests
+    tiers = sorted(req[mn.REQ_TIER].unique())
+    if tier not in tiers:
+        raise ValueError(f"tier {tier!r} is not in the results (found {tiers}); pass one of them.")
+    slo = Slo(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, source=slo_source)
+    flagged = metrics.with_slo_flags(req, {t: slo for t in tiers})
+    cells = metrics.cell_table(flagged)
+    classes = sorted(req.loc[req[mn.REQ_TIER].eq(tier), mn.REQ_OUTPUT_CLASS].unique())
+    return slo, flagged, cells, classes
+
+
+def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, tier: str,
+                classes: list[str], slo: Slo, slo_ttft_ms: float, slo_tpot_ms: float,
+                attainment: float) -> tuple[list[dict], list[str]]:
+    """The model plan's rows (``model_plan``) and the assumptions list it starts."""
+    req = results.requests
+    assumptions = [
+        f"target load {qps:g} requests/s of tier {tier!r} ({', '.join(classes)} outputs); "
+        f"SLO TTFT <= {slo_ttft_ms:g} ms, TPOT <= {slo_tpot_ms:g} ms",
+        "model: per strategy the step cost fit (analysis.model.stepcost) on the whole step log, "
+        "calibrated per output class on the measured users levels; each replica a queue "
+        "(analysis.model.replica_model) with Poisson arrivals at qps / N, batch <= max_num_seqs and "
+        "429 beyond max_waiting (configs/serve.yaml); replicas = smallest N whose predicted "
+        f"SLO attainment >= {attainment:.0%}",
+    ]
+    from analysis.model.replica_model import fit_replica_models
+    models = fit_replica_models(results, flagged, cells, notes=assumptions)
+    rows = model_plan(models, qps, classes, slo, attainment)
+    missing = sorted(set(req[mn.REQ_STRATEGY]) - {r["strategy"] for r in rows})
+    if missing:
+        assumptions.append(f"no step log (or < 3 decode steps) for {', '.join(missing)}: no "
+                           "model, no plan row")
+    if any(r.get("extrapolated") for r in rows):
+        assumptions.append("EXTRAPOLATED past the highest measured users level for the rows "
+                           "marked extrapolated: the step cost model, not a measurement")
+    return rows, assumptions
+
+
+def _step_curve(gpu: str | None, model_params: float | None, cost_curve: str | Path | None,
+                overhead_ms: float, assumptions: list[str]):
+    """The GPU's step cost (ms) per batch tokens: the measured curve file, else the roofline;
+    appends what it assumed. Raises ValueError when the roofline lacks ``model_params``."""
+    if cost_curve is not None:
+        curve = PointsCurve.from_file(cost_curve)
+        assumptions.append(f"step cost: measured curve {cost_curve} "
+                           f"({len(curve.tokens)} points, piecewise linear, last slope extrapolated)")
+        return curve
+    if model_params is None:
+        raise ValueError("--gpu needs --model-params (target parameters, e.g. 8e9)")
+    spec = GPUS[gpu]
+    curve = roofline_curve(spec, model_params, overhead_ms)
+    assumptions.append(
+        f"step cost: roofline on {spec.name} ({spec.flops / 1e12:g} TFLOP/s bf16 dense, "
+        f"{spec.bandwidth / 1e12:g} TB/s), {model_params:g} params in bf16: "
+        f"step_ms = max({curve.floor_ms - overhead_ms:.3f} ms weight read, "
+        f"{curve.slope_ms_per_token * 1000:.3f} us/token) + {overhead_ms:g} ms overhead; "
+        f"ridge at {curve.knee_tokens:.0f} batch tokens; KV-cache traffic and attention "
+        "FLOPs ignored; one GPU per replica")
+    if 2 * model_params > 0.8 * spec.memory_bytes:
+        assumptions.append(f"WARNING: bf16 weights ({2 * model_params / 1e9:.0f} GB) exceed 80% "
+                           f"of {spec.name} memory; tensor parallelism is not modelled")
+    return curve
+
+
+def _memory_caps(results, flagged: pd.DataFrame, tier: str, gpu: str, shape,
+                 gpu_memory_utilization: float,
+                 assumptions: list[str]) -> tuple[dict[tuple[str, str], int], list[dict]]:
+    """Most sequences whose KV cache fits a replica, per (strategy, output class), and the
+    memory rows (``memory.gpu_memory_caps``); appends what it assumed."""
+    spec = GPUS[gpu]
+    v_by = capacity.verification_per_request(capacity.capacity_table(results.steps), flagged)
+    ok = flagged[flagged[mn.REQ_STATUS].eq(mn.STATUS_OK) & flagged[mn.REQ_TIER].eq(tier)]
+    contexts = {(s, oc): float((g[mn.REQ_PROMPT_TOKENS].fillna(0) + g[mn.REQ_OUTPUT_TOKENS]).mean())
+                + v_by.get(s, 1.0)
+                for (s, oc), g in ok.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS])}
+    reports: dict = {}
+    for run in results.runs:
+        reports.update(run.manifest.get("memory") or {})
+    rows = memory.gpu_memory_caps(shape, spec.memory_bytes, contexts, reports,
+                                  utilization=gpu_memory_utilization)
+    caps = {(r["strategy"], r["output_class"]): r["max_seqs"] for r in rows}
+    assumptions.append(
+        f"memory: {shape.name} ({shape.num_params() / 1e9:.2f}B params, "
+        f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x {shape.head_dim} head dim "
+        f"x 2 (K, V) x 2 bytes = {shape.kv_bytes_per_token()} KV bytes per token) on "
+        f"{spec.name} ({spec.memory_bytes / 1e9:g} GB, {gpu_memory_utilization:.0%} usable); "
+        "context per sequence = mean prompt + output tokens + v (verification window); "
+        "drafter weights and KV scaled from this run's replica reports by their ratio to the "
+        "target; activations and CUDA context inside the unused share")
+    return caps, rows
+
+
 def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: float,
          gpu: str | None = None, model_params: float | None = None,
          cost_curve: str | Path | None = None, attainment: float = DEFAULT_ATTAINMENT,
@@ -231,33 +327,9 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     analysis.data.load.ResultsError for bad results dirs.
     """
     results = load_results(results_dir)
-    req = results.requests
-    tiers = sorted(req[mn.REQ_TIER].unique())
-    if tier not in tiers:
-        raise ValueError(f"tier {tier!r} is not in the results (found {tiers}); pass one of them.")
-    slo = Slo(ttft_ms=slo_ttft_ms, tpot_ms=slo_tpot_ms, source=slo_source)
-    flagged = metrics.with_slo_flags(req, {t: slo for t in tiers})
-    cells = metrics.cell_table(flagged)
-    classes = sorted(req.loc[req[mn.REQ_TIER].eq(tier), mn.REQ_OUTPUT_CLASS].unique())
-    assumptions = [
-        f"target load {qps:g} requests/s of tier {tier!r} ({', '.join(classes)} outputs); "
-        f"SLO TTFT <= {slo_ttft_ms:g} ms, TPOT <= {slo_tpot_ms:g} ms",
-        "model: per strategy the step cost fit (analysis.model.stepcost) on the whole step log, "
-        "calibrated per output class on the measured users levels; each replica a queue "
-        "(analysis.model.replica_model) with Poisson arrivals at qps / N, batch <= max_num_seqs and "
-        "429 beyond max_waiting (configs/serve.yaml); replicas = smallest N whose predicted "
-        f"SLO attainment >= {attainment:.0%}",
-    ]
-    from analysis.model.replica_model import fit_replica_models
-    models = fit_replica_models(results, flagged, cells, notes=assumptions)
-    rows = model_plan(models, qps, classes, slo, attainment)
-    missing = sorted(set(req[mn.REQ_STRATEGY]) - {r["strategy"] for r in rows})
-    if missing:
-        assumptions.append(f"no step log (or < 3 decode steps) for {', '.join(missing)}: no "
-                           "model, no plan row")
-    if any(r.get("extrapolated") for r in rows):
-        assumptions.append("EXTRAPOLATED past the highest measured users level for the rows "
-                           "marked extrapolated: the step cost model, not a measurement")
+    slo, flagged, cells, classes = _flagged(results, tier, slo_ttft_ms, slo_tpot_ms, slo_source)
+    rows, assumptions = _model_rows(results, flagged, cells, qps, tier, classes, slo,
+                                    slo_ttft_ms, slo_tpot_ms, attainment)
     out = {"qps": qps, "tier": tier, "slo": slo.model_dump(), "assumptions": assumptions,
            "model": rows, "gpu_plan": None, "memory": None}
     if model_shape is not None and gpu is None:
@@ -267,51 +339,14 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
         model_params = float(shape.num_params())
     if gpu is None and cost_curve is None:
         return out
-    if cost_curve is not None:
-        curve = PointsCurve.from_file(cost_curve)
-        assumptions.append(f"step cost: measured curve {cost_curve} "
-                           f"({len(curve.tokens)} points, piecewise linear, last slope extrapolated)")
-    else:
-        if model_params is None:
-            raise ValueError("--gpu needs --model-params (target parameters, e.g. 8e9)")
-        spec = GPUS[gpu]
-        curve = roofline_curve(spec, model_params, overhead_ms)
-        assumptions.append(
-            f"step cost: roofline on {spec.name} ({spec.flops / 1e12:g} TFLOP/s bf16 dense, "
-            f"{spec.bandwidth / 1e12:g} TB/s), {model_params:g} params in bf16: "
-            f"step_ms = max({curve.floor_ms - overhead_ms:.3f} ms weight read, "
-            f"{curve.slope_ms_per_token * 1000:.3f} us/token) + {overhead_ms:g} ms overhead; "
-            f"ridge at {curve.knee_tokens:.0f} batch tokens; KV-cache traffic and attention "
-            "FLOPs ignored; one GPU per replica")
-        if 2 * model_params > 0.8 * spec.memory_bytes:
-            assumptions.append(f"WARNING: bf16 weights ({2 * model_params / 1e9:.0f} GB) exceed 80% "
-                               f"of {spec.name} memory; tensor parallelism is not modelled")
+    curve = _step_curve(gpu, model_params, cost_curve, overhead_ms, assumptions)
     assumptions.append("acceptance: tau and verification tokens per request (v) measured here; "
                        "draft cost = measured draft_ms / verify_ms ratio; prefill of the mean "
                        f"prompt rides in one mixed step; batch <= {max_batch}")
     caps = None
     if shape is not None:
-        spec = GPUS[gpu]
-        v_by = capacity.verification_per_request(capacity.capacity_table(results.steps), flagged)
-        ok = flagged[flagged[mn.REQ_STATUS].eq(mn.STATUS_OK) & flagged[mn.REQ_TIER].eq(tier)]
-        contexts = {(s, oc): float((g[mn.REQ_PROMPT_TOKENS].fillna(0) + g[mn.REQ_OUTPUT_TOKENS]).mean())
-                    + v_by.get(s, 1.0)
-                    for (s, oc), g in ok.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS])}
-        reports: dict = {}
-        for run in results.runs:
-            reports.update(run.manifest.get("memory") or {})
-        rows = memory.gpu_memory_caps(shape, spec.memory_bytes, contexts, reports,
-                                      utilization=gpu_memory_utilization)
-        caps = {(r["strategy"], r["output_class"]): r["max_seqs"] for r in rows}
-        out["memory"] = rows
-        assumptions.append(
-            f"memory: {shape.name} ({shape.num_params() / 1e9:.2f}B params, "
-            f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x {shape.head_dim} head dim "
-            f"x 2 (K, V) x 2 bytes = {shape.kv_bytes_per_token()} KV bytes per token) on "
-            f"{spec.name} ({spec.memory_bytes / 1e9:g} GB, {gpu_memory_utilization:.0%} usable); "
-            "context per sequence = mean prompt + output tokens + v (verification window); "
-            "drafter weights and KV scaled from this run's replica reports by their ratio to the "
-            "target; activations and CUDA context inside the unused share")
+        caps, out["memory"] = _memory_caps(results, flagged, tier, gpu, shape,
+                                           gpu_memory_utilization, assumptions)
     out["gpu_plan"] = gpu_plan(curve, flagged, results.steps, qps, tier, slo, classes, max_batch,
                                mem_caps=caps)
     return out

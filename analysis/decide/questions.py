@@ -93,13 +93,8 @@ def _memory_reports(results: Results) -> dict[str, dict]:
     return out
 
 
-def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float = 0.0,
-                      warmup_dropped: int = 0) -> dict:
-    """{"tables": [(title, text, rows)], "flags": [str] (top-of-report warnings),
-    "figures": {key: png or None}, "consistency": {strategy: entry},
-    "diverging": [strategy], "stability": DataFrame}."""
-    out: dict = {"tables": [], "flags": [], "figures": {}}
-    # --- consistency
+def _consistency(results: Results, out: dict) -> None:
+    """Add the output-consistency table (and a top flag naming diverging strategies) to ``out``."""
     c = cons.load_consistency([r.path for r in results.runs])
     bad = cons.diverging(c)
     out["consistency"], out["diverging"] = c, bad
@@ -111,15 +106,29 @@ def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float =
     text = ("Greedy: the run's first N prompts sent to every strategy at temperature 0 with "
             "the cells' max_tokens, each output compared token by token (token ids, or text "
             "when the target returns none) with the baseline's; a lossless strategy is "
-            "identical on every request. earliest_divergence = first differing token index. "
+            "identical on every request, up to numerical ties. earliest_divergence = first "
+            "differing token index. Each first divergence is classified from the baseline's "
+            "own top-5 logprobs at that position (the prefix up to it is shared): a tie when "
+            "the strategy's token lies within tie_tolerance nats of the baseline's best (both "
+            "are correct greedy choices; tolerance by dtype: fp32 1e-3, fp16 0.05, bf16 0.25), "
+            "a violation otherwise; only violations flag a strategy. "
             "Sampled (opt-in, --consistency-sampled N): chi-square test of the token "
             "distribution at output positions 0 and 1 over N seeded requests vs the baseline, "
             "Bonferroni over positions at alpha 0.01; max TV = total variation distance.")
+    tols = sorted({e["tolerance"] for e in c.values() if e.get("tolerance") is not None})
+    if tols:
+        text += f" This run's tie tolerance: {', '.join(f'{t:g}' for t in tols)} nats."
+    elif c:
+        text += (" This run's divergences are NOT classified (the baseline returned no "
+                 "token-id logprobs): every divergence counts against the strategy.")
     if not c:
         text += (" This run has no consistency.json (run without the check, or an older "
                  "load generator): output consistency was NOT measured.")
     out["tables"].append(("Output consistency", text, _clean(cons.consistency_table(c))))
-    # --- memory
+
+
+def _memory(results: Results, out: dict) -> None:
+    """Add the memory-per-strategy table (the replicas' reports, bytes shown as MiB) to ``out``."""
     reports = _memory_reports(results)
     mt = mem.memory_table(reports, results.requests) if reports else pd.DataFrame()
     if not mt.empty:
@@ -136,7 +145,10 @@ def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float =
         "(prompt + output tokens) of that output class: what each concurrent sequence costs."
         + ("" if reports else " No replica reported memory (a non-specload target, or an "
            "older run)."), _clean(mt)))
-    # --- stability
+
+
+def _stability(flagged: pd.DataFrame, out: dict, warmup_s: float, warmup_dropped: int) -> None:
+    """Add the stability-across-repeats table and its flags (unstable cells, warm-up cut) to ``out``."""
     stab = st.stability_table(flagged)
     out["stability"] = stab
     max_reps = int(stab["replicates"].max()) if not stab.empty else 0
@@ -160,6 +172,10 @@ def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float =
         stab_text += (" Only one replicate per cell here: no interval. Run "
                       "`python -m loadgen --repeats K` for K >= 2 (or load several runs).")
     out["tables"].append(("Stability across repeats", stab_text, _clean(stab)))
+
+
+def _drift_and_sources(flagged: pd.DataFrame, out: dict, warmup_s: float) -> None:
+    """Add the within-cell drift and acceptance-by-source tables and both figures (PNG) to ``out``."""
     over_time = st.throughput_over_time(flagged)
     drift = st.drift_table(over_time)
     out["tables"].append((
@@ -177,4 +193,16 @@ def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float =
         _clean(st.acceptance_by_dataset(flagged))))
     out["figures"] = {"throughput_over_time": throughput_panels(over_time, warmup_s),
                       "acceptance_by_source": acceptance_boxes(flagged)}
+
+
+def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float = 0.0,
+                      warmup_dropped: int = 0) -> dict:
+    """{"tables": [(title, text, rows)], "flags": [str] (top-of-report warnings),
+    "figures": {key: png or None}, "consistency": {strategy: entry},
+    "diverging": [strategy], "stability": DataFrame}."""
+    out: dict = {"tables": [], "flags": [], "figures": {}}
+    _consistency(results, out)
+    _memory(results, out)
+    _stability(flagged, out, warmup_s, warmup_dropped)
+    _drift_and_sources(flagged, out, warmup_s)
     return out

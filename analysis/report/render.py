@@ -74,6 +74,41 @@ def records(df: pd.DataFrame | None) -> list[dict]:
             for row in df.to_dict(orient="records")]
 
 
+def _started(m: dict):
+    """A manifest's start time: ``started``, else ``started_ts`` (epoch s) as UTC text, else None."""
+    ts = m.get("started_ts")
+    return m.get("started") or (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + " UTC"
+                                if isinstance(ts, (int, float)) else None)
+
+
+def _routes(m: dict):
+    """A manifest's routes as ``strategy: route, ...`` (None when it records none)."""
+    routes = m.get("routes")
+    if not isinstance(routes, dict):
+        return None
+    return ", ".join(f"{k}: {v.get('route') if isinstance(v, dict) else v}"
+                     for k, v in routes.items())
+
+
+def _sha(m: dict):
+    """A manifest's git commit (``git_sha`` or ``git.sha``; None when absent)."""
+    git = m.get("git")
+    return m.get("git_sha") or (git.get("sha") if isinstance(git, dict) else None)
+
+
+def _runs_table(a: Analysis) -> tuple[str, str, list[dict]]:
+    """The "Runs" table: one row per run directory read (id, path, start, commit, sizes, routes)."""
+    runs = [{"run_id": r.run_id, "path": str(r.path), "started": _started(r.manifest),
+             "git_sha": _sha(r.manifest), "schema_version": r.manifest.get("schema_version"),
+             "requests": len(r.requests),
+             "steps": len(r.steps), "versions": r.manifest.get("versions"),
+             "machine": r.manifest.get("machine"), "routes": _routes(r.manifest)}
+            for r in a.results.runs]
+    return ("Runs", "Run directories read. routes: the HTTP route each strategy was measured "
+            "on (strategy: its own one-hop route, <target>/strategies/<name>/v1/...; "
+            "model-field: <target>/v1/... with the model field, through the ingress).", runs)
+
+
 def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
     """(section title, explanation, rows) for every table of the report."""
     slo_rows = [{"tier": t, "ttft_ms": s.ttft_ms, "tpot_ms": s.tpot_ms, "source": s.source}
@@ -134,31 +169,7 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
         out.insert(1, ("Degradation vs baseline", f"Baseline {a.baseline_root}: flagged when "
                        "acceptance length or goodput dropped by more than 10 %.",
                        records(a.degradation)))
-    def _started(m: dict):
-        ts = m.get("started_ts")
-        return m.get("started") or (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + " UTC"
-                                    if isinstance(ts, (int, float)) else None)
-
-    def _routes(m: dict):
-        routes = m.get("routes")
-        if not isinstance(routes, dict):
-            return None
-        return ", ".join(f"{k}: {v.get('route') if isinstance(v, dict) else v}"
-                         for k, v in routes.items())
-
-    def _sha(m: dict):
-        git = m.get("git")
-        return m.get("git_sha") or (git.get("sha") if isinstance(git, dict) else None)
-
-    runs = [{"run_id": r.run_id, "path": str(r.path), "started": _started(r.manifest),
-             "git_sha": _sha(r.manifest), "schema_version": r.manifest.get("schema_version"),
-             "requests": len(r.requests),
-             "steps": len(r.steps), "versions": r.manifest.get("versions"),
-             "machine": r.manifest.get("machine"), "routes": _routes(r.manifest)}
-            for r in a.results.runs]
-    out.append(("Runs", "Run directories read. routes: the HTTP route each strategy was measured "
-                "on (strategy: its own one-hop route, <target>/strategies/<name>/v1/...; "
-                "model-field: <target>/v1/... with the model field, through the ingress).", runs))
+    out.append(_runs_table(a))
     return out
 
 

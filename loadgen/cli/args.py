@@ -10,6 +10,7 @@ from typing import Any
 from configs import metric_names as M
 from configs.cli_args import duration_s, existing_file, number, output_dir, path_component, port
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
+from analysis.data.consistency import TIE_TOLERANCE
 from loadgen.cli.consistency import DEFAULT_SAMPLES
 from loadgen.run.datasets import DEFAULT_DATASET
 from loadgen.run.sweep import sweep_levels
@@ -24,8 +25,8 @@ DEFAULT_CONFIDENCE = 0.9     # analysis.decide.race.DEFAULT_CONFIDENCE
 DEFAULT_MARGIN = 0.03        # analysis.decide.race.DEFAULT_MARGIN
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
+def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags choosing the cells: tier, repeats, sweep, output class."""
     ap.add_argument("--tier", default=None, choices=TIER_NAMES + ("all",),
                     help="tier(s) to run (required unless --sweep; with --sweep: the template tier "
                          "whose duration, max_tokens and SLOs the sweep cells use, default high)")
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep-factor", type=number(gt=1), default=2.0, help="users growth per level (default 2)")
     ap.add_argument("--sweep-max-users", type=number(int, ge=1), default=64, help="last sweep users level (default 64)")
     ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
+
+
+def _add_target_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags naming the target: strategies, URL or local service, route, workers."""
     ap.add_argument("--strategies", default="", help="comma-separated; default: the target's /v1/models")
     ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
                                                  "default: start/reuse the local service")
@@ -78,12 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "node i mod nodes: --workers = number of nodes gives one per node), or pack")
     ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
                     "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
+
+
+def _add_input_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags choosing the inputs and outputs: profile, dataset, results, run id."""
     ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
-    ap.add_argument("--dataset", default=DEFAULT_DATASET, help="humaneval|docs|stdlib|mixed or FILE.jsonl")
+    ap.add_argument("--dataset", "--prompts", dest="dataset", default=DEFAULT_DATASET,
+                    help="humaneval|docs|stdlib|mixed, FILE.jsonl, or - for JSON lines on standard "
+                         "input (kept as prompts.jsonl in the run directory)")
     ap.add_argument("--max-prompt-chars", type=number(int, ge=1), default=None, help="override the profile's prompt cut")
     ap.add_argument("--results", default="results", type=output_dir(), help="results directory (a run_id folder goes inside)")
     ap.add_argument("--tiers-file", default="", type=existing_file(), help="default configs/tiers.yaml")
     ap.add_argument("--run-id", default="", type=path_component(), help="default: <date>-<time>-<tier>-<random>")
+
+
+def _add_http_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags of every HTTP request: credentials, headers, TLS, 429 retries."""
     ap.add_argument("--api-key", default=None,
                     help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY); never written "
                          "to the manifest or logs")
@@ -97,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
                          "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
     ap.add_argument("--retry-backoff-s", type=number(ge=0), default=0.5, help="first retry delay, seconds (doubles)")
+
+
+def _add_after_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags of what follows the cells: consistency checks, warm-up cut, report."""
     ap.add_argument("--consistency", type=number(int, ge=0), default=DEFAULT_SAMPLES, metavar="N",
                     help="after the cells, send N greedy requests (the run's first N prompts) to every "
                          "strategy and compare each output token by token with the baseline's; "
@@ -106,12 +125,31 @@ def build_parser() -> argparse.ArgumentParser:
                          "over N seeded sampled requests (chi-square; default 0 = off)")
     ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
                     help="strategy the consistency checks compare with (default autoregressive)")
+    ap.add_argument("--consistency-baseline-target", default="", metavar="URL",
+                    help="serve the baseline from this server instead of --target (e.g. "
+                         "specload's fp32 engine as the baseline of a vLLM bf16 target)")
+    ap.add_argument("--consistency-dtype", default="float32", choices=sorted(TIE_TOLERANCE),
+                    help="compute dtype of the engines compared: sets the tolerance under "
+                         "which a first divergence is a numerical tie, not a violation "
+                         f"({', '.join(f'{k} {v:g}' for k, v in sorted(TIE_TOLERANCE.items()))} "
+                         "nats of the baseline's logprob)")
+    ap.add_argument("--consistency-tie-tolerance", type=number(float, ge=0), default=None,
+                    metavar="NATS", help="the tie tolerance itself (overrides --consistency-dtype)")
     ap.add_argument("--warmup-s", type=number(ge=0), default=0.0,
                     help="seconds at the start of every cell the report excludes as warm-up "
                          "(stored in manifest.json; default 0)")
     ap.add_argument("--report", action="store_true",
                     help="after the run, write the analysis report (python -m analysis report) "
                          "into the run directory and print the recommendation table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
+    _add_cell_flags(ap)
+    _add_target_flags(ap)
+    _add_input_flags(ap)
+    _add_http_flags(ap)
+    _add_after_flags(ap)
     return ap
 
 

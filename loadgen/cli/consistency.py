@@ -6,7 +6,14 @@ same index gets, are sent to every strategy with temperature 0 (non-streamed
 ``POST /v1/completions``, up to ``concurrency`` in flight per strategy), and
 each output is compared token by token with the baseline's (``autoregressive``):
 token ids when the target returns them (specload and vLLM put ``token_ids``
-on each choice), the text otherwise.
+on each choice), the text otherwise. The baseline's requests also ask for its top
+logprobs at every position (``logprobs: 5``, ``return_tokens_as_token_ids: true``,
+as vLLM names it), so each first divergence is classified as a numerical ``tie`` or a
+``violation`` (``analysis.data.consistency.classify_divergence``) with the tie
+tolerance of the engines' dtype (``--consistency-dtype``, or
+``--consistency-tie-tolerance``). The baseline may be served elsewhere
+(``--consistency-baseline-target URL``): specload's fp32 engine as the baseline of a
+vLLM bf16 target, for instance.
 
 Sampled check (opt-in, ``--consistency-sampled N``): N seeded requests per
 strategy (request j: prompt j mod the N prompts above, seed j), ``positions``
@@ -30,8 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from analysis.data.consistency import (CONSISTENCY_FILE, DEFAULT_ALPHA, compare_outputs,
-                                  first_token_test, merge_counts, sampled_verdict)
+from analysis.data.consistency import (CONSISTENCY_FILE, DEFAULT_ALPHA, TOP_LOGPROBS,
+                                       compare_outputs, first_token_test, merge_counts,
+                                       sampled_verdict)
 from configs import metric_names as M
 from configs.jsonio import write_json
 from configs.tiers import MaxTokens
@@ -46,9 +54,31 @@ class CompletionError(RuntimeError):
     """A consistency request failed (HTTP error, bad body, no choice)."""
 
 
-def complete(base_url: str, body: dict, timeout_s: float, headers: dict[str, str] | None = None,
-             insecure: bool = False) -> tuple[list[int] | None, str]:
-    """One non-streamed completion: (token ids or None when the server sends none, text).
+TOKEN_ID_PREFIX = "token_id:"   # vLLM's rendering under return_tokens_as_token_ids
+
+
+def top_logprobs_of(choice: dict) -> list[dict[int, float]] | None:
+    """Per output position {token id: logprob} from an OpenAI completions choice's
+    ``logprobs.top_logprobs`` whose tokens are rendered ``token_id:N``; None when the
+    server sent none or rendered tokens as text (ids cannot be recovered)."""
+    lp = choice.get("logprobs") if isinstance(choice, dict) else None
+    tops = lp.get("top_logprobs") if isinstance(lp, dict) else None
+    if not isinstance(tops, list) or not tops:
+        return None
+    out = []
+    for pos in tops:
+        row = {}
+        for tok, v in (pos or {}).items():
+            if not (isinstance(tok, str) and tok.startswith(TOKEN_ID_PREFIX)) or v is None:
+                return None
+            row[int(tok[len(TOKEN_ID_PREFIX):])] = float(v)
+        out.append(row)
+    return out
+
+
+def complete_full(base_url: str, body: dict, timeout_s: float,
+                  headers: dict[str, str] | None = None, insecure: bool = False) -> dict:
+    """One non-streamed completion's first choice (the parsed JSON object).
 
     headers: extra HTTP headers (``--api-key`` / ``--header``); insecure: skip TLS
     verification of an https target. Raises CompletionError with the status and the
@@ -66,15 +96,29 @@ def complete(base_url: str, body: dict, timeout_s: float, headers: dict[str, str
     except (urllib.error.URLError, OSError, ValueError) as err:
         raise CompletionError(str(err)) from None
     choices = data.get("choices") if isinstance(data, dict) else None
-    if not choices:
+    if not choices or not isinstance(choices[0], dict):
         raise CompletionError(f"no choices in {str(data)[:300]}")
-    ids = choices[0].get("token_ids")
-    return (list(ids) if isinstance(ids, list) else None), str(choices[0].get("text") or "")
+    return choices[0]
+
+
+def complete(base_url: str, body: dict, timeout_s: float, headers: dict[str, str] | None = None,
+             insecure: bool = False) -> tuple[list[int] | None, str, list | None]:
+    """One non-streamed completion: (token ids or None when the server sends none, text,
+    top logprobs per position or None: ``top_logprobs_of``).
+
+    headers: extra HTTP headers (``--api-key`` / ``--header``); insecure: skip TLS
+    verification of an https target. Raises CompletionError with the status and the
+    server's message.
+    """
+    c = complete_full(base_url, body, timeout_s, headers, insecure)
+    ids = c.get("token_ids")
+    return (list(ids) if isinstance(ids, list) else None), str(c.get("text") or ""), \
+        top_logprobs_of(c)
 
 
 def _run_all(base_url: str, bodies: list[dict], timeout_s: float, concurrency: int,
              headers: dict[str, str] | None = None, insecure: bool = False
-             ) -> list[tuple[list[int] | None, str] | None]:
+             ) -> list[tuple[list[int] | None, str, list | None] | None]:
     """Send ``bodies`` (at most ``concurrency`` in flight); None for a failed request."""
     def one(body: dict):
         try:
@@ -97,44 +141,58 @@ def greedy_check(base_url: str, strategies: list[str], prompts: list[list[Any]],
                  baseline: str = M.AUTOREGRESSIVE, extra_body: dict | None = None,
                  timeout_s: float = 120.0, concurrency: int = DEFAULT_CONCURRENCY,
                  model_of: Callable[[str], str] = lambda s: s,
-                 headers: dict[str, str] | None = None, insecure: bool = False) -> dict:
+                 headers: dict[str, str] | None = None, insecure: bool = False,
+                 tolerance: float | None = None, baseline_url: str | None = None) -> dict:
     """Greedy outputs of every strategy vs ``baseline`` on the first ``n`` prompts.
 
     prompts: [[prompt_id, text, max_tokens or None], ...] (the run's order);
     max_tokens_by_class: output class -> MaxTokens dump (one check per class).
-    Returns {strategy: entry} as in ``analysis.data.consistency``; the baseline's own
-    entry has ``baseline_self``. Raises ValueError when ``baseline`` is not served.
+    tolerance: the tie tolerance (nats) for classifying divergences (None: not
+    classified). baseline_url: where ``baseline`` is served when not at ``base_url``
+    (then it is compared with every strategy of ``base_url``, and needs not be one of
+    them). Returns {strategy: entry} as in ``analysis.data.consistency``; the baseline's
+    own entry has ``baseline_self``. Raises ValueError when ``baseline`` is not served.
     """
-    if baseline not in strategies:
+    if baseline not in strategies and baseline_url is None:
         raise ValueError(f"baseline {baseline!r} is not among the strategies {strategies}")
+    everyone = strategies if baseline in strategies and baseline_url is None \
+        else [baseline, *strategies]
     sample = prompts[:n]
-    parts: dict[str, list[dict]] = {s: [] for s in strategies}
+    parts: dict[str, list[dict]] = {s: [] for s in everyone}
     modes: dict[str, str] = {}
     for oc, mt in max_tokens_by_class.items():
         keys = [f"{p[0]}#{i}" for i, p in enumerate(sample)]
         outputs: dict[str, dict[str, Any]] = {}
         errors: dict[str, int] = {}
-        for s in strategies:
+        for s in everyone:
+            top = {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True} \
+                if s == baseline and tolerance is not None else {}
             bodies = [{**(extra_body or {}), "model": model_of(s), "prompt": p[1],
                        "max_tokens": _max_tokens(mt, seed, i, p[2]), "temperature": 0.0,
-                       "seed": seed} for i, p in enumerate(sample)]
-            res = _run_all(base_url, bodies, timeout_s, concurrency, headers, insecure)
+                       "seed": seed, **top} for i, p in enumerate(sample)]
+            url = baseline_url if s == baseline and baseline_url else base_url
+            res = _run_all(url, bodies, timeout_s, concurrency, headers, insecure)
             outputs[s] = {k: r for k, r in zip(keys, res) if r is not None}
             errors[s] = sum(r is None for r in res)
         base = outputs[baseline]
-        for s in strategies:
+        tops = {k: r[2] for k, r in base.items()} if tolerance is not None else None
+        for s in everyone:
             use_ids = all(r[0] is not None for r in list(base.values()) + list(outputs[s].values()))
             modes[s] = "token_ids" if use_ids and modes.get(s, "token_ids") == "token_ids" else "text"
             pick = 0 if modes[s] == "token_ids" else 1
             part = compare_outputs({k: r[pick] for k, r in base.items()},
-                                   {k: r[pick] for k, r in outputs[s].items()}, oc)
+                                   {k: r[pick] for k, r in outputs[s].items()}, oc,
+                                   baseline_top=tops if modes[s] == "token_ids" else None,
+                                   tolerance=tolerance)
             part["errors"] = errors[s]
             parts[s].append(part)
     out = {}
-    for s in strategies:
-        entry = merge_counts(parts[s])
+    for s in everyone:
+        entry = merge_counts(parts.setdefault(s, []))
         entry.update(mode=modes.get(s, "text"), baseline=baseline, samples_per_class=len(sample),
                      output_classes=list(max_tokens_by_class))
+        if baseline_url and s == baseline:
+            entry["baseline_url"] = baseline_url
         if s == baseline:
             entry["baseline_self"] = True
         out[s] = entry
@@ -194,7 +252,8 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
                tier: str, outputs: list[str], run_dir: Path, samples: int = DEFAULT_SAMPLES,
                sampled: int = 0, baseline: str = M.AUTOREGRESSIVE,
                say: Callable[[str], None] = print, headers: dict[str, str] | None = None,
-               insecure: bool = False) -> dict:
+               insecure: bool = False, tolerance: float | None = None,
+               baseline_url: str | None = None) -> dict:
     """The run's consistency phase: the greedy check (when ``samples`` > 0), the sampled
     check (when ``sampled`` > 0), ``consistency.json`` written; returns a summary for the
     manifest: {strategy: {"compared", "identical", "diverges"}} or {"skipped": reason}.
@@ -202,12 +261,14 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     profile: a ``configs.tiers.Profile`` (max_tokens of ``tier``'s cell per output class in
     ``outputs``, sampling, extra_body, seed, request timeout). The greedy check runs
     whatever the profile's temperature (temperature 0 is the exact lossless check).
+    tolerance / baseline_url: as in ``greedy_check`` (the sampled check needs the
+    baseline at ``target``).
     """
     from analysis.data.consistency import diverges
 
     if samples <= 0 and sampled <= 0:
         return {"skipped": "disabled (--consistency 0)"}
-    if baseline not in strategies:
+    if baseline not in strategies and not baseline_url:
         reason = (f"baseline {baseline!r} not in this run's strategies {strategies}; "
                   "pass --consistency-baseline NAME or include it in --strategies")
         say(f"consistency check skipped: {reason}")
@@ -217,8 +278,9 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     if samples > 0:
         mt = {oc: profile.cell(tier, oc).max_tokens.model_dump() for oc in outputs}
         result = greedy_check(target, strategies, prompts, mt, profile.seed, samples, baseline,
-                              extra, profile.request_timeout_s, headers=headers, insecure=insecure)
-    if sampled > 0:
+                              extra, profile.request_timeout_s, headers=headers, insecure=insecure,
+                              tolerance=tolerance, baseline_url=baseline_url)
+    if sampled > 0 and baseline in strategies:
         temp = profile.sampling.temperature or 1.0
         tests = sampled_check(target, strategies, prompts, sampled, temp, profile.sampling.top_p,
                               profile.sampling.top_k, baseline=baseline, extra_body=extra,
@@ -231,9 +293,12 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     bad = sorted(s for s, e in result.items() if diverges(e))
     for s, e in result.items():
         if s != baseline:
-            say(f"consistency {s}: {e['identical']}/{e['compared']} identical to {baseline}"
+            ties = (f" ({e['ties']} ties, {e['violations']} violations at tolerance "
+                    f"{e['tolerance']:g})" if "violations" in e else "")
+            say(f"consistency {s}: {e['identical']}/{e['compared']} identical to {baseline}{ties}"
                 + (f", sampled min p {e['sampled']['min_p_value']:.3g}" if e.get("sampled") else ""))
     if bad:
         say(f"WARNING: output of {', '.join(bad)} diverges from {baseline} (consistency.json)")
-    return {s: {"compared": e["compared"], "identical": e["identical"], "diverges": diverges(e)}
-            for s, e in result.items()}
+    return {s: {"compared": e["compared"], "identical": e["identical"],
+                **({k: e[k] for k in ("ties", "violations", "tolerance") if k in e}),
+                "diverges": diverges(e)} for s, e in result.items()}

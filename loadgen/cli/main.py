@@ -32,7 +32,8 @@ from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tier
 from loadgen.run import service
 from loadgen.cli.args import check_local_strategy_names, manifest_args, parse_args
 from loadgen.run.cells import CellPlan, shuffled_prompts
-from loadgen.run.datasets import DatasetError, load_dataset
+from configs.jsonio import STDIN
+from loadgen.run.datasets import PROMPTS_FILE, DatasetError, load_dataset, write_prompts
 from loadgen.results.progress import Progress
 from loadgen.results.summary import SUMMARY_CSV, clock
 from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
@@ -209,6 +210,11 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
 
 
 
+def _read_once(dataset: str) -> bool:
+    """True when ``--dataset`` is standard input or a pipe: it cannot be read again."""
+    return dataset == STDIN or (Path(dataset).exists() and not Path(dataset).is_file())
+
+
 def _open_run(st: _RunState) -> tuple[int, float]:
     """Create the run directory, the request writer and the first manifest; print the plan.
     Returns (cells planned, planned seconds per cell)."""
@@ -219,6 +225,8 @@ def _open_run(st: _RunState) -> tuple[int, float]:
     st.run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
     st.run_dir = Path(args.results) / st.run_id
     st.run_dir.mkdir(parents=True, exist_ok=False)
+    if _read_once(args.dataset):   # stdin or a pipe: keep what was read, for the analysis
+        write_prompts(st.run_dir / PROMPTS_FILE, st.prompts)
     # cells to run (a sweep stops early: its count is an upper bound) and the planned time per cell:
     # offered load + half the drain timeout (the ETA uses it until cells have finished)
     if args.sweep:
@@ -243,6 +251,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
                        "base_url": route_url(st.target, p)} for s, p in st.prefixes.items()},
         "args": manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
         "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],
+        "dataset_file": PROMPTS_FILE if _read_once(args.dataset) else None,
         # the analysis reads per-tier SLOs from config.slo (analysis/data/slo.py)
         "config": {"slo": {t: profile.cell(t, outputs[0]).slo.model_dump() for t in tiers}},
         "schema_version": MANIFEST_SCHEMA_VERSION, "repeats": args.repeats,
@@ -337,6 +346,7 @@ def _check_consistency(st: _RunState) -> None:
     """Output consistency vs the baseline (``loadgen.cli.consistency``): consistency.json and a
     manifest summary. Skipped with --model (one name for every strategy) or after Ctrl-C;
     a failure is a warning, never a lost run."""
+    from analysis.data.consistency import tie_tolerance
     from loadgen.cli.consistency import run_checks
 
     args = st.args
@@ -348,7 +358,11 @@ def _check_consistency(st: _RunState) -> None:
             st.profile, st.tiers[0], st.outputs, st.run_dir, args.consistency,
             args.consistency_sampled, args.consistency_baseline,
             say=lambda m: st.console.print(m, highlight=False),
-            headers=st.auth.headers, insecure=st.auth.insecure)
+            headers=st.auth.headers, insecure=st.auth.insecure,
+            tolerance=(args.consistency_tie_tolerance if args.consistency_tie_tolerance is not None
+                       else tie_tolerance(args.consistency_dtype)),
+            baseline_url=(service.normalize_base_url(args.consistency_baseline_target)
+                          if args.consistency_baseline_target else None))
     except Exception as err:  # noqa: BLE001  (a failed check must not lose the run)
         st.manifest["consistency"] = {"skipped": f"failed: {err!r}"}
         st.console.print(f"[yellow]warning[/] consistency check failed: {err!r}")

@@ -9,7 +9,8 @@ Datasets (``--dataset NAME`` or ``--dataset FILE.jsonl``):
 - ``mixed`` (default): the three above, interleaved.
 - a user file: JSON lines ``{"prompt": "...", "max_tokens": 64}`` (max_tokens
   optional; when present it overrides the tier's max_tokens draw); an optional
-  ``prompt_id`` names the row.
+  ``prompt_id`` names the row. ``-`` reads the same lines from standard input, and a
+  pipe or ``/dev/stdin`` works as a path (``configs.jsonio.read_text_source``).
 
 "Held out" is ``corpus.sources.is_heldout(rel_path)``, the split the embedded
 models were trained without. The named datasets are committed, pre-extracted,
@@ -27,6 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from configs.jsonio import STDIN, SourceError, read_text_source
 from configs.paths import PROMPTS_DIR
 
 NAMED_DATASETS = ("humaneval", "docs", "stdlib")
@@ -42,6 +44,17 @@ class Prompt:
     prompt_id: str
     text: str
     max_tokens: int | None = None
+
+
+PROMPTS_FILE = "prompts.jsonl"   # a run's copy of prompts read from stdin or a pipe
+
+
+def write_prompts(path: Path, prompts: list[Prompt]) -> None:
+    """Write ``prompts`` as the JSON lines ``load_dataset`` reads back (same ids)."""
+    lines = [json.dumps({"prompt_id": p.prompt_id, "prompt": p.text,
+                         **({"max_tokens": p.max_tokens} if p.max_tokens else {})})
+             for p in prompts]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 class DatasetError(ValueError):
@@ -61,24 +74,27 @@ def truncate(text: str, max_chars: int) -> str:
     return cut[: nl + 1] if nl >= max_chars // 2 else cut
 
 
-def _read_jsonl(path: Path, name: str) -> list[Prompt]:
+def _read_jsonl(path: Path | str, name: str, text: str | None = None) -> list[Prompt]:
+    """Prompts of JSON-lines ``text`` (read from ``path`` when None); errors name
+    ``path`` and the line."""
+    if text is None:
+        text = Path(path).read_text(encoding="utf-8")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{path}:{i + 1}: not JSON ({err}); expected "
-                                   '{"prompt": "...", "max_tokens": N}') from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise DatasetError(f"{path}:{i + 1}: expected an object with a string 'prompt', "
-                                   f"got {str(obj)[:80]!r}")
-            mt = obj.get("max_tokens")
-            if mt is not None and (not isinstance(mt, int) or mt < 1):
-                raise DatasetError(f"{path}:{i + 1}: max_tokens must be a positive integer, got {mt!r}")
-            out.append(Prompt(str(obj.get("prompt_id", f"{name}/{i}")), obj["prompt"], mt))
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{path}:{i + 1}: not JSON ({err}); expected "
+                               '{"prompt": "...", "max_tokens": N}') from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise DatasetError(f"{path}:{i + 1}: expected an object with a string 'prompt', "
+                               f"got {str(obj)[:80]!r}")
+        mt = obj.get("max_tokens")
+        if mt is not None and (not isinstance(mt, int) or mt < 1):
+            raise DatasetError(f"{path}:{i + 1}: max_tokens must be a positive integer, got {mt!r}")
+        out.append(Prompt(str(obj.get("prompt_id", f"{name}/{i}")), obj["prompt"], mt))
     if not out:
         raise DatasetError(f"{path}: no prompts")
     return out
@@ -103,13 +119,16 @@ def load_dataset(name: str = DEFAULT_DATASET, max_chars: int = 1200,
         if not path.exists():
             raise DatasetError(f"{path} missing; rebuild it with `python -m loadgen.run.datasets`")
         rows = _read_jsonl(path, name)
-    elif name.endswith(".jsonl") or Path(name).is_file():
-        if not Path(name).is_file():
-            raise DatasetError(f"dataset file {name} not found")
-        rows = _read_jsonl(Path(name), Path(name).stem)
+    elif name == STDIN or name.endswith(".jsonl") or Path(name).exists():
+        try:
+            stem, text = read_text_source(name)
+        except SourceError as err:
+            raise DatasetError(f"dataset file {err}") from None
+        rows = _read_jsonl(name, stem, text)
     else:
         raise DatasetError(f"unknown dataset {name!r}: use one of "
-                           f"{NAMED_DATASETS + ('mixed',)} or a path to a .jsonl file")
+                           f"{NAMED_DATASETS + ('mixed',)}, a path to a .jsonl file, or - "
+                           "(standard input)")
     return [Prompt(p.prompt_id, truncate(p.text, max_chars), p.max_tokens) for p in rows]
 
 

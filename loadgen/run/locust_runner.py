@@ -31,7 +31,7 @@ import psutil
 from locust.env import Environment
 
 from configs import metric_names as M
-from configs.net import free_port
+from configs.net import LOOPBACK, free_port
 from loadgen.run.cells import CellPlan
 from loadgen.run.users import CELL_MESSAGE, ROWS_MESSAGE, CellContext, CompletionUser
 
@@ -82,7 +82,9 @@ class LoadRunner:
             self.runner = self.env.create_local_runner()
         else:
             port = free_port()
-            self.runner = self.env.create_master_runner(master_bind_host="*", master_bind_port=port)
+            # workers of a private, single-node Ray dial 127.0.0.1; a cluster's from other hosts
+            bind = "*" if self.ray_address else LOOPBACK
+            self.runner = self.env.create_master_runner(master_bind_host=bind, master_bind_port=port)
             self.runner.register_message(ROWS_MESSAGE, self._on_rows)
             self._start_workers(port, worker_start_timeout_s)
         self._spawned_at: float | None = None

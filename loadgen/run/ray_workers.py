@@ -35,6 +35,7 @@ import sys
 import threading
 from pathlib import Path
 
+from configs.net import LOOPBACK, loopback_env
 from configs.paths import PACKAGE_ROOT
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -72,7 +73,8 @@ def worker_command(master_host: str, master_port: int) -> list[str]:
             "--master-port", str(master_port), "--loglevel", "WARNING"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command's flags (a bad one exits 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, required=True, help="number of Locust workers (actors)")
     ap.add_argument("--master-host", default="", help="default: this node's IP as Ray sees it")
@@ -82,18 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-cpus", type=float, default=0.1, help="Ray CPUs reserved per worker actor")
     ap.add_argument("--placement", choices=PLACEMENTS, default="spread",
                     help="spread (Ray SPREAD), per-node (worker i on node i mod nodes), pack")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    import ray  # only here: never in a process that imported locust
 
-    started = not ray.is_initialized()
-    # "local" rather than None: None silently joins whatever cluster /tmp/ray last recorded,
-    # which may be stale (seen here: a dead GCS from another process made ray.init hang).
-    ray.init(address=a.address or "local", include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(PACKAGE_ROOT)}} if not a.address else None)
-    master_host = a.master_host or ray.util.get_node_ip_address()
+def _worker_class(ray, num_cpus: float):
+    """The Ray actor class (``num_cpus`` CPUs each, never restarted) owning one Locust worker."""
 
-    @ray.remote(num_cpus=a.num_cpus, max_restarts=0)
+    @ray.remote(num_cpus=num_cpus, max_restarts=0)
     class LocustWorker:
         """Owns one ``locust --worker`` subprocess."""
 
@@ -121,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
                     self.proc.wait(5)
             return self.proc.returncode
 
+    return LocustWorker
+
+
+def _start_workers(ray, a: argparse.Namespace, master_host: str) -> list | None:
+    """Place ``--n`` worker actors and print a WORKER line for each, then READY; None (after an
+    ERROR line and ``ray.shutdown``) when they cannot be placed within 300 s."""
+    LocustWorker = _worker_class(ray, a.num_cpus)
     extra_env = {"SPECLOAD_WORKER": "1", "PYTHONPATH": str(PACKAGE_ROOT)}
     alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
     actors = [LocustWorker.options(**scheduling_options(a.placement, i, alive)).remote(
@@ -131,11 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ERROR could not place {a.n} worker actors ({err}); the cluster may lack "
               f"{a.n * a.num_cpus:g} free CPUs", flush=True)
         ray.shutdown()
-        return 1
+        return None
     for i, (actor_pid, locust_pid, ip, node_id) in enumerate(facts):
         print(f"WORKER {i} {actor_pid} {locust_pid} {ip} {node_id}", flush=True)
     print(f"READY {a.n} {master_host}", flush=True)
+    return actors
 
+
+def _wait_and_stop(ray, actors: list) -> None:
+    """Block until SIGTERM, SIGINT or EOF on stdin; then stop every worker (30 s each, best effort)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -146,10 +154,30 @@ def main(argv: list[str] | None = None) -> int:
             ray.get(w.stop.remote(), timeout=30)
         except Exception:  # noqa: BLE001  (best effort: actors die with the job anyway)
             pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+
+    import ray  # only here: never in a process that imported locust
+
+    if not a.address:   # a private single-node Ray: every listener on 127.0.0.1 (docs/network.md)
+        for k, v in loopback_env().items():
+            os.environ.setdefault(k, v)
+        a.master_host = a.master_host or LOOPBACK
+    started = not ray.is_initialized()
+    # "local" rather than None: None silently joins whatever cluster /tmp/ray last recorded,
+    # which may be stale (seen here: a dead GCS from another process made ray.init hang).
+    ray.init(address=a.address or "local", include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(PACKAGE_ROOT)}} if not a.address else None)
+    master_host = a.master_host or ray.util.get_node_ip_address()
+    actors = _start_workers(ray, a, master_host)
+    if actors is None:
+        return 1
+    _wait_and_stop(ray, actors)
     if started:
         ray.shutdown()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

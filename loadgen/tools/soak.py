@@ -139,7 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Soak:
+    """One soak's state: where it writes, what it has seen, and when it started (epoch s)."""
+
+    def __init__(self, run_id: str, run_dir: Path, writer: Any, target: str,
+                 strategies: list[str]) -> None:
+        self.run_id, self.run_dir, self.writer = run_id, run_dir, writer
+        self.target, self.strategies = target, strategies
+        self.rows: list[dict] = []
+        self.samples: list[dict] = [{"t_s": 0.0, "replicas": sample(target)}]
+        self.state: dict[str, Any] = {"before": None, "last": 0.0}
+        self.t_start = time.time()
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, float, float]:
+    """Parse and check the flags; return (args, soak seconds, warm-up seconds). Exits 2 on a bad one."""
     ap = build_parser()
     a = ap.parse_args(argv)
     if not a.minutes > 0:
@@ -148,18 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = a.warmup_s if a.warmup_s is not None else max(10.0, 0.2 * total_s)
     if not 0 <= warmup_s < total_s:
         ap.error(f"--warmup-s must be in [0, {total_s:g}) seconds, got {warmup_s:g}")
-    from loadgen.run import service
-    from loadgen.run.cells import CellPlan, shuffled_prompts
+    return a, total_s, warmup_s
+
+
+def _open_soak(a: argparse.Namespace, warmup_s: float, service: Any, profile: Any) -> tuple[_Soak, list]:
+    """Resolve the target (starting the local service without ``--target``) and strategies, load
+    the prompts, create the run directory and its row sink; print the soak's header line."""
+    from loadgen.run.cells import shuffled_prompts
     from loadgen.run.datasets import DEFAULT_DATASET, load_dataset
-    from loadgen.run.locust_runner import LoadRunner
     from loadgen.results.writer import RowSink
 
-    try:
-        profile = load_tiers(a.tiers_file or None).profile(a.profile or None)
-        profile.cell(a.tier, "short")
-    except (TierConfigError, KeyError) as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
     target = (a.target or service.start_local_service()).rstrip("/")
     strategies = ([s.strip() for s in a.strategies.split(",") if s.strip()] if a.strategies
                   else service.list_models(target))
@@ -167,65 +179,95 @@ def main(argv: list[str] | None = None) -> int:
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-soak-{uuid.uuid4().hex[:6]}"
     run_dir = Path(a.results) / run_id
     run_dir.mkdir(parents=True)
-    writer = RowSink(run_dir)
-    rows: list[dict] = []
-    samples: list[dict] = [{"t_s": 0.0, "replicas": sample(target)}]
-    state: dict[str, Any] = {"before": None, "last": 0.0}
-    t_start = time.time()
+    s = _Soak(run_id, run_dir, RowSink(run_dir), target, strategies)
     print(f"soak {run_id}: {a.minutes:g} min of mixed {','.join(strategies)} at tier {a.tier} against "
           f"{target}; warm-up {warmup_s:g} s; results in {run_dir}", flush=True)
+    return s, prompts
+
+
+def _drive(a: argparse.Namespace, s: _Soak, profile: Any, prompts: list, total_s: float,
+           warmup_s: float) -> None:
+    """Run alternating short/long mixed cells of ``--chunk-s`` seconds until the soak's time is
+    up, sampling the replicas every ``--sample-s`` seconds (and once after the warm-up)."""
+    from loadgen.run.cells import CellPlan
+    from loadgen.run.datasets import DEFAULT_DATASET
+    from loadgen.run.locust_runner import LoadRunner
 
     def tick(now: float, runner: Any) -> None:
-        if now - state["last"] >= a.sample_s:
-            state["last"] = now
-            samples.append({"t_s": now - t_start, "replicas": sample(target)})
-        if state["before"] is None and now - t_start >= warmup_s:
-            state["before"] = sample(target)
+        if now - s.state["last"] >= a.sample_s:
+            s.state["last"] = now
+            s.samples.append({"t_s": now - s.t_start, "replicas": sample(s.target)})
+        if s.state["before"] is None and now - s.t_start >= warmup_s:
+            s.state["before"] = sample(s.target)
 
     def on_row(row: dict) -> None:
-        rows.append(row)
-        writer.add(row)
+        s.rows.append(row)
+        s.writer.add(row)
 
     runner = LoadRunner(0, on_row=on_row)
     k = 0
     try:
-        while (left := total_s - (time.time() - t_start)) > 1.0:
+        while (left := total_s - (time.time() - s.t_start)) > 1.0:
             oc = ("short", "long")[k % 2]
             cell = profile.cell(a.tier, oc)
             t0 = time.time() + 0.2
             dur = min(a.chunk_s, left)
-            plan = CellPlan(run_id=run_id, strategy=MIX, model=MIX, tier=a.tier, output_class=oc,
-                            dataset=DEFAULT_DATASET, base_url=target, arrival=cell.arrival, users=cell.users,
+            plan = CellPlan(run_id=s.run_id, strategy=MIX, model=MIX, tier=a.tier, output_class=oc,
+                            dataset=DEFAULT_DATASET, base_url=s.target, arrival=cell.arrival, users=cell.users,
                             rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + dur,
                             prompts=[[p.prompt_id, p.text, p.max_tokens] for p in prompts],
                             max_tokens=cell.max_tokens.model_dump(), seed=profile.seed + k,
                             sampling=profile.sampling.model_dump(), extra_body=dict(profile.extra_body),
                             request_timeout_s=profile.request_timeout_s, cell_id=f"soak/{k}",
-                            mix=list(strategies))
-            writer.start_cell(f"{k + 1:03d}-{MIX}-{a.tier}-{oc}")
+                            mix=list(s.strategies))
+            s.writer.start_cell(f"{k + 1:03d}-{MIX}-{a.tier}-{oc}")
             try:
                 runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, tick)
             finally:
-                writer.end_cell()
+                s.writer.end_cell()
             k += 1
     finally:
         runner.close()
-        writer.close()
-    after = sample(target)
-    samples.append({"t_s": time.time() - t_start, "replicas": after})
-    before = state["before"] or samples[0]["replicas"]
-    verdict = judge(rows, before, after, a.max_rss_growth, a.fd_slack)
-    verdict.update(run_id=run_id, target=target, strategies=strategies, tier=a.tier, minutes=a.minutes,
-                   warmup_s=warmup_s, wall_s=time.time() - t_start, initial=samples[0]["replicas"],
-                   samples=samples)
-    write_json(run_dir / "soak.json", verdict)
+        s.writer.close()
+
+
+def _close_soak(a: argparse.Namespace, s: _Soak, warmup_s: float) -> int:
+    """Take the last sample, judge the soak, write ``soak.json`` and print the verdict;
+    return the exit code (0 passed, 1 not)."""
+    after = sample(s.target)
+    s.samples.append({"t_s": time.time() - s.t_start, "replicas": after})
+    before = s.state["before"] or s.samples[0]["replicas"]
+    verdict = judge(s.rows, before, after, a.max_rss_growth, a.fd_slack)
+    verdict.update(run_id=s.run_id, target=s.target, strategies=s.strategies, tier=a.tier,
+                   minutes=a.minutes, warmup_s=warmup_s, wall_s=time.time() - s.t_start,
+                   initial=s.samples[0]["replicas"], samples=s.samples)
+    write_json(s.run_dir / "soak.json", verdict)
     print(json.dumps({k: verdict[k] for k in ("passed", "requests", "by_status", "problems")}), flush=True)
     for name, r in verdict["replicas"].items():
         print(f"  {name}: RSS {r['rss_mb_before']} -> {r['rss_mb_after']} MB, fds {r['fds_before']} -> "
               f"{r['fds_after']}, step log {r['step_log_rows']}/{r['step_log_capacity']} rows", flush=True)
-    print(f"soak: {run_dir / 'soak.json'}", flush=True)
+    print(f"soak: {s.run_dir / 'soak.json'}", flush=True)
     return 0 if verdict["passed"] else 1
 
+
+def main(argv: list[str] | None = None) -> int:
+    a, total_s, warmup_s = _parse(argv)
+    # imported here, in this order, as before the phases were split (locust after gevent's patching)
+    from loadgen.run import service
+    from loadgen.run.cells import CellPlan, shuffled_prompts  # noqa: F401
+    from loadgen.run.datasets import DEFAULT_DATASET, load_dataset  # noqa: F401
+    from loadgen.run.locust_runner import LoadRunner  # noqa: F401
+    from loadgen.results.writer import RowSink  # noqa: F401
+
+    try:
+        profile = load_tiers(a.tiers_file or None).profile(a.profile or None)
+        profile.cell(a.tier, "short")
+    except (TierConfigError, KeyError) as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    s, prompts = _open_soak(a, warmup_s, service, profile)
+    _drive(a, s, profile, prompts, total_s, warmup_s)
+    return _close_soak(a, s, warmup_s)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,155 @@
+"""A single-node ``python -m cluster up`` listens on 127.0.0.1 only (issue 23, item 2).
+
+The audit (``tests.socket_audit``) lists every listening TCP socket, IPv4 and IPv6, of
+every process of the service: the Ray head recorded in the state file, its descendants,
+and any process naming its session directory. Any address but 127.0.0.1 fails the test,
+named with its process and port. The self-check proves the audit does flag what it must
+(a wildcard ``::`` / ``0.0.0.0`` socket, another interface's address), on sockets opened
+inside a network namespace the test makes, never on this machine's interfaces.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs.net import (GRPC_BIND_PRELOAD, LOOPBACK, RAY_HEAD_PORT_ENV, RAY_HEAD_PORT_OPTIONS,
+                         RAY_PRELOAD_ENV, loopback_head)
+from tests.socket_audit import listeners, not_loopback, plain_ip, service_pids
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Opens listeners on the wildcards, on the namespace host's own address and on 127.0.0.1,
+# then audits its own pid with tests.socket_audit, inside the namespace it runs in.
+_SELF_CHECK = r"""
+import json, socket, sys, os
+sys.path.insert(0, sys.argv[2])
+from tests.socket_audit import listeners, not_loopback
+socks = []
+for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0"),
+                     (socket.AF_INET, sys.argv[1]), (socket.AF_INET, "127.0.0.1")):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.bind((host, 0)); s.listen(); socks.append(s)
+found = listeners({os.getpid()})
+print(json.dumps({"opened": [[s.getsockname()[0], s.getsockname()[1]] for s in socks],
+                  "found": [[x.ip, x.port] for x in found],
+                  "flagged": [[x.ip, x.port] for x in not_loopback(found)]}))
+"""
+
+
+def test_audit_flags_wildcards_and_other_addresses():
+    """The audit really fails on a listener that is not 127.0.0.1: run in a namespace of its
+    own (``tests.netns``), on sockets bound to ``::``, ``0.0.0.0`` and the namespace's own
+    address, it flags exactly those three and passes the 127.0.0.1 one."""
+    from tests.netns import Lab, NetnsUnavailable, check_available
+
+    try:
+        check_available()
+    except NetnsUnavailable as err:
+        pytest.skip(f"the self-check opens its sockets inside a network namespace: {err}")
+    with Lab() as lab:
+        host = lab.add_host("audit")
+        r = subprocess.run(host.cmd([sys.executable, "-c", _SELF_CHECK, host.ip, str(REPO)]),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    opened = [tuple(x) for x in got["opened"]]
+    assert sorted(tuple(x) for x in got["found"]) == sorted(opened), got
+    assert sorted(tuple(x) for x in got["flagged"]) == sorted(opened[:3]), got
+    assert ("127.0.0.1", opened[3][1]) not in {tuple(x) for x in got["flagged"]}
+
+
+def test_ipv4_mapped_loopback_is_loopback_and_nothing_else_is():
+    """gRPC's C core reports 127.0.0.1 listeners as ``::ffff:127.0.0.1`` (same address)."""
+    assert plain_ip("::ffff:127.0.0.1") == "127.0.0.1"
+    assert [plain_ip(x) for x in ("::", "::1", "0.0.0.0", "fd00::2")] == ["::", "::1", "0.0.0.0",
+                                                                          "fd00::2"]
+
+
+def test_loopback_head_flags_and_env():
+    """The one place for a loopback head: node address and dashboard on 127.0.0.1, every
+    port option and both env-only metrics ports picked distinct, Serve's gRPC preload."""
+    head = loopback_head()
+    flags = dict(zip(head.flags[::2], head.flags[1::2]))
+    assert flags["--node-ip-address"] == LOOPBACK and flags["--dashboard-host"] == LOOPBACK
+    assert all(f"--{name}" in flags for name in RAY_HEAD_PORT_OPTIONS)
+    assert head.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert head.env[RAY_PRELOAD_ENV] == GRPC_BIND_PRELOAD
+    ports = [head.ports[k] for k in RAY_HEAD_PORT_OPTIONS + RAY_HEAD_PORT_ENV]
+    assert len(set(ports)) == len(ports)
+    assert [head.env[k] for k in RAY_HEAD_PORT_ENV] == [str(head.ports[k]) for k in RAY_HEAD_PORT_ENV]
+
+
+_GRPC_BIND = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from cluster.grpc_bind import install, installed, rebind
+from tests.socket_audit import listeners
+assert rebind("[::]:0", "127.0.0.1") == "127.0.0.1:0" and rebind("1.2.3.4:5", "x") == "1.2.3.4:5"
+assert not installed()
+install(); install()
+server = grpc.aio.server()
+port = server.add_insecure_port("[::]:0")
+print(json.dumps({"installed": installed(), "port": port,
+                  "found": [[x.ip, x.port] for x in listeners({os.getpid()})]}))
+"""
+
+
+def test_grpc_bind_moves_a_wildcard_grpc_server_to_the_node_ip():
+    """``cluster.grpc_bind.install`` (what Ray preloads into the head's workers) turns
+    ``add_insecure_port("[::]:0")``, as Serve's replica calls it, into a 127.0.0.1 bind on a
+    loopback node; importing the module alone changes nothing. In a child process: the
+    wrap is process-wide."""
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", _GRPC_BIND, str(REPO)], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["installed"] and got["port"] > 0
+    assert got["found"] == [["127.0.0.1", got["port"]]], got
+
+
+def _small_strategies() -> list[dict]:
+    return [{"engine": {"strategy": "autoregressive", "model": "models/target", "max_num_seqs": 4,
+                        "max_waiting": 8, "num_speculative_tokens": 0, "torch_threads": 1},
+             "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2}}]
+
+
+@pytest.mark.slow
+def test_cluster_up_listens_on_loopback_only(tmp_path):
+    """A real ``cluster up`` (one strategy): every listener of every process of the service
+    is on 127.0.0.1: Ray's GCS, raylet, object manager, dashboard and its agents, metrics
+    export, client server, autoscaler monitor, Serve controller, proxy and each replica
+    (gRPC included)."""
+    pytest.importorskip("ray")
+    pytest.importorskip("psutil")
+    from cluster.local import state_file
+    from tests.serve_fixtures import cluster_up
+
+    with cluster_up(tmp_path, _small_strategies(), timeout_s=300) as url:
+        port = int(url.rsplit(":", 1)[1])
+        state = json.loads(state_file(port).read_text())
+        assert state["started_ray"], state
+        found = listeners(service_pids(state["ray_pid"]))
+    bad = not_loopback(found)
+    kinds = {k: [x for x in found if k in x.name] for k in (
+        "gcs_server", "raylet", "dashboard", "DashboardAgent", "RuntimeEnvAgent", "client.server",
+        "autoscaler", "ServeController", "ProxyActor", "ServeReplica")}
+    print(f"cluster up listeners: {len(found)} total, {len(bad)} not on {LOOPBACK}")
+    for x in found:
+        print("  ", x)
+    assert not bad, (f"expected every listener of the service on {LOOPBACK}; these are not: "
+                     + "; ".join(map(str, bad)) + ". Fix: configs.net.loopback_head (the flags and "
+                     "env cluster.local.start_head uses); docs/network.md lists each listener")
+    missing = [k for k, v in kinds.items() if not v]
+    assert not missing, f"the audit found no listener of {missing}: is it auditing the service? {found}"
+    assert any(x.port == port and "ProxyActor" in x.name for x in found)   # the HTTP port itself
+    # each replica: its core worker and its inter-deployment gRPC server (the one Ray binds
+    # to [::], moved by the preload)
+    replicas = {x.pid for x in kinds["ServeReplica"]}
+    assert all(sum(x.pid == pid for x in found) >= 2 for pid in replicas), kinds["ServeReplica"]
