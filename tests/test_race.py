@@ -176,9 +176,9 @@ def test_round_plan_interleaves_contenders_and_rotates():
     cells = {("low", "short"): {s: _spec(s, "short") for s in ("ngram", "dflash", "dspark")},
              ("low", "long"): {s: _spec(s, "long") for s in ("ngram", "dflash", "dspark")}}
     dec = {("low", "short"): race.Decision(race.UNDECIDED, "dspark", ["dspark", "dflash"], [], {"ngram": 0},
-                                           0.8, {}, {}, {}, {}, {}, 0.0, 1, None),
+                                           0.8, {}, {}, {}, {}, {}, {}, 0.0, 1, None),
            ("low", "long"): race.Decision(race.UNDECIDED, "ngram", ["ngram", "dflash", "dspark"], [], {},
-                                          0.7, {}, {}, {}, {}, {}, 0.0, 1, None)}
+                                          0.7, {}, {}, {}, {}, {}, {}, 0.0, 1, None)}
     order = [("low", "short"), ("low", "long")]
     got = [[(k[1], s.strategy, s.repeat) for k, s in round_plan(order, dec, cells, 1 + i, i)]
            for i in range(3)]
