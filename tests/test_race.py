@@ -125,6 +125,21 @@ def test_drops_are_sticky_when_replayed():
     assert "ngram" not in d.contenders and d.rounds == 3
 
 
+def test_runner_up_margin_over_the_repeats_both_ran():
+    """The box slows down after the first pass: ngram, dropped then, keeps its fast repeat-0
+    mean (150 tokens/s); the leader's mean over its 4 repeats (200 then 3 x 100) is 125. The
+    margin is taken over repeat 0, which both ran: 200 vs 150, +33%, not -17%."""
+    rows = (_rows("dflash", 200, n=20, noise=0.02, seed=1)
+            + _rows("dflash", 100, n=20, repeats=3, noise=0.02, seed=2, first_repeat=1)
+            + _rows("ngram", 150, n=20, noise=0.02, seed=5))
+    d = _decide(rows, first_pass_repeats=1)
+    assert d.dropped == {"ngram": 0} and d.leader == "dflash"
+    assert d.goodput["ngram"] > d.goodput["dflash"]
+    assert d.paired["ngram"] == [pytest.approx(150, rel=0.03), pytest.approx(200, rel=0.03), 1]
+    rec = from_decision(d)
+    assert rec["runner_up"] == "ngram" and rec["margin"] == pytest.approx(200 / 150 - 1, rel=0.05)
+
+
 def test_race_status_groups_by_cell_key_and_flags_bad_settings():
     rows = _rows("a", 100, oc="short") + _rows("b", 200, oc="short", seed=1) \
         + _rows("a", 100, oc="long", seed=2) + [
@@ -176,9 +191,9 @@ def test_round_plan_interleaves_contenders_and_rotates():
     cells = {("low", "short"): {s: _spec(s, "short") for s in ("ngram", "dflash", "dspark")},
              ("low", "long"): {s: _spec(s, "long") for s in ("ngram", "dflash", "dspark")}}
     dec = {("low", "short"): race.Decision(race.UNDECIDED, "dspark", ["dspark", "dflash"], [], {"ngram": 0},
-                                           0.8, {}, {}, {}, {}, {}, 0.0, 1, None),
+                                           0.8, {}, {}, {}, {}, {}, {}, 0.0, 1, None),
            ("low", "long"): race.Decision(race.UNDECIDED, "ngram", ["ngram", "dflash", "dspark"], [], {},
-                                          0.7, {}, {}, {}, {}, {}, 0.0, 1, None)}
+                                          0.7, {}, {}, {}, {}, {}, {}, 0.0, 1, None)}
     order = [("low", "short"), ("low", "long")]
     got = [[(k[1], s.strategy, s.repeat) for k, s in round_plan(order, dec, cells, 1 + i, i)]
            for i in range(3)]

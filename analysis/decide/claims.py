@@ -36,6 +36,18 @@ def _pct(frac) -> str:
     return "-" if frac is None else f"{100 * frac:+.1f}%"
 
 
+def _vs_leader(claimed: str, r: dict) -> float | None:
+    """The claimed strategy's goodput relative to the leader's, over the repeats both ran
+    (``paired``), else over each one's own; 0 for the leader itself."""
+    gp, leader = r.get("goodput_by_strategy") or {}, r.get("leader")
+    if claimed == leader:
+        return 0.0
+    p = (r.get("paired") or {}).get(claimed)
+    if p and p.get("leader_goodput"):
+        return (p["goodput"] - p["leader_goodput"]) / p["leader_goodput"]
+    return (gp[claimed] - gp[leader]) / gp[leader] if leader and gp.get(leader) and claimed in gp else None
+
+
 def _cell_verdict(claimed: str, r: dict) -> tuple[str, str]:
     """(verdict, what the run shows) for one cell's recommendation ``r``."""
     gp = r.get("goodput_by_strategy") or {}
@@ -44,7 +56,7 @@ def _cell_verdict(claimed: str, r: dict) -> tuple[str, str]:
     leader, status = r.get("leader"), r.get("status")
     conf = r.get("confidence")
     conf_s = "-" if conf is None else f"{100 * conf:.0f}%"
-    rel = (gp[claimed] - gp[leader]) / gp[leader] if leader and gp.get(leader) else None
+    rel = _vs_leader(claimed, r)
     reps = r.get("repeats")
     effort = f", {reps} repeat{'s' if reps != 1 else ''}" if reps is not None else ""
     if status == "decided" or (status is None and r.get("strategy") not in (None, "tie")):
@@ -83,8 +95,7 @@ def claims_check(rec: dict) -> list[dict]:
                 "claim_id": c["id"], "claim": c["claim"], "tier": c["tier"], "output_class": oc,
                 "verdict": verdict, "shows": shows, "winner": leader if r.get("status") == "decided" else None,
                 "leader": leader, "margin": r.get("margin"),
-                "claimed_vs_winner": ((gp[c["strategy"]] - gp[leader]) / gp[leader]
-                                      if c["strategy"] in gp and leader and gp.get(leader) else None),
+                "claimed_vs_winner": _vs_leader(c["strategy"], r) if c["strategy"] in gp else None,
                 "status": r.get("status"), "confidence": r.get("confidence")})
         verdicts = [x["verdict"] for x in cell_rows if x["verdict"] != NOT_MEASURED]
         overall = (NOT_MEASURED if not verdicts else HELD if all(v == HELD for v in verdicts)

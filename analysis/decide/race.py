@@ -106,6 +106,9 @@ class Decision:
     relative_interval: dict[str, list]   # s -> [lo, hi] of (g_s - g_leader) / g_leader, level c
     goodput: dict[str, float]            # estimate per strategy (mean over its replicates)
     goodput_rps: dict[str, float]        # good requests/s, same way
+    # s -> [goodput of s, goodput of the leader, repeats] over the repeats both ran: a dropped
+    # strategy stopped running, so its own mean and the leader's are of different times
+    paired: dict[str, list]
     repeats: dict[str, int]              # replicates per strategy
     time_s: float                        # wall time of every replicate of the cell, summed
     rounds: int                          # evaluations made (1 = the first pass only)
@@ -299,12 +302,22 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
         win.update({s: ev["win"][s] for s in others if s in ev["win"]})
         interval = {s: v for s, v in ev["interval"].items()}
     duration = {s: float(sum(r.duration_s for r in v)) for s, v in reps.items()}
+    paired = {}
+    lead_by_repeat = {r.repeat: r.goodput for r in reps[leader]}
+    for s, v in reps.items():
+        if s == leader:
+            continue
+        common = [r for r in v if r.repeat in lead_by_repeat]
+        if common:
+            paired[s] = [float(np.mean([r.goodput for r in common])),
+                         float(np.mean([lead_by_repeat[r.repeat] for r in common])), len(common)]
     return Decision(
         status=status, leader=leader, contenders=contenders,
         equivalent=contenders if status == EQUIVALENT else [],
         dropped=dropped, confidence=conf, win_probability=win, relative_interval=interval,
         goodput={s: float(np.mean([r.goodput for r in v])) for s, v in reps.items()},
         goodput_rps={s: float(np.mean([r.n_good / r.duration_s for r in v])) for s, v in reps.items()},
+        paired=paired,
         repeats={s: len(v) for s, v in reps.items()},
         time_s=float(sum(duration.values())), rounds=n_eval, decided_at_repeat=settled_at,
         bootstrap={"replicates": n_boot, "seed": seed,

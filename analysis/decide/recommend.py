@@ -78,7 +78,9 @@ def from_decision(d: "race.Decision") -> dict:
     (equivalent: the leader and its equivalents), "contenders", "dropped", "goodput"
     (tokens/s), "goodput_rps", "runner_up", "runner_up_goodput", "margin" (relative, None if
     the runner-up is 0), "margin_abs" (tokens/s), "confidence" (0..1, ``race.decide_cell``),
-    "win_probability", "relative_interval", "repeats" (most replicates of a strategy),
+    "win_probability", "relative_interval", "paired" (per other strategy: its goodput and the
+    leader's over the repeats both ran; the runner-up and margin use these), "repeats" (most
+    replicates of a strategy),
     "repeats_by_strategy", "time_s", "goodput_by_strategy", "note"}.
     """
     point = d.goodput
@@ -102,8 +104,17 @@ def from_decision(d: "race.Decision") -> dict:
         best = mn.AUTOREGRESSIVE
         ranked = [best] + [s for s in ranked if s != best]
         note = "no strategy met the SLOs; showing the baseline"
-    runner = ranked[1] if len(ranked) > 1 else None
+    # the runner-up: the best other contender (same repeats as the leader), else the dropped
+    # strategy closest to the leader over the repeats both ran (their own means are of
+    # different times); its margin over those same repeats
+    others = [s for s in d.contenders if s != best and s in point] or sorted(
+        (s for s in ranked[1:] if s in d.paired),
+        key=lambda s: -(d.paired[s][0] / d.paired[s][1] if d.paired[s][1] > 0 else 0.0)) or ranked[1:]
+    runner = others[0] if others else None
+    lead_gp = point[best]
     runner_gp = point[runner] if runner else None
+    if runner is not None and runner in d.paired and best == d.leader:
+        runner_gp, lead_gp = d.paired[runner][0], d.paired[runner][1]
     tied: list[str] = []
     margin_pct = f"{100 * d.bootstrap.get('equivalence_margin', race.DEFAULT_MARGIN):.0f}%"
     level = f"{100 * d.bootstrap.get('confidence', TIE_CONFIDENCE):.0f}%"
@@ -125,9 +136,11 @@ def from_decision(d: "race.Decision") -> dict:
         "goodput_rps": float(d.goodput_rps[best]),
         "runner_up": runner,
         "runner_up_goodput": float(runner_gp) if runner_gp is not None else None,
-        "margin": (float((point[best] - runner_gp) / runner_gp)
+        "margin": (float((lead_gp - runner_gp) / runner_gp)
                    if runner_gp else None),
-        "margin_abs": float(point[best] - runner_gp) if runner_gp is not None else None,
+        "margin_abs": float(lead_gp - runner_gp) if runner_gp is not None else None,
+        "paired": {s: {"goodput": v[0], "leader_goodput": v[1], "repeats": v[2]}
+                   for s, v in d.paired.items()},
         "confidence": d.confidence if runner is not None else 1.0,
         "goodput_by_strategy": {s: float(point[s]) for s in ranked},
         "note": note,
