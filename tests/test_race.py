@@ -204,6 +204,16 @@ def test_round_plan_interleaves_contenders_and_rotates():
     assert [x[1] for x in got[2][:2]] == ["dflash", "dspark"]
 
 
+def test_first_pass_is_cell_major():
+    from loadgen.cli.race import first_pass
+
+    got = [(c.tier, c.output_class, c.repeat, c.strategy)
+           for c in first_pass(["a", "b"], ["low", "high"], ["short", "long"], 1)]
+    assert got[:4] == [("low", "short", 0, "a"), ("low", "short", 0, "b"),
+                       ("low", "long", 0, "a"), ("low", "long", 0, "b")]
+    assert len(got) == 8 and got[-1] == ("high", "long", 0, "b")
+
+
 def test_racer_stops_when_the_next_round_does_not_fit():
     from loadgen.cli.race import Racer
 
@@ -316,6 +326,9 @@ def test_race_repeats_contenders_interleaved_drops_the_loser_and_keeps_the_budge
         names = [c["strategy"] for c in rnd["cells"]]
         assert names == (["dflash", "dspark"] if i % 2 == 0 else ["dspark", "dflash"])
     df = pd.read_parquet(run / "requests.parquet")
+    # the first pass is cell-major too: one cell here, the strategies in their given order
+    first = df[df[mn.REQ_REPEAT].eq(0)].groupby(mn.REQ_STRATEGY)[mn.REQ_SCHEDULED_TS].min()
+    assert list(first.sort_values().index) == ["ngram", "dflash", "dspark"]
     reps = df.groupby(mn.REQ_STRATEGY)[mn.REQ_REPEAT].agg(lambda s: sorted(set(s)))
     assert reps["ngram"] == [0]
     assert reps["dflash"] == reps["dspark"] == list(range(len(r["rounds"]) + 1))

@@ -290,6 +290,10 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
     else:
         sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats)
+        if st.args.budget_s > 0:   # racing: the first pass cell-major, so drift hits a cell's strategies alike
+            from loadgen.cli.race import first_pass
+
+            order = first_pass(st.strategies, st.tiers, st.outputs, st.args.repeats)
     for spec in order:
         s, cell_t0 = _run_cell(st, spec, runner, progress)
         if sweep is not None:

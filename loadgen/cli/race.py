@@ -23,6 +23,19 @@ from analysis.decide.recommend import cell_order
 MAX_ROUNDS = 50   # a bound on the loop whatever the budget
 
 
+def first_pass(strategies: list[str], tiers: list[str], outputs: list[str], repeats: int = 1) -> Iterator[Any]:
+    """The first pass of a raced run, cell-major: per tier, output class and repeat, every
+    strategy back to back (a strategy-major pass runs each strategy's cells in one block, so
+    a machine that speeds up or slows down between blocks favours whole strategies)."""
+    from loadgen.run.sweep import CellSpec
+
+    for t in tiers:
+        for oc in outputs:
+            for k in range(repeats):
+                for s in strategies:
+                    yield CellSpec(s, t, t, oc, None, k)
+
+
 def cell_key(rows: list[dict], spec: Any) -> tuple:
     """The decision cell of a run cell: its rows' ``race.DECISION_KEY`` values (tier, output
     class and whatever else identifies a cell); the spec's (tier, output class) without rows."""
