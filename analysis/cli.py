@@ -107,6 +107,7 @@ def _report(args, parser) -> int:
     from pathlib import Path
 
     from analysis.data.load import find_run_dirs
+    from analysis.decide.claims import claim_lines
     from analysis.decide.recommend import headline_lines, recommendation_rows
     from analysis.report.build import build_report, default_out_dir
 
@@ -125,11 +126,13 @@ def _report(args, parser) -> int:
     for flag in out.get("flags", []):
         print(f"WARNING: {flag}")
     print("recommendation per tier (highest goodput under the SLOs):")
-    for line in headline_lines(out["recommendation"]):
+    for line in headline_lines(out["recommendation"], (out.get("race") or {}).get("undecided_reason")):
+        print(f"  {line}")
+    for line in claim_lines(out.get("claims") or []):
         print(f"  {line}")
     _print_table("recommendation", recommendation_rows(out["recommendation"]),
-                 ["tier", "output_class", "sampling", "users", "strategy", "k", "goodput_tok_s",
-                  "speedup", "runner_up", "margin", "confidence"])
+                 ["tier", "output_class", "sampling", "users", "strategy", "k", "status",
+                  "goodput_tok_s", "speedup", "runner_up", "margin", "confidence", "repeats", "time_s"])
     _print_table("crossover concurrency", out["crossover"],
                  ["strategy", "output_class", "sampling", "crossover_users", "status",
                   "predicted_crossover_users"])

@@ -73,6 +73,32 @@ def number_list(kind: type = float, ge: float | None = None, gt: float | None = 
     return parse
 
 
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_s(allow: tuple[str, ...] = ()) -> Callable[[str], float | str]:
+    """A wall time: ``900`` or ``900s`` (seconds), ``15m``, ``1.5h``; ``0`` = off. Returns
+    seconds (float >= 0); a word in ``allow`` (e.g. ``auto``) passes through unchanged.
+    Raises ArgumentTypeError for anything else (negative, nan/inf, unknown unit)."""
+    expected = "a duration such as 900s, 15m or 1h (0 = off)" + (
+        f", or {' / '.join(allow)}" if allow else "")
+
+    def parse(text: str) -> float | str:
+        t = str(text).strip().lower()
+        if t in allow:
+            return t
+        scale = DURATION_UNITS.get(t[-1:], None)
+        num = t[:-1] if scale is not None else t
+        try:
+            value = float(num) * (scale or 1.0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {expected}, got {text!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+    return parse
+
+
 def port() -> Callable[[str], int]:
     """A TCP port number, 1..65535."""
     return number(int, ge=PORT_MIN, le=PORT_MAX)

@@ -61,7 +61,7 @@ def test_recommendation_values(report):
 def test_outputs_written(report):
     root, out = report
     saved = json.loads((root / "out" / "recommendation.json").read_text())
-    assert saved["schema_version"] == 2
+    assert saved["schema_version"] == 3
     assert saved["low"]["long"]["strategy"] == mn.DFLASH
     assert {"strategy", "goodput", "margin", "confidence"} <= set(saved["mid"]["short"])
     md = (root / "out" / "report.md").read_text()

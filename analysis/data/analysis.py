@@ -30,6 +30,8 @@ class Analysis:
     capacity_model: dict = field(default_factory=dict)  # analysis.report.capacity_section output
     questions: dict = field(default_factory=dict)       # analysis.decide.questions output
     warmup_s: float = 0.0                               # seconds cut from each cell's start
+    race: dict = field(default_factory=dict)            # the run's racing settings (analysis.report.build.race_settings)
+    claims: list[dict] = field(default_factory=list)    # analysis.decide.claims.claims_check rows
     figures: dict[str, bytes | None] = field(default_factory=dict)
     checks: dict[str, list[str]] = field(default_factory=dict)  # analysis.decide.checks: {figure: [sentences]}
     server: dict = field(default_factory=dict)         # analysis.report.server_section output

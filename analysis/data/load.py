@@ -142,6 +142,13 @@ def _normalise_requests(df: pd.DataFrame, run_id: str, path: Path) -> pd.DataFra
     return df
 
 
+def requests_frame(rows: list[dict], run_id: str) -> pd.DataFrame:
+    """Request rows as the load generator holds them (dicts) -> the frame ``load_run`` gives
+    for the same rows once written (the racing loop decides on what the report will read).
+    Raises ResultsError as ``load_run`` does for rows without the required columns."""
+    return _normalise_requests(pd.DataFrame(rows), run_id, Path("<in memory>"))
+
+
 def _normalise_steps(df: pd.DataFrame, run_id: str) -> pd.DataFrame:
     """Step rows with every engine column, keyed for the join with request rows.
 

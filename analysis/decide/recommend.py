@@ -1,17 +1,17 @@
 """Per tier x output class recommendation: the strategy with the highest goodput
-(output tokens/s of requests meeting every SLO), its margin over the runner-up
-and a bootstrap confidence.
+(output tokens/s of requests meeting every SLO), its margin over the runner-up, and the
+cell's race status with its bootstrap confidence (``analysis.decide.race``, the one
+decision function the load generator's racing loop uses too).
 
-Confidence is the share of bootstrap replicates (Efron 1979, "Bootstrap
-methods: another look at the jackknife") in which the recommended strategy
-still has the highest goodput. Each replicate resamples every strategy's
-requests with replacement (same count) and rescales the measured goodput by
-the replicate's good tokens per second of request time relative to the full
-sample's (a ratio estimator: in a closed loop each user's throughput is its
-tokens over the time its requests took). Resampling good tokens alone would
-give zero variance whenever every request has the same length and meets the
-SLOs. The generator is seeded, so a report is reproducible. Ties go to
-``autoregressive`` (no speculation unless it wins).
+Status: ``decided`` (the winner beat every other strategy in >= 90 % of bootstrap
+replicates), ``equivalent`` (the contenders left are within +-3 % of the leader at 90 %:
+TOST, Schuirmann 1987) or ``undecided`` (shown as ``"strategy": "tie"``, never a
+coin-flip winner). The bootstrap (Efron 1979, "Bootstrap methods: another look at the
+jackknife") resamples requests within a replicate with a ratio estimator (good tokens per
+second of request time: resampling good tokens alone would give zero variance whenever
+every request has the same length and meets the SLOs), and with >= 2 repeats resamples
+the repeats first (repeats are the unit across them). The generator is seeded, so a
+report is reproducible. Ties go to ``autoregressive`` (no speculation unless it wins).
 """
 
 from __future__ import annotations
@@ -22,17 +22,24 @@ import pandas as pd
 from analysis.data.metrics import DURATION_S, GOOD, SPEEDUP
 from configs import metric_names as mn
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
+from analysis.decide import race
 
 N_BOOTSTRAP = 1000
 DEFAULT_SEED = 0
 TIE_CONFIDENCE = 0.9
 TIE = "tie"
-RECOMMENDATION_SCHEMA_VERSION = 2   # 2: top-level schema_version; "tie" cells with "tied"
+# 2: top-level schema_version; "tie" cells with "tied"
+# 3: per cell "status" (decided | equivalent | undecided, analysis.decide.race), "repeats",
+#    "repeats_by_strategy", "time_s", "equivalent", "contenders", "dropped", "win_probability",
+#    "relative_interval", "decided_at_repeat"; "confidence" is the status's confidence; "tie"
+#    only when undecided; top-level "race" (the run's racing settings and outcome) and "claims"
+RECOMMENDATION_SCHEMA_VERSION = 3
 
 
 def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: str):
     """{strategy: (good tokens per request [n], good flags [n], total wall time s,
-    request time per request [n] in ms)}."""
+    request time per request [n] in ms)}: one replicate per strategy (every repeat and
+    users level pooled; the legacy input of ``recommend_cell``)."""
     sel = flagged[flagged[mn.REQ_TIER].eq(tier) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]
     csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)]
     out = {}
@@ -49,84 +56,115 @@ def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: s
     return out
 
 
-def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict:
-    """Recommendation for one tier x output class from ``_goodput_inputs`` output.
+def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED,
+                   confidence: float = TIE_CONFIDENCE, margin: float = race.DEFAULT_MARGIN) -> dict:
+    """Recommendation for one cell from ``_goodput_inputs`` output (one replicate per
+    strategy): ``from_decision`` of ``race.decide_replicates``."""
+    reps = {}
+    for s, v in inputs.items():
+        tokens, good, duration = v[0], v[1], v[2]
+        e2e = v[3] if len(v) > 3 else np.ones_like(tokens)
+        reps[s] = [race.Replicate(np.asarray(tokens, float), np.asarray(e2e, float), float(duration),
+                                  int(np.asarray(good).sum()))]
+    return from_decision(race.decide_replicates(reps, confidence, margin, None, n_boot, seed))
 
-    Returns {"strategy", "goodput" (tokens/s), "goodput_rps", "runner_up",
-    "runner_up_goodput", "margin" (relative, None if the runner-up is 0),
-    "margin_abs" (tokens/s), "confidence" (0..1), "goodput_by_strategy", "note"}.
+
+def from_decision(d: "race.Decision") -> dict:
+    """The recommendation dict of one cell from its race decision.
+
+    Returns {"strategy" (the winner; the leader when equivalent; "tie" when undecided;
+    None when nothing met an SLO and no baseline ran), "leader", "status" (decided |
+    equivalent | undecided), "tied" (undecided: the contenders left), "equivalent"
+    (equivalent: the leader and its equivalents), "contenders", "dropped", "goodput"
+    (tokens/s), "goodput_rps", "runner_up", "runner_up_goodput", "margin" (relative, None if
+    the runner-up is 0), "margin_abs" (tokens/s), "confidence" (0..1, ``race.decide_cell``),
+    "win_probability", "relative_interval", "paired" (per other strategy: its goodput and the
+    leader's over the repeats both ran; the runner-up and margin use these), "repeats" (most
+    replicates of a strategy),
+    "repeats_by_strategy", "time_s", "goodput_by_strategy", "note"}.
     """
-    names = sorted(inputs)
-    point = {s: inputs[s][0].sum() / inputs[s][2] for s in names}
-    # Highest goodput first; on a tie autoregressive, then alphabetical.
-    ranked = sorted(names, key=lambda s: (-point[s], s != mn.AUTOREGRESSIVE, s))
-    best = ranked[0]
+    point = d.goodput
+    ranked = sorted(point, key=lambda s: (-point[s], s != mn.AUTOREGRESSIVE, s))
+    best = d.leader
+    ranked = [best] + [s for s in ranked if s != best]
+    race_fields = {"status": d.status, "contenders": list(d.contenders), "dropped": dict(d.dropped),
+                   "equivalent": list(d.equivalent), "win_probability": dict(d.win_probability),
+                   "relative_interval": dict(d.relative_interval),
+                   "repeats": max(d.repeats.values()), "repeats_by_strategy": dict(d.repeats),
+                   "time_s": d.time_s, "decided_at_repeat": d.decided_at_repeat}
     note = ""
     if point[best] <= 0:
-        if mn.AUTOREGRESSIVE not in names:
+        if mn.AUTOREGRESSIVE not in point:
             return {"strategy": None, "leader": None, "tied": [], "goodput": 0.0,
                     "goodput_rps": 0.0, "runner_up": None,
                     "runner_up_goodput": None, "margin": None, "margin_abs": None,
                     "confidence": None, "goodput_by_strategy": {s: 0.0 for s in ranked},
-                    "note": "no strategy met the SLOs (no successful request within them)"}
+                    "note": "no strategy met the SLOs (no successful request within them)",
+                    **race_fields}
         best = mn.AUTOREGRESSIVE
         ranked = [best] + [s for s in ranked if s != best]
         note = "no strategy met the SLOs; showing the baseline"
-    runner = ranked[1] if len(ranked) > 1 else None
-    rng = np.random.default_rng(seed)
-    boot = {}
-    for s in names:  # sorted order keeps the random stream reproducible
-        tokens, _, duration, e2e = inputs[s][:4] if len(inputs[s]) > 3 else (
-            *inputs[s], np.ones_like(inputs[s][0]))
-        idx = rng.integers(0, tokens.size, size=(n_boot, tokens.size))
-        full_rate = tokens.sum() / e2e.sum()
-        rate = tokens[idx].sum(axis=1) / e2e[idx].sum(axis=1)
-        boot[s] = point[s] * (rate / full_rate if full_rate > 0 else 0.0 * rate)
-    stacked = np.column_stack([boot[s] for s in names])
-    wins = stacked[:, names.index(best)] >= stacked.max(axis=1)
-    confidence = float(wins.mean()) if runner is not None else 1.0
-    good, duration = inputs[best][1], inputs[best][2]
+    # the runner-up: the best other contender (same repeats as the leader), else the dropped
+    # strategy closest to the leader over the repeats both ran (their own means are of
+    # different times); its margin over those same repeats
+    others = [s for s in d.contenders if s != best and s in point] or sorted(
+        (s for s in ranked[1:] if s in d.paired),
+        key=lambda s: -(d.paired[s][0] / d.paired[s][1] if d.paired[s][1] > 0 else 0.0)) or ranked[1:]
+    runner = others[0] if others else None
+    lead_gp = point[best]
     runner_gp = point[runner] if runner else None
+    if runner is not None and runner in d.paired and best == d.leader:
+        runner_gp, lead_gp = d.paired[runner][0], d.paired[runner][1]
     tied: list[str] = []
-    if runner is not None and confidence < TIE_CONFIDENCE and point[best] > 0:
-        b = stacked[:, names.index(best)]
-        tied = [best] + [s for s in ranked[1:]
-                         if float((stacked[:, names.index(s)] >= b).mean()) >= 1 - TIE_CONFIDENCE]
-        if len(tied) == 1:
-            tied.append(runner)
+    margin_pct = f"{100 * d.bootstrap.get('equivalence_margin', race.DEFAULT_MARGIN):.0f}%"
+    level = f"{100 * d.bootstrap.get('confidence', TIE_CONFIDENCE):.0f}%"
+    if d.status == race.UNDECIDED and point[best] > 0:
+        tied = list(d.contenders)
         note = (note + "; " if note else "") + (
-            f"tie: {best} leads but wins only {confidence:.0%} of bootstrap replicates "
-            f"(< {TIE_CONFIDENCE:.0%}); run longer cells or --repeats to separate {', '.join(tied)}")
+            f"tie: {best} leads but beats {', '.join(tied[1:])} in only "
+            f"{100 * (d.confidence or 0):.0f}% of bootstrap replicates (< {level}) and they are not "
+            f"within +-{margin_pct}; run longer cells, --repeats or --budget to separate {', '.join(tied)}")
+    elif d.status == race.EQUIVALENT:
+        note = (note + "; " if note else "") + (
+            f"equivalent: {', '.join(d.equivalent)} are within +-{margin_pct} of each other's goodput "
+            f"at {level} (run any of them)")
     return {
         "strategy": TIE if tied else best,
         "leader": best,
         "tied": tied,
         "goodput": float(point[best]),
-        "goodput_rps": float(good.sum() / duration),
+        "goodput_rps": float(d.goodput_rps[best]),
         "runner_up": runner,
         "runner_up_goodput": float(runner_gp) if runner_gp is not None else None,
-        "margin": (float((point[best] - runner_gp) / runner_gp)
+        "margin": (float((lead_gp - runner_gp) / runner_gp)
                    if runner_gp else None),
-        "margin_abs": float(point[best] - runner_gp) if runner_gp is not None else None,
-        "confidence": confidence,
+        "margin_abs": float(lead_gp - runner_gp) if runner_gp is not None else None,
+        "paired": {s: {"goodput": v[0], "leader_goodput": v[1], "repeats": v[2]}
+                   for s, v in d.paired.items()},
+        "confidence": d.confidence if runner is not None else 1.0,
         "goodput_by_strategy": {s: float(point[s]) for s in ranked},
         "note": note,
+        **race_fields,
     }
 
 
 def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
-              n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict:
-    """``{tier: {output_class: {...recommend_cell..., "users", "speedup", "slo"}}}``.
+              n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED,
+              confidence: float = TIE_CONFIDENCE, margin: float = race.DEFAULT_MARGIN,
+              first_pass_repeats: int | None = None) -> dict:
+    """``{tier: {output_class: {...from_decision..., "users", "speedup", "slo"}}}``.
 
-    Runs and users levels inside one tier x output class are pooled.
+    Runs, users levels and repeats inside one tier x output class are its replicates
+    (``analysis.decide.race``); ``first_pass_repeats`` replays a raced run's rounds.
     """
     out: dict = {}
     keys = flagged[[mn.REQ_TIER, mn.REQ_OUTPUT_CLASS]].drop_duplicates()
     for tier, oc in sorted(keys.itertuples(index=False, name=None), key=cell_order):
-        inputs = _goodput_inputs(flagged, cells, tier, oc)
-        if not inputs:
+        sel = flagged[flagged[mn.REQ_TIER].eq(tier) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]
+        d = race.decide_cell(sel, confidence, margin, first_pass_repeats, n_boot, seed)
+        if d is None:
             continue
-        rec = recommend_cell(inputs, n_boot, seed)
+        rec = from_decision(d)
         csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)
                      & cells[mn.REQ_STRATEGY].eq(rec.get("leader") or rec["strategy"])]
         speedup = csel[SPEEDUP].mean()
@@ -136,14 +174,16 @@ def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
             "slo": {"ttft_ms": slos[tier].ttft_ms, "tpot_ms": slos[tier].tpot_ms,
                     "source": slos[tier].source},
             "n_requests": int(csel["n_requests"].sum()),
-            "bootstrap": {"replicates": n_boot, "seed": seed, "over": "requests"},
+            "bootstrap": {**d.bootstrap, "replicates": n_boot, "seed": seed},
         })
         out.setdefault(tier, {})[oc] = rec
     return out
 
 
 def recommend_by_sampling(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
-                          n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict:
+                          n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED,
+                          confidence: float = TIE_CONFIDENCE, margin: float = race.DEFAULT_MARGIN,
+                          first_pass_repeats: int | None = None) -> dict:
     """``recommend`` per tier x output class x sampling label (``metric_names.CELL_KEY``).
 
     Returns ``{tier: {output_class: rec}}`` where ``rec`` is the first sampling label's
@@ -166,7 +206,8 @@ def recommend_by_sampling(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict
         c = cells if label is None else cells[cells[mn.REQ_SAMPLING].eq(label)]
         temp = (f[mn.REQ_TEMPERATURE].dropna().iloc[0] if mn.REQ_TEMPERATURE in f
                 and f[mn.REQ_TEMPERATURE].notna().any() else None)
-        for tier, by in recommend(f, c, slos, n_boot, seed).items():
+        for tier, by in recommend(f, c, slos, n_boot, seed, confidence, margin,
+                                  first_pass_repeats).items():
             for oc, r in by.items():
                 a = attrs.get(r.get("strategy"), {})
                 r.update(sampling=label or mn.GREEDY, temperature=None if temp is None else float(temp),
@@ -223,23 +264,50 @@ def _sureness(confidence: float | None) -> str:
     return f"{word}: confidence {percent(confidence, 0)}"
 
 
-def headline_lines(rec: dict) -> list[str]:
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}:{s:02d}"
+
+
+def _effort(r: dict) -> str:
+    """``"; 3 repeats, 1:05 of cell time"`` (race fields), or "" for a legacy dict."""
+    if r.get("repeats") is None:
+        return ""
+    n = r["repeats"]
+    return f"; {n} repeat{'s' if n != 1 else ''}, {_clock(r.get('time_s'))} of cell time"
+
+
+def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
     """The answer first, one line per tier x output class, low to high.
 
-    ``"low / short: run ngram; 23.4% more goodput than autoregressive (sure: confidence 99%)"``;
-    with several sampling settings one line each: ``"low / short / t0.7: run ..."``.
-    Confidence words: sure >= 95%, likely >= 75%, else uncertain (bootstrap share).
+    ``"low / short: run ngram; 23.4% more goodput than autoregressive (decided, sure:
+    confidence 99%; 3 repeats, 1:05 of cell time)"``; an equivalent cell: ``"run any of
+    dflash2, dspark (equivalent within +-3%: ...)"``; an undecided one says why
+    (``undecided_reason``, e.g. "budget spent"); with several sampling settings one line
+    each: ``"low / short / t0.7: run ..."``. Confidence words: sure >= 95%, likely >= 75%,
+    else uncertain (bootstrap share).
     """
     lines = []
     several = any(r.get("by_sampling") for _, _, r in entries(rec))
     for tier, oc, r in entries(rec):
         head = f"{tier} / {oc}{' / ' + r['sampling'] if several and r.get('sampling') else ''}:"
+        status = r.get("status")
+        effort = _effort(r)
+        level = percent(r.get("bootstrap", {}).get("confidence", TIE_CONFIDENCE), 0)
         if r.get("strategy") is None:
             lines.append(f"{head} no strategy met the SLOs; nothing to recommend")
         elif r.get("strategy") == TIE:
-            lines.append(f"{head} run any of {', '.join(r.get('tied', []))} (a tie: {r.get('leader')} leads "
+            why = f"undecided{f', {undecided_reason}' if undecided_reason else ''}: " if status else "a tie: "
+            lines.append(f"{head} run any of {', '.join(r.get('tied', []))} ({why}{r.get('leader')} leads "
                          f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
-                         f"< {percent(TIE_CONFIDENCE, 0)})")
+                         f"< {level}{effort})")
+        elif status == race.EQUIVALENT:
+            m = percent(r.get("bootstrap", {}).get("equivalence_margin", race.DEFAULT_MARGIN), 0)
+            lines.append(f"{head} run any of {', '.join(r.get('equivalent', []))} (equivalent within "
+                         f"+-{m}: confidence {percent(r.get('confidence'), 0)}{effort}; "
+                         f"{r['strategy']} leads by {percent(r.get('margin'))})")
         elif r.get("note"):
             lines.append(f"{head} run {r['strategy']} ({r['note']})")
         elif r.get("runner_up") is None:
@@ -247,7 +315,8 @@ def headline_lines(rec: dict) -> list[str]:
         else:
             by = (f"{percent(r['margin'])} more goodput than {r['runner_up']}" if r.get("margin") is not None
                   else f"ahead of {r['runner_up']}, which met no SLO")
-            lines.append(f"{head} run {r['strategy']}; {by} ({_sureness(r.get('confidence'))})")
+            lines.append(f"{head} run {r['strategy']}; {by} ({'decided, ' if status else ''}"
+                         f"{_sureness(r.get('confidence'))}{effort})")
     return lines
 
 
@@ -267,12 +336,15 @@ def recommendation_rows(rec: dict) -> list[dict]:
         strategy = r["strategy"]
         if strategy == TIE:
             strategy = f"tie ({', '.join(r.get('tied', []))})"
+        elif r.get("status") == race.EQUIVALENT:
+            strategy = f"any of ({', '.join(r.get('equivalent', []))})"
         rows.append({"tier": tier, "output_class": oc,
                      **({"sampling": r.get("sampling", mn.GREEDY)} if several else {}),
                      "users": r["users"], "strategy": strategy,
                      **({"base_strategy": r.get("base_strategy"), "k": r.get("k")} if variants else {}),
-                     "goodput_tok_s": r["goodput"],
+                     "status": r.get("status"), "goodput_tok_s": r["goodput"],
                      "goodput_rps": r["goodput_rps"], "speedup": r["speedup"],
                      "runner_up": r["runner_up"], "margin": percent(r["margin"]),
-                     "confidence": percent(r["confidence"], 0), "note": r["note"]})
+                     "confidence": percent(r["confidence"], 0), "repeats": r.get("repeats"),
+                     "time_s": r.get("time_s"), "note": r["note"]})
     return rows

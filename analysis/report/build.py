@@ -34,6 +34,8 @@ from analysis.data.consistency import annotate_recommendation
 from analysis.data.load import Results, ResultsError, load_results
 from analysis.decide.questions import questions_section
 from analysis.report.dimensions import dimensions_section
+from analysis.decide import race as race_mod
+from analysis.decide.claims import claims_check
 from analysis.decide.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION,
                                        recommend_by_sampling, recommendation_rows)
 from analysis.data.slo import resolve_slos
@@ -65,6 +67,30 @@ def predict_crossovers(results: Results, flagged: pd.DataFrame, cells: pd.DataFr
     return pd.DataFrame(rows, columns=cols)
 
 
+def race_settings(results: Results) -> dict:
+    """The decision settings the report uses: a single raced run's own (manifest ``race``:
+    confidence, equivalence margin, first-pass repeats to replay its rounds, why it
+    stopped), else the defaults with one evaluation over every replicate. Returns {"raced",
+    "confidence", "equivalence_margin", "first_pass_repeats", "stopped", "budget_s",
+    "rounds", "undecided_reason"}."""
+    entries = [r.manifest.get("race") for r in results.runs]
+    entry = entries[0] if len(entries) == 1 and isinstance(entries[0], dict) else None
+    if entry is None:
+        reason = ("several runs merged: no racing replayed" if len(entries) > 1
+                  else "no racing: --budget 0")
+        return {"raced": False, "confidence": race_mod.DEFAULT_CONFIDENCE,
+                "equivalence_margin": race_mod.DEFAULT_MARGIN, "first_pass_repeats": None,
+                "stopped": None, "budget_s": None, "rounds": 0, "undecided_reason": reason}
+    stopped = str(entry.get("stopped") or "")
+    reason = ("budget spent" if stopped.startswith("budget") else
+              stopped.split(":")[0] if stopped else "the run ended before racing finished")
+    return {"raced": True, "confidence": float(entry.get("confidence", race_mod.DEFAULT_CONFIDENCE)),
+            "equivalence_margin": float(entry.get("equivalence_margin", race_mod.DEFAULT_MARGIN)),
+            "first_pass_repeats": int(entry.get("first_pass_repeats") or 1), "stopped": stopped,
+            "budget_s": entry.get("budget_s"), "rounds": len(entry.get("rounds") or []),
+            "undecided_reason": reason}
+
+
 def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
             baseline: str | Path | None = None, seed: int = DEFAULT_SEED,
             n_boot: int = N_BOOTSTRAP, threshold: float = DEFAULT_THRESHOLD,
@@ -94,7 +120,11 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     crossover = metrics.crossover_measured(cells).merge(
         predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
         how="outer")
-    rec = recommend_by_sampling(flagged, cells, slos, n_boot=n_boot, seed=seed)
+    settings = race_settings(results)
+    rec = recommend_by_sampling(flagged, cells, slos, n_boot=n_boot, seed=seed,
+                                confidence=settings["confidence"],
+                                margin=settings["equivalence_margin"],
+                                first_pass_repeats=settings["first_pass_repeats"])
     outage = faults.outages(flagged)
     faults.annotate_degraded(rec, outage)
     answers = questions_section(results, flagged, warmup_s, dropped)
@@ -120,7 +150,8 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
                     outages=outage, timeline=faults.timeline(flagged),
                     baseline_root=str(baseline) if baseline is not None else None,
                     capacity_model=capacity_section(results), questions=answers,
-                    warmup_s=warmup_s, server=server_section(results, srv))
+                    warmup_s=warmup_s, server=server_section(results, srv), race=settings,
+                    claims=claims_check(rec))
 
 
 def make_figures(a: Analysis) -> dict[str, bytes | None]:
@@ -181,8 +212,8 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
     # "rows": one per tier x output class x sampling label, with the deployment's
     # strategy (served name), base_strategy and k (python -m loadgen --k)
     write_json(paths["json"], {"schema_version": RECOMMENDATION_SCHEMA_VERSION, **a.recommendation,
-                               "rows": recommendation_json_rows(a.recommendation)},
-               sort_keys=True)
+                               "rows": recommendation_json_rows(a.recommendation),
+                               "race": a.race, "claims": a.claims}, sort_keys=True)
     degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
     return {
         "recommendation": a.recommendation,
@@ -194,4 +225,6 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
         "slos": {t: s.model_dump() for t, s in a.slos.items()},
         "flags": list(a.questions.get("flags", [])),       # top-of-report warnings
         "diverging": list(a.questions.get("diverging", [])),
+        "race": a.race,
+        "claims": a.claims,
     }

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from analysis.decide.checks import R2_MIN
-from analysis.decide.recommend import cell_order, headline_lines, recommendation_rows
+from analysis.decide.claims import claim_lines
+from analysis.decide.recommend import cell_order, headline_lines, percent, recommendation_rows
 from configs import metric_names as mn
 from configs.tiers import DEFAULT_TPOT_MS, DEFAULT_TTFT_MS
 
@@ -121,8 +122,23 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
     out = [
         ("Recommendation", "Per tier x output class: the strategy with the highest goodput "
          "(output tokens/s of requests meeting both SLOs), margin = relative lead over the "
-         "runner-up, confidence = share of 1000 seeded bootstrap replicates over requests in "
-         "which it stays best.", recommendation_rows(a.recommendation)),
+         "runner-up; status: decided (the winner beat every other strategy in >= "
+         f"{_pct0(a.race.get('confidence', 0.9))} of 1000 seeded bootstrap replicates; confidence = "
+         "the smallest such share), equivalent (the contenders left are within +-"
+         f"{_pct0(a.race.get('equivalence_margin', 0.03))} of the leader at that level, TOST; "
+         "confidence = the smallest TOST level) or undecided (a tie; confidence = the smallest "
+         "share in which the leader beats a contender left). Bootstrap over requests with one "
+         "repeat, over repeats then requests with more; repeats = most repeats of a strategy in "
+         "the cell, time_s = the wall time of every repeat of the cell.",
+         recommendation_rows(a.recommendation)),
+        ("Race to a decision", _race_text(a), _race_rows(a)),
+        ("Claims check", "The source evaluations' conditional claim, checked on this run's "
+         "numbers: dflash2 (parallel drafting with path selection) wins at low concurrency with "
+         "long outputs; dspark (the confidence-scheduled hybrid) wins at high concurrency. "
+         "held = decided for the claimed strategy; did not hold = another won, no single winner "
+         "(equivalent), or the claimed strategy was dropped; undecided; not measured = the "
+         "strategy or cell is absent. claimed_vs_winner = the claimed strategy's goodput "
+         "relative to the cell's leader.", a.claims),
         ("SLOs", "A request meets the SLO when TTFT <= ttft_ms and TPOT <= tpot_ms. Source: "
          f"flags > run manifest (config.slo) > defaults (TTFT {DEFAULT_TTFT_MS:g} ms, "
          f"TPOT {DEFAULT_TPOT_MS:g} ms).", slo_rows),
@@ -165,6 +181,44 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
                        records(a.degradation)))
     out.append(_runs_table(a))
     return out
+
+
+def _pct0(frac) -> str:
+    return f"{100 * float(frac):.0f}%"
+
+
+def _race_text(a: Analysis) -> str:
+    r = a.race or {}
+    if not r.get("raced"):
+        return (f"Not raced ({r.get('undecided_reason', 'no racing')}): one evaluation over every "
+                "replicate. `python -m loadgen --budget 15m` repeats the undecided cells' "
+                "contenders after the first pass.")
+    return (f"The run raced (budget {fmt(r.get('budget_s'))} s, confidence {_pct0(r['confidence'])}, "
+            f"margin +-{_pct0(r['equivalence_margin'])}; {r.get('rounds')} round(s) after a "
+            f"{r.get('first_pass_repeats')}-repeat first pass; stopped: {r.get('stopped')}). "
+            "Replayed here round by round from the request rows, as the load generator decided: "
+            "dropped = the strategies the leader beat, with the repeat after which each was "
+            "dropped; interval = the central interval of each contender's goodput relative to "
+            "the leader.")
+
+
+def _race_rows(a: Analysis) -> list[dict]:
+    rows = []
+    reason = (a.race or {}).get("undecided_reason")
+    for tier, oc in sorted(((t, o) for t, by in a.recommendation.items() for o in by), key=cell_order):
+        r = a.recommendation[tier][oc]
+        status = r.get("status")
+        iv = r.get("relative_interval") or {}
+        rows.append({"tier": tier, "output_class": oc,
+                     "status": f"{status} ({reason})" if status == "undecided" and reason else status,
+                     "leader": r.get("leader"), "contenders": r.get("contenders"),
+                     "equivalent": r.get("equivalent"),
+                     "dropped": ", ".join(f"{s} (r{k})" for s, k in (r.get("dropped") or {}).items()),
+                     "confidence": percent(r.get("confidence"), 0), "repeats": r.get("repeats"),
+                     "time_s": r.get("time_s"),
+                     "interval": "; ".join(f"{s} {100 * v[0]:+.1f}..{100 * v[1]:+.1f}%"
+                                           for s, v in iv.items())})
+    return rows
 
 
 def _empty(v) -> bool:
@@ -213,7 +267,10 @@ def markdown(a: Analysis) -> str:
         parts += ["## Warnings\n", "\n".join(f"- **{f}**" for f in flags) + "\n"]
     parts += ["## Answer\n", "Per tier: the strategy to run, how sure we are (bootstrap confidence) "
               "and by how much it wins (goodput margin over the runner-up).\n",
-              "\n".join(f"- {line}" for line in headline_lines(a.recommendation)) + "\n"]
+              "\n".join(f"- {line}" for line in headline_lines(
+                  a.recommendation, (a.race or {}).get("undecided_reason"))) + "\n",
+              "Claims check (see below):\n",
+              "\n".join(f"- {line}" for line in claim_lines(a.claims)) + "\n"]
     checks = _checks(a)
     if checks:
         parts += ["## Model checks\n", "Where a prediction contradicts a measurement, or a fit "
@@ -255,7 +312,10 @@ def html(a: Analysis) -> str:
     parts.append("<section id=\"answer\"><h2>Answer</h2><p>Per tier: the strategy to run, how sure "
                  "we are (bootstrap confidence) and by how much it wins (goodput margin over the "
                  "runner-up).</p><ul>"
-                 + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(a.recommendation))
+                 + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(
+                     a.recommendation, (a.race or {}).get("undecided_reason")))
+                 + "</ul><p>Claims check (see below):</p><ul>"
+                 + "".join(f"<li>{_html.escape(line)}</li>" for line in claim_lines(a.claims))
                  + "</ul></section>")
     checks = _checks(a)
     if checks:

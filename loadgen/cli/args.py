@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from configs import metric_names as M
-from configs.cli_args import existing_file, number, number_list, output_dir, path_component, port
+from configs.cli_args import (duration_s, existing_file, number, number_list, output_dir,
+                              path_component, port)
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
 from analysis.data.consistency import TIE_TOLERANCE
 from loadgen.cli.consistency import DEFAULT_SAMPLES
@@ -16,6 +17,14 @@ from loadgen.run.datasets import DEFAULT_DATASET
 from loadgen.run.server_metrics import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, MIN_INTERVAL_S, server_metrics_arg
 from loadgen.run.sweep import sweep_levels
 from loadgen.cli.target import ROUTE_AUTO, ROUTE_MODEL_FIELD, ROUTE_STRATEGY, parse_header
+
+
+BUDGET_AUTO = "auto"
+# the main job's racing budget on the 2-core CPU box: its first pass (36 cells x ~12 s, more
+# on a busy box) plus about as long again racing the undecided cells
+DEFAULT_BUDGET_S = 18 * 60.0
+DEFAULT_CONFIDENCE = 0.9     # analysis.decide.race.DEFAULT_CONFIDENCE
+DEFAULT_MARGIN = 0.03        # analysis.decide.race.DEFAULT_MARGIN
 
 
 def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
@@ -26,6 +35,23 @@ def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
                          "max_tokens and SLOs the sweep cells use, default high)")
     ap.add_argument("--repeats", type=number(int, ge=1), default=1,
                     help="run each cell K times back to back (request column `repeat`, 0-based)")
+    ap.add_argument("--budget", type=duration_s(allow=(BUDGET_AUTO,)), default=BUDGET_AUTO,
+                    metavar="T",
+                    help="racing to a decision: wall time for the whole run (first pass included), "
+                         "e.g. 15m, 900s, 1h; after the first pass, repeat the contending strategies' "
+                         "cells (interleaved) until each cell is decided or equivalent, or the next "
+                         "round does not fit. 0 = off; default auto = "
+                         f"{DEFAULT_BUDGET_S / 60:g}m for the main job (--tier all on the packaged "
+                         "tiers file), else off")
+    ap.add_argument("--confidence", type=number(gt=0.5, le=0.999), default=DEFAULT_CONFIDENCE,
+                    help="racing: a strategy is dropped when the leader beats it in this share of "
+                         "bootstrap replicates, and equivalence is judged on this central interval "
+                         f"(default {DEFAULT_CONFIDENCE:g})")
+    ap.add_argument("--equivalence-margin", type=number(gt=0, le=0.5), default=DEFAULT_MARGIN,
+                    metavar="FRACTION",
+                    help="racing: contenders whose relative goodput difference to the leader lies "
+                         "inside +-FRACTION (at --confidence) are equivalent: run any of them "
+                         f"(default {DEFAULT_MARGIN:g} = {100 * DEFAULT_MARGIN:.0f}%%)")
     ap.add_argument("--sweep", action="store_true",
                     help="concurrency sweep: users grow geometrically per strategy until its speedup "
                          "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
@@ -186,6 +212,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--strategies: {', '.join(dup)} named twice; each strategy runs once per cell")
     else:
         args.strategies = ""
+    if args.sweep and args.budget not in (BUDGET_AUTO, 0.0):
+        parser.error("--budget: racing repeats the tier grid's cells; it does not combine with --sweep "
+                     "(pass --budget 0 or drop --sweep)")
+    args.budget_s = resolve_budget(args)
     # numbers, ports and paths are checked by their argparse types (configs.cli_args)
     if args.run_id and (Path(args.results) / args.run_id).exists():
         parser.error(f"--run-id: the run directory {Path(args.results) / args.run_id} exists already; "
@@ -209,6 +239,16 @@ def tier_list(text: str) -> list[str]:
         raise ValueError(f"--tier: {bad or text!r} not a tier; expected low, mid, high, all or a "
                          "comma-separated list such as low,high")
     return [t for t in TIER_NAMES if t in names]
+
+
+def resolve_budget(args: argparse.Namespace) -> float:
+    """The racing budget in seconds (0 = no racing): ``--budget`` as given, or for ``auto``
+    ``DEFAULT_BUDGET_S`` on the main job (``--tier all``, the packaged tiers file, no
+    ``--sweep``) and 0 otherwise."""
+    if args.budget != BUDGET_AUTO:
+        return float(args.budget)
+    main_job = args.tier == "all" and not args.sweep and not args.tiers_file
+    return DEFAULT_BUDGET_S if main_job else 0.0
 
 
 def check_local_strategy_names(args: argparse.Namespace) -> str | None:

@@ -245,6 +245,9 @@ class _RunState:
     cell_no: int = 0
     stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
     server: Any = None   # loadgen.run.server_metrics.RunServerMetrics (--server-metrics)
+    race_rows: list[dict] = dataclasses.field(default_factory=list)   # request rows (racing only)
+    race_cells: dict = dataclasses.field(default_factory=dict)  # cell key -> {strategy: CellSpec}
+    cell_seconds: dict = dataclasses.field(default_factory=dict)  # (cell key, strategy) -> [s, ...]
 
 
 def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
@@ -353,7 +356,10 @@ def _open_run(st: _RunState) -> tuple[int, float]:
     planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
     st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
                      f"{' at most' if args.sweep else ''} against {st.target} (route: {route_names(st.prefixes)}), about "
-                     f"{clock(n_cells * planned_cell_s)} planned; results in {st.run_dir}", highlight=False)
+                     f"{clock(n_cells * planned_cell_s)} planned"
+                     + (f", then racing the undecided cells to a decision within a {clock(args.budget_s)} budget"
+                        if args.budget_s > 0 and not args.sweep else "")
+                     + f"; results in {st.run_dir}", highlight=False)
     st.writer = RowSink(st.run_dir)
     st.manifest = {
         "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
@@ -416,8 +422,12 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         sweep = SweepState()
         order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
     else:
-        sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats,
-                                        {k: [x.name for x in v] for k, v in st.samplings.items()})
+        labels = {k: [x.name for x in v] for k, v in st.samplings.items()}
+        sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
+        if st.args.budget_s > 0:   # racing: the first pass cell-major, so drift hits a cell's strategies alike
+            from loadgen.cli.race import first_pass
+
+            order = first_pass(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
     for spec in order:
         s, cell_t0 = _run_cell(st, spec, runner, progress)
         if sweep is not None:
@@ -426,12 +436,48 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         _record_cell(st, s, sweep)
         # per cell: the replica's step ring buffer holds minutes, not a whole run
         _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
+    if st.args.budget_s > 0 and sweep is None:
+        _race(st, runner, progress)
     for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
         _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
         report = service.fetch_memory(st.target, strategy, headers=st.auth.headers,
                                       insecure=st.auth.insecure)
         if report:  # weights, KV cache, process memory (specload targets only)
             st.manifest.setdefault("memory", {})[strategy] = report
+
+
+def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
+    """Racing to a decision (``--budget``): after the first pass, rounds of repeats of the
+    undecided cells' contending strategies (``loadgen.cli.race``), each cell's contenders
+    run back to back in a rotating order, until every cell is decided or equivalent, or the
+    next round would end past the budget (wall time since the run started). The decisions
+    go to the manifest (``race``) and the console."""
+    from loadgen.cli import race as race_mod
+    from loadgen.results.writer import write_manifest
+
+    args = st.args
+    racer = race_mod.Racer(budget_s=args.budget_s, confidence=args.confidence,
+                           margin=args.equivalence_margin, first_pass_repeats=args.repeats,
+                           started_ts=st.manifest["started_ts"], run_id=st.run_id,
+                           manifest_config=st.manifest["config"], warmup_s=args.warmup_s)
+    st.manifest["race"] = racer.manifest_entry()
+    say = lambda m: st.console.print(m, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    try:
+        for plan in racer.rounds(st.race_rows, st.race_cells, st.cell_seconds, say):
+            progress.total += len(plan)
+            for key, spec in plan:
+                s, cell_t0 = _run_cell(st, spec, runner, progress)
+                _record_cell(st, s, None)
+                _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
+    finally:
+        if racer.stopped == "running":   # Ctrl-C or an error inside a round
+            racer.stopped = "interrupted"
+        st.manifest["race"] = racer.manifest_entry()
+        write_manifest(st.run_dir / "manifest.json", st.manifest)
+    for line in racer.final_lines(st.race_rows):
+        say(line)
+    st.manifest["race"] = racer.manifest_entry()
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
 
 
 def _check_consistency(st: _RunState) -> None:
@@ -486,7 +532,7 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
         cell_id=f"{strategy}/{tier}/{oc}/{label}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
         headers=st.auth.headers, insecure=st.auth.insecure,
         max_retries=args.retry, retry_backoff_s=args.retry_backoff_s)
-    rep = f" r{spec.repeat}" if args.repeats > 1 else ""
+    rep = f" r{spec.repeat}" if args.repeats > 1 or spec.repeat else ""
     sweep_users = f" u{users}" if args.sweep else ""
     samp = "" if label == M.GREEDY else f"/{label}"
     progress.new_cell(f"{strategy} {tier}/{oc}{samp}{sweep_users}{rep}", plan)
@@ -504,6 +550,13 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     server = st.server.end_cell(strategy, cell_t0, cell_run.rows) if st.server is not None else None
     st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
                             "repeat": spec.repeat, "sampling": label, "t0": cell_t0, "t1": time.time()})
+    if args.budget_s > 0 and not args.sweep:   # racing decides on these rows (loadgen.cli.race)
+        from loadgen.cli.race import cell_key
+
+        st.race_rows.extend(cell_run.rows)
+        key = cell_key(cell_run.rows, spec)
+        st.race_cells.setdefault(key, {}).setdefault(strategy, spec)
+        st.cell_seconds.setdefault((key, strategy), []).append(time.time() - cell_t0)
     s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
                        arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
                        slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
@@ -639,13 +692,16 @@ def _print_outcome(st: _RunState) -> int:
 
 def _report(run_dir: Path, console: Any) -> None:
     """Write the analysis report into the run's report folder; print the headline and its paths."""
+    from analysis.decide.claims import claim_lines
     from analysis.decide.recommend import headline_lines
     from analysis.report.build import build_report, default_out_dir
 
     out = build_report(run_dir, default_out_dir(run_dir))
     console.print("recommendation per tier (highest goodput under the SLOs):", highlight=False)
-    for line in headline_lines(out["recommendation"]):
-        console.print(f"  {line}", highlight=False, markup=False)
+    for line in headline_lines(out["recommendation"], (out.get("race") or {}).get("undecided_reason")):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)   # one line each
+    for line in claim_lines(out.get("claims") or []):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
     for name, path in out["paths"].items():
         console.print(f"{name}: {path}", highlight=False)
 

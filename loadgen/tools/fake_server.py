@@ -22,6 +22,10 @@ receive, first-content-write and end times (unix s). ``/v1/models`` and
 /strategies/<model>/v1/completions`` streams as above; the truth records the
 path each request came on (``path``).
 
+``--model-gap-ms a=5,b=40`` gives those models their own chunk gap (a faster or slower
+"strategy"; the racing tests need two that differ); ``--jitter-ms J`` adds to every gap a
+random delay (exponential, mean J ms, seeded), so request times vary as a real engine's do.
+
 ``--api-key K`` requires ``Authorization: Bearer K`` on ``/v1/*`` and
 ``/specload/*`` (401 in OpenAI's error shape otherwise); ``GET /fake/auth``
 counts accepted and rejected requests and echoes the ``X-*`` headers seen.
@@ -34,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import subprocess
 import sys
 import time
@@ -52,9 +57,13 @@ class FakeServer:
     def __init__(self, ttft_ms: float, gap_ms: float, tokens_per_chunk: int, models: list[str],
                  fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
                  prompt_tokens: int = 17, api_key: str | None = None,
-                 strategy_routes: bool = False) -> None:
+                 strategy_routes: bool = False, model_gap_ms: dict[str, float] | None = None,
+                 jitter_ms: float = 0.0) -> None:
         self.ttft_s = ttft_ms / 1000.0
         self.gap_s = gap_ms / 1000.0
+        self.model_gap_s = {m: g / 1000.0 for m, g in (model_gap_ms or {}).items()}
+        self.jitter_s = jitter_ms / 1000.0
+        self.rng = random.Random(0)
         self.tpc = max(1, tokens_per_chunk)
         self.models = models
         self.fail_every = fail_every
@@ -103,6 +112,7 @@ class FakeServer:
         self.count += 1
         k = self.count
         model = body.get("model", "fake")
+        gap_s = self.model_gap_s.get(model, self.gap_s)
         n_total = int(body.get("max_tokens", 16))
         key = f"{model}:{body.get('seed')}"
         if self.fail_every and k % self.fail_every == 0:
@@ -119,7 +129,7 @@ class FakeServer:
             first = time.time()
             sent, chunks = 1, 1
             while sent < n_total:
-                await asyncio.sleep(self.gap_s)
+                await asyncio.sleep(gap_s + (self.rng.expovariate(1.0 / self.jitter_s) if self.jitter_s else 0.0))
                 await self._hold()
                 n = min(self.tpc, n_total - sent)
                 if self.disconnect_every and k % self.disconnect_every == 0 and chunks >= 2:
@@ -135,8 +145,8 @@ class FakeServer:
                                    M.STEP_VERIFICATION_TOKENS: self.tpc, M.STEP_DRAFT_TOKENS: self.tpc - 1,
                                    M.STEP_ACCEPTED_TOKENS: n - 1, M.STEP_EMITTED_TOKENS: n,
                                    M.STEP_PREFILL_EMITTED_TOKENS: 0,
-                                   M.STEP_MS: self.gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
-                                   M.STEP_VERIFY_MS: self.gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
+                                   M.STEP_MS: gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
+                                   M.STEP_VERIFY_MS: gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
                                    M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent,
                                    M.STEP_CPU_MS: 0.1, M.STEP_VERIFY_CPU_MS: 0.05})
             drafts = max(chunks - 1, 0)
@@ -150,7 +160,7 @@ class FakeServer:
                          M.NUM_ACCEPTED_TOKENS: accepted,
                          M.NUM_ACCEPTED_TOKENS_PER_POS: [drafts] * (self.tpc - 1),
                          M.ACCEPTANCE_LENGTH: M.acceptance_length(drafts, accepted),
-                         M.DRAFT_MS: 0.1 * drafts, M.VERIFY_MS: self.gap_s * 1000 * drafts,
+                         M.DRAFT_MS: 0.1 * drafts, M.VERIFY_MS: gap_s * 1000 * drafts,
                          M.QUEUE_MS: 0.0}}
             await resp.write(self._chunk(model, "", None, "length"))
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
@@ -265,12 +275,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /specload")
     ap.add_argument("--strategy-routes", action="store_true",
                     help="also serve /specload/routes and /strategies/<model>/v1/completions")
+    ap.add_argument("--model-gap-ms", default="", help="per-model chunk gap, 'model=ms,model=ms' "
+                    "(others: --gap-ms)")
+    ap.add_argument("--jitter-ms", type=float, default=0.0,
+                    help="mean of a random (exponential, seeded) delay added to every chunk gap, ms")
     ap.add_argument("--tls-cert", default=None, help="PEM certificate: serve https (with --tls-key)")
     ap.add_argument("--tls-key", default=None)
     a = ap.parse_args(argv)
     srv = FakeServer(a.ttft_ms, a.gap_ms, a.tokens_per_chunk, a.models.split(","), a.fail_every,
                      a.disconnect_every, a.per_chunk_tokens, api_key=a.api_key,
-                     strategy_routes=a.strategy_routes)
+                     strategy_routes=a.strategy_routes,
+                     model_gap_ms={k.strip(): float(v) for k, v in
+                                   (p.split("=", 1) for p in a.model_gap_ms.split(",") if p.strip())},
+                     jitter_ms=a.jitter_ms)
     try:
         asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
     except KeyboardInterrupt:

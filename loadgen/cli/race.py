@@ -1,0 +1,172 @@
+"""Racing to a decision (``python -m loadgen --budget T``): after the first pass, spend the
+rest of the budget where the answer is undecided.
+
+Each round: decide every cell from the request rows so far (``analysis.decide.race``, the
+function the report uses, on the rows the report will read), then repeat each undecided
+cell's contending strategies (repeat index = first-pass repeats + round), the contenders of
+one cell back to back so that drift hits them alike, their order rotated every round so
+that none always runs first. A strategy the leader beats at ``--confidence`` is dropped;
+a cell stops once decided or equivalent. The round is not started when its estimated time
+(each cell's measured seconds, scaled by how far the last round overran its estimate)
+would end past the budget, counted from the run's start; at most ``MAX_ROUNDS`` rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterator
+
+from analysis.decide import race
+from analysis.decide.recommend import cell_order
+
+MAX_ROUNDS = 50   # a bound on the loop whatever the budget
+
+
+def first_pass(strategies: list[str], tiers: list[str], outputs: list[str], repeats: int = 1,
+               samplings: dict[tuple[str, str], list[str]] | None = None) -> Iterator[Any]:
+    """The first pass of a raced run, cell-major: per tier, output class, sampling label
+    (``samplings``: (tier, output class) -> labels, as ``loadgen.run.sweep.grid_cells``) and
+    repeat, every strategy back to back (a strategy-major pass runs each strategy's cells
+    in one block, so a machine that speeds up or slows down between blocks favours whole
+    strategies)."""
+    from loadgen.run.sweep import CellSpec
+
+    for t in tiers:
+        for oc in outputs:
+            for label in (samplings or {}).get((t, oc)) or [""]:
+                for k in range(repeats):
+                    for s in strategies:
+                        yield CellSpec(s, t, t, oc, None, k, label)
+
+
+def cell_key(rows: list[dict], spec: Any) -> tuple:
+    """The decision cell of a run cell: its rows' ``race.DECISION_KEY`` values (tier, output
+    class and whatever else identifies a cell); the spec's (tier, output class) without rows."""
+    if rows:
+        return tuple(rows[0].get(k) for k in race.DECISION_KEY if k in rows[0])
+    return (spec.tier, spec.output_class)
+
+
+def key_order(key: tuple) -> tuple:
+    """Cells low -> high, short -> long, then the rest of the key."""
+    head = cell_order((str(key[0]), str(key[1]) if len(key) > 1 else ""))
+    return (*head, *(str(k) for k in key[2:]))
+
+
+def label(key: tuple) -> str:
+    return "/".join(str(k) for k in key)
+
+
+def round_plan(undecided: list[tuple], decisions: dict, cells: dict, repeat: int,
+               round_index: int) -> list[tuple[tuple, Any]]:
+    """[(cell key, CellSpec)] of one round: cells in ``undecided`` order, each cell's
+    contenders back to back in the first pass's order rotated by ``round_index`` (with two
+    contenders: AB, BA, AB, ...)."""
+    plan = []
+    for key in undecided:
+        live = set(decisions[key].contenders)
+        names = [s for s in cells.get(key, {}) if s in live]
+        if not names:
+            continue
+        k = round_index % len(names)
+        for s in names[k:] + names[:k]:
+            plan.append((key, dataclasses.replace(cells[key][s], repeat=repeat)))
+    return plan
+
+
+class Racer:
+    """The racing loop's state: settings, the rounds run and why it stopped."""
+
+    def __init__(self, budget_s: float, confidence: float, margin: float, first_pass_repeats: int,
+                 started_ts: float, run_id: str, manifest_config: dict, warmup_s: float = 0.0,
+                 n_boot: int = race.N_BOOTSTRAP, seed: int = race.DEFAULT_SEED,
+                 max_rounds: int = MAX_ROUNDS, clock: Callable[[], float] = time.time) -> None:
+        self.budget_s, self.confidence, self.margin = budget_s, confidence, margin
+        self.first_pass_repeats, self.started_ts, self.run_id = first_pass_repeats, started_ts, run_id
+        self.manifest_config, self.warmup_s = manifest_config, warmup_s
+        self.n_boot, self.seed, self.max_rounds, self.clock = n_boot, seed, max_rounds, clock
+        self.history: list[dict] = []
+        self.stopped = "running"
+        self.decisions: dict[tuple, race.Decision] = {}
+
+    def decide(self, rows: list[dict]) -> dict[tuple, race.Decision]:
+        """``race.race_status`` over the rows so far, normalised and flagged as the report does."""
+        from analysis.data.load import requests_frame
+
+        if not rows:
+            return {}
+        flagged = race.flag_requests(requests_frame(rows, self.run_id), self.manifest_config,
+                                     self.warmup_s)
+        self.decisions = race.race_status(flagged, self.confidence, self.margin,
+                                          self.first_pass_repeats, self.n_boot, self.seed)
+        return self.decisions
+
+    def rounds(self, rows: list[dict], cells: dict, seconds: dict,
+               say: Callable[[str], None]) -> Iterator[list[tuple[tuple, Any]]]:
+        """Yield each round's plan; ``rows`` and ``seconds`` (``(key, strategy) -> [s]``)
+        grow as the caller runs it. Sets ``stopped`` to the reason it ended."""
+        overrun = 1.0
+        for k in range(self.max_rounds):
+            if self.history:   # how long the last round took against its estimate
+                last = self.history[-1]
+                last["ended_s"] = self.clock() - self.started_ts
+                took = last["ended_s"] - last["started_s"]
+                overrun = max(1.0, took / last["planned_s"]) if last["planned_s"] > 0 else 1.0
+            decisions = self.decide(rows)
+            undecided = sorted((key for key, d in decisions.items()
+                                if d.status == race.UNDECIDED and key in cells), key=key_order)
+            if not undecided:
+                self.stopped = "decided: every cell is decided or equivalent"
+                say(f"race: every cell decided or equivalent after {k} round(s)")
+                return
+            repeat = self.first_pass_repeats + k
+            plan = round_plan(undecided, decisions, cells, repeat, k)
+            planned = overrun * sum(_mean(seconds.get((key, spec.strategy), [])) for key, spec in plan)
+            elapsed = self.clock() - self.started_ts
+            left = self.budget_s - elapsed
+            if planned > left:
+                self.stopped = (f"budget: round {k + 1} needs ~{planned:.0f} s, {max(left, 0):.0f} s of "
+                                f"the {self.budget_s:.0f} s budget left")
+                say(f"race: stopping, {len(undecided)} cell(s) undecided (budget spent: round {k + 1} "
+                    f"needs ~{planned:.0f} s, {max(left, 0):.0f} s left)")
+                return
+            say(f"race round {k + 1} (repeat {repeat}): {len(undecided)} undecided cell(s), "
+                f"{len(plan)} cell runs, ~{planned:.0f} s of {left:.0f} s left: "
+                + "; ".join(f"{label(key)} {' vs '.join(decisions[key].contenders)}" for key in undecided))
+            self.history.append({"round": k + 1, "repeat": repeat, "planned_s": planned,
+                                 "started_s": elapsed, "ended_s": None,
+                                 "cells": [{"cell": label(key), "strategy": spec.strategy}
+                                           for key, spec in plan]})
+            yield plan
+        self.stopped = f"max rounds: {self.max_rounds}"
+
+    def final_lines(self, rows: list[dict]) -> list[str]:
+        """Per cell, the decision on every row (``race.status_line``), after a header."""
+        decisions = self.decide(rows)
+        if self.history and self.history[-1]["ended_s"] is None:
+            self.history[-1]["ended_s"] = self.clock() - self.started_ts
+        lines = [f"race to a decision ({len(self.history)} round(s); {self.stopped}):"]
+        budget = self.stopped.startswith("budget")
+        for key in sorted(decisions, key=key_order):
+            line = race.status_line(key, decisions[key])
+            if decisions[key].status == race.UNDECIDED:
+                line += " [budget spent]" if budget else f" [{self.stopped.split(':')[0]}]"
+            lines.append("  " + line)
+        return lines
+
+    def manifest_entry(self) -> dict:
+        """``manifest.json`` ``race``: settings, rounds, stop reason, decisions per cell."""
+        return {"budget_s": self.budget_s, "confidence": self.confidence,
+                "equivalence_margin": self.margin, "first_pass_repeats": self.first_pass_repeats,
+                "n_bootstrap": self.n_boot, "seed": self.seed, "warmup_s": self.warmup_s,
+                "rounds": self.history, "stopped": self.stopped,
+                "decisions": {label(k): {"status": d.status, "leader": d.leader,
+                                         "contenders": d.contenders, "equivalent": d.equivalent,
+                                         "dropped": d.dropped, "confidence": d.confidence,
+                                         "repeats": d.repeats, "time_s": d.time_s}
+                              for k, d in sorted(self.decisions.items(), key=lambda kv: key_order(kv[0]))}}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
