@@ -53,6 +53,16 @@ DRAFT_MS = "draft_ms"                          # proposer wall time, ms
 VERIFY_MS = "verify_ms"                        # target forward + acceptance, ms
 QUEUE_MS = "queue_ms"                          # arrival -> first scheduled, ms
 SPEC_DECODE_FIELD = "spec_decode"              # extension field in API responses
+DEGRADED_REASON = "degraded_reason"            # spec_decode field: why the drafter was dropped, "" if not
+
+# Why a request (or a step) decoded without drafts although its strategy speculates.
+# A request degraded by its drafter stays autoregressive for the rest of its life.
+DEGRADE_DRAFTER_ERROR = "drafter_error"        # the proposer raised (propose / add_request / observe_target)
+DEGRADE_INVALID_DRAFT = "invalid_draft"        # out-of-vocab ids, too many tokens, wrong count, bad q
+DEGRADE_DRAFT_DEADLINE = "draft_deadline"      # its propose call returned after draft_deadline_ms
+DEGRADE_REASONS = (DEGRADE_DRAFTER_ERROR, DEGRADE_INVALID_DRAFT, DEGRADE_DRAFT_DEADLINE)
+SPEC_OFF_BATCH_SIZE_POLICY = "batch_size_policy"  # step's k is 0 by num_speculative_tokens_per_batch_size
+SPEC_OFF_REASONS = (SPEC_OFF_BATCH_SIZE_POLICY,) + DEGRADE_REASONS
 TOKEN_TS_FIELD = "token_ts"    # per-choice extension: engine emit time (unix s) of each token_ids entry
 STREAM_INTERVAL_FIELD = "stream_interval"        # request extension: tokens per streamed chunk
 STREAM_INTERVAL_MS_FIELD = "stream_interval_ms"  # request extension: or a chunk per this many ms
@@ -79,11 +89,17 @@ STEP_CONTEXT_TOKENS = "context_tokens"         # decode forward: sum over rows o
 # step_ms - cpu_ms is time lost to other processes on a shared machine
 STEP_CPU_MS = "cpu_ms"
 STEP_VERIFY_CPU_MS = "verify_cpu_ms"
+STEP_NUM_SPEC_TOKENS = "num_speculative_tokens"  # k of the step (batch-size schedule, else the engine's)
+# "," -joined SPEC_OFF_REASONS (fixed order) of the decoding requests that drafted nothing this
+# step although the strategy speculates; "" when none
+STEP_SPECULATION_OFF = "speculation_off"
+STEP_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter was dropped this step
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
                     STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS,
-                    STEP_CPU_MS, STEP_VERIFY_CPU_MS)
+                    STEP_CPU_MS, STEP_VERIFY_CPU_MS, STEP_NUM_SPEC_TOKENS, STEP_SPECULATION_OFF,
+                    STEP_DEGRADED_REQUESTS)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"
@@ -167,6 +183,7 @@ PROM_BATCH_SIZE = "batch_size"
 PROM_VERIFICATION_TOKENS = "verification_tokens_per_step"
 PROM_STEP_TIME_MS = "step_time_ms"
 PROM_QUEUE_DEPTH = "num_requests_waiting"
+PROM_DEGRADED_REQUESTS = "degraded_requests"   # counter, label ``reason`` (DEGRADE_REASONS)
 
 
 def acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:

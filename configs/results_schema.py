@@ -20,6 +20,8 @@ Versions (``SCHEMA_VERSION``):
   2: request column ``repeat``; manifest ``schema_version``.
   3: step rows carry ``model``; the version is in the Parquet metadata; the
      never-produced top-k coverage columns are gone.
+  4: step columns ``num_speculative_tokens`` (the step's k), ``speculation_off``
+     (reasons) and ``degraded_requests``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -120,6 +122,12 @@ ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
     _c(M.STEP_CONTEXT_TOKENS, "int64", "tokens", "decode forward: KV positions attended"),
     _c(M.STEP_CPU_MS, "float64", "ms", "engine thread CPU time of the step (no waits for a core)"),
     _c(M.STEP_VERIFY_CPU_MS, "float64", "ms", "engine thread CPU time of the verify phase"),
+    _c(M.STEP_NUM_SPEC_TOKENS, "int64", "tokens",
+       "k of the step (num_speculative_tokens_per_batch_size, else num_speculative_tokens)"),
+    _c(M.STEP_SPECULATION_OFF, "string", doc="why decoding requests drafted nothing: "
+       "\"\" or ','-joined " + " | ".join(M.SPEC_OFF_REASONS), default=""),
+    _c(M.STEP_DEGRADED_REQUESTS, "int64", "requests",
+       "requests whose drafter was dropped this step (autoregressive from then on)", default=0),
 )
 STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_RUN_ID, "string", doc="run id"),

@@ -65,6 +65,98 @@ def resolve_engine_process(value: bool | str) -> bool:
     return bool(value)
 
 
+# --- dynamic speculation: k per batch size (vLLM PR #32374) ------------------------
+SPEC_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+SpecSchedule = tuple[tuple[int, int, int], ...]   # sorted (first batch size, last, k)
+
+
+def parse_spec_schedule(value: Any, max_k: int | None = None, why: str = "",
+                        key: str = SPEC_SCHEDULE_KEY) -> SpecSchedule:
+    """Validate a batch-size -> k map and return it as sorted ``(lo, hi, k)`` ranges.
+
+    ``value``: vLLM's ``speculative_config.num_speculative_tokens_per_batch_size``
+    (PR #32374): a dict of inclusive batch-size ranges to k, e.g.
+    ``{"1-16": 3, "64-128": 2, "256-4096": 0}`` ("8" alone means "8-8"), or the
+    later vLLM list form ``[[1, 16, 3], [64, 128, 2]]``. k = 0 turns speculation
+    off for the steps whose batch size falls in that range (SmartSpec, arXiv
+    2406.14066: the best k falls as the batch grows).
+
+    vLLM's rule for batch sizes no range covers, mirrored by ``spec_schedule_k``:
+    a gap takes the k of the nearest range below it, a size past the last range
+    the last range's k; the first range must start at 1 (vLLM refuses a
+    schedule that does not, so every batch size has a defined k).
+
+    max_k: the most draft tokens per step the engine allows (``num_speculative_tokens``,
+    capped by a drafter's block size); ``why`` names where it comes from. vLLM
+    clamps a larger k silently; here it is an error.
+
+    Raises ValueError naming ``key`` and the offending range: a range that is
+    not ``"a-b"`` with integers 1 <= a <= b, overlapping ranges, a first range
+    not starting at 1, an empty map, or k not an integer in ``0..max_k``.
+    """
+    def bad(what: str, got: Any, expected: str, fix: str = "") -> ValueError:
+        return ValueError(f"{key}{what}: expected {expected}; got {got!r}"
+                          + (f"; fix: {fix}" if fix else ""))
+
+    if isinstance(value, dict):
+        if not value:
+            raise bad("", value, "a non-empty map such as {'1-16': 3, '17-4096': 0} "
+                      "(null turns the schedule off)")
+        items = []
+        for rng, k in value.items():
+            text = str(rng).strip()
+            lo_s, sep, hi_s = text.partition("-")
+            try:
+                lo, hi = int(lo_s), int(hi_s if sep else lo_s)
+            except ValueError:
+                raise bad(f"[{rng!r}]", rng, "a batch-size range 'a-b' of integers, "
+                          "e.g. '1-16'") from None
+            items.append((f"[{rng!r}]", lo, hi, k))
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            raise bad("", value, "a non-empty list such as [[1, 16, 3], [17, 4096, 0]] "
+                      "(null turns the schedule off)")
+        items = []
+        for i, e in enumerate(value):
+            if not isinstance(e, (list, tuple)) or len(e) != 3 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in e[:2]):
+                raise bad(f"[{i}]", e, "[first batch size, last batch size, k] integers")
+            items.append((f"[{i}]", e[0], e[1], e[2]))
+    else:
+        raise bad("", value, "a map {'a-b': k} of batch-size ranges to k, or null")
+    out = []
+    for where, lo, hi, k in items:
+        if not 1 <= lo <= hi:
+            raise bad(where, f"{lo}-{hi}", "a range a-b with 1 <= a <= b")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or (
+                max_k is not None and k > max_k):
+            top = f"0..{max_k}" if max_k is not None else ">= 0"
+            raise bad(where, k, f"k an integer in {top}{f' ({why})' if why else ''}",
+                      f"lower k to {top} (0 turns speculation off for those batch sizes)")
+        out.append((lo, hi, k))
+    out.sort()
+    for (lo0, hi0, _), (lo1, hi1, _) in zip(out, out[1:]):
+        if lo1 <= hi0:
+            raise bad("", f"{lo0}-{hi0} and {lo1}-{hi1}", "non-overlapping ranges")
+    if out[0][0] != 1:
+        raise bad("", f"first range {out[0][0]}-{out[0][1]}",
+                  "the first range to start at batch size 1 (as vLLM requires: every "
+                  "batch size then has a defined k)")
+    return tuple(out)
+
+
+def spec_schedule_k(schedule: SpecSchedule, batch_size: int) -> int:
+    """k for a step of ``batch_size`` requests (vLLM PR #32374's lookup): the k of
+    the last range starting at or below ``batch_size``, so a gap between ranges
+    inherits the range below it and sizes past the last range take its k."""
+    k = schedule[0][2]
+    for lo, _, rk in schedule:
+        if lo > batch_size:
+            break
+        k = rk
+    return k
+
+
 class AutoscalingConfig(BaseModel):
     """Subset of Serve's autoscaling_config (same names, same meaning)."""
 
@@ -143,6 +235,11 @@ class StrategyEntry(BaseModel):
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError(f"strategy {self.name!r}: give num_replicas or "
                              "autoscaling_config, not both")
+        if self.engine.get(SPEC_SCHEDULE_KEY) is not None:   # EngineConfig checks it again,
+            k = self.engine.get("num_speculative_tokens")    # with the strategy's own max
+            parse_spec_schedule(self.engine[SPEC_SCHEDULE_KEY], k if isinstance(k, int) else None,
+                                "engine.num_speculative_tokens" if isinstance(k, int) else "",
+                                key=f"strategy {self.name!r}: engine.{SPEC_SCHEDULE_KEY}")
         seqs = int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
         if self.max_ongoing_requests != "auto" and self.max_ongoing_requests < seqs:
             raise ValueError(

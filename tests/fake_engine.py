@@ -161,7 +161,9 @@ class FakeEngine:
                 mn.STEP_VERIFY_MS: (time.monotonic() - t0) * 1e3,
                 mn.STEP_QUEUE_DEPTH: len(self._waiting),
                 mn.STEP_PADDED_TOKENS: batch * (self.k + 1), mn.STEP_CONTEXT_TOKENS: 0,
-                mn.STEP_CPU_MS: 0.0, mn.STEP_VERIFY_CPU_MS: 0.0})
+                mn.STEP_CPU_MS: 0.0, mn.STEP_VERIFY_CPU_MS: 0.0,
+                mn.STEP_NUM_SPEC_TOKENS: self.k, mn.STEP_SPECULATION_OFF: "",
+                mn.STEP_DEGRADED_REQUESTS: 0})
         return outs
 
 

@@ -91,13 +91,16 @@ def _chain(*hooks):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_request_fault_fails_it_alone(strategy, make_engine, prompts, solo):
-    """One batch: two normal requests, one pathological-but-valid request, and four that
-    fault in propose / forward / sample / detokenize part-way through. The faulty ones end
-    with finish_reason "error" naming the phase; every other one equals its solo output."""
+    """One batch: two normal requests, one pathological-but-valid request, three that
+    fault in forward / sample / detokenize part-way through and one whose drafting
+    faults. The forward / sample / detokenize ones end with finish_reason "error"
+    naming the phase; the drafting one is degraded, not failed (issue 22: it decodes
+    autoregressively, ``degraded_reason`` "drafter_error"); every other one, and the
+    degraded one, equals its solo output."""
     eng = engine_for(make_engine, strategy)
     extreme = SamplingParams(max_tokens=N, temperature=1e-40, seed=1)
-    faults = {"f-propose": "propose", "f-forward": "forward", "f-sample": "sample",
-              "f-detok": "detokenize"}
+    faults = {"f-forward": "forward", "f-sample": "sample", "f-detok": "detokenize"}
+    hooks = dict(faults, **{"f-propose": "propose"})
     reqs = [("ok-0", prompts[0], SamplingParams(max_tokens=N)),
             ("ok-1", prompts[1], SamplingParams(max_tokens=N)),
             ("tiny-temp", prompts[2], extreme),
@@ -105,10 +108,13 @@ def test_one_request_fault_fails_it_alone(strategy, make_engine, prompts, solo):
                                                       top_p=1e-9, seed=2)),
             ("top-k-1", prompts[0], SamplingParams(max_tokens=N, temperature=1.0, top_k=1,
                                                    seed=3))]
-    reqs += [(rid, prompts[i % 4], SamplingParams(max_tokens=N)) for i, rid in enumerate(faults)]
-    res, rows = drive(eng, reqs, _chain(*[_raise_at(rid, ph, 2) for rid, ph in faults.items()]))
+    reqs += [(rid, prompts[i % 4], SamplingParams(max_tokens=N)) for i, rid in enumerate(hooks)]
+    res, rows = drive(eng, reqs, _chain(*[_raise_at(rid, ph, 2) for rid, ph in hooks.items()]))
+    # the proposer is asked only for requests that may draft: autoregressive never is
+    assert res["f-propose"]["stats"].degraded_reason == (
+        "" if strategy == "autoregressive" else "drafter_error")
     for rid, i in (("ok-0", 0), ("ok-1", 1), ("tiny-temp", 2), ("tiny-top-p", 3),
-                   ("top-k-1", 0)):
+                   ("top-k-1", 0), ("f-propose", 3)):
         assert res[rid]["error"] is None, (rid, res[rid]["error"])
         assert res[rid]["ids"] == solo[i]["ids"], rid
         assert res[rid]["text"] == solo[i]["text"], rid
@@ -130,7 +136,8 @@ def test_fault_leaves_seeded_sampling_of_neighbours_unchanged(phase, make_engine
     """A batched phase that raises after drawing random numbers (here: after the real
     draft sampling / verification ran for the whole batch) is retried request by
     request with the seeded generators rewound: a sampled neighbour draws exactly
-    what it draws alone."""
+    what it draws alone. (A propose fault degrades the culprit, which then completes
+    autoregressively; a sample fault fails it.)"""
     from actors.engine import llm_engine
 
     eng = engine_for(make_engine, "draft_model")
@@ -152,7 +159,11 @@ def test_fault_leaves_seeded_sampling_of_neighbours_unchanged(phase, make_engine
         monkeypatch.setattr(eng.proposer, "propose", faulty(eng.proposer.propose,
                                                             lambda b: [x.params for x in b]))
     res, _ = drive(eng, [("s", prompts[1], sp), ("bad", prompts[0], bad)])
-    assert res["bad"]["finish_reason"] == "error" and "injected" in res["bad"]["error"]
+    if phase == "propose":
+        assert res["bad"]["error"] is None and len(res["bad"]["ids"]) == N
+        assert res["bad"]["stats"].degraded_reason == "drafter_error"
+    else:
+        assert res["bad"]["finish_reason"] == "error" and "injected" in res["bad"]["error"]
     assert res["s"]["ids"] == alone["s"]["ids"] and res["s"]["error"] is None
 
 

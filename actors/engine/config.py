@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from configs.paths import MODELS_DIR
+from configs.serve_config import SpecSchedule, parse_spec_schedule
 
 DEFAULT_TARGET = MODELS_DIR / "target"
 DEFAULT_DRAFT = MODELS_DIR / "draft"
@@ -32,6 +33,23 @@ class EngineConfig(BaseModel):
     engine itself. served_model_name: the OpenAI ``model`` name this engine is
     served under (None: the strategy id); step-log rows carry it beside the
     strategy so a deployment named differently from its strategy keeps its own log.
+
+    num_speculative_tokens_per_batch_size: dynamic speculation (vLLM PR #32374's
+    name and semantics; SmartSpec, arXiv 2406.14066, for why k should fall with
+    load): inclusive batch-size ranges -> k, e.g. ``{"1-16": 3, "64-128": 2,
+    "256-4096": 0}``; each step takes k from its batch size (the requests running
+    once the step's admissions are in), 0 = no drafts that step. A gap between
+    ranges inherits the k of the range below it, sizes past the last range the
+    last k, and the first range must start at 1 (vLLM's rule;
+    ``configs.serve_config.parse_spec_schedule``). Every k must be in
+    0..num_speculative_tokens (the strategy's default when that is None), and
+    within a block drafter's block size - 1 (DFlash family): ValueError naming
+    the key otherwise. None (default): k = num_speculative_tokens every step.
+    draft_deadline_ms: a propose call that returns later than this (ms, wall
+    time, checked when it returns: a Python call cannot be interrupted) degrades
+    its requests to autoregressive decoding for the rest of their life (a batched
+    call over the deadline is retried request by request first, so only the
+    requests slow on their own are degraded). None (default): no deadline.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -50,6 +68,8 @@ class EngineConfig(BaseModel):
     replica_id: str = "0"
     served_model_name: str | None = None
     strategy_options: dict[str, Any] = Field(default_factory=dict)
+    num_speculative_tokens_per_batch_size: Any = None   # {"a-b": k} or [[a, b, k]]; None: off
+    draft_deadline_ms: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -66,7 +86,30 @@ class EngineConfig(BaseModel):
             cls.Options(**self.strategy_options)
         except ValidationError as e:
             raise ValueError(f"strategy_options for {self.strategy}: {e}") from None
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.spec_schedule()   # raises naming the key
         return self
+
+    def spec_schedule(self) -> SpecSchedule | None:
+        """``num_speculative_tokens_per_batch_size`` as sorted (lo, hi, k) ranges, or None.
+
+        Raises ValueError (naming the key and the range) when it is malformed or a
+        k exceeds what this strategy can verify (see the class docstring).
+        """
+        if self.num_speculative_tokens_per_batch_size is None:
+            return None
+        from actors.engine.strategies import get_proposer_class
+
+        cls = get_proposer_class(self.strategy)
+        k = self.num_speculative_tokens
+        max_k = cls.default_num_speculative_tokens if k is None else k
+        why = (f"num_speculative_tokens={k}" if k is not None else
+               f"num_speculative_tokens is unset: {self.strategy}'s default "
+               f"{cls.default_num_speculative_tokens}")
+        limit = cls.draft_tokens_limit(self.draft_model, self.strategy_options_model())
+        if limit is not None and limit[0] < max_k:
+            max_k, why = limit
+        return parse_spec_schedule(self.num_speculative_tokens_per_batch_size, max_k, why)
 
     def strategy_options_model(self):
         """The validated options of this strategy (its proposer's ``Options`` model)."""

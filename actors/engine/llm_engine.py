@@ -11,10 +11,12 @@ row to the step log (``on_step``). The engine sets no process-wide state
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -32,6 +34,7 @@ from actors.engine.types import (DraftProposal, ProposeInput, RequestOutput, Sam
                                  VerificationResult)
 from actors.engine.verifier import verify_batch
 from configs import metric_names as M
+from configs.serve_config import spec_schedule_k
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class _StepCounters:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     verify_cpu_ms: float = 0.0      # this thread's CPU time in the verify phase (no time-sharing waits)
+    num_speculative_tokens: int = 0  # k of the step
+    speculation_off: set[str] = field(default_factory=set)  # M.SPEC_OFF_REASONS seen this step
+    degraded_requests: int = 0      # requests whose drafter was dropped this step
 
 
 class LLMEngine:
@@ -61,8 +67,16 @@ class LLMEngine:
 
     Raises InvalidRequest (a ValueError with ``param``) from ``add_request`` on
     bad input; a bad request never touches the running batch. A fault while
-    serving one request (drafting, the target forward, sampling, detokenizing,
-    the stop check) finishes that request alone with finish_reason "error".
+    serving one request (the target forward, sampling, detokenizing, the stop
+    check) finishes that request alone with finish_reason "error". A drafter
+    fault does not: a proposer that raises (``add_request``, ``propose``,
+    ``observe_target``), returns an invalid draft or misses ``draft_deadline_ms``
+    *degrades* the request: it decodes autoregressively (target alone, no drafts)
+    for the rest of its life and succeeds, its output unchanged (lossless either
+    way); the rest of the batch keeps speculating. Counted in
+    ``degraded_requests`` (reason -> requests since start), the request's
+    ``SpecStats.degraded_reason`` and the step row's ``degraded_requests`` /
+    ``speculation_off``.
     """
 
     # Tests inject a fault into one request through this: called as
@@ -98,9 +112,15 @@ class LLMEngine:
                                   pad_id=self.eos_token_id or 0)
         self.kv = self.runner.pool   # the target cache's slots and per-request lengths
         self.served_model_name = config.served_model_name or config.strategy
+        # k per step from the batch size (num_speculative_tokens_per_batch_size; validated)
+        self.spec_schedule = config.spec_schedule()
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens,
-                                   config.max_waiting)
+                                   config.max_waiting, None if self.spec_schedule is None else
+                                   functools.partial(spec_schedule_k, self.spec_schedule))
+        self.draft_deadline_ms = config.draft_deadline_ms
+        # reason (M.DEGRADE_REASONS) -> requests degraded to autoregressive since start
+        self.degraded_requests: collections.Counter[str] = collections.Counter()
         self.requests: dict[str, Request] = {}
         self.on_step = on_step
         self._memory_static = self._static_memory()
@@ -242,10 +262,11 @@ class LLMEngine:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     # -- fault isolation ----------------------------------------------------------
-    # Every per-request phase runs under a guard. A batched phase (propose, the
-    # target forward) that raises is retried one request at a time, so only the
+    # Every per-request phase runs under a guard. A batched phase (the target
+    # forward, sampling) that raises is retried one request at a time, so only the
     # request that fails alone is finished with finish_reason "error"; the rest
-    # of the batch and the engine loop go on.
+    # of the batch and the engine loop go on. Drafting is retried the same way but
+    # degrades its culprit instead of failing it (``_propose``).
     def _hook(self, phase: str, request_id: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(phase, request_id)
@@ -288,6 +309,141 @@ class LLMEngine:
                 out.append(None)
         return out
 
+    # -- degrade instead of fail: a drafter fault costs its request the drafts only --
+    def _degrade(self, r: Request, reason: str, detail: str, stats: "_StepCounters") -> None:
+        """Drop ``r``'s drafter: it decodes autoregressively (k = 0) from now on.
+
+        reason: one of ``M.DEGRADE_REASONS``; counted once per request in
+        ``degraded_requests``, ``r.stats.degraded_reason`` and the step row."""
+        if r.degraded:
+            return
+        logger.warning("request %s: %s drafter dropped (%s: %s); it decodes "
+                       "autoregressively from now on", r.request_id, self.proposer.name,
+                       reason, detail)
+        r.degraded = r.stats.degraded_reason = reason
+        self.degraded_requests[reason] += 1
+        stats.degraded_requests += 1
+
+    def _observe(self, r: Request, start: int, token_ids: list[int],
+                 aux: torch.Tensor | None, stats: "_StepCounters") -> None:
+        """``proposer.observe_target`` for a request that still drafts; a proposer
+        that raises degrades the request."""
+        if r.degraded:
+            return
+        try:
+            self.proposer.observe_target(r.request_id, start, token_ids, aux)
+        except Exception as exc:  # noqa: BLE001 - the drafter's fault, not the request's
+            self._degrade(r, M.DEGRADE_DRAFTER_ERROR, f"observe_target raised {exc!r}", stats)
+
+    def _check_draft(self, p: object, item: ProposeInput) -> str | None:
+        """What is wrong with proposal ``p`` for ``item`` (None: usable).
+
+        Usable: a ``DraftProposal`` of at most ``item.max_draft`` int token ids in
+        [0, vocab), and probs either None or an [n, V] tensor of finite q >= 0 whose
+        rows sum to 1 (1e-3) and give each drafted token q > 0 (it was drawn from q).
+        """
+        if not isinstance(p, DraftProposal):
+            return f"expected a DraftProposal, got {type(p).__name__}"
+        toks, V = p.token_ids, self.model.config.vocab_size
+        if not isinstance(toks, (list, tuple)):
+            return f"token_ids must be a list, got {type(toks).__name__}"
+        if len(toks) > item.max_draft:
+            return f"{len(toks)} tokens proposed; at most {item.max_draft} were allowed"
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V for t in toks):
+            return f"token ids outside [0, {V}) or not Python ints: {list(toks)[:8]}"
+        q = p.probs
+        if q is None:
+            return None
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != (len(toks), V):
+            return (f"probs must be a [{len(toks)}, {V}] tensor, got "
+                    f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if toks:
+            qf = q.float()
+            ok = (torch.isfinite(qf).all() & (qf >= 0).all()
+                  & (qf[torch.arange(len(toks), device=qf.device),
+                        torch.tensor(toks, device=qf.device)] > 0).all()
+                  & ((qf.sum(-1) - 1).abs() <= 1e-3).all())
+            if not bool(ok):
+                return "probs are not distributions the tokens were drawn from (NaN, < 0, " \
+                       "rows not summing to 1, or q = 0 at a drafted token)"
+        return None
+
+    def _propose_call(self, reqs: list[Request], items: list[ProposeInput]
+                      ) -> tuple[list | None, str, str]:
+        """One ``proposer.propose`` call -> (results, reason, detail); results None
+        and reason set when it raised or returned the wrong number of proposals;
+        reason ``draft_deadline`` (results kept) when it returned too late."""
+        try:
+            for r in reqs:
+                self._hook("propose", r.request_id)
+            t = time.perf_counter()
+            out = self.proposer.propose(items)
+            ms = (time.perf_counter() - t) * 1e3
+            out = list(out)
+        except Exception as exc:  # noqa: BLE001 - the drafter's fault
+            return None, M.DEGRADE_DRAFTER_ERROR, f"propose raised {exc!r}"
+        if len(out) != len(items):
+            return None, M.DEGRADE_INVALID_DRAFT, (f"propose returned {len(out)} proposals "
+                                                   f"for {len(items)} requests")
+        if self.draft_deadline_ms is not None and ms > self.draft_deadline_ms:
+            return out, M.DEGRADE_DRAFT_DEADLINE, (f"propose took {ms:.1f} ms for {len(items)} "
+                                                   f"requests (draft_deadline_ms "
+                                                   f"{self.draft_deadline_ms:g})")
+        return out, "", ""
+
+    def _propose(self, decodes: list[ScheduledDecode], stats: "_StepCounters"
+                 ) -> list[DraftProposal]:
+        """Drafts for every decoding request (same order); never fails a request.
+
+        The proposer is asked, in one batched call, for the requests that may draft
+        this step (``max_draft`` > 0, drafter not dropped); the others get no drafts.
+        A batched call that raises, returns the wrong number of proposals or misses
+        ``draft_deadline_ms`` is retried request by request (seeded generators
+        rewound first), so only a request whose own call fails is degraded; an
+        invalid proposal (``_check_draft``) degrades its request alone. A degraded
+        request gets no drafts this step either, its generator rewound to before
+        the failed call."""
+        out = [DraftProposal(token_ids=[]) for _ in decodes]
+        idx = [i for i, d in enumerate(decodes) if d.max_draft > 0 and not d.request.degraded]
+        if not idx:
+            return out
+        reqs = [decodes[i].request for i in idx]
+        items = [ProposeInput(r.request_id, r.all_ids, decodes[i].max_draft, r.params,
+                              r.generator) for i, r in zip(idx, reqs)]
+        gens = [(r, r.generator.get_state() if r.generator is not None else None) for r in reqs]
+
+        def rewind(r, state):
+            if state is not None:
+                r.generator.set_state(state)
+
+        res, reason, detail = self._propose_call(reqs, items)
+        if res is not None and not reason:
+            for i, r, item, p, (_, state) in zip(idx, reqs, items, res, gens):
+                bad = self._check_draft(p, item)
+                if bad is None:
+                    out[i] = p
+                else:
+                    rewind(r, state)
+                    self._degrade(r, M.DEGRADE_INVALID_DRAFT, bad, stats)
+            return out
+        if len(items) == 1:
+            rewind(*gens[0])
+            self._degrade(reqs[0], reason, detail, stats)
+            return out
+        logger.warning("%s propose for %d requests: %s (%s); retrying request by request",
+                       self.proposer.name, len(items), reason, detail)
+        for r, state in gens:
+            rewind(r, state)
+        for i, r, item, (_, state) in zip(idx, reqs, items, gens):
+            one, reason, detail = self._propose_call([r], [item])
+            bad = detail if reason else self._check_draft(one[0], item)
+            if bad is None:
+                out[i] = one[0]
+            else:
+                rewind(r, state)
+                self._degrade(r, reason or M.DEGRADE_INVALID_DRAFT, bad, stats)
+        return out
+
     def _forward(self, rows: list[RowInput], last_only: bool = False) -> list[tuple]:
         """Target forward -> [(logits_i, aux_i or None)] per row."""
         logits, aux = self.runner.run(rows, last_only=last_only, aux_layers=self.aux_layers)
@@ -306,8 +462,8 @@ class LLMEngine:
         t0, c0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule(self.kv.num_free)
         touched: dict[str, Request] = {}
-        self._admit(sched.admitted, t0, touched)
-        stats = _StepCounters()
+        stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens)
+        self._admit(sched.admitted, t0, touched, stats)
         decodes = [d for d in sched.decodes if d.request.finish_reason is None]
         if decodes:
             self._decode(decodes, stats, touched)
@@ -319,8 +475,10 @@ class LLMEngine:
             self.on_step(self._step_row(stats, t0, c0))
         return outputs
 
-    def _admit(self, admitted: list[Request], now: float, touched: dict[str, Request]) -> None:
-        """Give each newly scheduled request a KV slot and tell the proposer."""
+    def _admit(self, admitted: list[Request], now: float, touched: dict[str, Request],
+               stats: "_StepCounters") -> None:
+        """Give each newly scheduled request a KV slot and tell the proposer (a
+        proposer that raises degrades the request to autoregressive decoding)."""
         for r in admitted:
             r.slot = self.kv.allocate(r.request_id)
             r.first_scheduled = now
@@ -328,8 +486,7 @@ class LLMEngine:
             try:
                 self.proposer.add_request(r.request_id, r.prompt_ids)
             except Exception as exc:  # noqa: BLE001
-                self._fail(r, "admit", exc)
-                touched[r.request_id] = r
+                self._degrade(r, M.DEGRADE_DRAFTER_ERROR, f"add_request raised {exc!r}", stats)
 
     def _decode(self, decodes: list[ScheduledDecode], stats: "_StepCounters",
                 touched: dict[str, Request]) -> None:
@@ -337,20 +494,17 @@ class LLMEngine:
         forward, accept, roll rejected drafts out of the KV cache, emit."""
         td = time.perf_counter()
         reqs = [d.request for d in decodes]
-        props = self._isolated("propose", self.proposer.propose, reqs, [
-            ProposeInput(d.request.request_id, d.request.all_ids, d.max_draft,
-                         d.request.params, d.request.generator) for d in decodes])
+        props = self._propose(decodes, stats)
         tv, cv = time.perf_counter(), time.thread_time()
         live: list[tuple[Request, DraftProposal]] = []
         for d, p in zip(decodes, props):
             r = d.request
             touched[r.request_id] = r
-            if p is not None and len(p.token_ids) > d.max_draft:
-                self._fail(r, "propose", RuntimeError(
-                    f"{self.proposer.name} proposed {len(p.token_ids)} tokens; at most "
-                    f"{d.max_draft} were allowed"))
-            elif p is not None:
-                live.append((r, p))
+            live.append((r, p))
+            if r.degraded:
+                stats.speculation_off.add(r.degraded)
+            elif stats.num_speculative_tokens == 0 and self.num_speculative_tokens > 0:
+                stats.speculation_off.add(M.SPEC_OFF_BATCH_SIZE_POLICY)
         rows = [RowInput(r.slot, self.kv.append(r.request_id, 1 + len(p.token_ids)),
                          [r.output_ids[-1]] + p.token_ids) for r, p in live]
         if rows:
@@ -390,9 +544,8 @@ class LLMEngine:
             committed = row.token_ids[:1 + res.num_accepted]
             self.kv.rollback(r.request_id, row.start + len(committed))
             r.num_computed = self.kv.length(r.request_id)
-            phase = "observe"
-            self.proposer.observe_target(r.request_id, row.start, committed,
-                                         aux[:len(committed)] if aux is not None else None)
+            self._observe(r, row.start, committed,
+                          aux[:len(committed)] if aux is not None else None, stats)
             phase = "detokenize"
             self._hook(phase, r.request_id)
             kept = self.detok.append(r, res.emitted)
@@ -424,7 +577,7 @@ class LLMEngine:
             try:
                 r.num_computed = self.kv.length(r.request_id)
                 stats.prefill_tokens += len(p.chunk)
-                self.proposer.observe_target(r.request_id, row.start, p.chunk, f[1])
+                self._observe(r, row.start, p.chunk, f[1], stats)
             except Exception as exc:  # noqa: BLE001
                 touched[r.request_id] = r
                 self._fail(r, "observe", exc)
@@ -473,7 +626,11 @@ class LLMEngine:
             M.STEP_DRAFT_MS: stats.draft_ms, M.STEP_VERIFY_MS: stats.verify_ms,
             M.STEP_QUEUE_DEPTH: self.num_waiting, M.STEP_PADDED_TOKENS: stats.padded_tokens,
             M.STEP_CONTEXT_TOKENS: stats.context_tokens,
-            M.STEP_CPU_MS: (time.thread_time() - c0) * 1e3, M.STEP_VERIFY_CPU_MS: stats.verify_cpu_ms}
+            M.STEP_CPU_MS: (time.thread_time() - c0) * 1e3, M.STEP_VERIFY_CPU_MS: stats.verify_cpu_ms,
+            M.STEP_NUM_SPEC_TOKENS: stats.num_speculative_tokens,
+            M.STEP_SPECULATION_OFF: ",".join(x for x in M.SPEC_OFF_REASONS
+                                             if x in stats.speculation_off),
+            M.STEP_DEGRADED_REQUESTS: stats.degraded_requests}
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],

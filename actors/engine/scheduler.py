@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class Request:
     sent_tokens: int = 0    # how many output ids were streamed
     finish_reason: str | None = None  # "stop" | "length" | "error" once finished
     error: str | None = None          # what failed, when finish_reason is "error"
+    degraded: str = ""  # why its drafter was dropped ("" = speculating): decodes alone from then on
 
     @property
     def all_ids(self) -> list[int]:
@@ -69,17 +71,21 @@ class SchedulerOutput:
     decodes: list[ScheduledDecode]
     prefills: list[ScheduledPrefill]
     admitted: list[Request]
+    num_speculative_tokens: int = 0   # k of this step (the batch-size schedule's, else the engine's)
 
 
 class Scheduler:
     """Queues and per-step selection; owns no tensors."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_speculative_tokens: int, max_waiting: int):
+                 num_speculative_tokens: int, max_waiting: int,
+                 k_for_batch_size: Callable[[int], int] | None = None):
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.k = num_speculative_tokens
+        # batch size -> k of a step (num_speculative_tokens_per_batch_size); None: always k
+        self.k_for_batch_size = k_for_batch_size
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -97,18 +103,31 @@ class Scheduler:
                 return r
         return None
 
-    def max_draft(self, r: Request) -> int:
-        """k, capped so that emitted tokens never pass max_tokens or the context."""
+    def max_draft(self, r: Request, k: int | None = None) -> int:
+        """k (default: the engine's), capped so that emitted tokens never pass
+        max_tokens or the context; 0 for a request whose drafter was dropped."""
+        if r.degraded:
+            return 0
         left_tokens = r.params.max_tokens - len(r.output_ids) - 1
         left_ctx = self.max_model_len - len(r.all_ids)
-        return max(0, min(self.k, left_tokens, left_ctx))
+        return max(0, min(self.k if k is None else k, left_tokens, left_ctx))
+
+    def step_k(self, free_slots: int) -> int:
+        """k of the next step: ``k_for_batch_size`` of the step's batch size, the
+        requests running once this step's admissions are in (vLLM counts the
+        requests a step schedules), else the engine's k."""
+        if self.k_for_batch_size is None:
+            return self.k
+        admit = max(0, min(len(self.waiting), free_slots, self.max_num_seqs - len(self.running)))
+        return self.k_for_batch_size(len(self.running) + admit)
 
     def schedule(self, free_slots: int) -> SchedulerOutput:
         budget = self.budget
         decodes, prefills, admitted = [], [], []
+        k = self.step_k(free_slots)
         for r in self.running:
             if not r.in_prefill and budget > 0:
-                d = min(self.max_draft(r), budget - 1)
+                d = min(self.max_draft(r, k), budget - 1)
                 decodes.append(ScheduledDecode(r, d))
                 budget -= 1 + d
         for r in self.running:
@@ -125,4 +144,4 @@ class Scheduler:
             n = min(len(r.prompt_ids), budget)
             prefills.append(ScheduledPrefill(r, r.prompt_ids[:n]))
             budget -= n
-        return SchedulerOutput(decodes, prefills, admitted)
+        return SchedulerOutput(decodes, prefills, admitted, k)

@@ -94,6 +94,9 @@ class SpecStats:
     verify_ms: float = 0.0
     queue_ms: float = 0.0
     num_steps: int = 0
+    # why the request's drafter was dropped ("" = it speculated throughout): one of
+    # configs.metric_names.DEGRADE_REASONS; from then on it decoded autoregressively
+    degraded_reason: str = ""
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         """Add one verification step with ``num_draft`` proposed and ``num_accepted`` accepted."""
@@ -134,7 +137,8 @@ class SpecStats:
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "acceptance_length": round(self.acceptance_length, 4),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
-                "queue_ms": round(self.queue_ms, 3), "num_steps": self.num_steps}
+                "queue_ms": round(self.queue_ms, 3), "num_steps": self.num_steps,
+                "degraded_reason": self.degraded_reason}
 
 
 @dataclass(frozen=True)

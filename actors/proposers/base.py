@@ -57,6 +57,14 @@ class Proposer(ABC):
         self.max_model_len = max_model_len
         self.options = options
 
+    @classmethod
+    def draft_tokens_limit(cls, draft_model: str | None, options: ProposerOptions
+                           ) -> tuple[int, str] | None:
+        """The most draft tokens this proposer can give a request in one step whatever
+        ``num_speculative_tokens`` says, and why (e.g. a drafter's fixed block size),
+        read without building the proposer; None when only k limits it."""
+        return None
+
     def add_request(self, request_id: str, prompt_ids: list[int]) -> None:
         """A request was admitted (its prompt is about to be prefilled)."""
 

@@ -132,6 +132,18 @@ class BlockDraftProposer(Proposer):
     def load_overrides(self) -> dict:
         return {}
 
+    @classmethod
+    def draft_tokens_limit(cls, draft_model, options):
+        """block_size - 1 of the drafter's ``config.json`` (None when it is not there:
+        building the proposer then fails on the missing drafter anyway)."""
+        from actors.drafters.config import DrafterConfig
+
+        path = Path(options.drafter or draft_model or MODELS_DIR / cls.name) / "config.json"
+        if not path.is_file():
+            return None
+        bs = DrafterConfig.from_file(path).block_size
+        return bs - 1, f"{path.parent} drafts blocks of {bs} tokens: at most {bs - 1} drafts"
+
     def draft_params(self) -> int:
         return self.drafter.num_params()
 

@@ -83,6 +83,9 @@ class _Metrics:
                             boundaries=STEP_MS_BUCKETS)
         self.queue_depth = make(m.Gauge, mn.PROM_QUEUE_DEPTH,
                                 "requests waiting for a batch slot")
+        self.degraded = make(m.Counter, mn.PROM_DEGRADED_REQUESTS,
+                             "finished requests whose drafter was dropped (they decoded "
+                             "autoregressively from then on), by reason", ("reason",))
 
     def observe_step(self, row: dict) -> None:
         self.batch_size.observe(row.get(mn.STEP_BATCH_SIZE, 0))
@@ -100,6 +103,8 @@ class _Metrics:
         for pos, n in enumerate(stats.get(mn.NUM_ACCEPTED_TOKENS_PER_POS) or []):
             if n:
                 self.per_pos.inc(n, tags={"position": str(pos)})
+        if stats.get(mn.DEGRADED_REASON):
+            self.degraded.inc(1, tags={"reason": stats[mn.DEGRADED_REASON]})
 
 
 @serve.deployment
