@@ -179,6 +179,10 @@ def test_validation_compares_policy_and_best_fixed_per_tier(tmp_path):
         assert row["goodput_ratio"] == pytest.approx(1.5 * 0.75, rel=1e-6)
     low = next(r for r in res["rows"] if r["tier"] == "low")
     assert low["band"] == "1-4" and low["k"] == 7 and low["best_fixed"]["strategy"] == mn.DFLASH
+    # beside it, what the measurement run said: dflash 3.0x autoregressive at 1 user
+    before = low["measurement_run"]
+    assert before["policy_as"] == mn.DFLASH and before["best_fixed"] == mn.DFLASH
+    assert before["policy_tokens_per_s"] == pytest.approx(150.0, rel=1e-6)
     served = yaml.safe_load(Path(res["serve_config"]).read_text())
     ServeAppConfig.model_validate(served["applications"][0]["args"])
 

@@ -223,6 +223,7 @@ def validate_policy(policy: dict, manifest: dict | None, slos: dict[str, Slo], o
                     "band": row["band"], "k": row["k"],
                     "policy": {"strategy": policy["name"], **p, **ksteps},
                     "best_fixed": {"strategy": fixed, **f},
+                    "measurement_run": _measured_before(policy, row["tier"], oc),
                     "tokens_ratio": p["tokens_per_s"] / f["tokens_per_s"]
                     if f["tokens_per_s"] else None,
                     "goodput_ratio": p["goodput_tok_s"] / f["goodput_tok_s"]
@@ -230,6 +231,22 @@ def validate_policy(policy: dict, manifest: dict | None, slos: dict[str, Slo], o
     finally:
         stop()
     return result
+
+
+def _measured_before(policy: dict, tier: str, oc: str) -> dict:
+    """What the measurement run said for this tier x output class: the deployment the policy's
+    band was measured as, its tokens/s, goodput and attainment there, and the best fixed one's."""
+    for b in policy["bands"]:
+        if tier in b["levels"]:
+            p = b["policy"].get(oc, {})
+            f = b["best_fixed"].get(tier, {}).get(oc, {})
+            return {"policy_as": p.get("strategy"), "policy_tokens_per_s": p.get("tokens_per_s"),
+                    "policy_goodput_tok_s": p.get("goodput_tok_s"),
+                    "policy_slo_attainment": p.get("slo_attainment"),
+                    "best_fixed": f.get("strategy"), "fixed_tokens_per_s": f.get("tokens_per_s"),
+                    "fixed_goodput_tok_s": f.get("goodput_tok_s"),
+                    "fixed_slo_attainment": f.get("slo_attainment")}
+    return {}
 
 
 def table_rows(res: dict) -> list[dict]:
