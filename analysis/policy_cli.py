@@ -27,9 +27,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=number(gt=0), help="TTFT SLO, ms (default: the run's)")
     p.add_argument("--slo-tpot-ms", type=number(gt=0), help="TPOT SLO, ms (default: the run's)")
     p.add_argument("--boundaries", default="model", choices=("model", "midpoint"),
-                   help="band boundaries between measured levels: where the capacity model "
-                        "predicts the chosen deployments cross (else midpoint; default), or "
-                        "always the midpoint of the levels' typical running batch")
+                   help="band boundaries between measured levels. model (default): where the "
+                        "capacity model predicts the neighbours' chosen deployments cross in "
+                        "tokens/s, else the midpoint; midpoint: always the midpoint of the "
+                        "levels' typical running batch")
     p.add_argument("--seed", type=number(int, ge=0), default=0, help="bootstrap seed (default 0)")
     p.add_argument("--emit-serve-config", metavar="OUT.yaml", type=output_file(),
                    help="write a Serve config with one deployment, the policy "

@@ -322,8 +322,8 @@ def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | N
     if predict and steps is not None and not steps.empty:
         from analysis.model.backtest import fit_all_levels
         try:
-            models = fit_all_levels(results, metrics.with_slo_flags(results.requests, slos),
-                                    metrics.cell_table(metrics.with_slo_flags(results.requests, slos)))
+            all_flagged = metrics.with_slo_flags(results.requests, slos)
+            models = fit_all_levels(results, all_flagged, metrics.cell_table(all_flagged))
         except Exception as exc:  # noqa: BLE001  (a model that cannot be fitted leaves midpoints)
             notes.append(f"capacity model not fitted ({exc!r}): boundaries at midpoints")
     ocs = sorted(flagged[mn.REQ_OUTPUT_CLASS].unique())
