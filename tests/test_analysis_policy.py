@@ -156,9 +156,9 @@ def test_validation_compares_policy_and_best_fixed_per_tier(tmp_path):
 
     def drive(url, tier, strategies, run_id):
         calls.append((tier, strategies))
-        strats = [A.Strat(s, {u: 1.0 for u in A.TIERS.values()}) for s in strategies]
-        strats[0] = A.Strat(p["name"], {u: 1.5 for u in A.TIERS.values()},
-                            ttft_violation={tier: 0.25})
+        strats = [A.Strat(s, {u: 1.5 for u in A.TIERS.values()}, ttft_violation={tier: 0.25})
+                  if s == p["name"] else A.Strat(s, {u: 1.0 for u in A.TIERS.values()})
+                  for s in strategies]
         return A.write_run(tmp_path / "v" / run_id, run_id=run_id, strats=strats,
                            tiers={tier: A.TIERS[tier]})
 
@@ -166,7 +166,7 @@ def test_validation_compares_policy_and_best_fixed_per_tier(tmp_path):
     res = pv.validate_policy(p, None, slos, tmp_path / "out", duration_s=3.0, deploy=deploy,
                              drive=drive, log=lambda m: None)
     assert calls[0] == ("deploy", ["dflash-policy", "dflash", "ngram", "autoregressive"])
-    assert calls[1:] == [("low", ["dflash-policy", "dflash"]), ("mid", ["dflash-policy", "ngram"]),
+    assert calls[1:] == [("low", ["dflash-policy", "dflash"]), ("mid", ["ngram", "dflash-policy"]),
                          ("high", ["dflash-policy", "autoregressive"])]
     assert stopped == [True] and not res["errors"]
     assert len(res["rows"]) == 6

@@ -8,7 +8,8 @@ one replica as in the measurement. It is deployed with ``python -m cluster up`` 
 private Ray head and a free loopback port (``analysis.decide.validate._cluster_up``:
 the plan validation's bring-up), then each tier is driven in turn with
 ``python -m loadgen --target URL --tier T`` against the policy and that tier's best
-fixed deployment(s): closed loop, the run's own profile (users, max_tokens, SLOs;
+fixed deployment(s) (the order alternates from tier to tier, so a drift in the machine's
+load favours neither): closed loop, the run's own profile (users, max_tokens, SLOs;
 written from the run manifest's ``profile``), every cell cut to ``duration_s`` seconds
 (``--duration``). The cluster is stopped at the end, whatever happened.
 
@@ -194,9 +195,11 @@ def validate_policy(policy: dict, manifest: dict | None, slos: dict[str, Slo], o
     log(f"validate: deploying {', '.join(deployed)} (one replica each) on a private Ray head")
     url, stop = deploy(cfg)
     try:
-        for row in plan:
+        for i, row in enumerate(plan):
             names = [policy["name"]] + [s for s in dict.fromkeys(row["fixed"].values())
                                         if s != policy["name"]]
+            if i % 2:   # alternate who runs first, so a drift in machine load favours neither
+                names = names[1:] + names[:1]
             run_id = (f"policy-{row['tier']}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-"
                       f"{uuid.uuid4().hex[:6]}")
             log(f"validate: tier {row['tier']} ({row['users']} users, policy band {row['band']} "
