@@ -1,4 +1,4 @@
-"""``python -m analysis {report,plan,backtest}``.
+"""``python -m analysis {report,plan,backtest,policy}``.
 
 Exit codes: 0 ok; 2 usage error or missing / empty results directory (the
 message names the flag or the directory); 3 (``EXIT_DEGRADED``) when
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_file", type=output_file(parent_must_exist=False), help="write the backtest as JSON to this file")
     b.add_argument("--holdout", type=number(int, ge=1), default=None,
                    help="users level to predict (default: the highest measured)")
+    from analysis.policy_cli import add_parser as add_policy_parser
+    add_policy_parser(sub)
     return p
 
 
@@ -327,6 +329,14 @@ def _emit(args, out: dict, parser) -> dict:
     return {"path": str(path), "replicas": sp.planned_replicas(out), "cluster_fit": fit}
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subcommand's own parser (its errors then read ``python -m analysis NAME: error``)."""
+    for action in parser._subparsers._group_actions:   # noqa: SLF001  (argparse keeps them here)
+        if name in getattr(action, "choices", {}):
+            return action.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -336,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "backtest":
             from analysis.backtest_cli import run_backtest
             return run_backtest(args, parser, _print_table)
+        if args.command == "policy":
+            from analysis.policy_cli import run_policy
+            return run_policy(args, _subparser(parser, "policy"), _print_table)
         return _plan(args, parser)
     except ResultsError as exc:
         print(f"error: {exc}", file=sys.stderr)

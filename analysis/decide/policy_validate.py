@@ -1,0 +1,266 @@
+"""``python -m analysis policy RUN --validate``: run the derived policy against the best fixed
+strategy at every tier of the run.
+
+One Serve config carries the policy deployment (``<base>-policy``, its
+``num_speculative_tokens_per_batch_size`` map: vLLM PR #32374) and, beside it, every
+tier's best fixed deployment as measured (``analysis.decide.policy.fixed_entry``), each
+one replica as in the measurement. It is deployed with ``python -m cluster up`` on a
+private Ray head and a free loopback port (``analysis.decide.validate._cluster_up``:
+the plan validation's bring-up), then each tier is driven in turn with
+``python -m loadgen --target URL --tier T`` against the policy and that tier's best
+fixed deployment(s) (the order alternates from tier to tier, so a drift in the machine's
+load favours neither): closed loop, the run's own profile (users, max_tokens, SLOs;
+written from the run manifest's ``profile``), every cell cut to ``duration_s`` seconds
+(``--duration``). The cluster is stopped at the end, whatever happened.
+
+Per tier x output class the result gives, for the policy and the best fixed
+deployment: output tokens/s, goodput tokens/s and SLO attainment (the share of
+requests meeting both SLOs; ``analysis.data.metrics.cell_table``, judged against the
+measurement run's SLOs), and for the policy the k its engine actually used
+(step-log column ``num_speculative_tokens``: share of decode steps per k) and its
+median running batch. Nothing is estimated here: every figure is measured on the
+validation run.
+
+``deploy(config) -> (url, stop)`` and ``drive(url, tier, strategies, run_id) -> run_dir``
+can be substituted (tests use a fake server). Errors: ``PolicyError`` when the run has
+no tier the profile knows; a tier whose load run fails gets no figure and its error
+under ``errors`` (the other tiers go on).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import yaml
+
+from analysis.data import metrics
+from analysis.data.load import load_results
+from analysis.decide.policy import PolicyError, emit_serve_config, fixed_entry
+from configs import metric_names as mn
+from configs.paths import PACKAGE_ROOT
+from configs.tiers import TIER_NAMES, Slo, load_tiers, parse_tiers
+
+DEFAULT_DURATION_S = 12.0
+PROFILE_NAME = "policy-validate"
+
+
+def tiers_file(manifest: dict | None) -> tuple[dict | None, str | None]:
+    """(tier file dict, profile name) replaying the measurement run's profile: the
+    manifest's ``profile`` when it validates as a profile (``configs.tiers``), else
+    (None, the manifest's ``profile_name``) for the shipped tier file."""
+    manifest = manifest or {}
+    prof = manifest.get("profile")
+    if isinstance(prof, dict):
+        doc = {"default_profile": PROFILE_NAME, "profiles": {PROFILE_NAME: prof}}
+        try:
+            parse_tiers(copy.deepcopy(doc), "run manifest profile")
+            return doc, PROFILE_NAME
+        except Exception:  # noqa: BLE001  (another version's profile: use the named one)
+            pass
+    return None, manifest.get("profile_name") or load_tiers().default_profile
+
+
+def level_plan(policy: dict) -> list[dict]:
+    """Per measured tier of the policy: {"tier", "users", "band", "k", "fixed": {output
+    class: best fixed deployment}}, low to high. Raises PolicyError when no level is a
+    named tier (a sweep run: its levels have no tier to replay)."""
+    rows = []
+    for b in policy["bands"]:
+        for lv in b["levels"]:
+            info = policy["levels"][lv]
+            if lv not in TIER_NAMES:
+                continue
+            fixed = {oc: v["strategy"] for oc, v in policy["best_fixed"].get(lv, {}).items()}
+            rows.append({"tier": lv, "users": info["users"], "band": f"{b['lo']}-{b['hi']}",
+                         "k": b["k"], "fixed": fixed})
+    if not rows:
+        raise PolicyError(f"--validate replays the run's tiers ({', '.join(TIER_NAMES)}); this "
+                          f"run's levels are {sorted(policy['levels'])}")
+    return sorted(rows, key=lambda r: TIER_NAMES.index(r["tier"]))
+
+
+def _steps_k(run_dir: Path, name: str) -> dict:
+    """{"k_share": {k: share of decode steps}, "batch_p50", "steps"} of ``name`` in a run."""
+    path = Path(run_dir) / "steps.parquet"
+    if not path.is_file():
+        return {"k_share": {}, "batch_p50": None, "steps": 0}
+    st = pd.read_parquet(path)
+    col = mn.STEP_MODEL if mn.STEP_MODEL in st else mn.STEP_STRATEGY
+    st = st[st[col].eq(name) & st[mn.STEP_BATCH_SIZE].gt(0)]
+    if st.empty:
+        return {"k_share": {}, "batch_p50": None, "steps": 0}
+    share = {}
+    if mn.STEP_NUM_SPEC_TOKENS in st:
+        vc = pd.to_numeric(st[mn.STEP_NUM_SPEC_TOKENS], errors="coerce").dropna().astype(int)
+        share = {str(k): float(v) for k, v in (vc.value_counts(normalize=True).sort_index()).items()}
+    return {"k_share": share, "batch_p50": float(st[mn.STEP_BATCH_SIZE].median()),
+            "steps": int(len(st))}
+
+
+def measure(run_dir: Path, slos: dict[str, Slo]) -> dict[tuple[str, str], dict]:
+    """{(strategy, output class): {"tokens_per_s", "goodput_tok_s", "slo_attainment",
+    "n_requests", "ttft_ms_p50", "tpot_ms_p50"}} of one validation run, judged against
+    ``slos`` ({tier: Slo}, the measurement run's)."""
+    res = load_results(run_dir)
+    tiers = res.requests[mn.REQ_TIER].unique()
+    flagged = metrics.with_slo_flags(res.requests, {t: slos[t] for t in tiers})
+    cells = metrics.cell_table(flagged)
+    out = {}
+    for (s, oc), g in cells.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS]):
+        n = int(g[mn.CELL_N_REQUESTS].sum())
+        out[(s, oc)] = {
+            "tokens_per_s": float(g[metrics.OUTPUT_TOKENS_PER_S].mean()),
+            "goodput_tok_s": float(g[metrics.GOODPUT_TOKENS_PER_S].mean()),
+            "slo_attainment": float((g[metrics.SLO_ATTAINMENT] * g[mn.CELL_N_REQUESTS]).sum() / n)
+            if n else None,
+            "n_requests": n, "ttft_ms_p50": float(g["ttft_ms_p50"].mean()),
+            "tpot_ms_p50": float(g["tpot_ms_p50"].mean())}
+    return out
+
+
+def validation_config(policy: dict, plan: list[dict], base_config) -> dict:
+    """The Serve config deployed: the policy plus every tier's best fixed deployment."""
+    names = []
+    for row in plan:
+        for s in row["fixed"].values():
+            if s not in names and s != policy["name"]:
+                names.append(s)
+    extra = [fixed_entry(s, policy["candidates"], base_config) for s in names]
+    return emit_serve_config(policy, base_config, extra)
+
+
+def _loadgen(url: str, tier: str, strategies: list[str], outputs: str, tiers_path: Path | None,
+             profile: str | None, duration_s: float, results: Path, run_id: str) -> Path:
+    cmd = [sys.executable, "-m", "loadgen", "--tier", tier, "--output", outputs, "--target", url,
+           "--strategies", ",".join(strategies), "--duration", f"{duration_s:g}",
+           "--results", str(results), "--run-id", run_id]
+    if tiers_path is not None:
+        cmd += ["--tiers-file", str(tiers_path)]
+    if profile:
+        cmd += ["--profile", profile]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=PACKAGE_ROOT)
+    run_dir = results / run_id
+    if p.returncode != 0 or not (run_dir / "requests.parquet").is_file():
+        raise RuntimeError(f"loadgen failed (exit {p.returncode}) or wrote no requests: "
+                           f"{(p.stdout + p.stderr)[-1500:]}")
+    return run_dir
+
+
+def validate_policy(policy: dict, manifest: dict | None, slos: dict[str, Slo], out_dir: Path,
+                    duration_s: float = DEFAULT_DURATION_S, output: str = "all",
+                    base_config=None, deploy: Callable | None = None,
+                    drive: Callable | None = None, log=print) -> dict:
+    """Deploy the policy beside the best fixed deployments, drive every tier; returns the
+    ``--validate --json`` dict {"policy": {"name", "base_strategy", "map"}, "duration_s",
+    "deployed", "runs": {tier: run dir}, "rows": [{"tier", "output_class", "users", "band",
+    "k", "policy": {...measure..., "strategy", "k_share", "batch_p50"}, "best_fixed":
+    {...measure..., "strategy"}, "tokens_ratio", "goodput_ratio"}], "errors": {tier: msg}}.
+    ``output``: "short", "long" or "all" (the run's output classes)."""
+    from analysis.decide.policy import DEFAULT_BASE_CONFIG
+    from analysis.decide.validate import _cluster_up
+
+    base_config = base_config or DEFAULT_BASE_CONFIG
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = level_plan(policy)
+    cfg = validation_config(policy, plan, base_config)
+    deployed = [e["name"] for e in cfg["applications"][0]["args"]["strategies"]]
+    doc, profile = tiers_file(manifest)
+    tiers_path = None
+    if doc is not None:
+        tiers_path = out_dir / "policy-validate-tiers.yaml"
+        tiers_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (out_dir / "policy-validate-serve.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    work = Path(tempfile.mkdtemp(prefix="specload-policy-"))
+    if deploy is None:
+        def deploy(config):
+            return _cluster_up(config, work)
+    if drive is None:
+        def drive(url, tier, strategies, run_id):
+            return _loadgen(url, tier, strategies, output, tiers_path, profile, duration_s,
+                            out_dir, run_id)
+    result = {"policy": {"name": policy["name"], "base_strategy": policy["base_strategy"],
+                         "map": policy["map"]},
+              "duration_s": duration_s, "deployed": deployed, "profile": profile,
+              "serve_config": str(out_dir / "policy-validate-serve.yaml"),
+              "runs": {}, "rows": [], "errors": {}}
+    log(f"validate: deploying {', '.join(deployed)} (one replica each) on a private Ray head")
+    url, stop = deploy(cfg)
+    try:
+        for i, row in enumerate(plan):
+            names = [policy["name"]] + [s for s in dict.fromkeys(row["fixed"].values())
+                                        if s != policy["name"]]
+            if i % 2:   # alternate who runs first, so a drift in machine load favours neither
+                names = names[1:] + names[:1]
+            run_id = (f"policy-{row['tier']}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-"
+                      f"{uuid.uuid4().hex[:6]}")
+            log(f"validate: tier {row['tier']} ({row['users']} users, policy band {row['band']} "
+                f"k={row['k']}): {', '.join(names)}, {duration_s:g} s per cell")
+            try:
+                run_dir = Path(drive(url, row["tier"], names, run_id))
+                got = measure(run_dir, slos)
+            except (RuntimeError, OSError, ValueError) as exc:
+                result["errors"][row["tier"]] = str(exc)[-500:]
+                log(f"validate: tier {row['tier']}: no figure: {str(exc)[-300:]}")
+                continue
+            result["runs"][row["tier"]] = str(run_dir)
+            ksteps = _steps_k(run_dir, policy["name"])
+            for oc, fixed in row["fixed"].items():
+                if output != "all" and oc != output:
+                    continue
+                p, f = got.get((policy["name"], oc)), got.get((fixed, oc))
+                if p is None or f is None:
+                    result["errors"][f"{row['tier']}/{oc}"] = (
+                        f"no requests for {'the policy' if p is None else fixed} in {run_dir}")
+                    continue
+                result["rows"].append({
+                    "tier": row["tier"], "output_class": oc, "users": row["users"],
+                    "band": row["band"], "k": row["k"],
+                    "policy": {"strategy": policy["name"], **p, **ksteps},
+                    "best_fixed": {"strategy": fixed, **f},
+                    "measurement_run": _measured_before(policy, row["tier"], oc),
+                    "tokens_ratio": p["tokens_per_s"] / f["tokens_per_s"]
+                    if f["tokens_per_s"] else None,
+                    "goodput_ratio": p["goodput_tok_s"] / f["goodput_tok_s"]
+                    if f["goodput_tok_s"] else None})
+    finally:
+        stop()
+    return result
+
+
+def _measured_before(policy: dict, tier: str, oc: str) -> dict:
+    """What the measurement run said for this tier x output class: the deployment the policy's
+    band was measured as, its tokens/s, goodput and attainment there, and the best fixed one's."""
+    for b in policy["bands"]:
+        if tier in b["levels"]:
+            p = b["policy"].get(oc, {})
+            f = b["best_fixed"].get(tier, {}).get(oc, {})
+            return {"policy_as": p.get("strategy"), "policy_tokens_per_s": p.get("tokens_per_s"),
+                    "policy_goodput_tok_s": p.get("goodput_tok_s"),
+                    "policy_slo_attainment": p.get("slo_attainment"),
+                    "best_fixed": f.get("strategy"), "fixed_tokens_per_s": f.get("tokens_per_s"),
+                    "fixed_goodput_tok_s": f.get("goodput_tok_s"),
+                    "fixed_slo_attainment": f.get("slo_attainment")}
+    return {}
+
+
+def table_rows(res: dict) -> list[dict]:
+    """One display row per tier x output class of a ``validate_policy`` result."""
+    rows = []
+    for r in res["rows"]:
+        p, f = r["policy"], r["best_fixed"]
+        ks = ", ".join(f"k={k}: {v:.0%}" for k, v in p.get("k_share", {}).items())
+        rows.append({"tier": r["tier"], "output_class": r["output_class"], "users": r["users"],
+                     "band_k": f"{r['band']}: {r['k']}", "policy_tok_s": p["tokens_per_s"],
+                     "policy_slo": p["slo_attainment"], "policy_k_steps": ks or "-",
+                     "best_fixed": f["strategy"], "fixed_tok_s": f["tokens_per_s"],
+                     "fixed_slo": f["slo_attainment"], "tokens_ratio": r["tokens_ratio"]})
+    return rows
