@@ -236,7 +236,9 @@ def test_run_against_fake_server_cells_per_sampling_and_variants(tmp_path):
     got = sorted((c["strategy"], c["output_class"], c["sampling"]) for c in man["cells"])
     assert got == sorted((s, oc, lab) for s in models.split(",") for oc in ("short", "long")
                          for lab in ("greedy", "t0.7"))
-    assert man["schema_version"] == 5
+    from configs.results_schema import SCHEMA_VERSION
+
+    assert man["schema_version"] == SCHEMA_VERSION
     assert {k: v["k"] for k, v in man["variants"].items()} == {"autoregressive": 0, "ngram-k2": 2, "ngram-k4": 4}
     assert [s["label"] for s in man["samplings"]["low/short"]] == ["greedy", "t0.7"]
     assert man["output_lengths"]["low/long"] | {"max_tokens": None} == {

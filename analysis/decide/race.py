@@ -359,10 +359,19 @@ def _pct(frac: float | None) -> str:
     return "-" if frac is None or (isinstance(frac, float) and math.isnan(frac)) else f"{100 * frac:.0f}%"
 
 
+def key_label(key: tuple) -> str:
+    """``low/long`` for a decision cell key; a sampling label other than greedy is kept
+    (``low/short/t0.7``), greedy (the default) is left out."""
+    parts = [str(k) for k in key if k is not None]
+    if len(parts) > 2 and parts[-1] in (getattr(mn, "GREEDY", "greedy"), ""):
+        parts = parts[:-1]
+    return "/".join(parts)
+
+
 def status_line(key: tuple, d: Decision) -> str:
     """One console / report line: ``low/long: decided dflash2 (confidence 97%, 4 repeats,
     2:10 of cell time)``; equivalent lists the set; undecided the contenders left."""
-    label = "/".join(str(k) for k in key)
+    label = key_label(key)
     reps = max(d.repeats.values()) if d.repeats else 0
     m, s = divmod(int(round(d.time_s)), 60)
     tail = f"confidence {_pct(d.confidence)}, {reps} repeat{'s' if reps != 1 else ''}, {m}:{s:02d} of cell time"

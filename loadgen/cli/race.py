@@ -55,7 +55,8 @@ def key_order(key: tuple) -> tuple:
 
 
 def label(key: tuple) -> str:
-    return "/".join(str(k) for k in key)
+    """The manifest's name of a decision cell (``race.key_label``: greedy left out)."""
+    return race.key_label(key)
 
 
 def round_plan(undecided: list[tuple], decisions: dict, cells: dict, repeat: int,
