@@ -221,19 +221,11 @@ def _predicted_boundary(models: dict, lower: str, upper: str, ocs: list[str], u_
     return float(grid[idx[0]])
 
 
-def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | None = None,
-                  output_class: str | None = None, base_config: str | Path = DEFAULT_BASE_CONFIG,
-                  seed: int = 0, n_boot: int = 200, predict: bool = True) -> dict:
-    """The policy of one run (module docstring). ``slos``: {tier: Slo}.
-
-    Returns {"base_strategy", "name", "map" ({"a-b": k}, adjacent equal k merged),
-    "num_speculative_tokens" (the largest k), "bands": [{"lo", "hi", "k", "strategy"
-    (the fixed deployment whose measurements back the band), "levels", "tiers", "users",
-    "batch", "batch_source", "boundary_source", "score", "goodput_tok_s", "tokens_per_s",
-    "slo_attainment", "best_fixed"}], "bases": {base: {"score", "goodput_tok_s", "ks"}},
-    "candidates": {deployment: {"base_strategy", "k", "k_source"}}, "best_fixed":
-    {level: {output class: {"strategy", "goodput_tok_s", ...}}}, "levels": {...},
-    "notes": [...]}. Raises PolicyError (module docstring)."""
+def _policy_inputs(results: Results, slos: dict[str, Slo], output_class: str | None,
+                   base_strategy: str | None, base_config: str | Path):
+    """(flagged rows with their LEVEL, levels, cells, step log, Serve entries, candidates
+    {deployment: {base_strategy, k, k_source}}, speculative bases, notes). Raises PolicyError
+    for an absent output class, no baseline, no speculative strategy or an unknown base."""
     flagged = results.requests if metrics.GOOD in results.requests else metrics.with_slo_flags(
         results.requests, slos)
     if output_class is not None:
@@ -265,8 +257,13 @@ def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | N
     if base_strategy is not None and base_strategy not in bases:
         raise PolicyError(f"base strategy {base_strategy!r} was not measured with k > 0 "
                           f"(the run's speculative bases: {bases})")
+    return flagged, levels, cells, steps, entries, cand, bases, notes
 
-    # goodput per level x output class x deployment: the recommendation's own figures
+
+def _best_fixed(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict[str, Slo], seed: int,
+                n_boot: int) -> tuple[dict, dict]:
+    """(best fixed deployment per level x output class: the recommendation's own figures
+    (goodput tokens/s per deployment), the per-cell stats by (level, output class, strategy))."""
     lslos = _level_slos(flagged, slos)
     lflag = flagged.assign(**{mn.REQ_TIER: flagged[LEVEL]})
     lcells = cells.assign(**{mn.REQ_TIER: cells[LEVEL]})
@@ -281,14 +278,18 @@ def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | N
                 "strategy": leader, "recommended": r["strategy"], "tied": r.get("tied", []),
                 "confidence": r.get("confidence"), "goodput_tok_s": r["goodput"], **st,
                 "goodput_by_strategy": r["goodput_by_strategy"]}
+    return best_fixed, stats
 
-    batches = level_batches(steps, flagged, levels)
-    groups = _group_bands(batches)
 
+def _choose_per_base(bases: list[str], cand: dict, groups: list[list[str]],
+                     best_fixed: dict) -> dict[str, dict]:
+    """Per base strategy, the k (or autoregressive, k = 0) of each band of levels: the
+    highest goodput relative to the best fixed deployment, then goodput; ties to the
+    smaller k. {base: {"score", "goodput_tok_s", "ks", "chosen", "options"}}."""
     def score(strategy: str, group: list[str]) -> tuple[float, float]:
         rel, tok = 0.0, 0.0
         for lv in group:
-            for oc, b in best_fixed.get(lv, {}).items():
+            for b in best_fixed.get(lv, {}).values():
                 g = b["goodput_by_strategy"].get(strategy)
                 if g is None:
                     continue
@@ -304,81 +305,125 @@ def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | N
         chosen = []
         for group in groups:
             scored = [(score(s, group), k, s) for k, s in options]
-            # highest relative score, then goodput; ties to the smaller k
             (rel, tok), k, s = max(scored, key=lambda x: (round(x[0][0], 9), round(x[0][1], 6), -x[1]))
             chosen.append({"k": k, "strategy": s, "score": rel, "goodput_tok_s": tok})
         per_base[base] = {"score": sum(c["score"] for c in chosen),
                           "goodput_tok_s": sum(c["goodput_tok_s"] for c in chosen),
                           "ks": [c["k"] for c in chosen], "chosen": chosen,
                           "options": [s for _, s in options]}
-    pick = base_strategy or max(bases, key=lambda b: (round(per_base[b]["score"], 9),
-                                                      per_base[b]["goodput_tok_s"], b))
-    chosen = per_base[pick]["chosen"]
+    return per_base
 
-    entry = entries.get(pick)
-    max_seqs = int(((entry or {}).get("engine") or {}).get("max_num_seqs", 32))
-    top = max(max_seqs, int(math.ceil(max(b for b, _ in batches.values()))))
-    models = {}
-    if predict and steps is not None and not steps.empty:
-        from analysis.model.backtest import fit_all_levels
-        try:
-            all_flagged = metrics.with_slo_flags(results.requests, slos)
-            models = fit_all_levels(results, all_flagged, metrics.cell_table(all_flagged))
-        except Exception as exc:  # noqa: BLE001  (a model that cannot be fitted leaves midpoints)
-            notes.append(f"capacity model not fitted ({exc!r}): boundaries at midpoints")
-    ocs = sorted(flagged[mn.REQ_OUTPUT_CLASS].unique())
+
+def _capacity_models(results: Results, slos: dict[str, Slo], steps: pd.DataFrame,
+                     predict: bool, notes: list[str]) -> dict:
+    """The capacity model fitted on every users level (``backtest.fit_all_levels``) for
+    predicted band boundaries; {} when not asked, without a step log, or when it cannot be
+    fitted (said in ``notes``: boundaries then at midpoints)."""
+    if not predict or steps is None or steps.empty:
+        return {}
+    from analysis.model.backtest import fit_all_levels
+    try:
+        all_flagged = metrics.with_slo_flags(results.requests, slos)
+        return fit_all_levels(results, all_flagged, metrics.cell_table(all_flagged))
+    except Exception as exc:  # noqa: BLE001  (a model that cannot be fitted leaves midpoints)
+        notes.append(f"capacity model not fitted ({exc!r}): boundaries at midpoints")
+        return {}
+
+
+def _band_hi(i: int, groups: list[list[str]], batches: dict, levels: dict, chosen: list[dict],
+             models: dict, ocs: list[str], points: list, lo: int, top: int) -> tuple[int, str]:
+    """The last batch size of band ``i`` and where it comes from: the midpoint between the
+    bands' median batches, or the capacity model's predicted crossing of the two bands'
+    choices when it lies between them; the last band ends at ``top``."""
+    if i + 1 >= len(groups):
+        return top, "last band: up to max_num_seqs"
+    b_here = float(np.median([batches[lv][0] for lv in groups[i]]))
+    b_next = float(np.median([batches[lv][0] for lv in groups[i + 1]]))
+    hi, source = int(math.floor((b_here + b_next) / 2.0)), "midpoint"
+    u_lo = max(levels[lv][1] for lv in groups[i])
+    u_hi = min(levels[lv][1] for lv in groups[i + 1])
+    cross = _predicted_boundary(models, chosen[i]["strategy"], chosen[i + 1]["strategy"],
+                                ocs, float(u_lo), float(u_hi)) if models else None
+    if cross is not None:
+        b_cross = _users_to_batch(points, cross)
+        if b_here < b_cross < b_next:
+            hi, source = int(math.floor(b_cross)), (
+                f"predicted: the capacity model's tokens/s crossing of "
+                f"{chosen[i]['strategy']} and {chosen[i + 1]['strategy']} at {cross:.1f} "
+                f"users (batch {b_cross:.1f})")
+    return max(hi, lo), source
+
+
+def _bands(groups: list[list[str]], chosen: list[dict], batches: dict, levels: dict,
+           models: dict, ocs: list[str], best_fixed: dict, stats: dict, top: int) -> list[dict]:
+    """One band per group of levels: batch range [lo, hi], its k and deployment, the
+    measured figures behind it (``derive_policy``'s "bands")."""
     points = [(float(levels[lv][1]), batches[lv][0]) for lv in batches]
-    bands = []
-    lo = 1
+    bands, lo = [], 1
     for i, group in enumerate(groups):
-        b_here = float(np.median([batches[lv][0] for lv in group]))
-        boundary_source = "last band: up to max_num_seqs"
-        if i + 1 < len(groups):
-            b_next = float(np.median([batches[lv][0] for lv in groups[i + 1]]))
-            hi = int(math.floor((b_here + b_next) / 2.0))
-            boundary_source = "midpoint"
-            u_lo = max(levels[lv][1] for lv in group)
-            u_hi = min(levels[lv][1] for lv in groups[i + 1])
-            cross = _predicted_boundary(models, chosen[i]["strategy"], chosen[i + 1]["strategy"],
-                                        ocs, float(u_lo), float(u_hi)) if models else None
-            if cross is not None:
-                b_cross = _users_to_batch(points, cross)
-                if b_here < b_cross < b_next:
-                    hi, boundary_source = int(math.floor(b_cross)), (
-                        f"predicted: the capacity model's tokens/s crossing of "
-                        f"{chosen[i]['strategy']} and {chosen[i + 1]['strategy']} at {cross:.1f} "
-                        f"users (batch {b_cross:.1f})")
-            hi = max(hi, lo)
-        else:
-            hi = top
-        per_oc = {oc: {"strategy": chosen[i]["strategy"],
-                       **stats.get((lv, oc, chosen[i]["strategy"]), {}),
-                       "goodput_tok_s": best_fixed[lv][oc]["goodput_by_strategy"].get(
-                           chosen[i]["strategy"]),
+        hi, boundary_source = _band_hi(i, groups, batches, levels, chosen, models, ocs, points,
+                                       lo, top)
+        strategy = chosen[i]["strategy"]
+        per_oc = {oc: {"strategy": strategy, **stats.get((lv, oc, strategy), {}),
+                       "goodput_tok_s": best_fixed[lv][oc]["goodput_by_strategy"].get(strategy),
                        "level": lv}
                   for lv in group for oc in best_fixed.get(lv, {})}
         bands.append({
-            "lo": lo, "hi": hi, "k": chosen[i]["k"], "strategy": chosen[i]["strategy"],
+            "lo": lo, "hi": hi, "k": chosen[i]["k"], "strategy": strategy,
             "levels": group, "tiers": sorted({levels[lv][0] for lv in group}),
-            "users": sorted({levels[lv][1] for lv in group}), "batch": b_here,
+            "users": sorted({levels[lv][1] for lv in group}),
+            "batch": float(np.median([batches[lv][0] for lv in group])),
             "batch_source": "; ".join(sorted({batches[lv][1] for lv in group})),
             "boundary_source": boundary_source, "score": chosen[i]["score"],
             "policy": per_oc,
             "best_fixed": {lv: best_fixed.get(lv, {}) for lv in group}})
         lo = hi + 1
-    spec_map: dict[str, int] = {}
+    return bands
+
+
+def _spec_map(bands: list[dict]) -> dict[str, int]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from the bands, adjacent equal k merged."""
     merged: list[list[int]] = []
     for b in bands:
         if merged and merged[-1][2] == b["k"]:
             merged[-1][1] = b["hi"]
         else:
             merged.append([b["lo"], b["hi"], b["k"]])
-    for a, z, k in merged:
-        spec_map[f"{a}-{z}"] = int(k)
+    return {f"{a}-{z}": int(k) for a, z, k in merged}
+
+
+def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | None = None,
+                  output_class: str | None = None, base_config: str | Path = DEFAULT_BASE_CONFIG,
+                  seed: int = 0, n_boot: int = 200, predict: bool = True) -> dict:
+    """The policy of one run (module docstring). ``slos``: {tier: Slo}.
+
+    Returns {"base_strategy", "name", "map" ({"a-b": k}, adjacent equal k merged),
+    "num_speculative_tokens" (the largest k), "bands": [{"lo", "hi", "k", "strategy"
+    (the fixed deployment whose measurements back the band), "levels", "tiers", "users",
+    "batch", "batch_source", "boundary_source", "score", "goodput_tok_s", "tokens_per_s",
+    "slo_attainment", "best_fixed"}], "bases": {base: {"score", "goodput_tok_s", "ks"}},
+    "candidates": {deployment: {"base_strategy", "k", "k_source"}}, "best_fixed":
+    {level: {output class: {"strategy", "goodput_tok_s", ...}}}, "levels": {...},
+    "notes": [...]}. Raises PolicyError (module docstring)."""
+    flagged, levels, cells, steps, entries, cand, bases, notes = _policy_inputs(
+        results, slos, output_class, base_strategy, base_config)
+    best_fixed, stats = _best_fixed(flagged, cells, slos, seed, n_boot)
+    batches = level_batches(steps, flagged, levels)
+    groups = _group_bands(batches)
+    per_base = _choose_per_base(bases, cand, groups, best_fixed)
+    pick = base_strategy or max(bases, key=lambda b: (round(per_base[b]["score"], 9),
+                                                      per_base[b]["goodput_tok_s"], b))
+    entry = entries.get(pick)
+    max_seqs = int(((entry or {}).get("engine") or {}).get("max_num_seqs", 32))
+    top = max(max_seqs, int(math.ceil(max(b for b, _ in batches.values()))))
+    models = _capacity_models(results, slos, steps, predict, notes)
+    ocs = sorted(flagged[mn.REQ_OUTPUT_CLASS].unique())
+    bands = _bands(groups, per_base[pick]["chosen"], batches, levels, models, ocs, best_fixed,
+                   stats, top)
     if all(b["k"] == 0 for b in bands):
         notes.append(f"speculation pays at no measured level: the policy runs {pick} with k = 0 "
                      "everywhere (autoregressive decoding)")
-    return {"base_strategy": pick, "name": pick + POLICY_SUFFIX, "map": spec_map,
+    return {"base_strategy": pick, "name": pick + POLICY_SUFFIX, "map": _spec_map(bands),
             "num_speculative_tokens": max([b["k"] for b in bands] + [0]),
             "bands": bands, "levels": {lv: {"tier": t, "users": u, "batch": batches[lv][0],
                                             "batch_source": batches[lv][1]}
