@@ -149,21 +149,27 @@ def fit_cell_models(steps: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFr
         if mn.REQ_OUTPUT_CLASS in s_steps and s_steps[mn.REQ_OUTPUT_CLASS].eq(oc).any():
             s_steps = s_steps[s_steps[mn.REQ_OUTPUT_CLASS].eq(oc)]
         w = _workload(s_steps, req, strategy)
-        ratios_tps, ratios_tpot = [], []
-        for users in levels:
-            key = (strategy, oc, users)
-            if key not in meas.index:
-                continue
-            tps, tpot = model_point(model, w, users)
-            m = meas.loc[key]
-            if np.isfinite(m[metrics.OUTPUT_TOKENS_PER_S]) and tps > 0:
-                ratios_tps.append(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
-            if np.isfinite(m["tpot_ms_p50"]) and tpot > 0:
-                ratios_tpot.append(m["tpot_ms_p50"] / float(tpot))
-        out[(strategy, oc)] = CellModel(strategy, oc, model, w,
-                                        float(np.median(ratios_tps)) if ratios_tps else 1.0,
-                                        float(np.median(ratios_tpot)) if ratios_tpot else 1.0)
+        out[(strategy, oc)] = _calibrated(strategy, oc, model, w, meas, levels)
     return out, steps_models
+
+
+def _calibrated(strategy: str, oc: str, model, w, meas: pd.DataFrame, levels) -> "CellModel":
+    """``CellModel`` of one strategy x output class, calibrated per output class: the median
+    over the fitted users levels of measured / modelled output tokens/s and TPOT p50 (1.0
+    where no level has both)."""
+    r_tps, r_tpot = [], []
+    for users in levels:
+        key = (strategy, oc, users)
+        if key not in meas.index:
+            continue
+        tps, tpot = model_point(model, w, users)
+        m = meas.loc[key]
+        if np.isfinite(m[metrics.OUTPUT_TOKENS_PER_S]) and tps > 0:
+            r_tps.append(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
+        if np.isfinite(m["tpot_ms_p50"]) and tpot > 0:
+            r_tpot.append(m["tpot_ms_p50"] / float(tpot))
+    return CellModel(strategy, oc, model, w, float(np.median(r_tps)) if r_tps else 1.0,
+                     float(np.median(r_tpot)) if r_tpot else 1.0)
 
 
 def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
@@ -232,20 +238,7 @@ def fit_server_cell_models(srv: pd.DataFrame, flagged: pd.DataFrame, cells: pd.D
         if model is None or g.empty:
             continue
         w = _server_workload(g, req, strategy)
-        r_tps, r_tpot = [], []
-        for users in levels:
-            key = (strategy, oc, users)
-            if key not in meas.index:
-                continue
-            tps, tpot = model_point(model, w, users)
-            m = meas.loc[key]
-            if np.isfinite(m[metrics.OUTPUT_TOKENS_PER_S]) and tps > 0:
-                r_tps.append(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
-            if np.isfinite(m["tpot_ms_p50"]) and tpot > 0:
-                r_tpot.append(m["tpot_ms_p50"] / float(tpot))
-        out[(strategy, oc)] = CellModel(strategy, oc, model, w,
-                                        float(np.median(r_tps)) if r_tps else 1.0,
-                                        float(np.median(r_tpot)) if r_tpot else 1.0)
+        out[(strategy, oc)] = _calibrated(strategy, oc, model, w, meas, levels)
     return out, step_models
 
 
