@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 
 import pytest
-import torch
 
 from actors.engine.types import SamplingParams
 from configs import metric_names as M
@@ -29,14 +28,6 @@ MAX_TOKENS = 32
 FAMILIES = [M.DRAFT_MODEL, M.NGRAM, M.DFLASH, M.DFLASH2, M.DSPARK]
 DEADLINE_MS = 1000.0      # generous: a healthy call here takes milliseconds
 SLEEP_S = 1.3             # what the "deadline" fault sleeps per call with the victim
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ every speculative strategy, while the batch grows and shrinks across the ranges.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from actors.engine.config import EngineConfig
 from actors.engine.scheduler import Request, Scheduler
@@ -23,14 +22,6 @@ from configs.serve_config import (SPEC_SCHEDULE_KEY, ServeAppConfig, parse_spec_
 from tests.spec_faults import greedy_mismatch
 
 MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------ the rules
