@@ -75,6 +75,7 @@ class LoadRunner:
         self._rows_by_worker: dict[int, int] = {}
         self._rows_at_start: dict[int, int] = {}
         self._lost: set[str] = set()
+        self._last_beat: dict[str, float] = {}   # client id -> when the master last heard its heartbeat
         self._helper_ready = False
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
@@ -86,6 +87,7 @@ class LoadRunner:
             bind = "*" if self.ray_address else LOOPBACK
             self.runner = self.env.create_master_runner(master_bind_host=bind, master_bind_port=port)
             self.runner.register_message(ROWS_MESSAGE, self._on_rows)
+            self.env.events.heartbeat_sent.add_listener(self._on_heartbeat)
             self._start_workers(port, worker_start_timeout_s)
         self._spawned_at: float | None = None
         self.env.events.spawning_complete.add_listener(lambda user_count, **_: self._mark_spawned())
@@ -304,24 +306,32 @@ class LoadRunner:
                 gevent.sleep(0.1)
             gevent.sleep(0.3)
 
-    def _settle_losses(self, max_wait_s: float = 6.0) -> None:
-        """Before quitting: give Locust's heartbeat check (missing after ~3 missed 1 s beats)
-        time to mark a worker that died late in the last cell, so its loss is recorded even
-        when no later cell would have noticed. Bounded by ``max_wait_s``; returns as soon as
-        every worker has sent a heartbeat within the last beat or two."""
+    def _on_heartbeat(self, client_id: str, timestamp: float, **_: Any) -> None:
+        self._last_beat[str(client_id)] = float(timestamp)
+
+    def _settle_losses(self, max_wait_s: float = 8.0) -> None:
+        """Before quitting: tell each worker alive from one that died late in the last cell.
+
+        A worker counts as alive once the master hears a heartbeat from it more than one beat
+        interval after this call began (a beat already on the wire when a worker died arrives
+        within that interval); until then it is pending. Locust marks a silent worker missing
+        after ``HEARTBEAT_LIVENESS`` missed 1 s beats (about 4 s), and ``_check_workers`` then
+        records the loss. Returns once no worker is pending, or after ``max_wait_s``.
+        """
         if self.n_workers <= 0:
             return
-        from locust.runners import HEARTBEAT_LIVENESS
+        from locust.runners import HEARTBEAT_INTERVAL
 
-        t_end = time.time() + max_wait_s
+        t0 = time.time()
+        t_end = t0 + max_wait_s
         cell = self._cell_id or "after-run"
         while time.time() < t_end:
             self._check_workers(cell)
             pending = [c for c in self.runner.clients.values()
-                       if c.state != "missing" and c.heartbeat < HEARTBEAT_LIVENESS - 1]
+                       if c.state != "missing" and self._last_beat.get(str(c.id), 0.0) <= t0 + HEARTBEAT_INTERVAL]
             if not pending:
                 return
-            gevent.sleep(0.5)
+            gevent.sleep(0.25)
         self._check_workers(cell)
 
     def close(self) -> None:
