@@ -138,6 +138,11 @@ def test_failures_are_rows_and_do_not_distort_ok_rows(tmp_path, route):
     man = json.loads((_run_dir(tmp_path / "res") / "manifest.json").read_text())
     assert man["routes"] == {"autoregressive": {
         "route": route, "base_url": url + ("/strategies/autoregressive" if route == "strategy" else "")}}
+    # --server-metrics auto: a target listing one-hop routes is a specload service, whose step
+    # log replaces a Prometheus page (no 404 line); another server's missing page is reported
+    sm = man["server_metrics"]
+    assert ("specload service" in sm.get("skipped", "")) == (route == "strategy"), sm
+    assert sm.get("error"), sm
     df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
     counts = df[M.REQ_STATUS].value_counts().to_dict()
     server = pd.Series([t["status"] for t in truth.values()]).value_counts().to_dict()

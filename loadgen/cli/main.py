@@ -316,7 +316,11 @@ def _open_server_metrics(st: _RunState) -> None:
                                  args.server_metrics_interval_s, dict(st.auth.headers), st.auth.insecure)
     st.server.open()
     f = st.server.facts
-    if f.get("error"):
+    if f.get("error") and (not args.target or any(st.prefixes.values())):
+        # specload's own service: no Prometheus page on the Serve proxy; its step log has it all
+        f["skipped"] = "a specload service: its engine step log (/specload/step_log) is read instead"
+        st.console.print(f"server metrics: not needed ({f['skipped']})", highlight=False, soft_wrap=True)
+    elif f.get("error"):
         st.console.print(f"server metrics: none ({f['error']}); pass --server-metrics URL to read "
                          "another page", highlight=False, soft_wrap=True)
     elif st.server.active:
