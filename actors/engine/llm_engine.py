@@ -207,8 +207,12 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         if req.slot >= 0:
-            self.kv.free(req.request_id)
+            # the running requests keep slots 0..n-1, so a batch reads its K/V as a
+            # view of the cache, not a gather per layer (KVCache.release)
+            moved = self.runner.cache.release(req.request_id)
             req.slot = -1
+            if moved is not None and moved[0] in self.requests:
+                self.requests[moved[0]].slot = moved[1]
             try:
                 self.proposer.remove_request(req.request_id)
             except Exception:  # noqa: BLE001 - a proposer fault must not stop the loop

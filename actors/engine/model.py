@@ -206,6 +206,13 @@ class BatchMeta:
     # set by callers that know it on the host (ModelRunner): rows use the consecutive
     # slots lo..hi-1 in order, so attention reads a view of the cache, not a gather
     slot_range: tuple[int, int] | None = None
+    # packed (varlen) batch: input_ids is [1, T], every row's tokens one after the
+    # other, no padding; segments[i] = (slot, start, offset in T, length). Set with
+    # positions [1, T] and seg_masks (per segment: None = causal from 0 or one token,
+    # else a bool [1, 1, length, start + length] mask); write_rows / write_pos are [T].
+    segments: list[tuple[int, int, int, int]] | None = None
+    positions: torch.Tensor | None = None
+    seg_masks: list | None = None
 
 
 class Attention(nn.Module):
@@ -263,6 +270,11 @@ class Attention(nn.Module):
             qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # one rope call
         q, k = qk[:, :h], qk[:, h:]
         v = v.transpose(1, 2)
+        if cache_kv is not None and meta.segments is not None:
+            out = self._packed_attention(q, k, v, cache_kv, meta)
+            out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
+            o_wt = getattr(self, "_o_wt", None)
+            return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
         if cache_kv is not None:
             ck, cv = cache_kv
             same = ck.dtype == q.dtype
@@ -292,6 +304,33 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
         o_wt = getattr(self, "_o_wt", None)
         return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
+
+
+    def _packed_attention(self, q, k, v, cache_kv, meta: BatchMeta) -> torch.Tensor:
+        """Attention of a packed batch (``BatchMeta.segments``): one write of every
+        new token's K/V, then each row attends its own slot (a view of the cache,
+        no gather, no padding); a row that starts at 0 attends its own new K/V
+        causally. q: [1, h, T, D]; k, v: [1, kvh, T, D] -> [1, h, T, D]."""
+        ck, cv = cache_kv
+        same = ck.dtype == q.dtype
+        ck[meta.write_rows, meta.write_pos] = k[0].transpose(0, 1).to(ck.dtype)
+        cv[meta.write_rows, meta.write_pos] = v[0].transpose(0, 1).to(cv.dtype)
+        gqa = self.h != self.kvh
+        outs = []
+        for (slot, start, off, n), mask in zip(meta.segments, meta.seg_masks):
+            qs = q[:, :, off:off + n]
+            if start == 0 and same:
+                outs.append(F.scaled_dot_product_attention(
+                    qs, k[:, :, off:off + n], v[:, :, off:off + n], is_causal=n > 1,
+                    enable_gqa=gqa))
+                continue
+            ks = ck[slot, :start + n].transpose(0, 1)[None]
+            vs = cv[slot, :start + n].transpose(0, 1)[None]
+            if not same:
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                       enable_gqa=gqa))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class MLP(nn.Module):
@@ -487,6 +526,9 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if cache is None:
             pos = positions if positions is not None else torch.arange(Q, device=dev).expand(B, Q)
+            mask = None
+        elif meta.segments is not None:      # packed rows: positions from the caller
+            pos = meta.positions
             mask = None
         else:
             pos = meta.starts[:, None] + torch.arange(Q, device=dev)

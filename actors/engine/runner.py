@@ -53,12 +53,70 @@ class ModelRunner:
         ``last_only``); aux[i] is [len_i, A*H] target hidden states of
         ``aux_layers`` or None when no aux layers were asked for.
         """
-        logits, aux = self.run_padded(rows, last_only, aux_layers)
         lens = [len(r.token_ids) for r in rows]
+        if self.pack(lens):
+            return self.run_packed(rows, last_only, aux_layers)
+        logits, aux = self.run_padded(rows, last_only, aux_layers)
         if last_only:
             per_row = [logits[i] for i in range(len(rows))]
         else:
             per_row = [logits[i, :lens[i]] for i in range(len(rows))]
+        return per_row, aux
+
+    # rows longer than this (prompt chunks) make a batch run packed: padding every row
+    # to a prompt's length costs more than the per-row attention calls of a packed one
+    PACK_MIN_TOKENS = 16
+
+    def pack(self, lens: list[int]) -> bool:
+        """Whether a batch with these row lengths runs packed (``run_packed``)."""
+        return len(lens) > 1 and max(lens) >= self.PACK_MIN_TOKENS
+
+    @torch.inference_mode()
+    def run_packed(self, rows: list[RowInput], last_only: bool = False,
+                   aux_layers: tuple[int, ...] = ()
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """As ``run``, but the rows' tokens go through the model as one sequence of
+        ``sum(len_i)`` tokens (no padding): every GEMM is over the real tokens only,
+        and each row attends its own cache slot (``BatchMeta.segments``). What a
+        batch of prompt chunks of different lengths (arrivals together) needs."""
+        dev = self.device
+        ids, pos, segs, masks, last = [], [], [], [], []
+        off = 0
+        for r in rows:
+            n = len(r.token_ids)
+            ids.extend(r.token_ids)
+            pos.extend(range(r.start, r.start + n))
+            segs.append((r.slot, r.start, off, n))
+            if r.start == 0 or n == 1:
+                masks.append(None)
+            else:
+                kpos = torch.arange(r.start + n, device=dev)
+                qpos = torch.arange(r.start, r.start + n, device=dev)
+                masks.append((kpos[None, :] <= qpos[:, None])[None, None])
+            off += n
+            last.append(off - 1)
+        T = off
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        slots_t = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
+        meta = BatchMeta(slots=slots_t, starts=torch.tensor([r.start for r in rows],
+                                                            dtype=torch.long, device=dev),
+                         kv_len=max(r.start + len(r.token_ids) for r in rows),
+                         segments=segs, positions=pos_t[None], seg_masks=masks)
+        meta.write_pos = pos_t
+        meta.write_rows = torch.repeat_interleave(
+            slots_t, torch.tensor([len(r.token_ids) for r in rows], device=dev))
+        idx = torch.tensor([last], dtype=torch.long, device=dev) if last_only else None
+        out: ForwardOutput = self.model(torch.tensor([ids], dtype=torch.long).to(dev),
+                                        cache=self.cache, meta=meta, logits_index=idx,
+                                        aux_layers=aux_layers)
+        logits = out.logits[0].float()                     # [T or B, V]
+        if last_only:
+            per_row = [logits[i:i + 1] for i in range(len(rows))]
+        else:
+            per_row = [logits[o:o + n] for _, _, o, n in segs]
+        aux = None
+        if out.aux_hidden is not None:
+            aux = [out.aux_hidden[0, o:o + n] for _, _, o, n in segs]
         return per_row, aux
 
     @torch.inference_mode()
