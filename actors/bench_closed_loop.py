@@ -25,7 +25,10 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout whose engine runs: this one, or $SPECLOAD_BENCH_REPO (another checkout, e.g.
+# main, for a before / after comparison in one run)
+REPO = os.environ.get("SPECLOAD_BENCH_REPO") or os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
