@@ -471,11 +471,15 @@ class LLMEngine:
         stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens)
         self._admit(sched.admitted, t0, touched, stats)
         decodes = [d for d in sched.decodes if d.request.finish_reason is None]
-        if decodes:
-            self._decode(decodes, stats, touched)
         prefills = [p for p in sched.prefills if p.request.finish_reason is None]
-        if prefills:
-            self._prefill(prefills, stats, touched)
+        if decodes and prefills and self.runner.pack(
+                [len(p.chunk) for p in prefills] + [1 + self.num_speculative_tokens]):
+            self._mixed(decodes, prefills, stats, touched)
+        else:
+            if decodes:
+                self._decode(decodes, stats, touched)
+            if prefills:
+                self._prefill(prefills, stats, touched)
         outputs = self._finish(list(touched.values()))
         if self.on_step is not None and (sched.decodes or sched.prefills):
             self.on_step(self._step_row(stats, t0, c0))
@@ -498,8 +502,41 @@ class LLMEngine:
                 touched: dict[str, Request]) -> None:
         """Propose for every decoding request, verify all drafts in one target
         forward, accept, roll rejected drafts out of the KV cache, emit."""
+        live, rows, clock = self._decode_rows(decodes, stats, touched)
+        fwd = self._isolated("forward", self._forward, [r for r, _ in live], rows) \
+            if rows else []
+        self._decode_done(decodes, live, rows, fwd, clock, stats)
+
+    def _mixed(self, decodes: list[ScheduledDecode], prefills: list[ScheduledPrefill],
+               stats: "_StepCounters", touched: dict[str, Request]) -> None:
+        """Decodes and prompt chunks of one step in ONE target forward (packed, no
+        padding: ``ModelRunner.run_packed``): the arriving requests' prefill rides
+        with the running requests' verification instead of a second forward. Same
+        results as ``_decode`` then ``_prefill``; a forward that raises is retried
+        request by request as there."""
+        live, rows, clock = self._decode_rows(decodes, stats, touched)
+        preqs = [p.request for p in prefills]
+        prows = [RowInput(r.slot, self.kv.append(r.request_id, len(p.chunk)), p.chunk)
+                 for r, p in zip(preqs, prefills)]
+        n_dec = len(rows)
+        last = [False] * n_dec + [True] * len(prows)
+
+        def fwd_all(items):
+            its_rows = [row for row, _ in items]
+            logits, aux = self.runner.run(its_rows, last_only=[lo for _, lo in items],
+                                          aux_layers=self.aux_layers)
+            return [(lg, aux[i] if aux is not None else None) for i, lg in enumerate(logits)]
+
+        fwd = self._isolated("forward", fwd_all, [r for r, _ in live] + preqs,
+                             list(zip(rows + prows, last)))
+        self._decode_done(decodes, live, rows, fwd[:n_dec], clock, stats)
+        self._prefill_done(prefills, prows, fwd[n_dec:], stats, touched)
+
+    def _decode_rows(self, decodes: list[ScheduledDecode], stats: "_StepCounters",
+                     touched: dict[str, Request]) -> tuple[list, list[RowInput], tuple]:
+        """Propose for every decoding request; its verification row ``[last token,
+        drafts...]`` (KV positions reserved). Returns (live, rows, clock)."""
         td = time.perf_counter()
-        reqs = [d.request for d in decodes]
         props = self._propose(decodes, stats)
         tv, cv = time.perf_counter(), time.thread_time()
         live: list[tuple[Request, DraftProposal]] = []
@@ -513,8 +550,14 @@ class LLMEngine:
                 stats.speculation_off.add(M.SPEC_OFF_BATCH_SIZE_POLICY)
         rows = [RowInput(r.slot, self.kv.append(r.request_id, 1 + len(p.token_ids)),
                          [r.output_ids[-1]] + p.token_ids) for r, p in live]
+        return live, rows, (td, tv, cv)
+
+    def _decode_done(self, decodes: list[ScheduledDecode], live: list, rows: list[RowInput],
+                     fwd: list, clock: tuple, stats: "_StepCounters") -> None:
+        """Verify every row's draft from its forward result, accept, roll back, emit."""
+        td, tv, cv = clock
+        reqs = [d.request for d in decodes]
         if rows:
-            fwd = self._isolated("forward", self._forward, [r for r, _ in live], rows)
             # what the padded forward computes: B x longest row, each row attending its KV
             stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
             stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
@@ -583,6 +626,13 @@ class LLMEngine:
                 for r, p in zip(reqs, prefills)]
         fwd = self._isolated("forward", lambda rws: self._forward(rws, last_only=True),
                              reqs, rows)
+        self._prefill_done(prefills, rows, fwd, stats, touched)
+
+    def _prefill_done(self, prefills: list[ScheduledPrefill], rows: list[RowInput], fwd: list,
+                      stats: "_StepCounters", touched: dict[str, Request]) -> None:
+        """After the prompt chunks' forward (``fwd``: (last logits [1, V], aux) per row or
+        None when it failed): observe, and sample the first token of every finished prompt."""
+        reqs = [p.request for p in prefills]
         done: list[tuple[Request, torch.Tensor]] = []  # prompt finished: first token due
         for r, p, row, f in zip(reqs, prefills, rows, fwd):
             if f is None:

@@ -45,15 +45,20 @@ class ModelRunner:
         self.pad_id = pad_id
 
     @torch.inference_mode()
-    def run(self, rows: list[RowInput], last_only: bool = False,
+    def run(self, rows: list[RowInput], last_only: bool | list[bool] = False,
             aux_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Forward ``rows`` in one padded batch.
 
         Returns (logits, aux): logits[i] is [len_i, V] (or [1, V] with
-        ``last_only``); aux[i] is [len_i, A*H] target hidden states of
+        ``last_only``, which may be a list: per row); aux[i] is [len_i, A*H] target hidden states of
         ``aux_layers`` or None when no aux layers were asked for.
         """
         lens = [len(r.token_ids) for r in rows]
+        if isinstance(last_only, (list, tuple)):     # per row (a decode + prefill batch)
+            if len(set(last_only)) == 1:
+                last_only = bool(last_only[0])
+            else:
+                return self.run_packed(rows, list(last_only), aux_layers)
         if self.pack(lens):
             return self.run_packed(rows, last_only, aux_layers)
         logits, aux = self.run_padded(rows, last_only, aux_layers)
@@ -72,7 +77,7 @@ class ModelRunner:
         return len(lens) > 1 and max(lens) >= self.PACK_MIN_TOKENS
 
     @torch.inference_mode()
-    def run_packed(self, rows: list[RowInput], last_only: bool = False,
+    def run_packed(self, rows: list[RowInput], last_only: bool | list[bool] = False,
                    aux_layers: tuple[int, ...] = ()
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """As ``run``, but the rows' tokens go through the model as one sequence of
@@ -80,9 +85,10 @@ class ModelRunner:
         and each row attends its own cache slot (``BatchMeta.segments``). What a
         batch of prompt chunks of different lengths (arrivals together) needs."""
         dev = self.device
-        ids, pos, segs, masks, last = [], [], [], [], []
+        flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
+        ids, pos, segs, masks, sel = [], [], [], [], []
         off = 0
-        for r in rows:
+        for r, lo in zip(rows, flags):
             n = len(r.token_ids)
             ids.extend(r.token_ids)
             pos.extend(range(r.start, r.start + n))
@@ -93,9 +99,8 @@ class ModelRunner:
                 kpos = torch.arange(r.start + n, device=dev)
                 qpos = torch.arange(r.start, r.start + n, device=dev)
                 masks.append((kpos[None, :] <= qpos[:, None])[None, None])
+            sel.extend([off + n - 1] if lo else range(off, off + n))
             off += n
-            last.append(off - 1)
-        T = off
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         slots_t = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
         meta = BatchMeta(slots=slots_t, starts=torch.tensor([r.start for r in rows],
@@ -105,15 +110,17 @@ class ModelRunner:
         meta.write_pos = pos_t
         meta.write_rows = torch.repeat_interleave(
             slots_t, torch.tensor([len(r.token_ids) for r in rows], device=dev))
-        idx = torch.tensor([last], dtype=torch.long, device=dev) if last_only else None
+        # the LM head only where logits are wanted (each prompt chunk's last token)
+        idx = None if not any(flags) else torch.tensor([sel], dtype=torch.long, device=dev)
         out: ForwardOutput = self.model(torch.tensor([ids], dtype=torch.long).to(dev),
                                         cache=self.cache, meta=meta, logits_index=idx,
                                         aux_layers=aux_layers)
-        logits = out.logits[0].float()                     # [T or B, V]
-        if last_only:
-            per_row = [logits[i:i + 1] for i in range(len(rows))]
-        else:
-            per_row = [logits[o:o + n] for _, _, o, n in segs]
+        logits = out.logits[0].float()                     # [len(sel), V]
+        per_row, at = [], 0
+        for (_, _, _, n), lo in zip(segs, flags):
+            k = 1 if lo else n
+            per_row.append(logits[at:at + k])
+            at += k
         aux = None
         if out.aux_hidden is not None:
             aux = [out.aux_hidden[0, o:o + n] for _, _, o, n in segs]
