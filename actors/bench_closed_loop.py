@@ -52,6 +52,8 @@ class SpecloadAdapter:
                "num_speculative_tokens": 0 if strategy == "autoregressive" else 4}
         if draft_model:
             cfg["draft_model"] = draft_model
+        if "enable_prefix_caching" in EngineConfig.model_fields:   # (an older checkout: none)
+            cfg["enable_prefix_caching"] = prefix_caching
         self.engine = LLMEngine(EngineConfig(**cfg))
         self._params = SamplingParams
         self.threads = torch.get_num_threads()
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", required=True, help="JSON lines with a 'prompt' each")
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--no-prefix-caching", action="store_true",
-                    help="vLLM: enable_prefix_caching=False (its default is on)")
+                    help="enable_prefix_caching=False (vLLM's default and this bench's: on)")
     ap.add_argument("--once", default=None,
                     help="run this one JSON command and exit (instead of reading stdin)")
     a = ap.parse_args(argv)

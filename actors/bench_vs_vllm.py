@@ -98,12 +98,15 @@ class Worker:
     """One ``bench_closed_loop.py`` process (its engine loaded once), JSON lines both ways."""
 
     def __init__(self, side: str, python: str, engine: str, strategy: str, prompts_file: str,
-                 threads: int, repo: Path | None = None, log_dir: str = "."):
+                 threads: int, repo: Path | None = None, log_dir: str = ".",
+                 prefix_caching: bool = True):
         cmd = [python, str(WORKER),
                "--engine", engine, "--strategy", strategy, "--model", str(TARGET),
                "--prompts", prompts_file, "--torch-threads", str(threads)]
         if strategy == "draft_model":
             cmd += ["--draft-model", str(DRAFT)]
+        if not prefix_caching:
+            cmd.append("--no-prefix-caching")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env["OMP_NUM_THREADS"] = str(threads)
         if engine == "vllm":
@@ -163,7 +166,7 @@ def engine_mode(a: argparse.Namespace, strategy: str, prompts_file: str, log_dir
             print(f"[engine] {strategy}: starting {side} worker", flush=True)
             workers.append(Worker(side, py, eng, strategy, prompts_file,
                                   a.vllm_threads if eng == "vllm" else a.torch_threads,
-                                  repo, log_dir))
+                                  repo, log_dir, not a.no_prefix_caching))
         return _interleave(a, strategy, "engine", {
             w.side: (lambda users, tag, w=w: w.run({"users": users, "duration_s": a.duration_s,
                                                      "max_tokens": a.max_tokens, "tag": tag}))
@@ -228,14 +231,15 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
             "requests": len(done)}
 
 
-def _vllm_server(strategy: str, threads: int, log_dir: str):
+def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool = True):
     """A vLLM OpenAI server for ``strategy`` (``tests/vllm_server.py``'s launcher)."""
     sys.path.insert(0, str(REPO))
     from tests.vllm_server import DRAFT_MODEL, NGRAM as T_NGRAM, VllmServer
 
     spec = {"ngram": T_NGRAM, "draft_model": DRAFT_MODEL}.get(strategy)
     os.environ["OMP_NUM_THREADS"] = str(threads)      # the server inherits it
-    srv = VllmServer([strategy], spec)
+    srv = VllmServer([strategy], spec,
+                     extra=[] if prefix_caching else ["--no-enable-prefix-caching"])
     srv.launch(vllm_python(), Path(log_dir))
     return srv
 
@@ -248,9 +252,11 @@ def served_mode(a: argparse.Namespace, strategy: str, prompts: list[str], log_di
 
     srv = None
     if vllm_python() and not a.no_vllm:
-        srv = _vllm_server(strategy, a.vllm_threads, log_dir)       # warms up meanwhile
+        srv = _vllm_server(strategy, a.vllm_threads, log_dir,        # warms up meanwhile
+                           not a.no_prefix_caching)
     engine_cfg = {"strategy": strategy, "max_num_seqs": 32, "max_waiting": 256,
                   "torch_threads": a.torch_threads,
+                  "enable_prefix_caching": not a.no_prefix_caching,
                   "num_speculative_tokens": 0 if strategy == "autoregressive" else 4}
     if strategy == "draft_model":
         engine_cfg["draft_model"] = "models/draft"
@@ -333,6 +339,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--torch-threads", type=number(int, ge=1), default=1)
     ap.add_argument("--vllm-threads", type=number(int, ge=1), default=1,
                     help="vLLM's OMP / torch threads (its CPU build uses every core otherwise)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="both engines without prefix caching (vLLM's default, and this "
+                         "bench's, is on: the cells repeat prompts, as the load generator's do)")
     ap.add_argument("--no-vllm", action="store_true", help="specload only (no vLLM venv needed)")
     ap.add_argument("--baseline-repo", default=None,
                     help="engine mode: also run the engine of this checkout (e.g. main)")

@@ -26,6 +26,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import Detokenizer
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.model import CausalLM
+from actors.engine.prefix_cache import PrefixCache
 from actors.engine.runner import ModelRunner, RowInput
 from actors.engine.logprobs import emitted_logprobs
 from actors.engine.sampling import make_generator, mask_min_tokens
@@ -112,6 +113,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
                                   pad_id=self.eos_token_id or 0)
         self.kv = self.runner.pool   # the target cache's slots and per-request lengths
+        self.prefix_cache = PrefixCache(self.runner.cache, config.prefix_cache_tokens) \
+            if config.enable_prefix_caching and not self.aux_layers else None
         self.served_model_name = config.served_model_name or config.strategy
         # k per step from the batch size (num_speculative_tokens_per_batch_size; validated)
         self.spec_schedule = config.spec_schedule()
@@ -207,6 +210,9 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         if req.slot >= 0:
+            if self.prefix_cache is not None and req.finish_reason != "error":
+                self.prefix_cache.store(req.prompt_ids, req.slot,
+                                        min(req.num_computed, len(req.prompt_ids)))
             # the running requests keep slots 0..n-1, so a batch reads its K/V as a
             # view of the cache, not a gather per layer (KVCache.release)
             moved = self.runner.cache.release(req.request_id)
@@ -470,6 +476,14 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens)
         self._admit(sched.admitted, t0, touched, stats)
+        if self.prefix_cache is not None and sched.admitted:
+            # an admitted prompt's prefix found in the prefix cache is not computed again:
+            # its first chunk starts after it (no longer than scheduled)
+            new = {id(r) for r in sched.admitted if r.num_computed}
+            for p in sched.prefills:
+                r = p.request
+                if id(r) in new:
+                    p.chunk = r.prompt_ids[r.num_computed:r.num_computed + len(p.chunk)]
         decodes = [d for d in sched.decodes if d.request.finish_reason is None]
         prefills = [p for p in sched.prefills if p.request.finish_reason is None]
         if decodes and prefills and self.runner.pack(
@@ -493,6 +507,11 @@ class LLMEngine:
             r.slot = self.kv.allocate(r.request_id)
             r.first_scheduled = now
             r.stats.queue_ms = (now - r.arrival) * 1e3
+            if self.prefix_cache is not None:
+                n = self.prefix_cache.load(r.prompt_ids, r.slot)
+                if n:
+                    self.kv.append(r.request_id, n)
+                    r.num_computed = n
             try:
                 self.proposer.add_request(r.request_id, r.prompt_ids)
             except Exception as exc:  # noqa: BLE001
