@@ -210,6 +210,10 @@ class BatchMeta:
     # other, no padding; segments[i] = (slot, start, offset in T, length). Set with
     # positions [1, T] and seg_masks (per segment: None = causal from 0 or one token,
     # else a bool [1, 1, length, start + length] mask); write_rows / write_pos are [T].
+    # padded batch: rows whose context is far longer than the others' (row index, slot,
+    # context length) attend alone; the others read only kv_short positions (ModelRunner)
+    long_rows: list[tuple[int, int, int]] | None = None
+    kv_short: int | None = None
     segments: list[tuple[int, int, int, int]] | None = None
     positions: torch.Tensor | None = None
     seg_masks: list | None = None
@@ -289,13 +293,18 @@ class Attention(nn.Module):
             else:
                 ck[meta.write_rows, meta.write_pos] = k.transpose(1, 2).to(ck.dtype)
                 cv[meta.write_rows, meta.write_pos] = v.transpose(1, 2).to(cv.dtype)
+                # rows with a context far longer than the rest (meta.long_rows) attend
+                # alone below; the batch reads only the others' longest context
+                kl = meta.kv_short or meta.kv_len
+                if kl < meta.kv_len:
+                    full_mask, mask = mask, mask[..., :kl]
                 if meta.slot_range is not None:  # consecutive slots: a view, no copy
                     lo, hi = meta.slot_range
-                    k = ck[lo:hi, :meta.kv_len].transpose(1, 2)
-                    v = cv[lo:hi, :meta.kv_len].transpose(1, 2)
+                    k = ck[lo:hi, :kl].transpose(1, 2)
+                    v = cv[lo:hi, :kl].transpose(1, 2)
                 else:
-                    k = ck[meta.slots, :meta.kv_len].transpose(1, 2)
-                    v = cv[meta.slots, :meta.kv_len].transpose(1, 2)
+                    k = ck[meta.slots, :kl].transpose(1, 2)
+                    v = cv[meta.slots, :kl].transpose(1, 2)
             if not same:
                 k, v = k.to(q.dtype), v.to(q.dtype)
         # mask None: causal from position 0 without a cache; with a cache it means
@@ -313,10 +322,24 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and cache_kv is None,
                 enable_gqa=self.h != self.kvh)
+        if cache_kv is not None and meta.long_rows:
+            for b, slot, n in meta.long_rows:   # the long rows, each on its own cache view
+                kb = ck[slot, :n].transpose(0, 1)[None].to(q.dtype)
+                vb = cv[slot, :n].transpose(0, 1)[None].to(q.dtype)
+                mb = full_mask[b:b + 1, :, :, :n]
+                if g > 1 and Q <= self.FOLD_MAX_Q:
+                    mb = mb if Q == 1 else mb[:, :, None].expand(1, 1, g, Q, n).reshape(
+                        1, 1, g * Q, n)
+                    ob = F.scaled_dot_product_attention(
+                        q[b:b + 1].reshape(1, self.kvh, g * Q, self.d), kb, vb,
+                        attn_mask=mb).view(1, self.h, Q, self.d)
+                else:
+                    ob = F.scaled_dot_product_attention(q[b:b + 1], kb, vb, attn_mask=mb,
+                                                        enable_gqa=self.h != self.kvh)
+                out[b] = ob[0]
         out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
         o_wt = getattr(self, "_o_wt", None)
         return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
-
 
     def _packed_attention(self, q, k, v, cache_kv, meta: BatchMeta) -> torch.Tensor:
         """Attention of a packed batch (``BatchMeta.segments``): one write of every

@@ -68,6 +68,31 @@ class ModelRunner:
             per_row = [logits[i, :lens[i]] for i in range(len(rows))]
         return per_row, aux
 
+    # a row attending alone costs about this many K/V positions' reads (the call's overhead)
+    ROW_CALL_POSITIONS = 256
+    MAX_LONG_ROWS = 8
+
+    def split_long(self, rows: list[RowInput], kv_len: int
+                   ) -> tuple[list[tuple[int, int, int]] | None, int | None]:
+        """Which rows of a padded batch attend alone: attention reads every row's K/V up
+        to the longest context, so one long request makes a batch of short ones read
+        (and mask) that many positions each. Picks the j longest rows (j <= 8) that
+        minimise B x (the (j+1)-th longest context) + their own contexts + a call's cost
+        each; returns ([(row, slot, context)], the others' longest context) or (None,
+        None) when no split pays."""
+        B = len(rows)
+        ctx = sorted(((r.start + len(r.token_ids), i) for i, r in enumerate(rows)), reverse=True)
+        best_j, best = 0, B * kv_len
+        acc = 0
+        for j in range(1, min(self.MAX_LONG_ROWS, B - 1) + 1):
+            acc += ctx[j - 1][0] + self.ROW_CALL_POSITIONS
+            cost = B * ctx[j][0] + acc
+            if cost < best:
+                best_j, best = j, cost
+        if best_j == 0 or best > 0.8 * B * kv_len:
+            return None, None
+        return ([(i, rows[i].slot, n) for n, i in ctx[:best_j]], ctx[best_j][0])
+
     # rows longer than this (prompt chunks) make a batch run packed: padding every row
     # to a prompt's length costs more than the per-row attention calls of a packed one
     PACK_MIN_TOKENS = 16
@@ -159,6 +184,8 @@ class ModelRunner:
                          kv_len=max(starts) + Q,
                          single=(lo, starts[0]) if B == 1 else None,
                          slot_range=(lo, lo + B) if consecutive else None)
+        if B > 1:
+            meta.long_rows, meta.kv_short = self.split_long(rows, meta.kv_len)
         idx = None
         if last_only:
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
