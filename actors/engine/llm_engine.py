@@ -466,8 +466,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns deltas for requests that emitted or finished.
 
-        Phases: schedule + admit -> decode (propose, verify, accept + KV
-        rollback) -> prefill chunks -> finish (outputs, release) -> step-log row.
+        Phases: schedule + admit (prefix-cache hits copied in) -> decode (propose,
+        verify, accept + KV rollback) -> prefill chunks -> finish (outputs, release) ->
+        step-log row. Decodes and prompt chunks share one packed target forward when
+        the step has both (``_mixed``); the step row's ``verify_ms`` then includes the
+        chunks' share of that forward.
         A request that fails in this step is in the deltas with finish_reason
         "error" and ``error`` set; it is left out of the step row's token counts.
         """
