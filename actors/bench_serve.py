@@ -96,6 +96,30 @@ async def run_direct(eng, prompts: list[str], max_tokens: int, tag: str) -> dict
     return _timed(reqs, time.perf_counter() - t0)
 
 
+async def stream_one(client, path: str, body: dict) -> dict:
+    """One streaming completions call (``body`` as sent, ``stream`` on, usage asked for):
+    e2e and TTFT (to the first chunk with text or token ids; ms), completion tokens
+    (the server's ``usage``), content chunks."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    t0 = time.perf_counter()
+    ttft, n, chunks = None, 0, 0
+    async with client.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and (chunk["choices"][0].get("token_ids")
+                                       or chunk["choices"][0].get("text")):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    return {"e2e_ms": (time.perf_counter() - t0) * 1e3, "ttft_ms": (ttft or 0) * 1e3,
+            "tokens": n, "chunks": chunks}
+
+
 async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
                    path: str = "/v1/completions", stream_interval: int | None = None) -> dict:
     """The same requests as concurrent streaming completions calls to ``base + path``."""
@@ -103,25 +127,10 @@ async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
 
     async def one(client, prompt: str) -> dict:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True}
         if stream_interval is not None:
             body["stream_interval"] = stream_interval
-        t0 = time.perf_counter()
-        ttft, n, chunks = None, 0, 0
-        async with client.stream("POST", path, json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    n = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["token_ids"]:
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-        return {"e2e_ms": (time.perf_counter() - t0) * 1e3, "ttft_ms": (ttft or 0) * 1e3,
-                "tokens": n, "chunks": chunks}
+        return await stream_one(client, path, body)
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:

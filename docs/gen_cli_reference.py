@@ -33,6 +33,8 @@ COMMANDS: list[tuple[list[str], str]] = [
     (["actors.evaluate"], "position-by-position evaluation of the speculative strategies"),
     (["actors.bench"], "engine benchmarks: ratios vs transformers and vs autoregressive"),
     (["actors.bench_serve"], "HTTP + Serve vs the engine alone"),
+    (["actors.bench_vs_vllm"], "specload next to a real vLLM: engine alone and served, "
+                               "closed-loop cells"),
     (["loadgen.tools.soak"], "a long mixed run: errors, memory and fds over time"),
     (["loadgen.tools.bench_scale"], "scale limits of the load generator and the results files"),
 ]

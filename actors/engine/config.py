@@ -70,6 +70,12 @@ class EngineConfig(BaseModel):
     strategy_options: dict[str, Any] = Field(default_factory=dict)
     num_speculative_tokens_per_batch_size: Any = None   # {"a-b": k} or [[a, b, k]]; None: off
     draft_deadline_ms: float | None = Field(None, gt=0)
+    # prefix caching (vLLM's enable_prefix_caching, on there by default): prompt K/V kept
+    # in blocks of 16 tokens after a request leaves, reused by prompts that start the
+    # same (actors.engine.prefix_cache); at most prefix_cache_tokens tokens (LRU). Off
+    # for the DFlash family (its drafter needs the target's hidden states of every token).
+    enable_prefix_caching: bool = False
+    prefix_cache_tokens: int = Field(65536, ge=16)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

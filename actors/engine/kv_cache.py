@@ -82,6 +82,30 @@ class KVSlotPool:
             self._used -= self._length.pop(request_id)
             self._free.append(slot)
 
+    def free_compact(self, request_id: str) -> tuple[str, int, int] | None:
+        """``free``, then keep the owned slots a prefix ``0 .. n-1``: when a request
+        owns a slot above the freed one, the highest such request moves into it.
+
+        Returns ``(moved request id, from slot, to slot)`` (the caller copies that
+        slot's K/V and updates what it keeps of the slot) or None when nothing moved.
+        A compact pool lets a batched forward read its rows' K/V as one view of
+        the cache instead of a gather per layer (``ModelRunner.run_padded``).
+        """
+        slot = self._slot.get(request_id)
+        self.free(request_id)
+        if slot is None:
+            return None
+        top_id, top = None, slot
+        for rid, s in self._slot.items():
+            if s > top:
+                top_id, top = rid, s
+        if top_id is not None:
+            self._slot[top_id] = slot
+            self._free.remove(slot)
+            self._free.append(top)
+        self._free.sort(reverse=True)        # pop() hands out the lowest free slot
+        return None if top_id is None else (top_id, top, slot)
+
     def slot(self, request_id: str) -> int:
         """The request's slot index; KeyError when it owns none."""
         try:
@@ -145,3 +169,18 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self.pool = KVSlotPool(num_slots, max_len, name)
+
+    def release(self, request_id: str) -> tuple[str, int] | None:
+        """Free the request's slot, keeping the owned slots compact
+        (``KVSlotPool.free_compact``): the K/V of a request moved into the freed
+        slot is copied there (its valid positions, every layer). Returns
+        ``(moved request id, its new slot)`` or None."""
+        moved = self.pool.free_compact(request_id)
+        if moved is None:
+            return None
+        rid, src, dst = moved
+        n = self.pool.length(rid)
+        if n:
+            for t in (*self.k, *self.v):
+                t[dst, :n] = t[src, :n]
+        return rid, dst

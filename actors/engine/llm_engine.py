@@ -26,6 +26,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import Detokenizer
 from actors.engine.errors import InvalidRequest, QueueFull
 from actors.engine.model import CausalLM
+from actors.engine.prefix_cache import PrefixCache
 from actors.engine.runner import ModelRunner, RowInput
 from actors.engine.logprobs import emitted_logprobs
 from actors.engine.sampling import make_generator, mask_min_tokens
@@ -112,6 +113,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
                                   pad_id=self.eos_token_id or 0)
         self.kv = self.runner.pool   # the target cache's slots and per-request lengths
+        self.prefix_cache = PrefixCache(self.runner.cache, config.prefix_cache_tokens) \
+            if config.enable_prefix_caching and not self.aux_layers else None
         self.served_model_name = config.served_model_name or config.strategy
         # k per step from the batch size (num_speculative_tokens_per_batch_size; validated)
         self.spec_schedule = config.spec_schedule()
@@ -207,8 +210,15 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         if req.slot >= 0:
-            self.kv.free(req.request_id)
+            if self.prefix_cache is not None and req.finish_reason != "error":
+                self.prefix_cache.store(req.prompt_ids, req.slot,
+                                        min(req.num_computed, len(req.prompt_ids)))
+            # the running requests keep slots 0..n-1, so a batch reads its K/V as a
+            # view of the cache, not a gather per layer (KVCache.release)
+            moved = self.runner.cache.release(req.request_id)
             req.slot = -1
+            if moved is not None and moved[0] in self.requests:
+                self.requests[moved[0]].slot = moved[1]
             try:
                 self.proposer.remove_request(req.request_id)
             except Exception:  # noqa: BLE001 - a proposer fault must not stop the loop
@@ -456,8 +466,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns deltas for requests that emitted or finished.
 
-        Phases: schedule + admit -> decode (propose, verify, accept + KV
-        rollback) -> prefill chunks -> finish (outputs, release) -> step-log row.
+        Phases: schedule + admit (prefix-cache hits copied in) -> decode (propose,
+        verify, accept + KV rollback) -> prefill chunks -> finish (outputs, release) ->
+        step-log row. Decodes and prompt chunks share one packed target forward when
+        the step has both (``_mixed``); the step row's ``verify_ms`` then includes the
+        chunks' share of that forward.
         A request that fails in this step is in the deltas with finish_reason
         "error" and ``error`` set; it is left out of the step row's token counts.
         """
@@ -466,12 +479,24 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens)
         self._admit(sched.admitted, t0, touched, stats)
+        if self.prefix_cache is not None and sched.admitted:
+            # an admitted prompt's prefix found in the prefix cache is not computed again:
+            # its first chunk starts after it (no longer than scheduled)
+            new = {id(r) for r in sched.admitted if r.num_computed}
+            for p in sched.prefills:
+                r = p.request
+                if id(r) in new:
+                    p.chunk = r.prompt_ids[r.num_computed:r.num_computed + len(p.chunk)]
         decodes = [d for d in sched.decodes if d.request.finish_reason is None]
-        if decodes:
-            self._decode(decodes, stats, touched)
         prefills = [p for p in sched.prefills if p.request.finish_reason is None]
-        if prefills:
-            self._prefill(prefills, stats, touched)
+        if decodes and prefills and self.runner.pack(
+                [len(p.chunk) for p in prefills] + [1 + self.num_speculative_tokens]):
+            self._mixed(decodes, prefills, stats, touched)
+        else:
+            if decodes:
+                self._decode(decodes, stats, touched)
+            if prefills:
+                self._prefill(prefills, stats, touched)
         outputs = self._finish(list(touched.values()))
         if self.on_step is not None and (sched.decodes or sched.prefills):
             self.on_step(self._step_row(stats, t0, c0))
@@ -485,6 +510,11 @@ class LLMEngine:
             r.slot = self.kv.allocate(r.request_id)
             r.first_scheduled = now
             r.stats.queue_ms = (now - r.arrival) * 1e3
+            if self.prefix_cache is not None:
+                n = self.prefix_cache.load(r.prompt_ids, r.slot)
+                if n:
+                    self.kv.append(r.request_id, n)
+                    r.num_computed = n
             try:
                 self.proposer.add_request(r.request_id, r.prompt_ids)
             except Exception as exc:  # noqa: BLE001
@@ -494,8 +524,41 @@ class LLMEngine:
                 touched: dict[str, Request]) -> None:
         """Propose for every decoding request, verify all drafts in one target
         forward, accept, roll rejected drafts out of the KV cache, emit."""
+        live, rows, clock = self._decode_rows(decodes, stats, touched)
+        fwd = self._isolated("forward", self._forward, [r for r, _ in live], rows) \
+            if rows else []
+        self._decode_done(decodes, live, rows, fwd, clock, stats)
+
+    def _mixed(self, decodes: list[ScheduledDecode], prefills: list[ScheduledPrefill],
+               stats: "_StepCounters", touched: dict[str, Request]) -> None:
+        """Decodes and prompt chunks of one step in ONE target forward (packed, no
+        padding: ``ModelRunner.run_packed``): the arriving requests' prefill rides
+        with the running requests' verification instead of a second forward. Same
+        results as ``_decode`` then ``_prefill``; a forward that raises is retried
+        request by request as there."""
+        live, rows, clock = self._decode_rows(decodes, stats, touched)
+        preqs = [p.request for p in prefills]
+        prows = [RowInput(r.slot, self.kv.append(r.request_id, len(p.chunk)), p.chunk)
+                 for r, p in zip(preqs, prefills)]
+        n_dec = len(rows)
+        last = [False] * n_dec + [True] * len(prows)
+
+        def fwd_all(items):
+            its_rows = [row for row, _ in items]
+            logits, aux = self.runner.run(its_rows, last_only=[lo for _, lo in items],
+                                          aux_layers=self.aux_layers)
+            return [(lg, aux[i] if aux is not None else None) for i, lg in enumerate(logits)]
+
+        fwd = self._isolated("forward", fwd_all, [r for r, _ in live] + preqs,
+                             list(zip(rows + prows, last)))
+        self._decode_done(decodes, live, rows, fwd[:n_dec], clock, stats)
+        self._prefill_done(prefills, prows, fwd[n_dec:], stats, touched)
+
+    def _decode_rows(self, decodes: list[ScheduledDecode], stats: "_StepCounters",
+                     touched: dict[str, Request]) -> tuple[list, list[RowInput], tuple]:
+        """Propose for every decoding request; its verification row ``[last token,
+        drafts...]`` (KV positions reserved). Returns (live, rows, clock)."""
         td = time.perf_counter()
-        reqs = [d.request for d in decodes]
         props = self._propose(decodes, stats)
         tv, cv = time.perf_counter(), time.thread_time()
         live: list[tuple[Request, DraftProposal]] = []
@@ -509,8 +572,14 @@ class LLMEngine:
                 stats.speculation_off.add(M.SPEC_OFF_BATCH_SIZE_POLICY)
         rows = [RowInput(r.slot, self.kv.append(r.request_id, 1 + len(p.token_ids)),
                          [r.output_ids[-1]] + p.token_ids) for r, p in live]
+        return live, rows, (td, tv, cv)
+
+    def _decode_done(self, decodes: list[ScheduledDecode], live: list, rows: list[RowInput],
+                     fwd: list, clock: tuple, stats: "_StepCounters") -> None:
+        """Verify every row's draft from its forward result, accept, roll back, emit."""
+        td, tv, cv = clock
+        reqs = [d.request for d in decodes]
         if rows:
-            fwd = self._isolated("forward", self._forward, [r for r, _ in live], rows)
             # what the padded forward computes: B x longest row, each row attending its KV
             stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
             stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
@@ -579,6 +648,13 @@ class LLMEngine:
                 for r, p in zip(reqs, prefills)]
         fwd = self._isolated("forward", lambda rws: self._forward(rws, last_only=True),
                              reqs, rows)
+        self._prefill_done(prefills, rows, fwd, stats, touched)
+
+    def _prefill_done(self, prefills: list[ScheduledPrefill], rows: list[RowInput], fwd: list,
+                      stats: "_StepCounters", touched: dict[str, Request]) -> None:
+        """After the prompt chunks' forward (``fwd``: (last logits [1, V], aux) per row or
+        None when it failed): observe, and sample the first token of every finished prompt."""
+        reqs = [p.request for p in prefills]
         done: list[tuple[Request, torch.Tensor]] = []  # prompt finished: first token due
         for r, p, row, f in zip(reqs, prefills, rows, fwd):
             if f is None:

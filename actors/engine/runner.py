@@ -45,20 +45,110 @@ class ModelRunner:
         self.pad_id = pad_id
 
     @torch.inference_mode()
-    def run(self, rows: list[RowInput], last_only: bool = False,
+    def run(self, rows: list[RowInput], last_only: bool | list[bool] = False,
             aux_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Forward ``rows`` in one padded batch.
 
         Returns (logits, aux): logits[i] is [len_i, V] (or [1, V] with
-        ``last_only``); aux[i] is [len_i, A*H] target hidden states of
+        ``last_only``, which may be a list: per row); aux[i] is [len_i, A*H] target hidden states of
         ``aux_layers`` or None when no aux layers were asked for.
         """
-        logits, aux = self.run_padded(rows, last_only, aux_layers)
         lens = [len(r.token_ids) for r in rows]
+        if isinstance(last_only, (list, tuple)):     # per row (a decode + prefill batch)
+            if len(set(last_only)) == 1:
+                last_only = bool(last_only[0])
+            else:
+                return self.run_packed(rows, list(last_only), aux_layers)
+        if self.pack(lens):
+            return self.run_packed(rows, last_only, aux_layers)
+        logits, aux = self.run_padded(rows, last_only, aux_layers)
         if last_only:
             per_row = [logits[i] for i in range(len(rows))]
         else:
             per_row = [logits[i, :lens[i]] for i in range(len(rows))]
+        return per_row, aux
+
+    # a row attending alone costs about this many K/V positions' reads (the call's overhead)
+    ROW_CALL_POSITIONS = 256
+    MAX_LONG_ROWS = 8
+
+    def split_long(self, rows: list[RowInput], kv_len: int
+                   ) -> tuple[list[tuple[int, int, int]] | None, int | None]:
+        """Which rows of a padded batch attend alone: attention reads every row's K/V up
+        to the longest context, so one long request makes a batch of short ones read
+        (and mask) that many positions each. Picks the j longest rows (j <= 8) that
+        minimise B x (the (j+1)-th longest context) + their own contexts + a call's cost
+        each; returns ([(row, slot, context)], the others' longest context) or (None,
+        None) when no split pays."""
+        B = len(rows)
+        ctx = sorted(((r.start + len(r.token_ids), i) for i, r in enumerate(rows)), reverse=True)
+        best_j, best = 0, B * kv_len
+        acc = 0
+        for j in range(1, min(self.MAX_LONG_ROWS, B - 1) + 1):
+            acc += ctx[j - 1][0] + self.ROW_CALL_POSITIONS
+            cost = B * ctx[j][0] + acc
+            if cost < best:
+                best_j, best = j, cost
+        if best_j == 0 or best > 0.8 * B * kv_len:
+            return None, None
+        return ([(i, rows[i].slot, n) for n, i in ctx[:best_j]], ctx[best_j][0])
+
+    # rows longer than this (prompt chunks) make a batch run packed: padding every row
+    # to a prompt's length costs more than the per-row attention calls of a packed one
+    PACK_MIN_TOKENS = 16
+
+    def pack(self, lens: list[int]) -> bool:
+        """Whether a batch with these row lengths runs packed (``run_packed``)."""
+        return len(lens) > 1 and max(lens) >= self.PACK_MIN_TOKENS
+
+    @torch.inference_mode()
+    def run_packed(self, rows: list[RowInput], last_only: bool | list[bool] = False,
+                   aux_layers: tuple[int, ...] = ()
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """As ``run``, but the rows' tokens go through the model as one sequence of
+        ``sum(len_i)`` tokens (no padding): every GEMM is over the real tokens only,
+        and each row attends its own cache slot (``BatchMeta.segments``). What a
+        batch of prompt chunks of different lengths (arrivals together) needs."""
+        dev = self.device
+        flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
+        ids, pos, segs, masks, sel = [], [], [], [], []
+        off = 0
+        for r, lo in zip(rows, flags):
+            n = len(r.token_ids)
+            ids.extend(r.token_ids)
+            pos.extend(range(r.start, r.start + n))
+            segs.append((r.slot, r.start, off, n))
+            if r.start == 0 or n == 1:
+                masks.append(None)
+            else:
+                kpos = torch.arange(r.start + n, device=dev)
+                qpos = torch.arange(r.start, r.start + n, device=dev)
+                masks.append((kpos[None, :] <= qpos[:, None])[None, None])
+            sel.extend([off + n - 1] if lo else range(off, off + n))
+            off += n
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        slots_t = torch.tensor([r.slot for r in rows], dtype=torch.long, device=dev)
+        meta = BatchMeta(slots=slots_t, starts=torch.tensor([r.start for r in rows],
+                                                            dtype=torch.long, device=dev),
+                         kv_len=max(r.start + len(r.token_ids) for r in rows),
+                         segments=segs, positions=pos_t[None], seg_masks=masks)
+        meta.write_pos = pos_t
+        meta.write_rows = torch.repeat_interleave(
+            slots_t, torch.tensor([len(r.token_ids) for r in rows], device=dev))
+        # the LM head only where logits are wanted (each prompt chunk's last token)
+        idx = None if not any(flags) else torch.tensor([sel], dtype=torch.long, device=dev)
+        out: ForwardOutput = self.model(torch.tensor([ids], dtype=torch.long).to(dev),
+                                        cache=self.cache, meta=meta, logits_index=idx,
+                                        aux_layers=aux_layers)
+        logits = out.logits[0].float()                     # [len(sel), V]
+        per_row, at = [], 0
+        for (_, _, _, n), lo in zip(segs, flags):
+            k = 1 if lo else n
+            per_row.append(logits[at:at + k])
+            at += k
+        aux = None
+        if out.aux_hidden is not None:
+            aux = [out.aux_hidden[0, o:o + n] for _, _, o, n in segs]
         return per_row, aux
 
     @torch.inference_mode()
@@ -94,6 +184,8 @@ class ModelRunner:
                          kv_len=max(starts) + Q,
                          single=(lo, starts[0]) if B == 1 else None,
                          slot_range=(lo, lo + B) if consecutive else None)
+        if B > 1:
+            meta.long_rows, meta.kv_short = self.split_long(rows, meta.kv_len)
         idx = None
         if last_only:
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)

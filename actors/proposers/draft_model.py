@@ -77,7 +77,9 @@ class DraftModelProposer(Proposer):
 
     def remove_request(self, request_id):
         self.state.pop(request_id, None)
-        self.pool.free(request_id)
+        moved = self.runner.cache.release(request_id)   # slots stay compact (one view per forward)
+        if moved is not None and moved[0] in self.state:
+            self.state[moved[0]].slot = moved[1]
 
     def _pick(self, logits: torch.Tensor, r: ProposeInput, drafted: int):
         """logits [V] of the ``drafted``-th draft position -> (token, q [V] or None).

@@ -160,6 +160,12 @@ class StrategyReplica:
     ``model_not_found``), ``GET /v1/models``, ``GET /health``.
     """
 
+    # adaptive chunking (a request without stream_interval / stream_interval_ms, the
+    # deployment's stream_interval 1): one more token per chunk per this many running
+    # requests (0: off, one chunk per engine step), a delta held at most this long
+    ADAPTIVE_STREAM_PER = 8
+    ADAPTIVE_MAX_HOLD_S = 0.05
+
     def __init__(self, strategy: str, engine_config: dict,
                  engine_factory: str = DEFAULT_ENGINE_FACTORY,
                  step_store: Any = None, step_log_capacity: int = 8192,
@@ -325,6 +331,13 @@ class StrategyReplica:
         finished = False
         interval = self.stream_interval if stream_interval is None else max(1, int(stream_interval))
         every_s = float(stream_interval_ms) / 1e3 if stream_interval_ms else None
+        # neither the request nor the deployment asked for a chunk size: under load, fewer
+        # chunks (each costs the replica, the Serve proxy and the client CPU; on a small
+        # box that CPU is the engine's): a delta waits for 1 + running // ADAPTIVE_STREAM_PER
+        # tokens, at most ADAPTIVE_MAX_HOLD_S. The first token and the last are never held;
+        # token_ts keeps each token's own emit time (the load generator's ITL).
+        adaptive = (self.ADAPTIVE_STREAM_PER > 0 and stream_interval is None
+                    and every_s is None and self.stream_interval == 1)
         ids: list[int] = []
         ts: list[float] = []
         text: list[str] = []
@@ -364,7 +377,11 @@ class StrategyReplica:
                     yield msg
                     break
                 now = time.monotonic()
-                if sent_any and len(ids) < interval and not (
+                if adaptive:
+                    want = 1 + int(self.engine.num_running) // self.ADAPTIVE_STREAM_PER
+                    if sent_any and len(ids) < want and now - last_sent < self.ADAPTIVE_MAX_HOLD_S:
+                        continue
+                elif sent_any and len(ids) < interval and not (
                         every_s is not None and now - last_sent >= every_s):
                     continue                    # hold the tokens for a fuller chunk
                 yield Delta(ids, "".join(text), ts, lps if want_lps else None)
