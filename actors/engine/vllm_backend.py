@@ -60,6 +60,62 @@ def default_vllm_python() -> str:
     return os.environ.get(ENV_VLLM_PYTHON) or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
 
 
+def vllm_env(base: dict | None = None) -> dict:
+    """The environment of a process run by the vLLM venv's python: ``base`` (default
+    this process's) without PYTHONPATH / VIRTUAL_ENV (the main env's site-packages
+    must not leak into vLLM's venv), plus ``VLLM_ENV``, and PYTHONPATH = the
+    repository root only (specload's own light modules)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    for k, v in VLLM_ENV.items():
+        env.setdefault(k, v)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return env
+
+
+_ENGINE_ARG_NAMES: dict[str, frozenset[str]] = {}
+
+
+def vllm_engine_arg_names(python: str, timeout_s: float = 120.0) -> frozenset[str]:
+    """The field names of ``vllm.EngineArgs`` in the venv of ``python`` (a subprocess,
+    about 5 s on 2 cores; cached per interpreter). Raises ValueError naming
+    ``vllm_python`` when that interpreter is missing or cannot import vLLM."""
+    import json
+    import subprocess
+
+    if python in _ENGINE_ARG_NAMES:
+        return _ENGINE_ARG_NAMES[python]
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise ValueError(f"vllm_python: {python} is not an executable (the vLLM venv; set "
+                         f"engine.vllm_python or ${ENV_VLLM_PYTHON})")
+    code = ("import dataclasses, json; from vllm.engine.arg_utils import EngineArgs; "
+            "print(json.dumps([f.name for f in dataclasses.fields(EngineArgs)]))")
+    p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                       env=vllm_env(), stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise ValueError(f"vllm_python: {python} cannot import vllm: {p.stderr[-500:]}")
+    names = frozenset(json.loads(p.stdout.strip().splitlines()[-1]))
+    _ENGINE_ARG_NAMES[python] = names
+    return names
+
+
+def check_engine_kwargs(engine_kwargs: dict, python: str) -> None:
+    """Raises ValueError naming ``engine_kwargs.<key>`` for a key ``vllm.EngineArgs``
+    does not have (checked in the vLLM venv of ``python``)."""
+    if not engine_kwargs:
+        return
+    names = vllm_engine_arg_names(python)
+    bad = sorted(k for k in engine_kwargs if k not in names)
+    if bad:
+        import difflib
+
+        hints = {k: difflib.get_close_matches(k, names, 1) for k in bad}
+        raise ValueError("engine_kwargs: " + "; ".join(
+            f"engine_kwargs.{k} is not a vllm.EngineArgs field"
+            + (f" (did you mean {hints[k][0]!r}?)" if hints[k] else "") for k in bad))
+
+
 def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
     """``vllm.EngineArgs`` keywords for an ``EngineConfig`` dict (``model_dump()``);
     ``cuda``: whether the engine's machine has CUDA (dtype and device "auto" resolve
