@@ -538,3 +538,34 @@ def run_requests(engine: Any, requests: list, batch_size: int = 1) -> dict[str, 
                 res["finish_reason"] = out.finish_reason
                 res["stats"] = out.stats
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m actors.engine.vllm_backend`` in the vLLM venv (offline runs, tests):
+    reads ``{"config": EngineConfig dict, "requests": [[id, prompt, SamplingParams
+    fields]], "batch_size": n}`` as JSON on stdin, writes ``{"results": {id: {token_ids,
+    text, finish_reason, stats}}, "steps": [step rows], "memory": {...}, "load_s"}``
+    as JSON on stdout (the last line)."""
+    import json
+    import sys
+
+    from actors.engine.types import SamplingParams
+
+    spec = json.loads(sys.stdin.read())
+    engine = make_vllm_engine(spec["config"])
+    rows: list[dict] = []
+    engine.on_step = rows.append
+    reqs = [(rid, p, SamplingParams(**sp)) for rid, p, sp in spec["requests"]]
+    t0 = time.perf_counter()
+    res = run_requests(engine, reqs, int(spec.get("batch_size", 1)))
+    out = {"results": {k: {**v, "stats": v["stats"].to_dict() if v["stats"] else None}
+                       for k, v in res.items()},
+           "steps": rows, "memory": engine.memory(), "load_s": engine.load_s,
+           "run_s": time.perf_counter() - t0}
+    sys.stdout.write("\n" + json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""``engine.backend: vllm``: vLLM's engine behind specload's Serve deployments.
+
+Fast (no vLLM needed): the config validation (errors name the key), the strategy ->
+EngineArgs / speculative_config mapping, the SamplingParams mapping, the step-row
+columns, the per-request stats from vLLM's histogram, the clean environment of the
+vLLM engine process, configs/serve-vllm.yaml.
+
+Slow (``@pytest.mark.slow``; the vLLM venv, tests/vllm_server.py's ``vllm_python``:
+skipped without it unless SPECLOAD_REQUIRE_VLLM=1): the adapter in the vLLM venv (no
+Ray) against the embedded engine on held-out prompts, greedy fp32, k = 4 (outputs
+identical, tie-aware; tau of each; step rows consistent with the outputs); and Serve
+end to end with a vLLM-backed strategy (both routes, a 400, /health, the step log,
+a short ``python -m loadgen`` run whose steps.parquet has the vLLM strategy's rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.engine.types import SamplingParams
+from actors.engine.vllm_backend import (REPO_ROOT, spec_stats_from_vllm, step_row,
+                                        vllm_engine_args, vllm_env, vllm_sampling_kwargs)
+from configs import metric_names as M
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET = str(REPO / "models" / "target")
+DRAFT = str(REPO / "models" / "draft")
+K = 4
+N_PROMPTS = 8
+MAX_TOKENS = 32
+
+
+# ------------------------------------------------------------------ fast unit tests
+@pytest.mark.parametrize("kw, key", [
+    ({"backend": "vllm", "strategy": "ngram", "engine_kwargs": {"max_num_seqs": 2}},
+     "engine_kwargs.max_num_seqs"),
+    ({"backend": "embedded", "engine_kwargs": {"enforce_eager": True}}, "engine_kwargs"),
+    ({"backend": "embedded", "speculative_config": {"method": "ngram"}}, "speculative_config"),
+    ({"backend": "vllm", "strategy": "dflash"}, "speculative_config"),
+    ({"backend": "vllm", "strategy": "eagle3"}, "speculative_config"),
+    ({"backend": "vllm", "strategy": "draft_model"}, "draft_model"),
+    ({"backend": "vllm", "strategy": "ngram", "strategy_options": {"prompt_lookup_mx": 3}},
+     "prompt_lookup_mx"),
+    ({"backend": "vllm", "strategy": "ngram",
+      "num_speculative_tokens_per_batch_size": {"1-8": 2}}, "num_speculative_tokens_per_batch_size"),
+    ({"backend": "vllm", "strategy": "ngram", "draft_deadline_ms": 5}, "draft_deadline_ms"),
+    ({"backend": "vllm", "strategy": "autoregressive", "num_speculative_tokens": 3},
+     "num_speculative_tokens"),
+    ({"backend": "vlm"}, "backend"),
+    ({"backend": "vllm", "engine_kwarg": {}}, "engine_kwarg"),
+])
+def test_engine_config_errors_name_the_key(kw, key):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kw)
+    assert key in str(e.value)
+
+
+def test_strategy_settings_map_to_vllm():
+    ng = vllm_engine_args(EngineConfig(backend="vllm", strategy="ngram", num_speculative_tokens=3,
+                                       strategy_options={"prompt_lookup_min": 1,
+                                                         "prompt_lookup_max": 5},
+                                       engine_kwargs={"enforce_eager": True}).model_dump())
+    assert ng["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+    assert ng["enforce_eager"] is True and ng["dtype"] == "float32"
+    assert ng["enable_logging_iteration_details"] and not ng["disable_log_stats"]
+    dm = vllm_engine_args(EngineConfig(backend="vllm", strategy="draft_model", draft_model=DRAFT,
+                                       served_model_name="vllm-draft_model").model_dump())
+    assert dm["speculative_config"] == {"method": "draft_model", "model": DRAFT,
+                                        "num_speculative_tokens": 4}
+    assert dm["served_model_name"] == "vllm-draft_model"
+    ar = vllm_engine_args(EngineConfig(backend="vllm", num_speculative_tokens=0,
+                                       max_model_len=512).model_dump(), cuda=True)
+    assert ar["speculative_config"] is None and ar["max_model_len"] == 512
+    assert ar["dtype"] == "bfloat16"          # auto on CUDA, as the embedded engine
+    # a method specload does not host passes through (strategy is its label)
+    eagle = EngineConfig(backend="vllm", strategy="eagle3", num_speculative_tokens=3,
+                         speculative_config={"method": "eagle3", "model": "/m/head"})
+    assert vllm_engine_args(eagle.model_dump())["speculative_config"] == {
+        "method": "eagle3", "model": "/m/head", "num_speculative_tokens": 3}
+
+
+def test_sampling_params_map_to_vllm():
+    sp = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=-1, seed=3,
+                        stop=["\n\n"], ignore_eos=True, min_tokens=2, logprobs=1,
+                        skip_special_tokens=False)
+    kw = vllm_sampling_kwargs(sp, 8)
+    assert kw == {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 3,
+                  "stop": ["\n\n"], "ignore_eos": True, "min_tokens": 2, "logprobs": 1,
+                  "skip_special_tokens": False, "spaces_between_special_tokens": True}
+    assert vllm_sampling_kwargs(SamplingParams(temperature=1e-7), 4)["temperature"] == 0.0
+
+
+def test_step_row_has_the_embedded_columns():
+    class Details:
+        num_ctx_tokens, num_generation_tokens = 12, 10
+
+    class Spec:
+        num_drafts, num_draft_tokens, num_accepted_tokens = 2, 8, 5
+
+    row = step_row(strategy="ngram", model="vllm-ngram", replica="r", step_ms=3.0, cpu_ms=2.0,
+                   details=Details, spec=Spec, num_waiting=1, emitted=7, prefill_emitted=1,
+                   batch_size=2, k=4)
+    assert tuple(row) == M.STEP_LOG_COLUMNS
+    assert (row[M.STEP_PREFILL_TOKENS], row[M.STEP_VERIFICATION_TOKENS], row[M.STEP_DRAFT_TOKENS],
+            row[M.STEP_ACCEPTED_TOKENS], row[M.STEP_BATCH_SIZE]) == (12, 10, 8, 5, 2)
+    # a stop cut: accepted never above what the decodes delivered beyond one token each
+    cut = step_row(strategy="ngram", model="m", replica="r", step_ms=1, cpu_ms=1, details=Details,
+                   spec=Spec, num_waiting=0, emitted=4, prefill_emitted=0, batch_size=2, k=4)
+    assert cut[M.STEP_ACCEPTED_TOKENS] == 2
+
+
+def test_request_stats_from_vllm_histogram():
+    class Metrics:
+        histogram = [3, 1, 0, 2, 0]     # 6 verify steps with drafts: accepted 0,0,0,1,3,3
+        num_draft_tokens = 20
+
+    s = spec_stats_from_vllm(Metrics, num_steps=9)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (6, 20, 7)
+    assert s.num_accepted_tokens_per_pos == [3, 2, 2, 0]
+    assert s.acceptance_length == pytest.approx(1 + 7 / 6) and s.num_steps == 9
+    assert spec_stats_from_vllm(None, 3).num_drafts == 0
+
+
+def test_vllm_process_env_is_clean(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/site-packages")
+    monkeypatch.setenv("VIRTUAL_ENV", "/main/.venv")
+    env = vllm_env()
+    assert env["PYTHONPATH"] == str(REPO_ROOT) and "VIRTUAL_ENV" not in env
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_engine_process_with_a_missing_python_is_engine_dead():
+    from actors.engine.errors import EngineDead
+    from actors.serve.engine_core import EngineProcess
+
+    with pytest.raises(EngineDead, match="not an executable"):
+        EngineProcess("actors.engine.vllm_backend:make_vllm_engine", {}, python="/nonexistent/python")
+
+
+def test_serve_vllm_yaml_validates_and_a_missing_venv_skips(tmp_path):
+    import yaml
+
+    from actors.serve.app import missing_reason, resolve_engine_config
+    from configs.serve_config import ServeAppConfig, configured_strategy_names
+
+    path = REPO / "configs" / "serve-vllm.yaml"
+    names = configured_strategy_names(str(path))
+    assert {"autoregressive", "vllm-autoregressive", "ngram", "vllm-ngram", "draft_model",
+            "vllm-draft_model"} <= set(names)
+    args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    cfg = ServeAppConfig.model_validate(args)
+    for e in cfg.strategies:
+        EngineConfig(**resolve_engine_config(e.engine))
+    e = next(x for x in cfg.strategies if x.name == "vllm-ngram")
+    e.engine["vllm_python"] = str(tmp_path / "no-python")
+    assert "backend vllm" in missing_reason(e)
+
+
+def test_bad_engine_kwargs_fail_at_deploy_naming_the_key():
+    from actors.engine.vllm_backend import check_engine_kwargs
+
+    python = _vllm_python_or_skip()
+    with pytest.raises(ValueError, match=r"engine_kwargs\.enforce_eagr.*enforce_eager"):
+        check_engine_kwargs({"enforce_eagr": True}, python)
+    check_engine_kwargs({"enforce_eager": True, "block_size": 16}, python)
+
+
+def _vllm_python_or_skip() -> str:
+    from tests.vllm_server import vllm_python
+
+    return vllm_python()
+
+
+# ---------------------------------------------------- slow: the adapter vs embedded
+def _configs() -> dict[str, dict]:
+    common = {"model": TARGET, "max_num_seqs": 8, "max_model_len": 1024, "dtype": "float32",
+              "device": "cpu"}
+    return {"autoregressive": {**common, "strategy": "autoregressive", "num_speculative_tokens": 0},
+            "ngram": {**common, "strategy": "ngram", "num_speculative_tokens": K,
+                      "strategy_options": {"prompt_lookup_min": 2, "prompt_lookup_max": 4}},
+            "draft_model": {**common, "strategy": "draft_model", "draft_model": DRAFT,
+                            "num_speculative_tokens": K}}
+
+
+def _requests(prompts: list[dict], logprobs: int | None = None) -> list:
+    return [(p["id"], p["prompt"], {"max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                    **({"logprobs": logprobs} if logprobs is not None else {})})
+            for p in prompts]
+
+
+def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 4) -> dict:
+    """The adapter in the vLLM venv (``python -m actors.engine.vllm_backend``)."""
+    cfg = {**_configs()[strategy], "backend": "vllm", "served_model_name": f"vllm-{strategy}",
+           "engine_kwargs": {"enforce_eager": True}}
+    cfg = EngineConfig(**cfg).model_dump()
+    spec = {"config": cfg, "requests": _requests(prompts), "batch_size": batch_size}
+    p = subprocess.run([python, "-m", "actors.engine.vllm_backend"], input=json.dumps(spec),
+                       capture_output=True, text=True, timeout=900, cwd=REPO, env=vllm_env())
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def side_by_side(heldout_prompts):
+    """{strategy: (vllm result, embedded results, seconds)} on N_PROMPTS held-out prompts
+    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines."""
+    python = _vllm_python_or_skip()
+    from actors.engine.llm_engine import LLMEngine, run_requests
+
+    code = [p for p in heldout_prompts if p["domain"] == "code"][:N_PROMPTS // 2]
+    prose = [p for p in heldout_prompts if p["domain"] != "code"][:N_PROMPTS // 2]
+    prompts = code + prose
+    out = {}
+    baseline_lp = None
+    for strategy, cfg in _configs().items():
+        t0 = time.monotonic()
+        v = run_vllm(python, strategy, prompts)
+        tv = time.monotonic() - t0
+        eng = LLMEngine(EngineConfig(**cfg))
+        reqs = [(rid, pr, SamplingParams(**sp)) for rid, pr, sp in
+                _requests(prompts, 5 if strategy == "autoregressive" else None)]
+        emb = run_requests(eng, reqs, batch_size=4)
+        if strategy == "autoregressive":
+            baseline_lp = {rid: r["logprobs"] for rid, r in emb.items()}
+        out[strategy] = (v, emb, tv)
+        del eng
+    out["_baseline_logprobs"] = baseline_lp
+    return out
+
+
+def _tie_aware(v_ids: list[int], e_ids: list[int], lps: list) -> str:
+    """"identical", "tie" (first divergence within 1e-3 nats of the best token, from
+    the embedded autoregressive run's top-5 logprobs) or "differs"."""
+    from analysis.data.consistency import TIE, classify_divergence, first_divergence
+
+    i = first_divergence(e_ids, v_ids)
+    if i is None:
+        return "identical"
+    if i < len(lps) and i < len(v_ids):
+        top = {t[0]: t[3] for t in lps[i].top}
+        kind, _ = classify_divergence(top, e_ids[i] if i < len(e_ids) else None, v_ids[i], 1e-3)
+        if kind == TIE:
+            return "tie"
+    return "differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["autoregressive", "ngram", "draft_model"])
+def test_vllm_greedy_outputs_equal_the_embedded_engine(side_by_side, strategy):
+    v, emb, tv = side_by_side[strategy]
+    lps = side_by_side["_baseline_logprobs"]
+    kinds = {rid: _tie_aware(v["results"][rid]["token_ids"], emb[rid]["token_ids"], lps[rid])
+             for rid in emb}
+    identical = sum(k == "identical" for k in kinds.values())
+    ties = sum(k == "tie" for k in kinds.values())
+
+    def tau(stats):
+        d = sum(s["num_drafts"] for s in stats)
+        return 1 + sum(s["num_accepted_tokens"] for s in stats) / d if d else 1.0
+
+    tau_v = tau([r["stats"] for r in v["results"].values()])
+    tau_e = tau([r["stats"].to_dict() for r in emb.values()])
+    print(f"\n{strategy}: identical {identical}/{len(kinds)}, ties {ties}, differ "
+          f"{len(kinds) - identical - ties}; tau vLLM {tau_v:.3f} embedded {tau_e:.3f}; "
+          f"vLLM load {v['load_s']:.1f} s run {v['run_s']:.1f} s (subprocess {tv:.0f} s); "
+          f"step rows {len(v['steps'])}")
+    assert identical + ties == len(kinds), kinds
+    assert identical >= len(kinds) - 1
+    if strategy != "autoregressive":
+        assert tau_v > 1.0 and tau_e > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["autoregressive", "ngram", "draft_model"])
+def test_vllm_step_rows_agree_with_the_outputs(side_by_side, strategy):
+    v, _, _ = side_by_side[strategy]
+    rows, res = v["steps"], v["results"]
+    assert rows and all(tuple(r) == M.STEP_LOG_COLUMNS for r in rows)
+    assert {r[M.STEP_MODEL] for r in rows} == {f"vllm-{strategy}"}
+    assert {r[M.STEP_STRATEGY] for r in rows} == {strategy}
+    out_tokens = sum(len(r["token_ids"]) for r in res.values())
+    emitted = sum(r[M.STEP_EMITTED_TOKENS] + r[M.STEP_PREFILL_EMITTED_TOKENS] for r in rows)
+    assert emitted == out_tokens
+    assert sum(r[M.STEP_PREFILL_EMITTED_TOKENS] for r in rows) == len(res)
+    drafts = sum(r["stats"]["num_draft_tokens"] for r in res.values())
+    accepted = sum(r["stats"]["num_accepted_tokens"] for r in res.values())
+    assert sum(r[M.STEP_DRAFT_TOKENS] for r in rows) == drafts
+    # the step rows cap accepted at what users received (stop / max_tokens cuts)
+    assert sum(r[M.STEP_ACCEPTED_TOKENS] for r in rows) <= accepted
+    for r in rows:
+        if r[M.STEP_BATCH_SIZE]:
+            assert r[M.STEP_VERIFICATION_TOKENS] >= r[M.STEP_BATCH_SIZE]
+    if strategy == "autoregressive":
+        assert drafts == 0
+    else:
+        assert drafts > 0
+    mem = v["memory"]
+    assert mem["target_weight_bytes"] > 0 and mem["target_kv_allocated_bytes"] > 0
+    assert mem["target_kv_peak_tokens"] > 0
