@@ -306,3 +306,157 @@ def test_vllm_step_rows_agree_with_the_outputs(side_by_side, strategy):
     mem = v["memory"]
     assert mem["target_weight_bytes"] > 0 and mem["target_kv_allocated_bytes"] > 0
     assert mem["target_kv_peak_tokens"] > 0
+
+
+# ------------------------------------------------ slow: Serve end to end, both routes
+VLLM_NAME = "vllm-ngram"
+SERVE_PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import os\nimport sys\n"]
+
+
+@pytest.fixture(scope="module")
+def vllm_service():
+    """(base_url, startup_s): embedded autoregressive + a vLLM-backed ngram (k = 4,
+    max_num_seqs 4, max_waiting 2: small enough to see 429s) on a free 127.0.0.1
+    port, one-hop layout; Ray and Serve shut down after."""
+    python = _vllm_python_or_skip()
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from actors.serve.app import run_applications
+    from configs.net import free_port
+
+    env = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+                        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    args = {"strategies": [
+        {"engine": {"strategy": "autoregressive", "num_speculative_tokens": 0, "max_num_seqs": 8,
+                    "max_waiting": 32, "torch_threads": 1, "dtype": "float32"},
+         "ray_actor_options": {"num_cpus": 0.3, "runtime_env": env}},
+        {"name": VLLM_NAME,
+         "engine": {"backend": "vllm", "vllm_python": python, "strategy": "ngram",
+                    "num_speculative_tokens": K, "max_num_seqs": 4, "max_waiting": 2,
+                    "max_model_len": 1024, "torch_threads": 1, "dtype": "float32",
+                    "engine_kwargs": {"enforce_eager": True}},
+         "ray_actor_options": {"num_cpus": 0.3, "runtime_env": env}}],
+        "ingress": {"ray_actor_options": {"num_cpus": 0.1, "runtime_env": env}}}
+    t0 = time.monotonic()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        run_applications(args, name="specload", route_prefix="/")
+        yield f"http://127.0.0.1:{port}", time.monotonic() - t0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _path(route: str, model: str, path: str = "completions") -> str:
+    return (f"/strategies/{model}" if route == "strategy" else "") + f"/v1/{path}"
+
+
+@pytest.mark.slow
+def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service):
+    import httpx
+
+    from tests.serve_fixtures import parse_sse
+
+    url, startup_s = vllm_service
+    t0 = time.monotonic()
+    with httpx.Client(base_url=url, timeout=120) as c:
+        models = {m["id"] for m in c.get("/v1/models").json()["data"]}
+        assert {"autoregressive", VLLM_NAME} <= models
+        assert c.get("/specload/routes").json()["routes"][VLLM_NAME] == f"/strategies/{VLLM_NAME}"
+        for route in ("strategy", "model-field"):
+            for prompt in SERVE_PROMPTS:
+                body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+                v = c.post(_path(route, VLLM_NAME), json={**body, "model": VLLM_NAME})
+                e = c.post(_path(route, "autoregressive"), json={**body, "model": "autoregressive"})
+                assert v.status_code == 200 and e.status_code == 200, (v.text, e.text)
+                # greedy fp32: vLLM's ngram = the embedded target's own greedy text
+                assert v.json()["choices"][0]["text"] == e.json()["choices"][0]["text"]
+                assert v.json()["usage"]["completion_tokens"] == 24
+            chat = c.post(_path(route, VLLM_NAME, "chat/completions"), json={
+                "model": VLLM_NAME, "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 8, "temperature": 0})
+            assert chat.status_code == 200, chat.text
+            # same validation and OpenAI-style errors as the embedded engine
+            bad = c.post(_path(route, VLLM_NAME), json={"model": VLLM_NAME, "prompt": "x",
+                                                         "max_tokens": -1})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+            empty = c.post(_path(route, VLLM_NAME), json={"model": VLLM_NAME, "prompt": "",
+                                                           "max_tokens": 4})
+            assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
+            # streaming: one chunk per engine step (ngram steps carry several tokens)
+            with c.stream("POST", _path(route, VLLM_NAME), json={
+                    "model": VLLM_NAME, "prompt": SERVE_PROMPTS[2] * 3, "max_tokens": 32,
+                    "temperature": 0, "stream": True}) as s:
+                events = parse_sse(s.iter_lines())
+            assert events[-1] == "[DONE]"
+            chunks = [ev for ev in events[:-1] if ev["choices"] and ev["choices"][0]["text"]]
+            assert 1 < len(chunks) <= 32
+        health = c.get("/health")
+        assert health.status_code == 200, health.text
+        assert c.get(f"/strategies/{VLLM_NAME}/health").status_code == 200
+        # 429 beyond max_waiting (4 running + 2 waiting), bounded: 12 requests at once
+        import concurrent.futures as cf
+
+        def one(i):
+            return c.post(_path("strategy", VLLM_NAME), json={
+                "model": VLLM_NAME, "prompt": f"{i} " + SERVE_PROMPTS[1], "max_tokens": 96,
+                "temperature": 0, "ignore_eos": True}).status_code
+
+        with cf.ThreadPoolExecutor(12) as ex:
+            codes = list(ex.map(one, range(12)))
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        time.sleep(1.5)   # the step-log push period (0.5 s) and a margin
+        rows = c.get("/specload/step_log", params={"strategy": VLLM_NAME}).json()["rows"]
+        assert rows and {r[M.STEP_MODEL] for r in rows} == {VLLM_NAME}
+        assert sum(r[M.STEP_DRAFT_TOKENS] for r in rows) > 0
+        assert sum(r[M.STEP_ACCEPTED_TOKENS] for r in rows) > 0
+    print(f"\nServe with {VLLM_NAME}: started in {startup_s:.0f} s; requests checks "
+          f"{time.monotonic() - t0:.0f} s; step rows {len(rows)}; 429s {codes.count(429)}/12")
+
+
+@pytest.mark.slow
+def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path):
+    import pandas as pd
+
+    from tests.tiers_file import write_tiers
+
+    url, _ = vllm_service
+    tiers = write_tiers(tmp_path, {"arrival": "closed", "users": 2, "spawn_rate": 2,
+                                   "duration_s": 8, "max_tokens": 32,
+                                   "slo": {"ttft_ms": 5000, "tpot_ms": 500}},
+                        request_timeout_s=60, drain_timeout_s=30, seed=0, max_prompt_chars=600,
+                        sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
+    cmd = [sys.executable, "-m", "loadgen", "--target", url, "--strategies",
+           f"autoregressive,{VLLM_NAME}", "--tier", "low", "--output", "short",
+           "--tiers-file", str(tiers), "--consistency", "0", "--results", str(tmp_path),
+           "--run-id", "run", "--report"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                             "COLUMNS": "200"},
+                       capture_output=True, text=True, timeout=600)
+    wall = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run = tmp_path / "run"
+    steps = pd.read_parquet(run / "steps.parquet")
+    req = pd.read_parquet(run / "requests.parquet")
+    by = steps.groupby(M.STEP_MODEL).size().to_dict()
+    assert by.get(VLLM_NAME, 0) > 0 and by.get("autoregressive", 0) > 0, by
+    v = steps[steps[M.STEP_MODEL].eq(VLLM_NAME)]
+    assert int(v[M.STEP_DRAFT_TOKENS].sum()) > 0
+    ok = req[req[M.REQ_STATUS].eq(M.STATUS_OK)]
+    assert set(ok[M.REQ_STRATEGY]) == {"autoregressive", VLLM_NAME}
+    from analysis.data.load import load_results
+    from analysis.report.build import analyse
+
+    a = analyse(load_results(run), n_boot=20)
+    cells = a.cells.set_index(M.REQ_STRATEGY)
+    cap = a.capacity.set_index(M.STEP_STRATEGY)
+    assert VLLM_NAME in cells.index and VLLM_NAME in cap.index
+    md = (run / "report" / "report.md").read_text()
+    assert VLLM_NAME in md and "autoregressive" in md
+    print(f"\nloadgen side by side: {wall:.0f} s; step rows {by}; requests ok "
+          f"{ok.groupby(M.REQ_STRATEGY).size().to_dict()}; tau {VLLM_NAME} "
+          f"{cells.loc[VLLM_NAME, M.ACCEPTANCE_LENGTH]:.3f}; capacity rows\n"
+          f"{cap.to_string()[:1500]}")

@@ -176,8 +176,8 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
     }
     if cfg.get("max_model_len"):
         out["max_model_len"] = cfg["max_model_len"]
-    if cfg.get("device") in ("cpu", "cuda"):
-        out["device"] = cfg["device"]
+    # (vLLM picks its device from the build it is: CPU or CUDA; engine.device only
+    # resolves dtype "auto" here)
     out.update(kwargs)
     return out
 
