@@ -101,17 +101,20 @@ def test_sampling_params_map_to_vllm():
 
 def test_step_row_has_the_embedded_columns():
     class Details:
-        num_ctx_tokens, num_generation_tokens = 12, 10
+        num_ctx_tokens, num_generation_tokens, elapsed_ms = 12, 10, 22.0
 
     class Spec:
         num_drafts, num_draft_tokens, num_accepted_tokens = 2, 8, 5
 
     row = step_row(strategy="ngram", model="vllm-ngram", replica="r", step_ms=3.0, cpu_ms=2.0,
                    details=Details, spec=Spec, num_waiting=1, emitted=7, prefill_emitted=1,
-                   batch_size=2, k=4)
+                   batch_size=2, k=4, context_before=100)
     assert tuple(row) == M.STEP_LOG_COLUMNS
     assert (row[M.STEP_PREFILL_TOKENS], row[M.STEP_VERIFICATION_TOKENS], row[M.STEP_DRAFT_TOKENS],
             row[M.STEP_ACCEPTED_TOKENS], row[M.STEP_BATCH_SIZE]) == (12, 10, 8, 5, 2)
+    # vLLM's model time, the generation tokens' share of it; ragged batch; KV attended
+    assert row[M.STEP_VERIFY_MS] == pytest.approx(22.0 * 10 / 22) and row[M.STEP_DRAFT_MS] == 0
+    assert row[M.STEP_PADDED_TOKENS] == 10 and row[M.STEP_CONTEXT_TOKENS] == 108
     # a stop cut: accepted never above what the decodes delivered beyond one token each
     cut = step_row(strategy="ngram", model="m", replica="r", step_ms=1, cpu_ms=1, details=Details,
                    spec=Spec, num_waiting=0, emitted=4, prefill_emitted=0, batch_size=2, k=4)
@@ -269,8 +272,14 @@ def test_vllm_greedy_outputs_equal_the_embedded_engine(side_by_side, strategy):
 
     tau_v = tau([r["stats"] for r in v["results"].values()])
     tau_e = tau([r["stats"].to_dict() for r in emb.values()])
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    same_stats = sum(all(v["results"][rid]["stats"][k] == emb[rid]["stats"].to_dict()[k]
+                         for k in keys) for rid in emb)
+    sums = {k: (sum(v["results"][rid]["stats"][k] for rid in emb),
+                sum(emb[rid]["stats"].to_dict()[k] for rid in emb)) for k in keys}
     print(f"\n{strategy}: identical {identical}/{len(kinds)}, ties {ties}, differ "
           f"{len(kinds) - identical - ties}; tau vLLM {tau_v:.3f} embedded {tau_e:.3f}; "
+          f"per-request drafts/accepted equal {same_stats}/{len(emb)}, (vLLM, embedded) {sums}; "
           f"vLLM load {v['load_s']:.1f} s run {v['run_s']:.1f} s (subprocess {tv:.0f} s); "
           f"step rows {len(v['steps'])}")
     assert identical + ties == len(kinds), kinds

@@ -195,7 +195,7 @@ def vllm_sampling_kwargs(params: Any, max_tokens: int) -> dict:
 
 def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms: float,
              details: Any, spec: Any, num_waiting: int, emitted: int, prefill_emitted: int,
-             batch_size: int, k: int) -> dict:
+             batch_size: int, k: int, context_before: int = 0) -> dict:
     """One step-log row (``configs.metric_names.STEP_LOG_COLUMNS``) from vLLM's stats.
 
     details: ``SchedulerIterationDetails`` (num_ctx_tokens = prompt tokens this step,
@@ -204,24 +204,33 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
     the step's decodes delivered (after stop cuts); prefill_emitted: first tokens of
     requests whose prompt finished this step; batch_size: decoding requests that
     emitted. accepted_tokens is vLLM's count (before stop / max_tokens cuts, which the
-    embedded engine applies), capped at emitted - batch_size. draft_ms / verify_ms:
-    vLLM runs the drafter inside its model step, so both are 0 and step_ms is all;
-    padded / context tokens are not known from vLLM's stats (0).
+    embedded engine applies), capped at emitted - batch_size. vLLM runs the drafter
+    inside its model step: draft_ms is 0 and verify_ms is vLLM's own model-execution
+    time of the step (``details.elapsed_ms``: forward, drafting and sampling), its
+    generation tokens' share of it in a step that also prefills. padded_tokens =
+    verification tokens (vLLM's batch is ragged, unpadded); context_tokens = the KV
+    length the decode rows attend: ``context_before`` (sum over the decoding requests
+    of prompt + output tokens before the step) + the step's draft tokens, as the
+    embedded engine counts it.
     """
     from configs import metric_names as M
 
     drafts = int(getattr(spec, "num_draft_tokens", 0) or 0)
     accepted = int(getattr(spec, "num_accepted_tokens", 0) or 0)
     accepted = max(0, min(accepted, emitted - batch_size)) if spec is not None else 0
+    gen = int(getattr(details, "num_generation_tokens", 0) or 0)
+    ctx = int(getattr(details, "num_ctx_tokens", 0) or 0)
+    elapsed = float(getattr(details, "elapsed_ms", 0.0) or 0.0)
+    verify_ms = elapsed * gen / (gen + ctx) if batch_size and gen + ctx else 0.0
     return {
         M.STEP_TS: time.time(), M.STEP_STRATEGY: strategy, M.STEP_MODEL: model,
         M.STEP_REPLICA: replica, M.STEP_BATCH_SIZE: int(batch_size),
-        M.STEP_PREFILL_TOKENS: int(getattr(details, "num_ctx_tokens", 0) or 0),
-        M.STEP_VERIFICATION_TOKENS: int(getattr(details, "num_generation_tokens", 0) or 0),
+        M.STEP_PREFILL_TOKENS: ctx, M.STEP_VERIFICATION_TOKENS: gen,
         M.STEP_DRAFT_TOKENS: drafts, M.STEP_ACCEPTED_TOKENS: accepted,
         M.STEP_EMITTED_TOKENS: int(emitted), M.STEP_PREFILL_EMITTED_TOKENS: int(prefill_emitted),
-        M.STEP_MS: float(step_ms), M.STEP_DRAFT_MS: 0.0, M.STEP_VERIFY_MS: 0.0,
-        M.STEP_QUEUE_DEPTH: int(num_waiting), M.STEP_PADDED_TOKENS: 0, M.STEP_CONTEXT_TOKENS: 0,
+        M.STEP_MS: float(step_ms), M.STEP_DRAFT_MS: 0.0, M.STEP_VERIFY_MS: verify_ms,
+        M.STEP_QUEUE_DEPTH: int(num_waiting), M.STEP_PADDED_TOKENS: gen,
+        M.STEP_CONTEXT_TOKENS: int(context_before) + drafts if batch_size else 0,
         M.STEP_CPU_MS: float(cpu_ms), M.STEP_VERIFY_CPU_MS: 0.0, M.STEP_NUM_SPEC_TOKENS: int(k),
         M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0}
 
@@ -390,7 +399,7 @@ class VllmEngine:
         outs = self.llm.step()
         now = time.time()
         results = []
-        emitted = prefill_emitted = batch = 0
+        emitted = prefill_emitted = batch = context_before = 0
         for o in outs:
             st = self.requests.get(o.request_id)
             if st is None:   # aborted meanwhile
@@ -406,6 +415,7 @@ class VllmEngine:
                 else:
                     batch += 1
                     emitted += len(new)
+                    context_before += st["n_prompt"] + st["n_out"]
                     st["steps"] += 1
             st["n_out"] += len(new)
             finished = bool(o.finished)
@@ -432,7 +442,7 @@ class VllmEngine:
                 step_ms=(time.perf_counter() - t0) * 1e3, cpu_ms=(time.thread_time() - c0) * 1e3,
                 details=details, spec=getattr(sched, "spec_decoding_stats", None),
                 num_waiting=self.num_waiting, emitted=emitted, prefill_emitted=prefill_emitted,
-                batch_size=batch, k=self.num_speculative_tokens))
+                batch_size=batch, k=self.num_speculative_tokens, context_before=context_before))
         return results
 
     def _logprobs(self, c: Any, st: dict) -> list:
