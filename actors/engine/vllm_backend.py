@@ -205,9 +205,10 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
     requests whose prompt finished this step; batch_size: decoding requests that
     emitted. accepted_tokens is vLLM's count (before stop / max_tokens cuts, which the
     embedded engine applies), capped at emitted - batch_size. vLLM runs the drafter
-    inside its model step: draft_ms is 0 and verify_ms is vLLM's own model-execution
-    time of the step (``details.elapsed_ms``: forward, drafting and sampling), its
-    generation tokens' share of it in a step that also prefills. padded_tokens =
+    inside its model step and times no phase apart: draft_ms is 0 and verify_ms is the
+    step's wall time (drafting, forward, sampling), its generation tokens' share of it
+    in a step that also prefills (vLLM's ``details.elapsed_ms`` only times the wait
+    for an already finished forward in process). padded_tokens =
     verification tokens (vLLM's batch is ragged, unpadded); context_tokens = the KV
     length the decode rows attend: ``context_before`` (sum over the decoding requests
     of prompt + output tokens before the step) + the step's draft tokens, as the
@@ -220,8 +221,7 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
     accepted = max(0, min(accepted, emitted - batch_size)) if spec is not None else 0
     gen = int(getattr(details, "num_generation_tokens", 0) or 0)
     ctx = int(getattr(details, "num_ctx_tokens", 0) or 0)
-    elapsed = float(getattr(details, "elapsed_ms", 0.0) or 0.0)
-    verify_ms = elapsed * gen / (gen + ctx) if batch_size and gen + ctx else 0.0
+    verify_ms = float(step_ms) * gen / (gen + ctx) if batch_size and gen + ctx else 0.0
     return {
         M.STEP_TS: time.time(), M.STEP_STRATEGY: strategy, M.STEP_MODEL: model,
         M.STEP_REPLICA: replica, M.STEP_BATCH_SIZE: int(batch_size),
