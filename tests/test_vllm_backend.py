@@ -319,14 +319,15 @@ def test_vllm_step_rows_agree_with_the_outputs(side_by_side, strategy):
 
 # ------------------------------------------------ slow: Serve end to end, both routes
 VLLM_NAME = "vllm-ngram"
+VLLM_NAMES = ("vllm-autoregressive", VLLM_NAME, "vllm-draft_model")
 SERVE_PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import os\nimport sys\n"]
 
 
 @pytest.fixture(scope="module")
 def vllm_service():
-    """(base_url, startup_s): embedded autoregressive + a vLLM-backed ngram (k = 4,
-    max_num_seqs 4, max_waiting 2: small enough to see 429s) on a free 127.0.0.1
-    port, one-hop layout; Ray and Serve shut down after."""
+    """(base_url, startup_s): embedded autoregressive + the three vLLM-backed strategies
+    on the embedded models (vllm-ngram small, max_num_seqs 4 and max_waiting 2, to see
+    429s) on a free 127.0.0.1 port, one-hop layout; Ray and Serve shut down after."""
     python = _vllm_python_or_skip()
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
@@ -335,16 +336,22 @@ def vllm_service():
 
     env = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    common = {"torch_threads": 1, "dtype": "float32", "max_model_len": 1024}
+
+    def vllm(name, strategy, **kw):
+        return {"name": name, "engine": {
+            "backend": "vllm", "vllm_python": python, "strategy": strategy, "max_num_seqs": 8,
+            "max_waiting": 32, "engine_kwargs": {"enforce_eager": True}, **common, **kw},
+            "ray_actor_options": {"num_cpus": 0.3, "runtime_env": env}}
+
     args = {"strategies": [
         {"engine": {"strategy": "autoregressive", "num_speculative_tokens": 0, "max_num_seqs": 8,
-                    "max_waiting": 32, "torch_threads": 1, "dtype": "float32"},
+                    "max_waiting": 32, **common},
          "ray_actor_options": {"num_cpus": 0.3, "runtime_env": env}},
-        {"name": VLLM_NAME,
-         "engine": {"backend": "vllm", "vllm_python": python, "strategy": "ngram",
-                    "num_speculative_tokens": K, "max_num_seqs": 4, "max_waiting": 2,
-                    "max_model_len": 1024, "torch_threads": 1, "dtype": "float32",
-                    "engine_kwargs": {"enforce_eager": True}},
-         "ray_actor_options": {"num_cpus": 0.3, "runtime_env": env}}],
+        vllm("vllm-autoregressive", "autoregressive", num_speculative_tokens=0),
+        vllm(VLLM_NAME, "ngram", num_speculative_tokens=K, max_num_seqs=4, max_waiting=2),
+        vllm("vllm-draft_model", "draft_model", draft_model="models/draft",
+             num_speculative_tokens=K)],
         "ingress": {"ray_actor_options": {"num_cpus": 0.1, "runtime_env": env}}}
     t0 = time.monotonic()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -372,17 +379,20 @@ def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service
     t0 = time.monotonic()
     with httpx.Client(base_url=url, timeout=120) as c:
         models = {m["id"] for m in c.get("/v1/models").json()["data"]}
-        assert {"autoregressive", VLLM_NAME} <= models
-        assert c.get("/specload/routes").json()["routes"][VLLM_NAME] == f"/strategies/{VLLM_NAME}"
+        assert {"autoregressive", *VLLM_NAMES} <= models
+        routes = c.get("/specload/routes").json()["routes"]
+        assert all(routes[n] == f"/strategies/{n}" for n in VLLM_NAMES), routes
         for route in ("strategy", "model-field"):
             for prompt in SERVE_PROMPTS:
                 body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-                v = c.post(_path(route, VLLM_NAME), json={**body, "model": VLLM_NAME})
                 e = c.post(_path(route, "autoregressive"), json={**body, "model": "autoregressive"})
-                assert v.status_code == 200 and e.status_code == 200, (v.text, e.text)
-                # greedy fp32: vLLM's ngram = the embedded target's own greedy text
-                assert v.json()["choices"][0]["text"] == e.json()["choices"][0]["text"]
-                assert v.json()["usage"]["completion_tokens"] == 24
+                assert e.status_code == 200, e.text
+                for name in VLLM_NAMES:
+                    v = c.post(_path(route, name), json={**body, "model": name})
+                    assert v.status_code == 200, v.text
+                    # greedy fp32: each vLLM strategy = the embedded target's own greedy text
+                    assert v.json()["choices"][0]["text"] == e.json()["choices"][0]["text"], name
+                    assert v.json()["usage"]["completion_tokens"] == 24
             chat = c.post(_path(route, VLLM_NAME, "chat/completions"), json={
                 "model": VLLM_NAME, "messages": [{"role": "user", "content": "hello"}],
                 "max_tokens": 8, "temperature": 0})
@@ -417,28 +427,39 @@ def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service
             codes = list(ex.map(one, range(12)))
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
         time.sleep(1.5)   # the step-log push period (0.5 s) and a margin
-        rows = c.get("/specload/step_log", params={"strategy": VLLM_NAME}).json()["rows"]
-        assert rows and {r[M.STEP_MODEL] for r in rows} == {VLLM_NAME}
-        assert sum(r[M.STEP_DRAFT_TOKENS] for r in rows) > 0
-        assert sum(r[M.STEP_ACCEPTED_TOKENS] for r in rows) > 0
+        n_rows = {}
+        for name in VLLM_NAMES:
+            rows = c.get("/specload/step_log", params={"strategy": name}).json()["rows"]
+            assert rows and {r[M.STEP_MODEL] for r in rows} == {name}
+            n_rows[name] = len(rows)
+            drafts = sum(r[M.STEP_DRAFT_TOKENS] for r in rows)
+            assert (drafts == 0) if name == "vllm-autoregressive" else (
+                drafts > 0 and sum(r[M.STEP_ACCEPTED_TOKENS] for r in rows) > 0), name
+        mem = c.get("/specload/memory", params={"strategy": "vllm-draft_model"}).json()
+        rep = mem["vllm-draft_model"]
+        assert rep["target_weight_bytes"] > 0 and rep["target_kv_allocated_bytes"] > 0
     print(f"\nServe with {VLLM_NAME}: started in {startup_s:.0f} s; requests checks "
-          f"{time.monotonic() - t0:.0f} s; step rows {len(rows)}; 429s {codes.count(429)}/12")
+          f"{time.monotonic() - t0:.0f} s; step rows {n_rows}; 429s {codes.count(429)}/12; "
+          f"memory vllm-draft_model: weights {rep['target_weight_bytes']} + draft "
+          f"{rep['draft_weight_bytes']} B, KV allocated {rep['target_kv_allocated_bytes']} B")
 
 
 @pytest.mark.slow
-def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path):
+@pytest.mark.parametrize("route", ["strategy", "model-field"])
+def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path, route):
     import pandas as pd
 
     from tests.tiers_file import write_tiers
 
     url, _ = vllm_service
+    names = ["autoregressive", *VLLM_NAMES] if route == "strategy" else [VLLM_NAME]
     tiers = write_tiers(tmp_path, {"arrival": "closed", "users": 2, "spawn_rate": 2,
-                                   "duration_s": 8, "max_tokens": 32,
+                                   "duration_s": 6, "max_tokens": 32,
                                    "slo": {"ttft_ms": 5000, "tpot_ms": 500}},
                         request_timeout_s=60, drain_timeout_s=30, seed=0, max_prompt_chars=600,
                         sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
-    cmd = [sys.executable, "-m", "loadgen", "--target", url, "--strategies",
-           f"autoregressive,{VLLM_NAME}", "--tier", "low", "--output", "short",
+    cmd = [sys.executable, "-m", "loadgen", "--target", url, "--strategies", ",".join(names),
+           "--route", route, "--tier", "low", "--output", "short",
            "--tiers-file", str(tiers), "--consistency", "0", "--results", str(tmp_path),
            "--run-id", "run", "--report"]
     t0 = time.monotonic()
@@ -451,11 +472,13 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path)
     steps = pd.read_parquet(run / "steps.parquet")
     req = pd.read_parquet(run / "requests.parquet")
     by = steps.groupby(M.STEP_MODEL).size().to_dict()
-    assert by.get(VLLM_NAME, 0) > 0 and by.get("autoregressive", 0) > 0, by
+    assert all(by.get(n, 0) > 0 for n in names), by
     v = steps[steps[M.STEP_MODEL].eq(VLLM_NAME)]
     assert int(v[M.STEP_DRAFT_TOKENS].sum()) > 0
     ok = req[req[M.REQ_STATUS].eq(M.STATUS_OK)]
-    assert set(ok[M.REQ_STRATEGY]) == {"autoregressive", VLLM_NAME}
+    assert set(ok[M.REQ_STRATEGY]) == set(names)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert {r["route"] for r in manifest["routes"].values()} == {route}, manifest["routes"]
     from analysis.data.load import load_results
     from analysis.report.build import analyse
 
@@ -464,8 +487,8 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path)
     cap = a.capacity.set_index(M.STEP_STRATEGY)
     assert VLLM_NAME in cells.index and VLLM_NAME in cap.index
     md = (run / "report" / "report.md").read_text()
-    assert VLLM_NAME in md and "autoregressive" in md
-    print(f"\nloadgen side by side: {wall:.0f} s; step rows {by}; requests ok "
+    assert all(n in md for n in names)
+    print(f"\nloadgen ({route} route) side by side: {wall:.0f} s; step rows {by}; requests ok "
           f"{ok.groupby(M.REQ_STRATEGY).size().to_dict()}; tau {VLLM_NAME} "
           f"{cells.loc[VLLM_NAME, M.ACCEPTANCE_LENGTH]:.3f}; capacity rows\n"
           f"{cap.to_string()[:1500]}")
