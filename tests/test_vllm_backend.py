@@ -133,6 +133,21 @@ def test_request_stats_from_vllm_histogram():
     assert spec_stats_from_vllm(None, 3).num_drafts == 0
 
 
+def test_memory_figures_from_the_checkpoints():
+    """vLLM's CPU backend repacks linear weights outside the modules' parameters: the
+    report takes weights from the checkpoints and KV per token from the configs (the
+    embedded engine's memory tests check the same figures from its tensors)."""
+    from actors.engine.vllm_backend import checkpoint_bytes, kv_bytes_per_token
+
+    cfg = json.loads((REPO / "models" / "target" / "config.json").read_text())
+    assert kv_bytes_per_token(TARGET, 4) == 2 * cfg["num_hidden_layers"] * cfg[
+        "num_key_value_heads"] * cfg["head_dim"] * 4
+    tb = checkpoint_bytes(TARGET, 4)
+    assert tb > cfg["vocab_size"] * cfg["hidden_size"] * 4     # more than the embedding
+    assert checkpoint_bytes(TARGET, 2) * 2 == tb
+    assert checkpoint_bytes(str(REPO / "missing"), 4) == 0 and kv_bytes_per_token(None, 4) == 0
+
+
 def test_vllm_process_env_is_clean(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere/site-packages")
     monkeypatch.setenv("VIRTUAL_ENV", "/main/.venv")
@@ -315,6 +330,8 @@ def test_vllm_step_rows_agree_with_the_outputs(side_by_side, strategy):
     mem = v["memory"]
     assert mem["target_weight_bytes"] > 0 and mem["target_kv_allocated_bytes"] > 0
     assert mem["target_kv_peak_tokens"] > 0
+    assert (mem["draft_weight_bytes"] > 0) == (strategy == "draft_model")
+    assert (mem["draft_kv_allocated_bytes"] > 0) == (strategy == "draft_model")
 
 
 # ------------------------------------------------ slow: Serve end to end, both routes

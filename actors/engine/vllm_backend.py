@@ -235,6 +235,40 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
         M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0}
 
 
+def checkpoint_bytes(model_dir: str | None, element_size: int) -> int:
+    """Bytes of a checkpoint's tensors (``*.safetensors`` headers: shapes, each tensor
+    once, tied embeddings stored once) at ``element_size`` bytes per element; 0 when
+    unreadable."""
+    import json
+    import math
+    import struct
+
+    total = 0
+    for f in sorted(Path(model_dir or "/nonexistent").glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return 0
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total * element_size
+
+
+def kv_bytes_per_token(model_dir: str | None, element_size: int) -> int:
+    """K and V bytes per token of a model (its ``config.json``: layers x KV heads x
+    head dim x 2 x element size); 0 when unreadable."""
+    import json
+
+    try:
+        c = json.loads((Path(model_dir or "/nonexistent") / "config.json").read_text())
+        heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+        head = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+        return 2 * int(c["num_hidden_layers"]) * heads * head * element_size
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return 0
+
+
 def spec_stats_from_vllm(metrics: Any, num_steps: int, queue_ms: float = 0.0):
     """specload ``SpecStats`` from vLLM's per-request ``RequestSpecDecodeMetrics``
     (histogram[j] = verify steps that accepted j drafts; num_draft_tokens)."""
@@ -473,56 +507,49 @@ class VllmEngine:
     def _static_memory(self) -> dict:
         vc = self.llm.vllm_config
         mc, cc = vc.model_config, vc.cache_config
-        try:
-            layers = mc.get_num_layers(vc.parallel_config)
-            kv_heads = mc.get_num_kv_heads(vc.parallel_config)
-            head = mc.get_head_size()
-        except Exception:  # noqa: BLE001
-            layers = kv_heads = head = 0
-        esize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(
-            str(mc.dtype).replace("torch.", ""), 4)
-        per_token = 2 * layers * kv_heads * head * esize
-        blocks = int(cc.num_gpu_blocks or 0)
-        try:
-            weights = self.llm.apply_model(
-                lambda m: sum(p.numel() * p.element_size() for p in m.parameters()))
-            target_w = int(weights[0]) if weights else 0
-        except Exception:  # noqa: BLE001
-            target_w = 0
-        draft_w = 0
-        try:
-            runner = self.llm.model_executor.driver_worker.worker.model_runner
-            drafter = getattr(runner, "drafter", None)
-            dmodel = getattr(drafter, "model", None)
-            if dmodel is not None:
-                draft_w = int(sum(p.numel() * p.element_size() for p in dmodel.parameters()))
-        except Exception:  # noqa: BLE001 - layout differs across vLLM versions
-            draft_w = 0
+        dtype = str(mc.dtype).replace("torch.", "")
+        esize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+        blocks, bs = int(cc.num_gpu_blocks or 0), int(cc.block_size)
+        target_tok = kv_bytes_per_token(self.config.get("model"), esize)
+        spec = vc.speculative_config
+        draft_dir = None
+        if spec is not None and getattr(spec, "method", None) == "draft_model":
+            draft_dir = self.config.get("draft_model") or getattr(spec, "model", None)
+        draft_tok = kv_bytes_per_token(draft_dir, esize) if draft_dir else 0
         return {"strategy": self.strategy, "replica": self.replica_id,
-                "device": str(vc.device_config.device), "dtype": str(mc.dtype).replace("torch.", ""),
+                "device": str(vc.device_config.device), "dtype": dtype,
                 "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
                 "max_model_len": self.max_model_len,
                 "num_speculative_tokens": self.num_speculative_tokens,
-                "backend": "vllm", "kv_block_size": int(cc.block_size), "kv_num_blocks": blocks,
-                "target_weight_bytes": target_w, "target_fused_weight_bytes": 0,
-                # vLLM's one block pool holds every KV layer (a draft model's included)
-                "target_kv_allocated_bytes": blocks * int(cc.block_size) * per_token,
-                "target_kv_bytes_per_token": per_token,
-                "draft_weight_bytes": draft_w, "draft_fused_weight_bytes": 0,
-                "draft_kv_allocated_bytes": 0, "draft_kv_bytes_per_token": 0}
+                "backend": "vllm", "kv_block_size": bs, "kv_num_blocks": blocks,
+                # vLLM's CPU backend repacks linear weights outside the modules'
+                # parameters, so weights are the checkpoint's tensors at the serving dtype
+                "target_weight_bytes": checkpoint_bytes(self.config.get("model"), esize),
+                "target_fused_weight_bytes": 0,
+                # vLLM's one block pool holds every KV layer, a draft model's included:
+                # each model's share is blocks x block size x its bytes per token
+                "target_kv_allocated_bytes": blocks * bs * target_tok,
+                "target_kv_bytes_per_token": target_tok,
+                "draft_weight_bytes": checkpoint_bytes(draft_dir, esize) if draft_dir else 0,
+                "draft_fused_weight_bytes": 0,
+                "draft_kv_allocated_bytes": blocks * bs * draft_tok,
+                "draft_kv_bytes_per_token": draft_tok}
 
     def memory(self) -> dict:
-        """The embedded engine's memory report, from vLLM: weights (the model's
-        parameters), KV allocated (vLLM's block pool), KV used now and at peak (vLLM's
+        """The embedded engine's memory report, from vLLM: weights (the checkpoints'
+        tensors at the serving dtype), KV allocated (vLLM's block pool, split between
+        the target's and a draft model's layers), KV used now and at peak (vLLM's
         ``kv_cache_usage`` after each step, as tokens) and the process's RSS."""
         from actors.engine import memory as mem
 
         out = dict(self._memory_static)
         cap = out["kv_num_blocks"] * out["kv_block_size"]
         t_now, t_peak = int(round(self._kv_usage * cap)), int(round(self._kv_peak_usage * cap))
+        d = 1 if out["draft_kv_bytes_per_token"] else 0    # a draft model's layers: same blocks
         out.update(target_kv_tokens_used=t_now, target_kv_peak_tokens=t_peak,
                    target_kv_peak_used_bytes=t_peak * out["target_kv_bytes_per_token"],
-                   draft_kv_tokens_used=0, draft_kv_peak_tokens=0, draft_kv_peak_used_bytes=0)
+                   draft_kv_tokens_used=t_now * d, draft_kv_peak_tokens=t_peak * d,
+                   draft_kv_peak_used_bytes=t_peak * d * out["draft_kv_bytes_per_token"])
         out.update(mem.process_memory(out["device"]))
         return out
 
