@@ -588,7 +588,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from actors.engine.types import SamplingParams
 
+    import torch
+
     spec = json.loads(sys.stdin.read())
+    torch.set_num_threads(int(spec["config"].get("torch_threads") or 1))   # as a replica's
     engine = make_vllm_engine(spec["config"])
     rows: list[dict] = []
     engine.on_step = rows.append
