@@ -371,15 +371,26 @@ def vllm_service():
              num_speculative_tokens=K)],
         "ingress": {"ray_actor_options": {"num_cpus": 0.1, "runtime_env": env}}}
     t0 = time.monotonic()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    metrics_port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         run_applications(args, name="specload", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", time.monotonic() - t0
+        yield (f"http://127.0.0.1:{port}", time.monotonic() - t0,
+               f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def mn_prom(name: str) -> str:
+    """A specload Prometheus series as Ray exports it (``ray_specload_<name>``)."""
+    from actors.serve.deployments import PROM_PREFIX
+
+    return "ray_" + PROM_PREFIX + name
 
 
 def _path(route: str, model: str, path: str = "completions") -> str:
@@ -392,7 +403,7 @@ def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service
 
     from tests.serve_fixtures import parse_sse
 
-    url, startup_s = vllm_service
+    url, startup_s, metrics_url = vllm_service
     t0 = time.monotonic()
     with httpx.Client(base_url=url, timeout=120) as c:
         models = {m["id"] for m in c.get("/v1/models").json()["data"]}
@@ -429,6 +440,19 @@ def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service
             assert events[-1] == "[DONE]"
             chunks = [ev for ev in events[:-1] if ev["choices"] and ev["choices"][0]["text"]]
             assert 1 < len(chunks) <= 32
+        # logprobs: the target's, as the embedded engine reports them (greedy fp32)
+        lp = {}
+        for name in ("autoregressive", VLLM_NAME):
+            r = c.post(_path("strategy", name), json={"model": name, "prompt": SERVE_PROMPTS[0],
+                                                      "max_tokens": 8, "temperature": 0,
+                                                      "logprobs": 2})
+            assert r.status_code == 200, r.text
+            lp[name] = r.json()["choices"][0]["logprobs"]
+        assert lp[VLLM_NAME]["tokens"] == lp["autoregressive"]["tokens"]
+        assert lp[VLLM_NAME]["token_logprobs"] == pytest.approx(
+            lp["autoregressive"]["token_logprobs"], abs=1e-3)
+        assert [len(t) for t in lp[VLLM_NAME]["top_logprobs"]] == [
+            len(t) for t in lp["autoregressive"]["top_logprobs"]]
         health = c.get("/health")
         assert health.status_code == 200, health.text
         assert c.get(f"/strategies/{VLLM_NAME}/health").status_code == 200
@@ -455,6 +479,23 @@ def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service
         mem = c.get("/specload/memory", params={"strategy": "vllm-draft_model"}).json()
         rep = mem["vllm-draft_model"]
         assert rep["target_weight_bytes"] > 0 and rep["target_kv_allocated_bytes"] > 0
+    # the same Prometheus series as the embedded engine's, labelled with the served name
+    import urllib.request
+
+    want = [mn_prom(M.PROM_SPEC_NUM_DRAFTS), mn_prom(M.PROM_STEP_TIME_MS),
+            mn_prom(M.PROM_BATCH_SIZE)]
+    seen, deadline = False, time.monotonic() + 40
+    while not seen and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=10) as r:  # noqa: S310
+                lines = r.read().decode().splitlines()
+            seen = all(any(line.startswith(w) and f'strategy="{VLLM_NAME}"' in line
+                           for line in lines) for w in want)
+        except OSError:
+            pass
+        if not seen:
+            time.sleep(2)
+    assert seen, f"not all of {want} exported for {VLLM_NAME}"
     print(f"\nServe with {VLLM_NAME}: started in {startup_s:.0f} s; requests checks "
           f"{time.monotonic() - t0:.0f} s; step rows {n_rows}; 429s {codes.count(429)}/12; "
           f"memory vllm-draft_model: weights {rep['target_weight_bytes']} + draft "
@@ -468,7 +509,7 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
 
     from tests.tiers_file import write_tiers
 
-    url, _ = vllm_service
+    url, _, _ = vllm_service
     names = ["autoregressive", *VLLM_NAMES] if route == "strategy" else [VLLM_NAME]
     tiers = write_tiers(tmp_path, {"arrival": "closed", "users": 2, "spawn_rate": 2,
                                    "duration_s": 6, "max_tokens": 32,
