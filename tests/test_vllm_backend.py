@@ -63,6 +63,13 @@ def test_engine_config_errors_name_the_key(kw, key):
     assert key in str(e.value)
 
 
+def test_the_embedded_engine_refuses_backend_vllm():
+    from actors.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="backend 'vllm'"):
+        LLMEngine(EngineConfig(backend="vllm", strategy="ngram"))
+
+
 def test_strategy_settings_map_to_vllm():
     ng = vllm_engine_args(EngineConfig(backend="vllm", strategy="ngram", num_speculative_tokens=3,
                                        strategy_options={"prompt_lookup_min": 1,
