@@ -190,6 +190,23 @@ def test_serve_vllm_yaml_validates_and_a_missing_venv_skips(tmp_path):
     assert "backend vllm" in missing_reason(e)
 
 
+def test_k_variants_of_serve_vllm_yaml():
+    """``python -m loadgen --k`` on configs/serve-vllm.yaml: vLLM strategies get k variants
+    like the embedded ones; the baseline stays; vllm-autoregressive only when asked."""
+    import yaml
+
+    from configs.serve_config import variant_config
+
+    cfg = yaml.safe_load((REPO / "configs" / "serve-vllm.yaml").read_text())
+    _, variants = variant_config(cfg, ["vllm-ngram", "ngram"], [2, 4], None)
+    assert set(variants) == {"autoregressive", "ngram-k2", "ngram-k4", "vllm-ngram-k2",
+                             "vllm-ngram-k4"}
+    assert variants["vllm-ngram-k2"]["engine"]["backend"] == "vllm"
+    assert variants["vllm-ngram-k2"]["engine"]["num_speculative_tokens"] == 2
+    _, both = variant_config(cfg, ["vllm-autoregressive", "vllm-ngram"], [3], None)
+    assert set(both) == {"autoregressive", "vllm-autoregressive", "vllm-ngram-k3"}
+
+
 def test_bad_engine_kwargs_fail_at_deploy_naming_the_key():
     from actors.engine.vllm_backend import check_engine_kwargs
 
