@@ -239,12 +239,13 @@ def _requests(prompts: list[dict], logprobs: int | None = None) -> list:
             for p in prompts]
 
 
-def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 4) -> dict:
+def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 4,
+             requests: list | None = None) -> dict:
     """The adapter in the vLLM venv (``python -m actors.engine.vllm_backend``)."""
     cfg = {**_configs()[strategy], "backend": "vllm", "served_model_name": f"vllm-{strategy}",
            "engine_kwargs": {"enforce_eager": True}}
     cfg = EngineConfig(**cfg).model_dump()
-    spec = {"config": cfg, "requests": _requests(prompts), "batch_size": batch_size}
+    spec = {"config": cfg, "requests": requests or _requests(prompts), "batch_size": batch_size}
     p = subprocess.run([python, "-m", "actors.engine.vllm_backend"], input=json.dumps(spec),
                        capture_output=True, text=True, timeout=900, cwd=REPO, env=vllm_env())
     assert p.returncode == 0, p.stderr[-4000:]
@@ -574,3 +575,24 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
           f"{ok.groupby(M.REQ_STRATEGY).size().to_dict()}; tau {VLLM_NAME} "
           f"{cells.loc[VLLM_NAME, M.ACCEPTANCE_LENGTH]:.3f}; capacity rows\n"
           f"{cap.to_string()[:1500]}")
+
+
+@pytest.mark.slow
+def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine():
+    """Greedy, ngram: stop strings, min_tokens (stop strings only after them) and
+    ignore_eos give the embedded engine's tokens, text and finish reasons."""
+    from actors.engine.llm_engine import LLMEngine, run_requests
+
+    python = _vllm_python_or_skip()
+    reqs = [["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
+            ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
+            ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
+            ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
+    v = run_vllm(python, "ngram", [], batch_size=4, requests=reqs)["results"]
+    eng = LLMEngine(EngineConfig(**_configs()["ngram"]))
+    e = run_requests(eng, [(r, p, SamplingParams(**sp)) for r, p, sp in reqs], batch_size=4)
+    for rid in e:
+        assert v[rid]["token_ids"] == e[rid]["token_ids"], rid
+        assert v[rid]["text"] == e[rid]["text"], rid
+        assert v[rid]["finish_reason"] == e[rid]["finish_reason"], rid
+    assert e["stop"]["finish_reason"] == "stop"
