@@ -413,7 +413,7 @@ class VllmEngine:
             raise InvalidRequest(str(exc), param="prompt") from None
         self.requests[request_id] = {"n_prompt": len(ids), "n_out": 0, "steps": 0,
                                      "arrival": time.time(), "first": None, "text_len": 0,
-                                     "params": params, "finish_max": max_tokens}
+                                     "params": params}
         return len(ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -445,7 +445,6 @@ class VllmEngine:
                     prefill_emitted += 1
                     emitted += len(new) - 1      # a prefill step emits one token
                     st["first"] = w0     # the step that scheduled its prompt began
-
                 else:
                     batch += 1
                     emitted += len(new)
