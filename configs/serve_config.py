@@ -363,8 +363,9 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
                    candidates: list[int] | None) -> tuple[dict, dict[str, dict]]:
     """A Serve config deploying variants of ``cfg``'s strategies; returns (config, variants).
 
-    ``strategies``: served names to keep (None or []: every entry); ``autoregressive``
-    entries are kept as they are (the speedup baseline), every other kept entry becomes one
+    ``strategies``: served names to keep (None or []: every entry); the ``autoregressive``
+    entry is kept as it is (the speedup baseline; another autoregressive entry, such as
+    ``vllm-autoregressive``, only when named), every other kept entry becomes one
     entry per k in ``ks`` (``num_speculative_tokens``; None: as configured) and, for
     ``metric_names.CANDIDATE_STRATEGIES``, per count in ``candidates``
     (``strategy_options.top_k``), named ``variant_name(name, k, c)``, its replica's
@@ -402,7 +403,10 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
         entries: list[dict] = []
         for e in args.strategies:
             strategy = e.engine["strategy"]
-            if strategies and e.name not in strategies and strategy != mn.AUTOREGRESSIVE:
+            # the baseline (served as "autoregressive") is always kept; another autoregressive
+            # deployment (vllm-autoregressive) only when asked for
+            baseline = strategy == mn.AUTOREGRESSIVE and e.name == mn.AUTOREGRESSIVE
+            if strategies and e.name not in strategies and not baseline:
                 continue
             raw = e.model_dump(exclude_none=True)
             raw["engine"] = dict(e.engine)

@@ -19,6 +19,12 @@ DEFAULT_TARGET = MODELS_DIR / "target"
 DEFAULT_DRAFT = MODELS_DIR / "draft"
 
 
+def mn_vllm_unmapped() -> tuple[str, ...]:
+    """specload strategies vLLM cannot run from specload's settings alone (their
+    drafters are specload's own): on backend vllm they need a speculative_config."""
+    return ("dflash", "dflash2", "dspark")
+
+
 class EngineConfig(BaseModel):
     """Settings of one engine (one replica).
 
@@ -50,6 +56,19 @@ class EngineConfig(BaseModel):
     its requests to autoregressive decoding for the rest of their life (a batched
     call over the deadline is retried request by request first, so only the
     requests slow on their own are degraded). None (default): no deadline.
+
+    backend: "embedded" (default, specload's engine) or "vllm": vLLM's V1 engine in
+    the replica's engine process, run by ``vllm_python`` (vLLM's own venv; default
+    ``$SPECLOAD_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``), see
+    ``actors.engine.vllm_backend``. The strategy's settings map to vLLM's
+    (num_speculative_tokens, draft_model, the ngram window); ``speculative_config``
+    (vLLM's dict) is passed through, merged over the mapped one: the way to serve
+    methods specload does not host (eagle, eagle3, mtp, dflash; ``strategy`` is then
+    that method's label); ``engine_kwargs`` go to ``vllm.EngineArgs`` as they are
+    (keys checked against vLLM's EngineArgs when the app is built). Both are errors
+    with backend embedded; the embedded-only knobs
+    (``num_speculative_tokens_per_batch_size``, ``draft_deadline_ms``) are errors
+    with backend vllm. Errors name the key.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -76,11 +95,35 @@ class EngineConfig(BaseModel):
     # for the DFlash family (its drafter needs the target's hidden states of every token).
     enable_prefix_caching: bool = False
     prefix_cache_tokens: int = Field(65536, ge=16)
+    backend: Literal["embedded", "vllm"] = "embedded"
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    speculative_config: dict[str, Any] | None = None
+    vllm_python: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         from actors.engine.strategies import PROPOSERS, get_proposer_class
 
+        if self.backend == "embedded":
+            for key in ("engine_kwargs", "speculative_config", "vllm_python"):
+                if getattr(self, key):
+                    raise ValueError(f"{key}: only for backend vllm (this engine's backend "
+                                     "is embedded)")
+        else:
+            from actors.engine.vllm_backend import vllm_engine_args
+
+            if self.speculative_config is not None and not self.speculative_config.get(
+                    "method") and self.strategy not in ("ngram", "draft_model"):
+                raise ValueError("speculative_config.method is required (vLLM's method, "
+                                 "e.g. eagle3, mtp, dflash)")
+            if self.strategy not in PROPOSERS or self.strategy in mn_vllm_unmapped():
+                if not self.speculative_config:
+                    raise ValueError(
+                        f"strategy {self.strategy!r} on backend vllm: give "
+                        "speculative_config (vLLM's); specload maps autoregressive, ngram "
+                        "and draft_model itself")
+                return self     # a vLLM-only method: its label, vLLM validates the rest
+            vllm_engine_args(self.model_dump())   # raises naming the key
         if self.strategy not in PROPOSERS:
             raise ValueError(f"strategy {self.strategy!r} is unknown; expected one of "
                              f"{sorted(PROPOSERS)}")
@@ -95,6 +138,12 @@ class EngineConfig(BaseModel):
         if self.num_speculative_tokens_per_batch_size is not None:
             self.spec_schedule()   # raises naming the key
         return self
+
+    def resolved_vllm_python(self) -> str:
+        """The interpreter of vLLM's venv (``vllm_python``, else the default)."""
+        from actors.engine.vllm_backend import default_vllm_python
+
+        return self.vllm_python or default_vllm_python()
 
     def spec_schedule(self) -> SpecSchedule | None:
         """``num_speculative_tokens_per_batch_size`` as sorted (lo, hi, k) ranges, or None.

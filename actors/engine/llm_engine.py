@@ -87,6 +87,10 @@ class LLMEngine:
     fault_hook: Callable[[str, str], None] | None = None
 
     def __init__(self, config: EngineConfig, on_step: Callable[[dict], None] | None = None):
+        if config.backend != "embedded":
+            raise ValueError(f"backend {config.backend!r}: this is the embedded engine; vLLM's "
+                             "runs in its venv (actors.engine.vllm_backend.make_vllm_engine, "
+                             "which StrategyReplica starts for backend vllm)")
         self.config = config
         from transformers import AutoTokenizer
 

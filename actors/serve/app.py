@@ -24,6 +24,7 @@ repository root.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,27 @@ def resolve_engine_config(engine: dict) -> dict:
     return cfg
 
 
+def _registry() -> dict:
+    try:
+        from actors.engine.strategies import PROPOSERS
+    except ImportError:
+        return {}
+    return PROPOSERS
+
+
 def missing_reason(entry: StrategyEntry, check_registry: bool = True) -> str | None:
     """Why this strategy cannot be served here (None if it can)."""
     strategy = entry.engine["strategy"]
+    if entry.engine.get("backend") == "vllm":
+        from actors.engine.vllm_backend import default_vllm_python
+
+        python = entry.engine.get("vllm_python") or default_vllm_python()
+        if not (Path(python).is_file() and os.access(python, os.X_OK)):
+            return (f"backend vllm: its python {python} does not exist (the vLLM venv: "
+                    "engine.vllm_python, $SPECLOAD_VLLM_PYTHON or <repo>/.venv-vllm; "
+                    "docs/serving.md)")
+        if entry.engine.get("speculative_config") and strategy not in _registry():
+            check_registry = False    # a vLLM-only method (eagle3, mtp, ...): its label
     if check_registry:
         try:
             from actors.engine.strategies import PROPOSERS
@@ -116,10 +135,18 @@ def _bind_strategy(entry: StrategyEntry, cfg: ServeAppConfig, store: Any):
         from actors.engine.config import EngineConfig
 
         try:   # EngineConfig also validates strategy_options with the proposer's model
-            EngineConfig(**engine)
+            ec = EngineConfig(**engine)
         except ValidationError as exc:
             raise ValueError(f"configs: strategy {entry.name!r} engine section is "
                              f"invalid: {exc}") from None
+        if ec.backend == "vllm":   # engine_kwargs against vLLM's EngineArgs, in its venv
+            from actors.engine.vllm_backend import check_engine_kwargs
+
+            try:
+                check_engine_kwargs(ec.engine_kwargs, ec.resolved_vllm_python())
+            except ValueError as exc:
+                raise ValueError(f"configs: strategy {entry.name!r} engine section is "
+                                 f"invalid: {exc}") from None
     scaling: dict[str, Any] = (
         {"autoscaling_config": entry.autoscaling_config.model_dump(exclude_none=True)}
         if entry.autoscaling_config is not None

@@ -341,13 +341,14 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
     dies (its socket closes), so a killed replica leaves no engine behind.
 
     engine_factory: import path of ``(engine_config) -> engine``; engine_config: its
-    argument; torch_threads: the child's torch threads. Raises what the factory raised
+    argument; torch_threads: the child's torch threads; python: the child's interpreter
+    (None: this one; vLLM's venv for ``engine.backend: vllm``). Raises what the factory raised
     in the child, or EngineDeadError when the child did not start.
     """
 
     def __init__(self, engine_factory: str, engine_config: dict, *, torch_threads: int = 1,
                  step_log_capacity: int = DEFAULT_STEP_LOG_CAPACITY,
-                 step_sink: Callable[[dict], None] | None = None):
+                 step_sink: Callable[[dict], None] | None = None, python: str | None = None):
         from actors.serve.engine_core import EngineProcess
 
         self.engine = None          # in another process
@@ -355,7 +356,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         self._pending: dict[str, _Command] = {}     # adds sent, not yet answered
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tokens = itertools.count()
-        self._core = EngineProcess(engine_factory, engine_config, torch_threads)
+        self._core = EngineProcess(engine_factory, engine_config, torch_threads, python=python)
         self._max_model_len = int(self._core.facts["max_model_len"])
         self._waiting = self._running = 0
         self._thread = threading.Thread(target=self._run, name="specload-engine-reader",

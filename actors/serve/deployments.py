@@ -151,7 +151,10 @@ class StrategyReplica:
     (``ProcessAsyncLLMEngine``, vLLM V1's engine-core process), else on a thread of
     the replica's; "auto" (``configs.serve_config.resolve_engine_process``): its own
     process on a machine with at least 4 cores. retry_after_s, api_key: as the ingress's, for this replica's own
-    routes (api_key default ``$SPECLOAD_API_KEY``; none: open).
+    routes (api_key default ``$SPECLOAD_API_KEY``; none: open). An engine config with
+    ``backend: vllm`` runs vLLM's engine (``actors.engine.vllm_backend``) in its own
+    process started by the vLLM venv's python, whatever engine_process and
+    engine_factory say; everything else here is the same for both backends.
 
     The model-field ingress calls ``generate`` through a handle. Deployed as its
     own application's ingress, the replica also answers HTTP itself, like the
@@ -185,6 +188,17 @@ class StrategyReplica:
         cfg.setdefault("replica_id", replica)
         cfg.setdefault("served_model_name", strategy)  # step rows carry it beside the strategy
         threads = int(cfg.get("torch_threads") or 1)
+        python = None
+        if cfg.get("backend") == "vllm":
+            # vLLM's engine in its own venv: always its own process, whatever
+            # engine_process says (vLLM cannot be imported in this environment)
+            from actors.engine.config import EngineConfig
+            from actors.engine.vllm_backend import VLLM_FACTORY
+
+            ec = EngineConfig(**cfg)
+            python = ec.resolved_vllm_python()
+            cfg = ec.model_dump()
+            engine_factory, engine_process = VLLM_FACTORY, True
         engine_process = resolve_engine_process(engine_process)
         if not engine_process:
             import torch
@@ -201,7 +215,8 @@ class StrategyReplica:
         if engine_process:   # the engine step in its own process: no GIL shared with HTTP
             self.engine = ProcessAsyncLLMEngine(engine_factory, cfg, torch_threads=threads,
                                                 step_log_capacity=capacity,
-                                                step_sink=self._pending_rows.append)
+                                                step_sink=self._pending_rows.append,
+                                                python=python)
         else:
             factory: Callable[[dict], Any] = import_object(engine_factory)
             self.engine = AsyncLLMEngine(factory(cfg), step_log_capacity=capacity,

@@ -171,7 +171,11 @@ class EngineProcess:
     API: add_request, abort_request, step, has_unfinished_requests, num_waiting,
     num_running, max_model_len, on_step). engine_config: its argument (pickled
     to the child). torch_threads: the child's torch intra-op threads.
-    start_timeout_s: seconds to wait for the engine to load.
+    start_timeout_s: seconds to wait for the engine to load. python: the child's
+    interpreter (default this one's); another venv's (vLLM's, ``engine.backend:
+    vllm``) gets a clean environment (``actors.engine.vllm_backend.vllm_env``):
+    PYTHONPATH = the repository root only, not this process's import path, which
+    would drag this environment's site-packages into that venv.
 
     Raises what the factory raised in the child (e.g. FileNotFoundError for a
     missing model directory), or EngineDead when the child exits or does not
@@ -180,16 +184,27 @@ class EngineProcess:
     """
 
     def __init__(self, factory: str, engine_config: dict, torch_threads: int = 1,
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, python: str | None = None):
         import threading
 
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        # the child imports what this process imports (a runtime_env working_dir,
-        # the tests' fake engines): this process's import path, in order
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if python is None or python == sys.executable:
+            python = sys.executable
+            env = dict(os.environ)
+            # the child imports what this process imports (a runtime_env working_dir,
+            # the tests' fake engines): this process's import path, in order
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        else:
+            from actors.engine.vllm_backend import vllm_env
+
+            if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+                child.close()
+                parent.close()
+                raise EngineDead(f"the engine's python {python} is not an executable "
+                                 "(engine.vllm_python / $SPECLOAD_VLLM_PYTHON)")
+            env = vllm_env()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.serve.engine_core", str(child.fileno())],
+            [python, "-m", "actors.serve.engine_core", str(child.fileno())],
             pass_fds=[child.fileno()], env=env, close_fds=True)
         child.close()
         self.conn = Connection(parent.detach())
