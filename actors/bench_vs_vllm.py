@@ -12,7 +12,7 @@ stdlib prompts, cut to 1200 characters), greedy, 32-token outputs (EOS may end o
 sooner, as in the cells). Two ways, each for specload and for vLLM 0.32 (its CPU
 build, in its own venv: ``$SPECLOAD_VLLM_PYTHON`` or ``.venv-vllm/bin/python``), the
 same fp32 target (``models/target``), ngram (k 4, n-gram 2..4) and draft_model (k 4,
-``models/draft``) as in ``tests/vllm_server.py``:
+``models/draft``) as in ``actors/vllm_server.py``:
 
 - ``engine``: the engine alone, no HTTP: specload's ``LLMEngine`` and vLLM's offline
   ``LLMEngine``, each in a worker process of its own (``actors/bench_closed_loop.py``);
@@ -84,8 +84,13 @@ def load_prompts(max_chars: int = MAX_PROMPT_CHARS) -> list[str]:
 
 
 def vllm_python() -> str | None:
-    cand = os.environ.get("SPECLOAD_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    return cand if Path(cand).is_file() and os.access(cand, os.X_OK) else None
+    """The vLLM venv's interpreter, or None without one (``actors.vllm_server``)."""
+    from actors.vllm_server import find_vllm_python
+
+    try:
+        return find_vllm_python()
+    except FileNotFoundError:
+        return None
 
 
 def _p50(xs: list[float]) -> float:
@@ -232,9 +237,8 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
 
 
 def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool = True):
-    """A vLLM OpenAI server for ``strategy`` (``tests/vllm_server.py``'s launcher)."""
-    sys.path.insert(0, str(REPO))
-    from tests.vllm_server import DRAFT_MODEL, NGRAM as T_NGRAM, VllmServer
+    """A vLLM OpenAI server for ``strategy`` (``actors.vllm_server``)."""
+    from actors.vllm_server import DRAFT_MODEL, NGRAM as T_NGRAM, VllmServer
 
     spec = {"ngram": T_NGRAM, "draft_model": DRAFT_MODEL}.get(strategy)
     os.environ["OMP_NUM_THREADS"] = str(threads)      # the server inherits it

@@ -88,6 +88,12 @@ def test_strategy_settings_map_to_vllm():
                                        max_model_len=512).model_dump(), cuda=True)
     assert ar["speculative_config"] is None and ar["max_model_len"] == 512
     assert ar["dtype"] == "bfloat16"          # auto on CUDA, as the embedded engine
+    # prefix caching is the engine field on both backends (vLLM's own default, on, is not used)
+    assert ar["enable_prefix_caching"] is False and ng["enable_prefix_caching"] is False
+    pc = EngineConfig(backend="vllm", enable_prefix_caching=True).model_dump()
+    assert vllm_engine_args(pc)["enable_prefix_caching"] is True
+    with pytest.raises(ValueError, match="engine_kwargs.enable_prefix_caching"):
+        vllm_engine_args({**pc, "engine_kwargs": {"enable_prefix_caching": False}})
     # a method specload does not host passes through (strategy is its label)
     eagle = EngineConfig(backend="vllm", strategy="eagle3", num_speculative_tokens=3,
                          speculative_config={"method": "eagle3", "model": "/m/head"})

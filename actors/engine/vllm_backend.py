@@ -54,7 +54,8 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"
 MAPPED_KEYS = {"model": "model", "dtype": "dtype", "max_num_seqs": "max_num_seqs",
                "max_num_batched_tokens": "max_num_batched_tokens",
                "max_model_len": "max_model_len", "speculative_config": "speculative_config",
-               "device": "device", "served_model_name": "served_model_name"}
+               "device": "device", "served_model_name": "served_model_name",
+               "enable_prefix_caching": "enable_prefix_caching"}
 # What speculative_config's "method" means in specload's strategy names
 SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft_model"}
 
@@ -177,6 +178,8 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
         "per_request_spec_decode_metrics": "summary" if spec else "none",
         "served_model_name": cfg.get("served_model_name") or strategy,
         "seed": 0,
+        # the engine field, as the embedded engine reads it (vLLM's own default is on)
+        "enable_prefix_caching": bool(cfg.get("enable_prefix_caching", False)),
     }
     if cfg.get("max_model_len"):
         out["max_model_len"] = cfg["max_model_len"]
