@@ -428,7 +428,8 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
     else:
         labels = {k: [x.name for x in v] for k, v in st.samplings.items()}
         sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
-        if st.args.budget_s > 0:   # racing: the first pass cell-major, so drift hits a cell's strategies alike
+        if st.args.budget_s > 0 or st.args.interleave:
+            # cell-major (racing's first pass, or --interleave): drift hits a cell's strategies alike
             from loadgen.cli.race import first_pass
 
             order = first_pass(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
