@@ -109,3 +109,29 @@ def cluster_up(tmp: Path, strategies: list[dict] | None = None, timeout_s: int =
         yield url
     finally:
         subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
+
+
+@contextlib.contextmanager
+def local_service(args: dict):
+    """A fresh local Ray (``address="local"``: never one a ``cluster up`` left running, 2
+    CPUs, metrics exported every second) and ``args`` deployed as the one application
+    ``specload`` at ``/`` on a free 127.0.0.1 port. Yields (base_url, metrics_url); shuts
+    Serve and Ray down after."""
+    import ray
+    from ray import serve
+
+    from actors.serve.app import run_applications
+    from configs.net import free_port
+
+    metrics_port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        run_applications(args, name="specload", route_prefix="/")
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

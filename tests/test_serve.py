@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 from configs import metric_names as mn  # noqa: E402
 from configs.net import free_port  # noqa: E402
-from tests.serve_fixtures import ONE_SLOT, app_args, parse_sse, use_real_engine  # noqa: E402
+from tests.serve_fixtures import ONE_SLOT, app_args, local_service, parse_sse, use_real_engine  # noqa: E402
 from tests.tiers_file import write_tiers  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import os\nimport sys\n"]
@@ -31,24 +31,10 @@ PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins", "import 
 @pytest.fixture(scope="module")
 def service():
     """(base_url, metrics_url, args, real): a Serve app on a free 127.0.0.1 port."""
-    from actors.serve.app import run_applications
-
     real = use_real_engine()
     args = app_args(real)
-    metrics_port = free_port()
-    # address="local": always a fresh cluster, never one a `cluster up` left running
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        run_applications(args, name="specload", route_prefix="/")
-        yield (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics",
-               args, real)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_service(args) as (base_url, metrics_url):
+        yield base_url, metrics_url, args, real
 
 
 @pytest.fixture(scope="module")

@@ -377,10 +377,8 @@ def vllm_service():
     on the embedded models (vllm-ngram small, max_num_seqs 4 and max_waiting 2, to see
     429s) on a free 127.0.0.1 port, one-hop layout; Ray and Serve shut down after."""
     python = _vllm_python_or_skip()
-    ray = pytest.importorskip("ray")
-    serve = pytest.importorskip("ray.serve")
-    from actors.serve.app import run_applications
-    from configs.net import free_port
+    pytest.importorskip("ray.serve")
+    from tests.serve_fixtures import local_service
 
     env = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
@@ -402,19 +400,8 @@ def vllm_service():
              num_speculative_tokens=K)],
         "ingress": {"ray_actor_options": {"num_cpus": 0.1, "runtime_env": env}}}
     t0 = time.monotonic()
-    metrics_port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        run_applications(args, name="specload", route_prefix="/")
-        yield (f"http://127.0.0.1:{port}", time.monotonic() - t0,
-               f"http://127.0.0.1:{metrics_port}/metrics")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_service(args) as (base_url, metrics_url):
+        yield base_url, time.monotonic() - t0, metrics_url
 
 
 def mn_prom(name: str) -> str:

@@ -35,3 +35,19 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served (HTTP 503)."""
+
+
+def check_prompt_ids(ids: list, vocab_size: int, max_model_len: int, *,
+                     check_vocab: bool = True) -> None:
+    """The prompt checks every engine makes (embedded and vLLM-backed): token ids ints in
+    ``[0, vocab_size)`` (with ``check_vocab``), not empty, shorter than ``max_model_len``
+    (one token must fit). Raises InvalidRequest (param "prompt"; code
+    ``context_length_exceeded`` for a prompt too long)."""
+    if check_vocab and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"prompt token ids must be ints in [0, {vocab_size})", param="prompt")
+    if not ids:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is {max_model_len}, "
+                             "which leaves no room to generate", param="prompt",
+                             code="context_length_exceeded")

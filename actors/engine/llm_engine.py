@@ -24,7 +24,7 @@ import torch
 from actors.engine import memory as mem
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import Detokenizer
-from actors.engine.errors import InvalidRequest, QueueFull
+from actors.engine.errors import InvalidRequest, QueueFull, check_prompt_ids
 from actors.engine.model import CausalLM
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.runner import ModelRunner, RowInput
@@ -183,16 +183,8 @@ class LLMEngine:
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.model.config.vocab_size
-                   for t in ids):
-                raise InvalidRequest(f"prompt token ids must be ints in [0, "
-                                     f"{self.model.config.vocab_size})", param="prompt")
-        if not ids:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is "
-                                 f"{self.max_model_len}, which leaves no room to generate",
-                                 param="prompt", code="context_length_exceeded")
+        check_prompt_ids(ids, self.model.config.vocab_size, self.max_model_len,
+                         check_vocab=not isinstance(prompt, str))
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are waiting "
                                  f"(max_waiting={self.config.max_waiting})")

@@ -384,7 +384,7 @@ class VllmEngine:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        from actors.engine.errors import InvalidRequest, QueueFull
+        from actors.engine.errors import InvalidRequest, QueueFull, check_prompt_ids
 
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
@@ -398,15 +398,8 @@ class VllmEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequest(f"prompt token ids must be ints in [0, {self.vocab_size})",
-                                     param="prompt")
-        if not ids:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt is {len(ids)} tokens; max_model_len is "
-                                 f"{self.max_model_len}, which leaves no room to generate",
-                                 param="prompt", code="context_length_exceeded")
+        check_prompt_ids(ids, self.vocab_size, self.max_model_len,
+                         check_vocab=not isinstance(prompt, str))
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting "
                             f"(max_waiting={self.max_waiting})")
