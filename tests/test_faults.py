@@ -346,6 +346,9 @@ def test_load_worker_killed_mid_run(service, tmp_path):
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
     man = json.loads((run_dir / "manifest.json").read_text())
+    windows = [{k: v for k, v in c.items() if k.endswith("_ts") or k.endswith("_s")} for c in man.get("cells", [])]
+    assert len(man["worker_losses"]) == 1, (f"killed at {t_kill:.2f}; cell windows {windows}; "
+                                            f"finished {man.get('finished_ts')}\n{out[-4000:]}")
     (loss,) = man["worker_losses"]
     assert loss["lost_ts"] >= t_kill and loss["live_workers"] == 1
     df = pd.read_parquet(run_dir / "requests.parquet")
@@ -357,7 +360,7 @@ def test_load_worker_killed_mid_run(service, tmp_path):
     assert (live[M.REQ_END_TS] > loss["lost_ts"]).any()             # the other worker went on
     assert df[M.REQ_STATUS].eq(M.STATUS_OK).all()
     print(f"\nFIGURES worker kill: {len(dead)} rows of the dead worker kept, "
-          f"{loss['in_flight_at_last_report']} in-flight request(s) lost, detected "
+          f"{loss['in_flight_at_last_report']} in-flight request(s) lost, detected by {loss['detected_by']} "
           f"{loss['lost_ts'] - t_kill:.1f} s after the kill; {len(live)} rows from the live worker")
 
 

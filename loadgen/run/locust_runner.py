@@ -7,8 +7,9 @@ process with gevent's monkey-patching). Workers receive each cell's plan as a
 custom message and stream rows back; the master drains on their in-flight
 counts before stopping the cell.
 
-A worker that stops sending heartbeats (its actor or process died) is marked
-missing by Locust after about 3 s; the runner then records a loss in
+A worker whose Ray actor died (the helper's ``LOST <i>`` line: Ray reported the
+actor dead) or that stops sending heartbeats (marked missing by Locust after
+about 4 s) is lost; the runner then records a loss in
 ``worker_losses`` (worker index, pids, when, its last reported in-flight count
 = requests lost without a row, rows it had delivered, which are all kept), stops
 waiting for it in the drain, and later cells split the requests over the live
@@ -76,6 +77,9 @@ class LoadRunner:
         self._rows_at_start: dict[int, int] = {}
         self._lost: set[str] = set()
         self._last_beat: dict[str, float] = {}   # client id -> when the master last heard its heartbeat
+        self._actors_lost: set[int] = set()       # Ray actor indices the helper reported dead (LOST <i>)
+        self._helper_round_ts: float | None = None  # when the helper's newest liveness round began
+        self._client_by_pid: dict[int, str] = {}  # locust --worker pid -> Locust client id (from its rows)
         self._helper_ready = False
         self._proc = psutil.Process()
         self._proc.cpu_percent(None)
@@ -130,21 +134,38 @@ class LoadRunner:
                                          "ray_node_id": parts[5] if len(parts) > 5 else None})
             elif parts[:1] == ["READY"]:
                 self._helper_ready = True
+            elif parts[:1] == ["LOST"] and len(parts) >= 2:
+                self._actors_lost.add(int(parts[1]))
+            elif parts[:1] == ["ROUND"] and len(parts) >= 2:
+                self._helper_round_ts = float(parts[1])
             elif parts[:1] == ["ERROR"]:
                 log.error("Ray worker helper: %s", line.strip())
 
+    def _dead_by_ray(self) -> set[str]:
+        """Locust client ids of the workers whose Ray actor the helper reported dead."""
+        pids = {w["actor"]: w["locust_pid"] for w in self.worker_info}
+        return {self._client_by_pid[pids[i]] for i in self._actors_lost
+                if i in pids and pids[i] in self._client_by_pid}
+
+    def _is_lost(self, client: Any, dead_by_ray: set[str] | None = None) -> bool:
+        """True for a worker marked missing by Locust or whose actor Ray reported dead."""
+        dead = self._dead_by_ray() if dead_by_ray is None else dead_by_ray
+        return client.state == "missing" or client.id in dead
+
     def _live_indices(self) -> list[int]:
-        """Locust worker indices of the workers not marked missing."""
+        """Locust worker indices of the workers not lost (``_is_lost``)."""
         idx = self.runner.worker_indexes
+        dead = self._dead_by_ray()
         return sorted(idx[c.id] for c in self.runner.clients.values()
-                      if c.state != "missing" and c.id in idx)
+                      if not self._is_lost(c, dead) and c.id in idx)
 
     def _check_workers(self, cell_id: str) -> None:
-        """Record each worker newly marked missing (no heartbeat for ~3 s) as a loss."""
+        """Record each worker newly lost (``_is_lost``: its actor died, or no heartbeat for ~4 s)."""
         if self.n_workers <= 0:
             return
+        dead = self._dead_by_ray()
         for c in list(self.runner.clients.values()):
-            if c.state != "missing" or c.id in self._lost:
+            if not self._is_lost(c, dead) or c.id in self._lost:
                 continue
             self._lost.add(c.id)
             index = self.runner.worker_indexes.get(c.id, -1)
@@ -152,7 +173,8 @@ class LoadRunner:
             loss = {"worker_index": index, "client_id": c.id, "cell_id": cell_id, "lost_ts": time.time(),
                     "last_report_ts": last_ts, "in_flight_at_last_report": in_flight,
                     "rows_delivered": self._rows_by_worker.get(index, 0),
-                    "live_workers": len(self._live_indices())}
+                    "live_workers": len(self._live_indices()),
+                    "detected_by": "ray" if c.id in dead else "heartbeat"}
             self._worker_inflight.pop(index, None)
             log.warning("load worker %d (%s) lost: %d in-flight request(s) lost, %d rows kept",
                         index, c.id, in_flight, loss["rows_delivered"])
@@ -164,6 +186,8 @@ class LoadRunner:
 
     def _on_rows(self, environment: Any, msg: Any, **_: Any) -> None:
         data = msg.data
+        if data.get("pid") and getattr(msg, "node_id", None):
+            self._client_by_pid[int(data["pid"])] = str(msg.node_id)
         if data.get("cell_id") != self._cell_id:
             log.warning("dropping %d late rows of cell %s", len(data.get("rows", [])), data.get("cell_id"))
             return
@@ -200,7 +224,8 @@ class LoadRunner:
     def _cpu_sample(self) -> float:
         own = self._proc.cpu_percent(None)
         if self.n_workers > 0:
-            live = [c for c in self.runner.clients.values() if c.state != "missing"]
+            dead = self._dead_by_ray()
+            live = [c for c in self.runner.clients.values() if not self._is_lost(c, dead)]
             for c in live:   # per worker: its CPU (own heartbeat) and the users it runs
                 smp = self._worker_samples.setdefault(str(c.id), {"cpu": [], "users": []})
                 smp["cpu"].append(float(c.cpu_usage))
@@ -314,9 +339,11 @@ class LoadRunner:
 
         A worker counts as alive once the master hears a heartbeat from it more than one beat
         interval after this call began (a beat already on the wire when a worker died arrives
-        within that interval); until then it is pending. Locust marks a silent worker missing
-        after ``HEARTBEAT_LIVENESS`` missed 1 s beats (about 4 s), and ``_check_workers`` then
-        records the loss. Returns once no worker is pending, or after ``max_wait_s``.
+        within that interval) and, when the Ray helper watches the actors, once a helper round
+        that began after this call has passed without ``LOST`` for it; until then it is pending.
+        A dead actor is reported by that round; a silent worker is marked missing by Locust after
+        ``HEARTBEAT_LIVENESS`` missed 1 s beats (about 4 s). ``_check_workers`` then records the
+        loss. Returns once no worker is pending, or after ``max_wait_s``.
         """
         if self.n_workers <= 0:
             return
@@ -327,8 +354,10 @@ class LoadRunner:
         cell = self._cell_id or "after-run"
         while time.time() < t_end:
             self._check_workers(cell)
-            pending = [c for c in self.runner.clients.values()
-                       if c.state != "missing" and self._last_beat.get(str(c.id), 0.0) <= t0 + HEARTBEAT_INTERVAL]
+            dead = self._dead_by_ray()
+            round_pending = self._helper_round_ts is not None and self._helper_round_ts < t0
+            pending = [c for c in self.runner.clients.values() if not self._is_lost(c, dead) and (
+                round_pending or self._last_beat.get(str(c.id), 0.0) <= t0 + HEARTBEAT_INTERVAL)]
             if not pending:
                 return
             gevent.sleep(0.25)

@@ -12,7 +12,8 @@ Starts a private local Ray instance, or connects to the cluster at ``--address``
 N actors with ``num_cpus`` 0.1 each, prints one ``WORKER <i> <actor_pid> <locust_pid> <node_ip>
 <ray_node_id>`` line per actor and then ``READY <n> <master_host>``, and waits until
 stdin closes or SIGTERM/SIGINT, then stops the workers and shuts Ray down if
-it started it.
+it started it. While it waits it asks every actor for its pid once a second and
+prints ``LOST <i>`` for one Ray reports dead and ``ROUND <unix s>`` after each round.
 
 Placement (``--placement``): ``spread`` (default) uses Ray's SPREAD scheduling
 strategy, so the actors go to different nodes as far as resources allow;
@@ -33,6 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from configs.net import LOOPBACK, loopback_env
@@ -142,13 +144,45 @@ def _start_workers(ray, a: argparse.Namespace, master_host: str) -> list | None:
     return actors
 
 
+def watch_actors(ray, actors: list, stop: threading.Event, every_s: float = 1.0,
+                 call_timeout_s: float = 10.0) -> None:
+    """Until ``stop``: ask each live actor its pid once per round; print ``LOST <i>`` for an actor Ray
+    reports dead (``ActorDiedError``: process killed, node gone; never restarted) and ``ROUND <t>`` after
+    each round (``t``: unix s the round began). A slow answer (``GetTimeoutError``) or a transient
+    ``ActorUnavailableError`` is not a death. The master (``LoadRunner``) uses both lines: a lost
+    actor is a lost Locust worker, recorded without waiting for Locust's missed heartbeats."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+    lost: set[int] = set()
+    while not stop.is_set():
+        t0 = time.time()
+        for i, w in enumerate(actors):
+            if i in lost or stop.is_set():
+                continue
+            try:
+                ray.get(w.pid.remote(), timeout=call_timeout_s)
+            except (GetTimeoutError, ActorUnavailableError):
+                continue
+            except ActorDiedError:
+                lost.add(i)
+                print(f"LOST {i}", flush=True)
+            except Exception:  # noqa: BLE001  (Ray shutting down under us: stop watching)
+                return
+        print(f"ROUND {t0:.3f}", flush=True)
+        stop.wait(every_s)
+
+
 def _wait_and_stop(ray, actors: list) -> None:
-    """Block until SIGTERM, SIGINT or EOF on stdin; then stop every worker (30 s each, best effort)."""
+    """Block until SIGTERM, SIGINT or EOF on stdin, watching the actors (``watch_actors``); then stop
+    every worker (30 s each, best effort)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    watcher = threading.Thread(target=watch_actors, args=(ray, actors, stop), daemon=True)
+    watcher.start()
     stop.wait()
+    watcher.join(timeout=15)
     for w in actors:   # one by one: a dead actor (a lost worker) must not skip the others
         try:
             ray.get(w.stop.remote(), timeout=30)

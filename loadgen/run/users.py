@@ -179,6 +179,7 @@ def install_worker_hooks(environment: Any, flush_interval_s: float = 0.25) -> No
         del buffer[:]
         runner.send_message(ROWS_MESSAGE, {"cell_id": state["cell_id"], "rows": rows, "worker": runner.worker_index,
                                            "in_flight": ctx.in_flight if ctx else 0, "ts": time.time(),
+                                           "pid": os.getpid(),   # the master maps Ray's LOST <i> by it
                                            # set by loadgen.run.ray_workers: the Ray node this worker runs on
                                            "node": os.environ.get("SPECLOAD_RAY_NODE_ID", "")})
 
