@@ -75,3 +75,44 @@ def test_runner_views_equal_gathers_in_any_slot_order():
     with torch.inference_mode():  # and both equal a plain forward without a cache
         ref = model(torch.tensor([prompts[2] + nxt[2]])).logits[0, -3:]
     assert torch.allclose(out["view"][0][2], ref, atol=1e-4)
+
+
+def test_packed_group_equals_rows_alone_and_a_plain_forward():
+    """A packed step's short rows (decodes, verifies, a short chunk) attend as one padded
+    batch (``ModelRunner.packed_group``); their logits equal those of each row attending
+    alone (``GROUP_MAX_Q = 0``) and of a plain forward without a cache, on consecutive
+    slots (a cache view) and scattered ones (a gather), with a far longer row left alone."""
+    from actors.engine.model import CausalLM, ModelConfig
+    from actors.engine.runner import ModelRunner, RowInput
+
+    torch.manual_seed(1)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
+    model = CausalLM(cfg).eval()
+    model.fuse()
+    # cached contexts (the last one far longer), then: a decode, two verifies of different
+    # lengths, a long-context decode, a short new prompt and a 20-token prompt chunk
+    ctx_lens = [7, 12, 5, 9, 150]
+    ctxs = [torch.randint(0, 61, (n,)).tolist() for n in ctx_lens]
+    new = [[3], [4, 5, 6], [7, 8], [9], [10]]
+    fresh = [torch.randint(0, 61, (n,)).tolist() for n in (4, 20)]
+    for slots in ([0, 1, 2, 3, 4, 5, 6], [6, 0, 3, 9, 1, 4, 8]):
+        out = {}
+        for name, gmax in (("group", 16), ("alone", 0)):
+            runner = ModelRunner(model, 10, 256)
+            runner.GROUP_MAX_Q = gmax
+            runner.run([RowInput(s, 0, c) for s, c in zip(slots, ctxs)], last_only=True)
+            rows = [RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)]
+            rows += [RowInput(slots[5], 0, fresh[0]), RowInput(slots[6], 0, fresh[1])]
+            assert runner.pack([len(r.token_ids) for r in rows])
+            if gmax:
+                grp = runner.packed_group(rows, [(r.slot, r.start, 0, len(r.token_ids)) for r in rows])
+                assert grp is not None and sorted(grp.seg_ids) == [0, 1, 2, 3, 5]  # 150-ctx row alone
+            out[name] = runner.run(rows)[0]
+        for a, b in zip(out["group"], out["alone"]):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+        with torch.inference_mode():
+            for i, (c, t) in enumerate(zip(ctxs + [[], []], new + fresh)):
+                ref = model(torch.tensor([c + t])).logits[0, -len(t):]
+                assert torch.allclose(out["group"][i], ref, atol=1e-4), i
