@@ -77,11 +77,12 @@ def test_runner_views_equal_gathers_in_any_slot_order():
     assert torch.allclose(out["view"][0][2], ref, atol=1e-4)
 
 
-def test_packed_group_equals_rows_alone_and_a_plain_forward():
-    """A packed step's short rows (decodes, verifies, a short chunk) attend as one padded
-    batch (``ModelRunner.packed_group``); their logits equal those of each row attending
-    alone (``GROUP_MAX_Q = 0``) and of a plain forward without a cache, on consecutive
-    slots (a cache view) and scattered ones (a gather), with a far longer row left alone."""
+
+def test_uneven_verify_batch_runs_packed_with_the_padded_logits():
+    """Verifies of uneven draft lengths (ngram: 0..k per row) whose real tokens fill at most
+    ``PACK_FILL`` of the padded B x Q run packed (GEMMs and LM head over real tokens only);
+    their logits equal the padded forward's and a plain forward's without a cache, on
+    consecutive and scattered slots. A full batch still runs padded."""
     from actors.engine.model import CausalLM, ModelConfig
     from actors.engine.runner import ModelRunner, RowInput
 
@@ -91,28 +92,21 @@ def test_packed_group_equals_rows_alone_and_a_plain_forward():
                       head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
     model = CausalLM(cfg).eval()
     model.fuse()
-    # cached contexts (the last one far longer), then: a decode, two verifies of different
-    # lengths, a long-context decode, a short new prompt and a 20-token prompt chunk
-    ctx_lens = [7, 12, 5, 9, 150]
-    ctxs = [torch.randint(0, 61, (n,)).tolist() for n in ctx_lens]
-    new = [[3], [4, 5, 6], [7, 8], [9], [10]]
-    fresh = [torch.randint(0, 61, (n,)).tolist() for n in (4, 20)]
-    for slots in ([0, 1, 2, 3, 4, 5, 6], [6, 0, 3, 9, 1, 4, 8]):
+    ctxs = [torch.randint(0, 61, (n,)).tolist() for n in (7, 12, 5, 9, 150)]
+    new = [[3], [4, 5, 6, 7, 8], [9], [10, 11], [12]]       # 10 real of 25 padded
+    lens = [len(t) for t in new]
+    probe = ModelRunner(model, 10, 256)
+    assert probe.pack(lens) and not probe.pack([5, 5, 5, 4, 5]) and not probe.pack([1] * 5)
+    for slots in ([0, 1, 2, 3, 4], [6, 0, 3, 9, 1]):
         out = {}
-        for name, gmax in (("group", 16), ("alone", 0)):
+        for name, fill in (("packed", ModelRunner.PACK_FILL), ("padded", 0.0)):
             runner = ModelRunner(model, 10, 256)
-            runner.GROUP_MAX_Q = gmax
+            runner.PACK_FILL = fill
             runner.run([RowInput(s, 0, c) for s, c in zip(slots, ctxs)], last_only=True)
-            rows = [RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)]
-            rows += [RowInput(slots[5], 0, fresh[0]), RowInput(slots[6], 0, fresh[1])]
-            assert runner.pack([len(r.token_ids) for r in rows])
-            if gmax:
-                grp = runner.packed_group(rows, [(r.slot, r.start, 0, len(r.token_ids)) for r in rows])
-                assert grp is not None and sorted(grp.seg_ids) == [0, 1, 2, 3, 5]  # 150-ctx row alone
-            out[name] = runner.run(rows)[0]
-        for a, b in zip(out["group"], out["alone"]):
+            out[name] = runner.run([RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)])[0]
+        for a, b in zip(out["packed"], out["padded"]):
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
         with torch.inference_mode():
-            for i, (c, t) in enumerate(zip(ctxs + [[], []], new + fresh)):
+            for i, (c, t) in enumerate(zip(ctxs, new)):
                 ref = model(torch.tensor([c + t])).logits[0, -len(t):]
-                assert torch.allclose(out["group"][i], ref, atol=1e-4), i
+                assert torch.allclose(out["packed"][i], ref, atol=1e-4), i

@@ -217,32 +217,6 @@ class BatchMeta:
     segments: list[tuple[int, int, int, int]] | None = None
     positions: torch.Tensor | None = None
     seg_masks: list | None = None
-    # packed batch: its short rows (decodes, verifies, short chunks) attend as one padded
-    # batch on the cache (``PackedGroup``) instead of one call each; None: every row alone
-    group: "PackedGroup | None" = None
-
-
-@dataclass
-class PackedGroup:
-    """The short rows of a packed batch, attended together (``Attention._packed_attention``).
-
-    seg_ids: the segments (indices into ``BatchMeta.segments``) in the group, in slot
-    order; q_index: [G * Qm] int64, packed-token index of each (row, j) query (j past a
-    row's length repeats its last token: padding); valid: [N] int64, which of the G * Qm
-    entries are real tokens; out_index: [N] int64, their packed-token positions; slots:
-    [G] int64 (a view of the cache when ``slot_range`` (lo, hi) is set); kv_len: the
-    group's longest context; mask: bool [G, 1, Qm, kv_len] (True = attend) or None
-    (one token per row, every row's context kv_len)."""
-
-    seg_ids: list[int]
-    q_index: torch.Tensor
-    valid: torch.Tensor
-    out_index: torch.Tensor
-    slots: torch.Tensor
-    slot_range: tuple[int, int] | None
-    kv_len: int
-    q_len: int
-    mask: torch.Tensor | None
 
 
 class Attention(nn.Module):
@@ -377,54 +351,21 @@ class Attention(nn.Module):
         ck[meta.write_rows, meta.write_pos] = k[0].transpose(0, 1).to(ck.dtype)
         cv[meta.write_rows, meta.write_pos] = v[0].transpose(0, 1).to(cv.dtype)
         gqa = self.h != self.kvh
-        grp = meta.group
-        if grp is None and len(meta.segments) == 1:
-            out = None
-        else:
-            out = q.new_empty(q.shape)
-        skip = set(grp.seg_ids) if grp is not None else ()
-        for i, ((slot, start, off, n), mask) in enumerate(zip(meta.segments, meta.seg_masks)):
-            if i in skip:
-                continue
+        outs = []
+        for (slot, start, off, n), mask in zip(meta.segments, meta.seg_masks):
             qs = q[:, :, off:off + n]
             if start == 0 and same:
-                o = F.scaled_dot_product_attention(
+                outs.append(F.scaled_dot_product_attention(
                     qs, k[:, :, off:off + n], v[:, :, off:off + n], is_causal=n > 1,
-                    enable_gqa=gqa)
-            else:
-                ks = ck[slot, :start + n].transpose(0, 1)[None]
-                vs = cv[slot, :start + n].transpose(0, 1)[None]
-                if not same:
-                    ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
-            if out is None:
-                return o
-            out[:, :, off:off + n] = o
-        if grp is not None:
-            out[0].index_copy_(1, grp.out_index, self._group_attention(q, ck, cv, grp))
-        return out
-
-    def _group_attention(self, q, ck, cv, grp: "PackedGroup") -> torch.Tensor:
-        """A packed batch's short rows as one padded batch reading the cache (their K/V
-        already written): q [1, h, T, D] -> [h, N, D], N = the group's real tokens."""
-        G, Qm, kl, D = len(grp.seg_ids), grp.q_len, grp.kv_len, self.d
-        g = self.h // self.kvh
-        qg = q[0].index_select(1, grp.q_index).view(self.h, G, Qm, D).transpose(0, 1)
-        if grp.slot_range is not None:
-            lo, hi = grp.slot_range
-            kk, vv = ck[lo:hi, :kl], cv[lo:hi, :kl]
-        else:
-            kk, vv = ck[grp.slots, :kl], cv[grp.slots, :kl]
-        kk, vv = kk.transpose(1, 2).to(q.dtype), vv.transpose(1, 2).to(q.dtype)
-        mask = grp.mask
-        if g > 1:   # GQA-folded: each K/V row read once per KV head (as the padded path)
-            qf = qg.reshape(G, self.kvh, g * Qm, D)
-            if mask is not None:
-                mask = mask[:, :, None].expand(G, 1, g, Qm, kl).reshape(G, 1, g * Qm, kl)
-            o = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=mask).view(G, self.h, Qm, D)
-        else:
-            o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
-        return o.transpose(0, 1).reshape(self.h, G * Qm, D).index_select(1, grp.valid)
+                    enable_gqa=gqa))
+                continue
+            ks = ck[slot, :start + n].transpose(0, 1)[None]
+            vs = cv[slot, :start + n].transpose(0, 1)[None]
+            if not same:
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                       enable_gqa=gqa))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class MLP(nn.Module):

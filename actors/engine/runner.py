@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.kv_cache import KVCache, KVSlotPool
-from actors.engine.model import BatchMeta, CausalLM, ForwardOutput, PackedGroup
+from actors.engine.model import BatchMeta, CausalLM, ForwardOutput
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,9 @@ class ModelRunner:
 
     # ... and so does a batch whose real tokens fill at most this share of the padded
     # B x Q (verifies of uneven draft lengths: ngram proposes 0..k tokens per row): every
-    # GEMM and the LM head run over the real tokens only; its short rows still attend as
-    # one padded batch (``packed_group``)
+    # GEMM and the LM head run over the real tokens only, and each row attends its own
+    # context (no padding to the longest: a step reads the K/V it needs; a verify step is
+    # bound by those bytes and the weights', not by FLOPs)
     PACK_FILL = 0.75
 
     def pack(self, lens: list[int]) -> bool:
@@ -144,7 +145,6 @@ class ModelRunner:
         meta.write_pos = pos_t
         meta.write_rows = torch.repeat_interleave(
             slots_t, torch.tensor([len(r.token_ids) for r in rows], device=dev))
-        meta.group = self.packed_group(rows, segs)
         # the LM head only where logits are wanted (each prompt chunk's last token)
         idx = None if not any(flags) else torch.tensor([sel], dtype=torch.long, device=dev)
         out: ForwardOutput = self.model(torch.tensor([ids], dtype=torch.long).to(dev),
@@ -160,49 +160,6 @@ class ModelRunner:
         if out.aux_hidden is not None:
             aux = [out.aux_hidden[0, o:o + n] for _, _, o, n in segs]
         return per_row, aux
-
-    # a packed batch's rows of at most this many new tokens attend as one padded batch
-    GROUP_MAX_Q = 16
-
-    def packed_group(self, rows: list[RowInput], segs: list[tuple[int, int, int, int]]
-                     ) -> PackedGroup | None:
-        """The short rows (<= ``GROUP_MAX_Q`` new tokens: decodes, verifies, short chunks)
-        of a packed batch, to attend as one padded batch on the cache instead of one
-        attention call per row (at 16 users a packed step is about every second step: each
-        arriving prompt rides with the running decodes). Rows with a context far longer
-        than the rest stay alone (``split_long``); None when fewer than two rows qualify."""
-        short = [i for i, (_, _, _, n) in enumerate(segs) if n <= self.GROUP_MAX_Q]
-        if len(short) < 2:
-            return None
-        ctx = {i: segs[i][1] + segs[i][3] for i in short}
-        long_rows, _ = self.split_long([rows[i] for i in short], max(ctx.values()))
-        if long_rows:
-            alone = {short[j] for j, _, _ in long_rows}
-            short = [i for i in short if i not in alone]
-            if len(short) < 2:
-                return None
-        short.sort(key=lambda i: segs[i][0])
-        dev = self.device
-        q_len = max(segs[i][3] for i in short)
-        kv_len = max(ctx[i] for i in short)
-        q_index, valid, out_index, qpos = [], [], [], []
-        for b, i in enumerate(short):
-            _, start, off, n = segs[i]
-            q_index.extend(off + min(j, n - 1) for j in range(q_len))
-            valid.extend(range(b * q_len, b * q_len + n))
-            out_index.extend(range(off, off + n))
-            qpos.append(range(start, start + q_len))
-        slots = [segs[i][0] for i in short]
-        consecutive = all(s == slots[0] + j for j, s in enumerate(slots))
-        mask = None
-        if q_len > 1 or any(ctx[i] != kv_len for i in short):
-            qp = torch.tensor([list(r) for r in qpos], dtype=torch.long, device=dev)
-            mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qp[:, :, None])[:, None]
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        return PackedGroup(seg_ids=short, q_index=as_t(q_index), valid=as_t(valid),
-                           out_index=as_t(out_index), slots=as_t(slots),
-                           slot_range=(slots[0], slots[-1] + 1) if consecutive else None,
-                           kv_len=kv_len, q_len=q_len, mask=mask)
 
     @torch.inference_mode()
     def run_padded(self, rows: list[RowInput], last_only: bool = False,
