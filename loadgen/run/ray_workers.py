@@ -165,11 +165,22 @@ def watch_actors(ray, actors: list, stop: threading.Event, every_s: float = 1.0,
                 continue
             except ActorDiedError:
                 lost.add(i)
-                print(f"LOST {i}", flush=True)
+                if not _say(f"LOST {i}"):
+                    return
             except Exception:  # noqa: BLE001  (Ray shutting down under us: stop watching)
                 return
-        print(f"ROUND {t0:.3f}", flush=True)
+        if not _say(f"ROUND {t0:.3f}"):
+            return
         stop.wait(every_s)
+
+
+def _say(line: str) -> bool:
+    """One line to the master; False once it has gone (its end of the pipe closed)."""
+    try:
+        print(line, flush=True)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _wait_and_stop(ray, actors: list) -> None:
