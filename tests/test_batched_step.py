@@ -51,18 +51,25 @@ def test_verify_batch_rejects_inconsistent_lengths():
         verify_batch(torch.zeros(1, 3, 4), [3], [[1]], [None], [SamplingParams()], [None])
 
 
+def _tiny_fused_model(seed: int, max_positions: int):
+    """A random 2-layer GQA qwen3 (vocab 61, hidden 32, 4 query / 2 KV heads), fused for inference."""
+    from actors.engine.model import CausalLM, ModelConfig
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=max_positions, tie_word_embeddings=True)
+    model = CausalLM(cfg).eval()
+    model.fuse()
+    return model
+
+
 def test_runner_views_equal_gathers_in_any_slot_order():
     """Rows on consecutive slots (in any order) read the cache as a view; the logits
     equal those of rows on scattered slots (gather path) for the same tokens."""
-    from actors.engine.model import CausalLM, ModelConfig
     from actors.engine.runner import ModelRunner, RowInput
 
-    torch.manual_seed(0)
-    cfg = ModelConfig(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
-    model = CausalLM(cfg).eval()
-    model.fuse()
+    model = _tiny_fused_model(seed=0, max_positions=128)
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (7, 4, 9)]
     nxt = [[5, 6], [7], [8, 9, 10]]
     out = {}
@@ -83,15 +90,9 @@ def test_uneven_verify_batch_runs_packed_with_the_padded_logits():
     ``PACK_FILL`` of the padded B x Q run packed (GEMMs and LM head over real tokens only);
     their logits equal the padded forward's and a plain forward's without a cache, on
     consecutive and scattered slots. A full batch still runs padded."""
-    from actors.engine.model import CausalLM, ModelConfig
     from actors.engine.runner import ModelRunner, RowInput
 
-    torch.manual_seed(1)
-    cfg = ModelConfig(model_type="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
-    model = CausalLM(cfg).eval()
-    model.fuse()
+    model = _tiny_fused_model(seed=1, max_positions=256)
     ctxs = [torch.randint(0, 61, (n,)).tolist() for n in (7, 12, 5, 9, 150)]
     new = [[3], [4, 5, 6, 7, 8], [9], [10, 11], [12]]       # 10 real of 25 padded
     lens = [len(t) for t in new]
