@@ -38,7 +38,7 @@ class SpecloadAdapter:
     """specload's ``LLMEngine`` in this process (one torch thread, as a replica)."""
 
     def __init__(self, strategy: str, model: str, draft_model: str | None, threads: int,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, enforce_eager: bool = False):
         if REPO not in sys.path:
             sys.path.insert(0, REPO)
         import torch
@@ -54,6 +54,8 @@ class SpecloadAdapter:
             cfg["draft_model"] = draft_model
         if "enable_prefix_caching" in EngineConfig.model_fields:   # (an older checkout: none)
             cfg["enable_prefix_caching"] = prefix_caching
+        if "enforce_eager" in EngineConfig.model_fields:           # (an older checkout: eager)
+            cfg["enforce_eager"] = enforce_eager
         self.engine = LLMEngine(EngineConfig(**cfg))
         self._params = SamplingParams
         self.threads = torch.get_num_threads()
@@ -72,7 +74,7 @@ class VllmAdapter:
     """vLLM's offline ``LLMEngine`` (its V1 engine core in this process)."""
 
     def __init__(self, strategy: str, model: str, draft_model: str | None, threads: int,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, enforce_eager: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import EngineArgs, LLMEngine, SamplingParams
 
@@ -82,7 +84,7 @@ class VllmAdapter:
         elif strategy == "draft_model":
             spec = {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 4}
         kw = {"model": model, "dtype": "float32", "max_model_len": 1024,
-              "enable_prefix_caching": prefix_caching}
+              "enable_prefix_caching": prefix_caching, "enforce_eager": enforce_eager}
         if spec is not None:
             kw["speculative_config"] = spec
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
@@ -176,12 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="enable_prefix_caching=False (vLLM's default and this bench's: on)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no torch.compile (vLLM's enforce_eager; this bench's default, as "
+                         "vLLM's: compiled)")
     ap.add_argument("--once", default=None,
                     help="run this one JSON command and exit (instead of reading stdin)")
     a = ap.parse_args(argv)
     prompts = [json.loads(x)["prompt"] for x in open(a.prompts, encoding="utf-8") if x.strip()]
     cls = SpecloadAdapter if a.engine == "specload" else VllmAdapter
-    eng = cls(a.strategy, a.model, a.draft_model, a.torch_threads, not a.no_prefix_caching)
+    eng = cls(a.strategy, a.model, a.draft_model, a.torch_threads, not a.no_prefix_caching,
+              a.enforce_eager)
     closed_loop(eng, prompts, 2, 0.5, 8, "warm", warmup_s=0.0)    # first-call costs
     real_stdout = sys.stdout
     print(json.dumps({"ready": True, "threads": eng.threads}), file=real_stdout, flush=True)

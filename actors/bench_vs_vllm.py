@@ -104,7 +104,7 @@ class Worker:
 
     def __init__(self, side: str, python: str, engine: str, strategy: str, prompts_file: str,
                  threads: int, repo: Path | None = None, log_dir: str = ".",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, enforce_eager: bool = False):
         cmd = [python, str(WORKER),
                "--engine", engine, "--strategy", strategy, "--model", str(TARGET),
                "--prompts", prompts_file, "--torch-threads", str(threads)]
@@ -112,6 +112,8 @@ class Worker:
             cmd += ["--draft-model", str(DRAFT)]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
+        if enforce_eager:
+            cmd.append("--enforce-eager")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env["OMP_NUM_THREADS"] = str(threads)
         if engine == "vllm":
@@ -171,7 +173,7 @@ def engine_mode(a: argparse.Namespace, strategy: str, prompts_file: str, log_dir
             print(f"[engine] {strategy}: starting {side} worker", flush=True)
             workers.append(Worker(side, py, eng, strategy, prompts_file,
                                   a.vllm_threads if eng == "vllm" else a.torch_threads,
-                                  repo, log_dir, not a.no_prefix_caching))
+                                  repo, log_dir, not a.no_prefix_caching, a.enforce_eager))
         return _interleave(a, strategy, "engine", {
             w.side: (lambda users, tag, w=w: w.run({"users": users, "duration_s": a.duration_s,
                                                      "max_tokens": a.max_tokens, "tag": tag}))
@@ -236,14 +238,16 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
             "requests": len(done)}
 
 
-def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool = True):
+def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool = True,
+                 enforce_eager: bool = False):
     """A vLLM OpenAI server for ``strategy`` (``actors.vllm_server``)."""
     from actors.vllm_server import DRAFT_MODEL, NGRAM as T_NGRAM, VllmServer
 
     spec = {"ngram": T_NGRAM, "draft_model": DRAFT_MODEL}.get(strategy)
     os.environ["OMP_NUM_THREADS"] = str(threads)      # the server inherits it
     srv = VllmServer([strategy], spec,
-                     extra=[] if prefix_caching else ["--no-enable-prefix-caching"])
+                     extra=([] if prefix_caching else ["--no-enable-prefix-caching"])
+                     + (["--enforce-eager"] if enforce_eager else []))
     srv.launch(vllm_python(), Path(log_dir))
     return srv
 
@@ -257,10 +261,11 @@ def served_mode(a: argparse.Namespace, strategy: str, prompts: list[str], log_di
     srv = None
     if vllm_python() and not a.no_vllm:
         srv = _vllm_server(strategy, a.vllm_threads, log_dir,        # warms up meanwhile
-                           not a.no_prefix_caching)
+                           not a.no_prefix_caching, a.enforce_eager)
     engine_cfg = {"strategy": strategy, "max_num_seqs": 32, "max_waiting": 256,
                   "torch_threads": a.torch_threads,
                   "enable_prefix_caching": not a.no_prefix_caching,
+                  "enforce_eager": a.enforce_eager,
                   "num_speculative_tokens": 0 if strategy == "autoregressive" else 4}
     if strategy == "draft_model":
         engine_cfg["draft_model"] = "models/draft"
@@ -346,6 +351,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="both engines without prefix caching (vLLM's default, and this "
                          "bench's, is on: the cells repeat prompts, as the load generator's do)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="both engines without torch.compile (vLLM's enforce_eager; the "
+                         "default, vLLM's, is compiled: ~1 min of compiling per engine)")
     ap.add_argument("--no-vllm", action="store_true", help="specload only (no vLLM venv needed)")
     ap.add_argument("--baseline-repo", default=None,
                     help="engine mode: also run the engine of this checkout (e.g. main)")

@@ -38,14 +38,18 @@ PROMPTS = [json.loads(l)["prompt"] for l in (REPO / "data" / "prompts" / "heldou
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+EAGER = ["--enforce-eager"]
 
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory):
     """{"ngram": VllmServer, "draft_model": VllmServer}, each also serving ``<name>-alias``."""
     log_dir = tmp_path_factory.mktemp("vllm")
-    servers = {"ngram": VllmServer(["ngram", "ngram-alias"], NGRAM),
-               "draft_model": VllmServer(["draft_model", "draft_model-alias"], DRAFT_MODEL)}
+    # --enforce-eager: no torch.compile warm-up (28 vs 42 s to ready here); these tests
+    # read what vLLM reports, not its speed
+    servers = {"ngram": VllmServer(["ngram", "ngram-alias"], NGRAM, extra=EAGER),
+               "draft_model": VllmServer(["draft_model", "draft_model-alias"], DRAFT_MODEL,
+                                         extra=EAGER)}
     t0 = time.monotonic()
     start_servers(list(servers.values()), log_dir)
     print(f"\nvLLM servers ready in {time.monotonic() - t0:.0f} s: "
@@ -59,7 +63,8 @@ def vllm_servers(tmp_path_factory):
 def vllm_bf16(tmp_path_factory):
     """A bf16 vLLM (no speculation) for a tie-aware consistency check; not started unless a
     test asks for it (greedy identity breaks at near-tied logits in bf16: docs/design.md)."""
-    srv = start_servers([VllmServer(["bf16"], None, dtype="bfloat16")], tmp_path_factory.mktemp("vllm-bf16"))[0]
+    srv = start_servers([VllmServer(["bf16"], None, dtype="bfloat16", extra=EAGER)],
+                        tmp_path_factory.mktemp("vllm-bf16"))[0]
     yield srv
     srv.stop()
 

@@ -95,6 +95,11 @@ class EngineConfig(BaseModel):
     # for the DFlash family (its drafter needs the target's hidden states of every token).
     enable_prefix_caching: bool = False
     prefix_cache_tokens: int = Field(65536, ge=16)
+    # vLLM's flag: False runs the target's (and draft model's) forward through
+    # torch.compile for decode / verify batches (ModelRunner.compile: ~1 min of compiling
+    # at load on a small CPU, less once inductor's cache on disk is warm). specload's
+    # default is eager (vLLM's is compiled): tests and short runs start in seconds.
+    enforce_eager: bool = True
     backend: Literal["embedded", "vllm"] = "embedded"
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     speculative_config: dict[str, Any] | None = None

@@ -117,6 +117,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.max_num_seqs, self.max_model_len,
                                   pad_id=self.eos_token_id or 0)
         self.kv = self.runner.pool   # the target cache's slots and per-request lengths
+        # enforce_eager off: the target's decode / verify forwards compiled (not for
+        # proposers that read the target's hidden states: those forwards stay eager)
+        self.compiled = False
+        if not config.enforce_eager and not self.aux_layers:
+            ks = {self.num_speculative_tokens}
+            if config.num_speculative_tokens_per_batch_size is not None:
+                ks |= {k for _, _, k in config.spec_schedule()}
+            self.compiled = self.runner.compile(tuple({1} | {1 + k for k in ks}))
+            self.proposer.compile()
         self.prefix_cache = PrefixCache(self.runner.cache, config.prefix_cache_tokens) \
             if config.enable_prefix_caching and not self.aux_layers else None
         self.served_model_name = config.served_model_name or config.strategy

@@ -43,6 +43,65 @@ class ModelRunner:
         self.pool: KVSlotPool = self.cache.pool
         self.max_len = max_len
         self.pad_id = pad_id
+        # torch.compile'd model forward (``compile``) and the row lengths it was warmed for
+        self._compiled = None
+        self._compiled_q: frozenset[int] = frozenset()
+
+    # torch.compile (inductor), vLLM's default on its CPU and GPU backends (``enforce_eager``
+    # off). One graph per warmed row length Q for a batch of one and one for B >= 2, every
+    # other size dynamic (B, each row's start, the context read); the warm-up compiles them
+    # at load so no request waits on a compile. A batch the warm-up did not cover (another
+    # Q, slots not 0..B-1, prompt chunks, aux hidden states) runs eager: never a compile
+    # mid-serving.
+    COMPILE_WARM_STARTS = (17, 40)
+
+    def compile(self, q_lens: tuple[int, ...] = (1,)) -> bool:
+        """Compile the model's forward for padded batches of rows of these lengths.
+
+        Returns False (and stays eager, with a warning logged) when the model is not on
+        the CPU or CUDA, inductor fails (no C++ compiler), or the compiled logits differ
+        from the eager ones on the warm-up rows by more than 1e-3 (numerical ties of
+        ~1e-6 are expected: fused kernels round in another order). The warm-up writes
+        the free slots 0..2 of the cache (positions past a slot's valid length, which
+        attention masks and later writes overwrite); call it before serving."""
+        import logging
+
+        log = logging.getLogger(__name__)
+        if self._compiled is not None:
+            return True
+        if self.pool.num_free < self.pool.num_slots or self.pool.num_slots < 3:
+            log.warning("compile: the cache has live requests or fewer than 3 slots; eager")
+            return False
+        q_lens = tuple(sorted({int(q) for q in q_lens if q >= 1}))
+        if not q_lens or max(q_lens) + max(self.COMPILE_WARM_STARTS) + 1 > self.max_len:
+            return False
+        # graphs per model: two per Q; the draft model's own count too (same code object)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        try:
+            fn = torch.compile(self.model.forward, dynamic=True)
+            gen = torch.Generator().manual_seed(0)
+            V = self.model.config.vocab_size
+            for q in q_lens:
+                for b in (2, 3, 1):     # B >= 2 (dynamic, ``run_padded`` marks it), B = 1
+                    for st in self.COMPILE_WARM_STARTS:
+                        rows = [RowInput(i, st + i, torch.randint(
+                            0, V, (q,), generator=gen).tolist()) for i in range(b)]
+                        want, _ = self.run_padded(rows)
+                        self._compiled, self._compiled_q = fn, frozenset([q])
+                        try:
+                            got, _ = self.run_padded(rows)
+                        finally:
+                            self._compiled, self._compiled_q = None, frozenset()
+                        err = float((got - want).abs().max())
+                        if not err <= 1e-3:
+                            log.warning("compile: compiled logits differ from eager by %.2e "
+                                        "(Q=%d, B=%d); staying eager", err, q, b)
+                            return False
+        except Exception as exc:  # noqa: BLE001  (inductor: no C++ compiler, an unsupported op)
+            log.warning("compile: torch.compile failed, staying eager: %r", exc)
+            return False
+        self._compiled, self._compiled_q = fn, frozenset(q_lens)
+        return True
 
     @torch.inference_mode()
     def run(self, rows: list[RowInput], last_only: bool | list[bool] = False,
@@ -104,12 +163,21 @@ class ModelRunner:
     # bound by those bytes and the weights', not by FLOPs)
     PACK_FILL = 0.75
 
+    # a batch of short rows that the compiled forward covers runs padded on it even when
+    # uneven (ngram's 0..k drafts): compiled, the padded verify costs less than the eager
+    # packed one
+    PREFER_COMPILED = True
+
     def pack(self, lens: list[int]) -> bool:
         """Whether a batch with these row lengths runs packed (``run_packed``)."""
         if len(lens) < 2:
             return False
         m = max(lens)
-        return m >= self.PACK_MIN_TOKENS or (m > 1 and sum(lens) <= self.PACK_FILL * len(lens) * m)
+        if m >= self.PACK_MIN_TOKENS:
+            return True
+        if self.PREFER_COMPILED and m in self._compiled_q:
+            return False
+        return m > 1 and sum(lens) <= self.PACK_FILL * len(lens) * m
 
     @torch.inference_mode()
     def run_packed(self, rows: list[RowInput], last_only: bool | list[bool] = False,
@@ -194,13 +262,24 @@ class ModelRunner:
                          kv_len=max(starts) + Q,
                          single=(lo, starts[0]) if B == 1 else None,
                          slot_range=(lo, lo + B) if consecutive else None)
-        if B > 1:
+        # the compiled forward: only for what ``compile`` warmed (no recompile mid-serving);
+        # it reads every row's context to the longest (no split of long rows)
+        fwd = self._compiled if (self._compiled is not None and Q in self._compiled_q
+                                 and (Q == 1 or not last_only) and not aux_layers and lo == 0
+                                 and consecutive) else None
+        if B > 1 and fwd is None:
             meta.long_rows, meta.kv_short = self.split_long(rows, meta.kv_len)
         idx = None
-        if last_only:
+        if last_only and Q > 1:   # (rows of one token: their logits are the last ones)
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
-        out: ForwardOutput = self.model(ids.to(self.device), cache=self.cache, meta=meta,
-                                        logits_index=idx, aux_layers=aux_layers)
+        ids = ids.to(self.device)
+        if fwd is not None and B > 1:   # one graph for every B >= 2 from the first compile
+            from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
+
+            for t in (ids, meta.slots, meta.starts):
+                mark_dynamic(t, 0)
+        out: ForwardOutput = (fwd or self.model)(ids, cache=self.cache, meta=meta,
+                                                 logits_index=idx, aux_layers=aux_layers)
         aux = None
         if out.aux_hidden is not None:
             aux = [out.aux_hidden[i, :lens[i]] for i in range(B)]

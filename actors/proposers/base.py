@@ -65,6 +65,11 @@ class Proposer(ABC):
         read without building the proposer; None when only k limits it."""
         return None
 
+    def compile(self) -> bool:
+        """Compile the proposer's own model forwards (``ModelRunner.compile``) when the
+        engine's ``enforce_eager`` is off; True when it did. Default: nothing to compile."""
+        return False
+
     def add_request(self, request_id: str, prompt_ids: list[int]) -> None:
         """A request was admitted (its prompt is about to be prefilled)."""
 

@@ -57,6 +57,10 @@ class DraftModelProposer(Proposer):
         self.pool = self.runner.pool
         self.state: dict[str, _DraftState] = {}
 
+    def compile(self) -> bool:
+        """The draft model's one-token steps (``propose``'s second phase) compiled."""
+        return self.runner.compile((1,))
+
     def draft_params(self) -> int:
         return self.draft.num_params()
 

@@ -1,0 +1,154 @@
+"""The compiled forward (``enforce_eager`` off, ``ModelRunner.compile``): same logits as
+eager, no compile after the warm-up whatever the batch, eager where it was not warmed,
+and an engine's greedy output equal to the eager engine's up to numerical ties.
+
+One small random model on the embedded target's tokenizer keeps inductor's compiles short
+(the embedded target's warm-up takes about a minute on 2 cores); every test here builds
+the same graphs, so after the first the others mostly hit inductor's cache."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from actors.engine.model import CausalLM, ModelConfig
+from actors.engine.runner import ModelRunner, RowInput
+
+TIE = 1e-4   # a greedy divergence where the two tokens' logits are this close is a tie
+
+
+def _tiny(vocab: int, seed: int = 0, layers: int = 1) -> CausalLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+    model = CausalLM(cfg).eval()
+    model.fuse()
+    return model
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_model_dir):
+    model = CausalLM.from_pretrained(tiny_model_dir)
+    V = model.config.vocab_size
+    compiled, eager = ModelRunner(model, 8, 128), ModelRunner(model, 8, 128)
+    assert compiled.compile((1, 4)) is True     # (what ngram with k = 3 warms)
+    calls = [0]
+    fn = compiled._compiled
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return fn(*a, **k)
+
+    compiled._compiled = counting
+    graphs = _graphs()
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(5, 90, (8,), generator=gen).tolist()
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
+    for r in (compiled, eager):       # the same contexts in both caches (prompt chunks: eager)
+        r.run([RowInput(s, 0, p) for s, p in enumerate(prompts)], last_only=True)
+    used = 0
+    for b, q in ((8, 1), (5, 1), (1, 1), (2, 4), (7, 4), (1, 4), (8, 2)):
+        rows = [RowInput(s, lens[s], torch.randint(0, V, (q,), generator=gen).tolist())
+                for s in range(b)]
+        before = calls[0]
+        got, _ = compiled.run(rows)
+        want, _ = eager.run(rows)
+        used += calls[0] - before
+        assert calls[0] - before == (q in (1, 4)), (b, q)   # Q = 2 was not warmed: eager
+        for g_, w_ in zip(got, want):
+            assert g_.shape == w_.shape
+            assert torch.allclose(g_, w_, atol=1e-4), float((g_ - w_).abs().max())
+        for s in range(b):
+            lens[s] += q
+    assert used == 6
+    # uneven rows (ngram's 0..k drafts): padded to Q = 4 on the compiled forward
+    qs = [1, 4, 2, 4, 1]
+    rows = [RowInput(s, lens[s], torch.randint(0, V, (q,), generator=gen).tolist())
+            for s, q in enumerate(qs)]
+    before = calls[0]
+    got, _ = compiled.run(rows)
+    want, _ = eager.run(rows)
+    assert calls[0] == before + 1
+    for g_, w_, q in zip(got, want, qs):
+        assert g_.shape == (q, V) and torch.allclose(g_, w_, atol=1e-4)
+    for s, q in enumerate(qs):
+        lens[s] += q
+    # slots not 0..B-1 (a batch beside a prompt still in prefill): eager, same logits
+    rows = [RowInput(s, lens[s], [3]) for s in (2, 3, 4)]
+    before = calls[0]
+    got, _ = compiled.run(rows)
+    want, _ = eager.run(rows)
+    assert calls[0] == before
+    assert all(torch.allclose(g_, w_, atol=1e-4) for g_, w_ in zip(got, want))
+    assert _graphs() == graphs, "a batch after the warm-up compiled a graph"
+    # another model of the same shapes: its own weights, not the first one's (the warm-up
+    # checks its compiled logits against its own eager ones)
+    other = ModelRunner(_tiny(V, seed=7), 8, 128)
+    assert other.compile((1,)) is True
+    got, _ = other.run([RowInput(s, 0, [5]) for s in range(3)])
+    assert not torch.allclose(got[0], compiled.run([RowInput(0, 0, [5])])[0][0], atol=1e-3)
+
+
+def test_compile_refuses_a_cache_with_live_requests():
+    model = _tiny(61, seed=2)
+    runner = ModelRunner(model, 4, 64)
+    runner.pool.allocate("r0")
+    assert runner.compile((1,)) is False
+    assert runner._compiled is None
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random 1-layer model on the embedded target's tokenizer (a local HF directory)."""
+    from actors.engine.config import DEFAULT_TARGET
+
+    d = tmp_path_factory.mktemp("tiny_target")
+    src = DEFAULT_TARGET
+    vocab = ModelConfig.from_hf_dict(
+        __import__("json").loads((src / "config.json").read_text())).vocab_size
+    _tiny(vocab, seed=3).save_pretrained(d, dtype=torch.float32)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "ngram"])
+def test_compiled_engine_greedy_equals_eager_up_to_ties(tiny_model_dir, strategy):
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine, run_requests
+    from actors.engine.types import SamplingParams
+
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+               "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+               "import os\nimport sys\nimport os\n", "x = 1\ny = 2\nx = 1\n"] * 2
+    outs = {}
+    for eager in (True, False):
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), strategy=strategy,
+                                     num_speculative_tokens=None if strategy == "autoregressive"
+                                     else 3, max_num_seqs=8, enforce_eager=eager))
+        assert eng.compiled is (not eager)
+        ids = [eng.tokenizer(p)["input_ids"] for p in prompts]
+        res = run_requests(eng, [(f"r{i}", x, SamplingParams(max_tokens=24, temperature=0.0,
+                                                              ignore_eos=True))
+                                 for i, x in enumerate(ids)], batch_size=8)
+        outs[eager] = [res[f"r{i}"]["token_ids"] for i in range(len(ids))]
+        if strategy == "ngram" and not eager:
+            drafted = sum(res[f"r{i}"]["stats"].num_draft_tokens for i in range(len(ids)))
+            assert drafted > 0          # the verify batches ran (on the compiled forward)
+    for x, a, b in zip(ids, outs[True], outs[False]):
+        if a == b:
+            continue
+        i = next(j for j, (s, t) in enumerate(zip(a, b)) if s != t)
+        with torch.inference_mode():   # the eager target at the divergence
+            lg = eng.model(torch.tensor([x + a[:i]])).logits[0, -1]
+        assert abs(float(lg[a[i]] - lg[b[i]])) < TIE, (
+            f"compiled greedy output diverges at {i} ({a[i]} vs {b[i]}): not a tie")
