@@ -228,6 +228,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-serve-tuning", action="store_true",
                     help="Serve's defaults instead of configs/serve.yaml's env_vars and "
                          "cluster up's proxy environment (configs.serve_config.PROXY_ENV)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no torch.compile of the engine's forward (the engine's default "
+                         "when not set here: this bench compiles, as vLLM does)")
     ap.add_argument("--json", type=output_file(), default=None, help="write the result here")
     return ap
 
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     a, concs, intervals = _parse(argv)
     extra = sorted({i for i in intervals if i != 1})
     engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),
-                  "torch_threads": a.torch_threads,
+                  "torch_threads": a.torch_threads, "enforce_eager": a.enforce_eager,
                   "num_speculative_tokens": 0 if a.strategy == "autoregressive"
                   else a.num_speculative_tokens}
     ways = [DIRECT, STRATEGY_ROUTE, MODEL_FIELD] + [f"{STRATEGY_ROUTE}_si{i}" for i in extra]
