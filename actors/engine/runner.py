@@ -58,8 +58,8 @@ class ModelRunner:
     def compile(self, q_lens: tuple[int, ...] = (1,)) -> bool:
         """Compile the model's forward for padded batches of rows of these lengths.
 
-        Returns False (and stays eager, with a warning logged) when the model is not on
-        the CPU or CUDA, inductor fails (no C++ compiler), or the compiled logits differ
+        Returns False (and stays eager, with a warning logged) when the cache already has
+        requests, inductor fails (no C++ compiler), or the compiled logits differ
         from the eager ones on the warm-up rows by more than 1e-3 (numerical ties of
         ~1e-6 are expected: fused kernels round in another order). The warm-up writes
         the free slots 0..2 of the cache (positions past a slot's valid length, which
