@@ -121,7 +121,7 @@ def tiny_model_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("strategy", ["autoregressive", "ngram"])
+@pytest.mark.parametrize("strategy", ["autoregressive", "ngram", "draft_model"])
 def test_compiled_engine_greedy_equals_eager_up_to_ties(tiny_model_dir, strategy):
     from actors.engine.config import EngineConfig
     from actors.engine.llm_engine import LLMEngine, run_requests
@@ -134,14 +134,20 @@ def test_compiled_engine_greedy_equals_eager_up_to_ties(tiny_model_dir, strategy
     for eager in (True, False):
         eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), strategy=strategy,
                                      num_speculative_tokens=None if strategy == "autoregressive"
-                                     else 3, max_num_seqs=8, enforce_eager=eager))
+                                     else 3, max_num_seqs=8, enforce_eager=eager,
+                                     # (the same tiny model as its own draft: every draft
+                                     # accepted, the draft model's steps compiled too)
+                                     draft_model=str(tiny_model_dir)
+                                     if strategy == "draft_model" else None))
         assert eng.compiled is (not eager)
+        if strategy == "draft_model":
+            assert (eng.proposer.runner._compiled is not None) is (not eager)
         ids = [eng.tokenizer(p)["input_ids"] for p in prompts]
         res = run_requests(eng, [(f"r{i}", x, SamplingParams(max_tokens=24, temperature=0.0,
                                                               ignore_eos=True))
                                  for i, x in enumerate(ids)], batch_size=8)
         outs[eager] = [res[f"r{i}"]["token_ids"] for i in range(len(ids))]
-        if strategy == "ngram" and not eager:
+        if strategy != "autoregressive" and not eager:
             drafted = sum(res[f"r{i}"]["stats"].num_draft_tokens for i in range(len(ids)))
             assert drafted > 0          # the verify batches ran (on the compiled forward)
     for x, a, b in zip(ids, outs[True], outs[False]):
