@@ -1,6 +1,8 @@
-"""The compiled forward (``enforce_eager`` off, ``ModelRunner.compile``): same logits as
-eager, no compile after the warm-up whatever the batch, eager where it was not warmed,
-and an engine's greedy output equal to the eager engine's up to numerical ties.
+"""The compiled flat forward (``enforce_eager`` off, ``ModelRunner.compile``): its math run
+eager equals the packed and plain forwards; compiled, the same logits as eager for every
+mix of short rows on one graph, no compile after the warm-up whatever the batch, eager
+for long rows and for a batch that would recompile, and an engine's greedy output equal
+to the eager engine's up to numerical ties.
 
 One small random model on the embedded target's tokenizer keeps inductor's compiles short
 (the embedded target's warm-up takes about a minute on 2 cores); every test here builds
@@ -35,74 +37,117 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def test_flat_forward_eager_equals_packed_and_plain():
+    """The flat forward's math (``Attention._flat_attention``, each token attending its
+    own slot to its own position), run eager: the packed forward's logits and a plain
+    forward's without a cache, for decodes, uneven verifies, a prompt's first chunk and a
+    mixed batch with per-row last-only logits, on scattered slots."""
+    model = _tiny(61, seed=4, layers=2)
+    gen = torch.Generator().manual_seed(0)
+    ctxs = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (7, 30, 5, 12)]
+    slots = [3, 0, 5, 1]
+    new = [[3], [4, 5, 6, 7, 8], [9, 10], [11]]
+    flat, packed = ModelRunner(model, 6, 64), ModelRunner(model, 6, 64)
+    for r in (flat, packed):
+        r.run_packed([RowInput(s, 0, c) for s, c in zip(slots, ctxs)], last_only=True)
+    flat._flat = model.forward          # the compiled forward's code path, run eager
+    rows = [RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)] + [
+        RowInput(2, 0, [1, 2, 3, 4])]                       # a first chunk (slot 2, empty)
+    for last in (False, [False, False, False, False, True], True):
+        got, _ = flat.run_flat(rows, last, strict=False)
+        want, _ = packed.run_packed(rows, last)
+        for g_, w_ in zip(got, want):
+            assert g_.shape == w_.shape and torch.allclose(g_, w_, atol=1e-5)
+    with torch.inference_mode():
+        for i, (c, t) in enumerate(zip(ctxs, new)):
+            ref = model(torch.tensor([c + t])).logits[0, -len(t):]
+            assert torch.allclose(got[i], ref[-1:], atol=1e-4), i
+    # one token alone (sent twice, one copy dropped)
+    got, _ = flat.run_flat([RowInput(0, 35, [7])], strict=False)
+    want, _ = packed.run_packed([RowInput(0, 35, [7])])
+    assert got[0].shape == (1, 61) and torch.allclose(got[0], want[0], atol=1e-5)
+
+
 def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_model_dir):
     model = CausalLM.from_pretrained(tiny_model_dir)
     V = model.config.vocab_size
     compiled, eager = ModelRunner(model, 8, 128), ModelRunner(model, 8, 128)
-    assert compiled.compile((1, 4)) is True     # (what ngram with k = 3 warms)
+    assert compiled.compile() is True
     calls = [0]
-    fn = compiled._compiled
+    fn = compiled._flat
 
     def counting(*a, **k):
         calls[0] += 1
         return fn(*a, **k)
 
-    compiled._compiled = counting
+    compiled._flat = counting
     graphs = _graphs()
     gen = torch.Generator().manual_seed(1)
-    lens = torch.randint(5, 90, (8,), generator=gen).tolist()
+    lens = torch.randint(5, 60, (8,), generator=gen).tolist()
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
-    for r in (compiled, eager):       # the same contexts in both caches (prompt chunks: eager)
+    for r in (compiled, eager):       # the same contexts in both caches (long chunks: eager)
         r.run([RowInput(s, 0, p) for s, p in enumerate(prompts)], last_only=True)
-    used = 0
-    for b, q in ((8, 1), (5, 1), (1, 1), (2, 4), (7, 4), (1, 4), (8, 2)):
+    assert calls[0] == 0
+    # decodes, verifies of one length, uneven verifies (ngram's 0..k), slots not 0..B-1,
+    # a mixed batch with last-only prompt tails, one token alone: all on the one graph
+    batches = [([1] * 8, range(8), False), ([1] * 5, range(5), False), ([1], [0], False),
+               ([4, 4], [0, 1], False), ([1, 4, 2, 4, 1], range(5), False),
+               ([1, 3, 1], [2, 4, 6], False), ([2, 1, 5, 9], range(4),
+                                                [False, False, False, True]),
+               ([3, 7], [1, 3], True), ([16, 1], [0, 7], False)]
+    for qs, slots, last in batches:
         rows = [RowInput(s, lens[s], torch.randint(0, V, (q,), generator=gen).tolist())
-                for s in range(b)]
+                for s, q in zip(slots, qs)]
         before = calls[0]
-        got, _ = compiled.run(rows)
-        want, _ = eager.run(rows)
-        used += calls[0] - before
-        assert calls[0] - before == (q in (1, 4)), (b, q)   # Q = 2 was not warmed: eager
+        got, _ = compiled.run(rows, last_only=last)
+        want, _ = eager.run(rows, last_only=last)
+        assert calls[0] == before + 1, qs
         for g_, w_ in zip(got, want):
             assert g_.shape == w_.shape
             assert torch.allclose(g_, w_, atol=1e-4), float((g_ - w_).abs().max())
-        for s in range(b):
+        for s, q in zip(slots, qs):
             lens[s] += q
-    assert used == 6
-    # uneven rows (ngram's 0..k drafts): padded to Q = 4 on the compiled forward
-    qs = [1, 4, 2, 4, 1]
-    rows = [RowInput(s, lens[s], torch.randint(0, V, (q,), generator=gen).tolist())
-            for s, q in enumerate(qs)]
-    before = calls[0]
-    got, _ = compiled.run(rows)
-    want, _ = eager.run(rows)
-    assert calls[0] == before + 1
-    for g_, w_, q in zip(got, want, qs):
-        assert g_.shape == (q, V) and torch.allclose(g_, w_, atol=1e-4)
-    for s, q in enumerate(qs):
-        lens[s] += q
-    # slots not 0..B-1 (a batch beside a prompt still in prefill): eager, same logits
-    rows = [RowInput(s, lens[s], [3]) for s in (2, 3, 4)]
+    assert compiled.flat_fallbacks == 0
+    assert _graphs() == graphs, "a batch after the warm-up compiled a graph"
+    # a row longer than FLAT_MAX_Q (a prompt chunk): eager, same logits
+    rows = [RowInput(0, lens[0], torch.randint(0, V, (17,), generator=gen).tolist()),
+            RowInput(1, lens[1], [3])]
     before = calls[0]
     got, _ = compiled.run(rows)
     want, _ = eager.run(rows)
     assert calls[0] == before
     assert all(torch.allclose(g_, w_, atol=1e-4) for g_, w_ in zip(got, want))
-    assert _graphs() == graphs, "a batch after the warm-up compiled a graph"
     # another model of the same shapes: its own weights, not the first one's (the warm-up
     # checks its compiled logits against its own eager ones)
     other = ModelRunner(_tiny(V, seed=7), 8, 128)
-    assert other.compile((1,)) is True
+    assert other.compile() is True
     got, _ = other.run([RowInput(s, 0, [5]) for s in range(3)])
     assert not torch.allclose(got[0], compiled.run([RowInput(0, 0, [5])])[0][0], atol=1e-3)
+
+
+def test_a_batch_that_would_recompile_runs_eager():
+    """``fail_on_recompile``: a batch the graph's guards refuse is not compiled mid-serving;
+    the runner counts it and runs it eager, with the eager logits."""
+    model = _tiny(61, seed=5)
+    runner, eager = ModelRunner(model, 4, 64), ModelRunner(model, 4, 64)
+
+    def refusing(*a, **k):
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+
+    runner._flat = refusing
+    rows = [RowInput(0, 0, [1, 2, 3]), RowInput(1, 0, [4])]
+    got, _ = runner.run(rows)
+    want, _ = eager.run(rows)
+    assert runner.flat_fallbacks == 1
+    assert all(torch.allclose(g_, w_, atol=1e-6) for g_, w_ in zip(got, want))
 
 
 def test_compile_refuses_a_cache_with_live_requests():
     model = _tiny(61, seed=2)
     runner = ModelRunner(model, 4, 64)
     runner.pool.allocate("r0")
-    assert runner.compile((1,)) is False
-    assert runner._compiled is None
+    assert runner.compile() is False
+    assert runner._flat is None
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +186,7 @@ def test_compiled_engine_greedy_equals_eager_up_to_ties(tiny_model_dir, strategy
                                      if strategy == "draft_model" else None))
         assert eng.compiled is (not eager)
         if strategy == "draft_model":
-            assert (eng.proposer.runner._compiled is not None) is (not eager)
+            assert (eng.proposer.runner._flat is not None) is (not eager)
         ids = [eng.tokenizer(p)["input_ids"] for p in prompts]
         res = run_requests(eng, [(f"r{i}", x, SamplingParams(max_tokens=24, temperature=0.0,
                                                               ignore_eos=True))

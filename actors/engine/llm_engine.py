@@ -121,10 +121,7 @@ class LLMEngine:
         # proposers that read the target's hidden states: those forwards stay eager)
         self.compiled = False
         if not config.enforce_eager and not self.aux_layers:
-            ks = {self.num_speculative_tokens}
-            if config.num_speculative_tokens_per_batch_size is not None:
-                ks |= {k for _, _, k in config.spec_schedule()}
-            self.compiled = self.runner.compile(tuple({1} | {1 + k for k in ks}))
+            self.compiled = self.runner.compile()
             self.proposer.compile()
         self.prefix_cache = PrefixCache(self.runner.cache, config.prefix_cache_tokens) \
             if config.enable_prefix_caching and not self.aux_layers else None
@@ -494,7 +491,7 @@ class LLMEngine:
                     p.chunk = r.prompt_ids[r.num_computed:r.num_computed + len(p.chunk)]
         decodes = [d for d in sched.decodes if d.request.finish_reason is None]
         prefills = [p for p in sched.prefills if p.request.finish_reason is None]
-        if decodes and prefills and self.runner.pack(
+        if decodes and prefills and self.runner.fuses(
                 [len(p.chunk) for p in prefills] + [1 + self.num_speculative_tokens]):
             self._mixed(decodes, prefills, stats, touched)
         else:

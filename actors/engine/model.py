@@ -217,6 +217,16 @@ class BatchMeta:
     segments: list[tuple[int, int, int, int]] | None = None
     positions: torch.Tensor | None = None
     seg_masks: list | None = None
+    # flat batch (``ModelRunner.run_flat``, the compiled forward): input_ids [1, T], every
+    # row's tokens one after the other; positions [1, T]; write_rows / write_pos [T] (the
+    # slot and position of each token, set by the caller); kv_len = the longest context.
+    # Each token attends its own slot up to its own position (``Attention._flat_attention``),
+    # in groups: flat_groups = ((token indices [Tg], context read), ...), the tokens with
+    # short contexts apart from the long ones; flat_back [T]: where each token's output
+    # sits in the groups' outputs one after the other.
+    flat: bool = False
+    flat_groups: tuple | None = None
+    flat_back: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -276,8 +286,9 @@ class Attention(nn.Module):
             qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # one rope call
         q, k = qk[:, :h], qk[:, h:]
         v = v.transpose(1, 2)
-        if cache_kv is not None and meta.segments is not None:
-            out = self._packed_attention(q, k, v, cache_kv, meta)
+        if cache_kv is not None and (meta.segments is not None or meta.flat):
+            out = (self._flat_attention if meta.flat else self._packed_attention)(
+                q, k, v, cache_kv, meta)
             out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
             o_wt = getattr(self, "_o_wt", None)
             return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
@@ -340,6 +351,51 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
         o_wt = getattr(self, "_o_wt", None)
         return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
+
+    def _flat_attention(self, q, k, v, cache_kv, meta: BatchMeta) -> torch.Tensor:
+        """Attention of a flat batch (``BatchMeta.flat``): every token's K/V written to
+        the cache, then token t attends positions ``0 .. write_pos[t]`` of its own slot
+        ``write_rows[t]``, whatever row it belongs to (a decode, a verify row of any
+        draft length, a short prompt chunk). q: [1, h, T, D]; k, v: [1, kvh, T, D] ->
+        [1, h, T, D].
+
+        Written as broadcast products and sums over the cache indexed by slot, which
+        eager PyTorch would materialise as a [T, kv_len, kvh, D] gather: this is for
+        the compiled forward (``ModelRunner.compile``), where inductor fuses the gather,
+        the scores, the mask, the softmax and the weighted sum into loops that read each
+        slot's K/V in place. One graph then covers every mix of row lengths (T and
+        kv_len dynamic), where the padded forward needs one per row length and padding,
+        and the packed one an SDPA call per row and layer (about 0.1 ms of overhead
+        each on a CPU). Scores over the positions past a token's own are computed and
+        masked (-inf): the cost is T x kv_len per layer, so the runner splits the tokens
+        in two groups by context length (``ModelRunner.flat_groups``), each reading only
+        to its own longest context."""
+        ck, cv = cache_kv
+        T = q.shape[2]
+        slot_t, pos_t = meta.write_rows, meta.write_pos
+        ck[slot_t, pos_t] = k[0].transpose(0, 1).to(ck.dtype)
+        cv[slot_t, pos_t] = v[0].transpose(0, 1).to(cv.dtype)
+        qt = q[0].transpose(0, 1)                                            # [T, h, D]
+        if meta.flat_groups is None:
+            return self._flat_group(qt, ck, cv, slot_t, pos_t, meta.kv_len).transpose(0, 1)[None]
+        outs = [self._flat_group(qt[idx], ck, cv, slot_t[idx], pos_t[idx], n)
+                for idx, n in meta.flat_groups]
+        return torch.cat(outs)[meta.flat_back].transpose(0, 1)[None]
+
+    def _flat_group(self, q, ck, cv, slot_t, pos_t, n: int) -> torch.Tensor:
+        """q: [T, h, D]; token t attends positions 0..pos_t[t] (< n) of slot slot_t[t]
+        -> [T, h, D]."""
+        T = q.shape[0]
+        g, kvh, d = self.h // self.kvh, self.kvh, self.d
+        qg = q.reshape(T, kvh, g, 1, d)
+        kk = ck[slot_t, :n].permute(0, 2, 1, 3)[:, :, None].to(q.dtype)   # [T, kvh, 1, n, D]
+        s = (qg * kk).sum(-1) * (d ** -0.5)                                  # [T, kvh, g, n]
+        later = torch.arange(n, device=q.device)[None, :] > pos_t[:, None]   # [T, n]
+        s = s.masked_fill(later[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        vv = cv[slot_t, :n].permute(0, 2, 1, 3)[:, :, None].to(q.dtype)   # [T, kvh, 1, n, D]
+        out = (p[..., None] * vv).sum(-2)                                    # [T, kvh, g, D]
+        return out.reshape(T, self.h, d)
 
     def _packed_attention(self, q, k, v, cache_kv, meta: BatchMeta) -> torch.Tensor:
         """Attention of a packed batch (``BatchMeta.segments``): one write of every
@@ -562,7 +618,7 @@ class CausalLM(nn.Module):
         if cache is None:
             pos = positions if positions is not None else torch.arange(Q, device=dev).expand(B, Q)
             mask = None
-        elif meta.segments is not None:      # packed rows: positions from the caller
+        elif meta.segments is not None or meta.flat:   # packed / flat: positions from the caller
             pos = meta.positions
             mask = None
         else:

@@ -43,20 +43,27 @@ class ModelRunner:
         self.pool: KVSlotPool = self.cache.pool
         self.max_len = max_len
         self.pad_id = pad_id
-        # torch.compile'd model forward (``compile``) and the row lengths it was warmed for
-        self._compiled = None
-        self._compiled_q: frozenset[int] = frozenset()
+        # the torch.compile'd flat forward (``compile``); None: eager
+        self._flat = None
+        self.flat_fallbacks = 0     # batches the compiled forward refused (a recompile due)
 
     # torch.compile (inductor), vLLM's default on its CPU and GPU backends (``enforce_eager``
-    # off). One graph per warmed row length Q for a batch of one and one for B >= 2, every
-    # other size dynamic (B, each row's start, the context read); the warm-up compiles them
-    # at load so no request waits on a compile. A batch the warm-up did not cover (another
-    # Q, slots not 0..B-1, prompt chunks, aux hidden states) runs eager: never a compile
-    # mid-serving.
-    COMPILE_WARM_STARTS = (17, 40)
+    # off), of the flat forward (``run_flat``): a batch's tokens one after the other, each
+    # attending its own slot (``Attention._flat_attention``). T (tokens), the rows' mix of
+    # lengths, the logits wanted and the context read are all dynamic, so ONE graph covers
+    # every batch of short rows: decodes, verifies of any draft lengths (ngram's 0..k),
+    # short prompt chunks (a prompt's tail after a prefix-cache hit) and any mix of them in
+    # one forward. The warm-up compiles it at load; a batch that would compile again runs
+    # eager instead (``fail_on_recompile``): never a compile while a request waits.
+    FLAT_MAX_Q = 16          # rows of at most this many tokens run on the compiled forward
+    FLAT_MAX_TOKENS = 256    # ... while the batch has at most this many tokens
+    # (row starts, row lengths) of the warm-up batches (slots 0.. of a fresh cache): the
+    # first compiles the graph, the others must run on it and match eager
+    COMPILE_WARM_ROWS = (((40, 9), (5, 3)), ((17,), (1,)), ((31, 12, 60), (2, 1, 4)),
+                         ((0,), (6,)), ((8, 0), (9, 16)))
 
-    def compile(self, q_lens: tuple[int, ...] = (1,)) -> bool:
-        """Compile the model's forward for padded batches of rows of these lengths.
+    def compile(self) -> bool:
+        """Compile the flat forward (``run_flat``) for batches of short rows.
 
         Returns False (and stays eager, with a warning logged) when the cache already has
         requests, inductor fails (no C++ compiler), or the compiled logits differ
@@ -67,41 +74,66 @@ class ModelRunner:
         import logging
 
         log = logging.getLogger(__name__)
-        if self._compiled is not None:
+        if self._flat is not None:
             return True
         if self.pool.num_free < self.pool.num_slots or self.pool.num_slots < 3:
             log.warning("compile: the cache has live requests or fewer than 3 slots; eager")
             return False
-        q_lens = tuple(sorted({int(q) for q in q_lens if q >= 1}))
-        if not q_lens or max(q_lens) + max(self.COMPILE_WARM_STARTS) + 1 > self.max_len:
+        if max(s + n for starts, lens in self.COMPILE_WARM_ROWS
+               for s, n in zip(starts, lens)) + 1 > self.max_len:
             return False
-        # graphs per model: two per Q; the draft model's own count too (same code object)
+        # (the draft model's graph counts against the same code object's limit)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         try:
+            import torch.fx.experimental._config as fx_config
+
             fn = torch.compile(self.model.forward, dynamic=True)
             gen = torch.Generator().manual_seed(0)
             V = self.model.config.vocab_size
-            for q in q_lens:
-                for b in (2, 3, 1):     # B >= 2 (dynamic, ``run_padded`` marks it), B = 1
-                    for st in self.COMPILE_WARM_STARTS:
-                        rows = [RowInput(i, st + i, torch.randint(
-                            0, V, (q,), generator=gen).tolist()) for i in range(b)]
-                        want, _ = self.run_padded(rows)
-                        self._compiled, self._compiled_q = fn, frozenset([q])
-                        try:
-                            got, _ = self.run_padded(rows)
-                        finally:
-                            self._compiled, self._compiled_q = None, frozenset()
-                        err = float((got - want).abs().max())
-                        if not err <= 1e-3:
-                            log.warning("compile: compiled logits differ from eager by %.2e "
-                                        "(Q=%d, B=%d); staying eager", err, q, b)
-                            return False
+            first = True
+            for starts, lens in self.COMPILE_WARM_ROWS:
+                for last_only in (False, True):
+                    rows = [RowInput(i, st, torch.randint(0, V, (n,), generator=gen).tolist())
+                            for i, (st, n) in enumerate(zip(starts, lens))]
+                    ctx = [RowInput(i, 0, torch.randint(0, V, (st,), generator=gen).tolist())
+                           for i, st in enumerate(starts) if st > 0]
+                    if ctx:                     # contexts to attend, written eager
+                        self.run_packed(ctx)
+                    want, _ = self.run_packed(rows, last_only)
+                    self._flat = fn
+                    try:
+                        # no duck shaping: sizes equal by chance in the compiling batch (T
+                        # and the logits rows, two contexts) must not become one symbol
+                        with fx_config.patch(use_duck_shape=False):
+                            got = self.run_flat(rows, last_only, strict=not first)
+                    finally:
+                        self._flat = None
+                    first = False
+                    if got is None:
+                        log.warning("compile: the warm-up batch %s needed a second graph; "
+                                    "staying eager", lens)
+                        return False
+                    got = got[0]
+                    err = max(float((g - w).abs().max()) for g, w in zip(got, want))
+                    if not err <= 1e-3:
+                        log.warning("compile: compiled logits differ from eager by %.2e "
+                                    "(rows %s); staying eager", err, lens)
+                        return False
         except Exception as exc:  # noqa: BLE001  (inductor: no C++ compiler, an unsupported op)
             log.warning("compile: torch.compile failed, staying eager: %r", exc)
             return False
-        self._compiled, self._compiled_q = fn, frozenset(q_lens)
+        self._flat = fn
         return True
+
+    def flat(self, lens: list[int]) -> bool:
+        """Whether a batch with these row lengths runs on the compiled flat forward."""
+        return (self._flat is not None and bool(lens) and max(lens) <= self.FLAT_MAX_Q
+                and sum(lens) <= self.FLAT_MAX_TOKENS)
+
+    def fuses(self, lens: list[int]) -> bool:
+        """Whether rows of these lengths (a step's prompt chunks and its longest verify
+        row) should share one forward: the compiled flat one or a packed one."""
+        return self.flat(lens) or self.pack(lens)
 
     @torch.inference_mode()
     def run(self, rows: list[RowInput], last_only: bool | list[bool] = False,
@@ -113,6 +145,10 @@ class ModelRunner:
         ``aux_layers`` or None when no aux layers were asked for.
         """
         lens = [len(r.token_ids) for r in rows]
+        if not aux_layers and self.flat(lens):
+            got = self.run_flat(rows, last_only)
+            if got is not None:
+                return got
         if isinstance(last_only, (list, tuple)):     # per row (a decode + prefill batch)
             if len(set(last_only)) == 1:
                 last_only = bool(last_only[0])
@@ -163,12 +199,6 @@ class ModelRunner:
     # bound by those bytes and the weights', not by FLOPs)
     PACK_FILL = 0.75
 
-    # a batch of short rows that the compiled forward covers runs padded on it even when
-    # uneven (ngram's 0..k drafts), while the padded batch is at most this many tokens:
-    # compiled, a small padded verify costs less than the eager packed one; past it the
-    # padding's GEMM FLOPs win (16 rows x 5 padded: ngram 16 users 0.80x of packed eager)
-    PREFER_COMPILED_MAX_TOKENS = 32
-
     def pack(self, lens: list[int]) -> bool:
         """Whether a batch with these row lengths runs packed (``run_packed``)."""
         if len(lens) < 2:
@@ -176,9 +206,91 @@ class ModelRunner:
         m = max(lens)
         if m >= self.PACK_MIN_TOKENS:
             return True
-        if m in self._compiled_q and len(lens) * m <= self.PREFER_COMPILED_MAX_TOKENS:
-            return False
         return m > 1 and sum(lens) <= self.PACK_FILL * len(lens) * m
+
+    def flat_groups(self, pos: list[int]) -> tuple[tuple, torch.Tensor]:
+        """Two groups of a flat batch's tokens by context length (``pos`` [T], T >= 2):
+        the tokens whose contexts are at most a threshold, which read only that far, and
+        the rest, which read to the longest. The threshold minimises the positions read,
+        sum over groups of tokens x context. Each group has at least 2 entries (a token
+        repeated: the same output twice; one graph for every batch).
+        Returns (((idx [Ta], n_a), (idx [Tb], n_b)), back [T])."""
+        T = len(pos)
+        order = sorted(range(T), key=pos.__getitem__)
+        n = [pos[i] + 1 for i in order]
+        best, cut = T * n[-1], 1
+        for j in range(1, T):
+            cost = j * n[j - 1] + (T - j) * n[-1]
+            if cost < best:
+                best, cut = cost, j
+        a, b = order[:cut], order[cut:]
+        back = [0] * T
+        for i, t in enumerate(a + b):
+            back[t] = i
+        a, b = (a * 2 if len(a) == 1 else a), (b * 2 if len(b) == 1 else b)
+        back = [i + (len(a) - cut if i >= cut else 0) for i in back]
+        dev = self.device
+        # (contexts of at least 2: a 1 would be specialised; position 1 is masked anyway)
+        return ((torch.tensor(a, dtype=torch.long, device=dev), max(2, n[cut - 1])),
+                (torch.tensor(b, dtype=torch.long, device=dev), max(2, n[-1]))), \
+            torch.tensor(back, dtype=torch.long, device=dev)
+
+    @torch.inference_mode()
+    def run_flat(self, rows: list[RowInput], last_only: bool | list[bool] = False,
+                 strict: bool = True) -> tuple[list[torch.Tensor], None] | None:
+        """As ``run`` (no aux layers) on the compiled flat forward (``compile``): the
+        rows' ``T = sum(len_i)`` tokens as one sequence [1, T], no padding, each token
+        attending its own slot up to its own position; the LM head only where logits are
+        wanted. Returns None (nothing written) when the batch would need a graph the
+        warm-up did not build (``strict``; the caller runs it eager)."""
+        dev = self.device
+        flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
+        ids, pos, slots, sel = [], [], [], []
+        for r, lo in zip(rows, flags):
+            n = len(r.token_ids)
+            sel.extend([len(ids) + n - 1] if lo else range(len(ids), len(ids) + n))
+            ids.extend(r.token_ids)
+            pos.extend(range(r.start, r.start + n))
+            slots.extend([r.slot] * n)
+        # one graph: T and R are never 1 (a size-1 dim would be specialised into a graph of
+        # its own). A lone token is sent twice (the same K/V written twice to the same
+        # place, the same attention), a lone logits row asked twice; the copies are dropped.
+        if len(ids) == 1:
+            ids, pos, slots = ids * 2, pos * 2, slots * 2
+        if len(sel) == 1:
+            sel = sel * 2
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta = BatchMeta(slots=slots_t, starts=pos_t, kv_len=max(pos) + 1, flat=True,
+                         positions=pos_t[None])
+        meta.write_rows, meta.write_pos = slots_t, pos_t
+        meta.flat_groups, meta.flat_back = self.flat_groups(pos)
+        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        idx = torch.tensor([sel], dtype=torch.long, device=dev)
+        from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
+
+        for t, dim in ((ids_t, 1), (pos_t, 0), (slots_t, 0), (idx, 1), (meta.flat_back, 0),
+                       *((i, 0) for i, _ in meta.flat_groups)):
+            mark_dynamic(t, dim)
+        if strict:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    out: ForwardOutput = self._flat(ids_t, cache=self.cache, meta=meta,
+                                                    logits_index=idx)
+            except RuntimeError as exc:
+                if "recompile" not in str(exc):
+                    raise
+                self.flat_fallbacks += 1
+                return None
+        else:
+            out = self._flat(ids_t, cache=self.cache, meta=meta, logits_index=idx)
+        logits = out.logits[0].float()                     # [len(sel), V]
+        per_row, at = [], 0
+        for r, lo in zip(rows, flags):
+            k = 1 if lo else len(r.token_ids)
+            per_row.append(logits[at:at + k])
+            at += k
+        return per_row, None
 
     @torch.inference_mode()
     def run_packed(self, rows: list[RowInput], last_only: bool | list[bool] = False,
@@ -263,24 +375,14 @@ class ModelRunner:
                          kv_len=max(starts) + Q,
                          single=(lo, starts[0]) if B == 1 else None,
                          slot_range=(lo, lo + B) if consecutive else None)
-        # the compiled forward: only for what ``compile`` warmed (no recompile mid-serving);
-        # it reads every row's context to the longest (no split of long rows)
-        fwd = self._compiled if (self._compiled is not None and Q in self._compiled_q
-                                 and (Q == 1 or not last_only) and not aux_layers and lo == 0
-                                 and consecutive) else None
-        if B > 1 and fwd is None:
+        if B > 1:
             meta.long_rows, meta.kv_short = self.split_long(rows, meta.kv_len)
         idx = None
         if last_only and Q > 1:   # (rows of one token: their logits are the last ones)
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
         ids = ids.to(self.device)
-        if fwd is not None and B > 1:   # one graph for every B >= 2 from the first compile
-            from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
-
-            for t in (ids, meta.slots, meta.starts):
-                mark_dynamic(t, 0)
-        out: ForwardOutput = (fwd or self.model)(ids, cache=self.cache, meta=meta,
-                                                 logits_index=idx, aux_layers=aux_layers)
+        out: ForwardOutput = self.model(ids, cache=self.cache, meta=meta, logits_index=idx,
+                                        aux_layers=aux_layers)
         aux = None
         if out.aux_hidden is not None:
             aux = [out.aux_hidden[i, :lens[i]] for i in range(B)]

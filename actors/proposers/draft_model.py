@@ -59,7 +59,7 @@ class DraftModelProposer(Proposer):
 
     def compile(self) -> bool:
         """The draft model's one-token steps (``propose``'s second phase) compiled."""
-        return self.runner.compile((1,))
+        return self.runner.compile()
 
     def draft_params(self) -> int:
         return self.draft.num_params()
