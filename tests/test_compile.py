@@ -71,7 +71,7 @@ def test_flat_forward_eager_equals_packed_and_plain():
 def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_model_dir):
     model = CausalLM.from_pretrained(tiny_model_dir)
     V = model.config.vocab_size
-    compiled, eager = ModelRunner(model, 8, 128), ModelRunner(model, 8, 128)
+    compiled, eager = ModelRunner(model, 8, 256), ModelRunner(model, 8, 256)
     assert compiled.compile() is True
     calls = [0]
     fn = compiled._flat
@@ -83,18 +83,25 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
     compiled._flat = counting
     graphs = _graphs()
     gen = torch.Generator().manual_seed(1)
-    lens = torch.randint(5, 60, (8,), generator=gen).tolist()
+    lens = torch.randint(5, 100, (8,), generator=gen).tolist()
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
-    for r in (compiled, eager):       # the same contexts in both caches (long chunks: eager)
-        r.run([RowInput(s, 0, p) for s, p in enumerate(prompts)], last_only=True)
-    assert calls[0] == 0
+    # the same contexts in both caches: first chunks of up to FLAT_MAX_Q tokens run on the
+    # compiled forward, a batch with a longer one eager
+    short = [s for s in range(8) if lens[s] <= compiled.FLAT_MAX_Q][:3]
+    for part, on_graph in ((short, True), ([s for s in range(8) if s not in short], False)):
+        rows = [RowInput(s, 0, prompts[s]) for s in part]
+        before = calls[0]
+        got, _ = compiled.run(rows, last_only=True)
+        want, _ = eager.run(rows, last_only=True)
+        assert calls[0] == before + on_graph
+        assert all(torch.allclose(g_, w_, atol=1e-4) for g_, w_ in zip(got, want))
     # decodes, verifies of one length, uneven verifies (ngram's 0..k), slots not 0..B-1,
     # a mixed batch with last-only prompt tails, one token alone: all on the one graph
     batches = [([1] * 8, range(8), False), ([1] * 5, range(5), False), ([1], [0], False),
                ([4, 4], [0, 1], False), ([1, 4, 2, 4, 1], range(5), False),
                ([1, 3, 1], [2, 4, 6], False), ([2, 1, 5, 9], range(4),
                                                 [False, False, False, True]),
-               ([3, 7], [1, 3], True), ([16, 1], [0, 7], False)]
+               ([3, 7], [1, 3], True), ([16, 1], [0, 7], False), ([40, 2], [2, 5], True)]
     for qs, slots, last in batches:
         rows = [RowInput(s, lens[s], torch.randint(0, V, (q,), generator=gen).tolist())
                 for s, q in zip(slots, qs)]
@@ -109,8 +116,9 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
             lens[s] += q
     assert compiled.flat_fallbacks == 0
     assert _graphs() == graphs, "a batch after the warm-up compiled a graph"
-    # a row longer than FLAT_MAX_Q (a prompt chunk): eager, same logits
-    rows = [RowInput(0, lens[0], torch.randint(0, V, (17,), generator=gen).tolist()),
+    # a row longer than FLAT_MAX_Q (a long prompt chunk): eager, same logits
+    n = compiled.FLAT_MAX_Q + 1
+    rows = [RowInput(0, lens[0], torch.randint(0, V, (n,), generator=gen).tolist()),
             RowInput(1, lens[1], [3])]
     before = calls[0]
     got, _ = compiled.run(rows)
@@ -119,7 +127,7 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
     assert all(torch.allclose(g_, w_, atol=1e-4) for g_, w_ in zip(got, want))
     # another model of the same shapes: its own weights, not the first one's (the warm-up
     # checks its compiled logits against its own eager ones)
-    other = ModelRunner(_tiny(V, seed=7), 8, 128)
+    other = ModelRunner(_tiny(V, seed=7), 8, 256)
     assert other.compile() is True
     got, _ = other.run([RowInput(s, 0, [5]) for s in range(3)])
     assert not torch.allclose(got[0], compiled.run([RowInput(0, 0, [5])])[0][0], atol=1e-3)

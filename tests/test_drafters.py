@@ -273,3 +273,38 @@ def test_fused_inference_path_matches_the_modules():
                        d1.confidence)
     d.train()
     assert d.layers[0]._qkv_wt is None and not d._fast()
+
+
+def test_ngram_lookup_equals_the_sliding_window_search():
+    """The candidate-ends lookup proposes what a search of every window does: the tokens
+    after the most recent earlier occurrence of the longest suffix n-gram (max_n..min_n),
+    on sequences of a small vocabulary (many repeats), lists and arrays alike."""
+    import numpy as np
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    from actors.proposers.ngram import ngram_lookup
+
+    def windows_search(tokens, min_n, max_n, k):
+        L = len(tokens)
+        for n in range(min(max_n, L - 1), min_n - 1, -1):
+            hits = np.flatnonzero((sliding_window_view(tokens[:L - 1], n)
+                                   == tokens[L - n:]).all(axis=1))
+            if len(hits):
+                return tokens[int(hits[-1]) + n:int(hits[-1]) + n + k].tolist()
+        return []
+
+    rng = np.random.default_rng(0)
+    found = 0
+    for trial in range(400):
+        vocab = int(rng.integers(2, 12))
+        toks = rng.integers(0, vocab, int(rng.integers(1, 60)))
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 3))
+        k = int(rng.integers(0, 6))
+        want = windows_search(toks, min_n, max_n, k) if k > 0 and len(toks) >= 2 else []
+        assert ngram_lookup(toks.tolist(), min_n, max_n, k) == want, (toks.tolist(), min_n, max_n, k)
+        assert ngram_lookup(toks, min_n, max_n, k) == want
+        found += bool(want)
+    assert found > 100       # most sequences of a small vocabulary have a match
+    assert ngram_lookup([5, 1, 2, 3, 9, 1, 2, 3], 2, 4, 3) == [9, 1, 2]
+    assert ngram_lookup([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]   # the most recent

