@@ -39,8 +39,8 @@ def _graphs() -> int:
 
 def test_flat_forward_eager_equals_packed_and_plain():
     """The flat forward's math (``Attention._flat_attention``, each token attending its
-    own slot to its own position), run eager: the packed forward's logits and a plain
-    forward's without a cache, for decodes, uneven verifies, a prompt's first chunk and a
+    own slot to its own position; in torch and with the C kernel), run eager: the packed
+    forward's logits and a plain forward's without a cache, for decodes, uneven verifies, a prompt's first chunk and a
     mixed batch with per-row last-only logits, on scattered slots."""
     model = _tiny(61, seed=4, layers=2)
     gen = torch.Generator().manual_seed(0)
@@ -53,11 +53,13 @@ def test_flat_forward_eager_equals_packed_and_plain():
     flat._flat = model.forward          # the compiled forward's code path, run eager
     rows = [RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)] + [
         RowInput(2, 0, [1, 2, 3, 4])]                       # a first chunk (slot 2, empty)
-    for last in (False, [False, False, False, False, True], True):
-        got, _ = flat.run_flat(rows, last, strict=False)
-        want, _ = packed.run_packed(rows, last)
-        for g_, w_ in zip(got, want):
-            assert g_.shape == w_.shape and torch.allclose(g_, w_, atol=1e-5)
+    for kernel in (False, True):    # the torch form, then the C kernel's attention
+        flat.flat_kernel = kernel
+        for last in (False, [False, False, False, False, True], True):
+            got, _ = flat.run_flat(rows, last, strict=False)
+            want, _ = packed.run_packed(rows, last)
+            for g_, w_ in zip(got, want):
+                assert g_.shape == w_.shape and torch.allclose(g_, w_, atol=1e-5)
     with torch.inference_mode():
         for i, (c, t) in enumerate(zip(ctxs, new)):
             ref = model(torch.tensor([c + t])).logits[0, -len(t):]
@@ -73,6 +75,7 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
     V = model.config.vocab_size
     compiled, eager = ModelRunner(model, 8, 256), ModelRunner(model, 8, 256)
     assert compiled.compile() is True
+    assert compiled.flat_kernel      # the attention by the C kernel inside the graph
     calls = [0]
     fn = compiled._flat
 

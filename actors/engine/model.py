@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.engine import attention_kernel  # noqa: F401  (registers specload::flat_attention)
 from actors.engine.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -230,6 +231,10 @@ class BatchMeta:
     flat: bool = False
     flat_groups: tuple | None = None
     flat_back: torch.Tensor | None = None
+    # flat batch on a CPU with float32 K/V: attention by the C kernel
+    # (``actors.engine.attention_kernel``, the ``specload::flat_attention`` op), which reads
+    # each token's own positions only (no groups)
+    flat_kernel: bool = False
 
 
 class Attention(nn.Module):
@@ -372,13 +377,19 @@ class Attention(nn.Module):
         each on a CPU). Scores over the positions past a token's own are computed and
         masked (-inf): the cost is T x kv_len per layer, so the runner splits the tokens
         in two groups by context length (``ModelRunner.flat_groups``), each reading only
-        to its own longest context."""
+        to its own longest context. With ``meta.flat_kernel`` (a CPU, float32 K/V, the
+        kernel built) the C kernel of ``actors.engine.attention_kernel`` does the
+        attention instead: each token's own positions only, each K/V row read once per
+        run of same-slot tokens, about 2x faster than inductor's loops."""
         ck, cv = cache_kv
         T = q.shape[2]
         slot_t, pos_t = meta.write_rows, meta.write_pos
         ck[slot_t, pos_t] = k[0].transpose(0, 1).to(ck.dtype)
         cv[slot_t, pos_t] = v[0].transpose(0, 1).to(cv.dtype)
         qt = q[0].transpose(0, 1)                                            # [T, h, D]
+        if meta.flat_kernel:
+            out = torch.ops.specload.flat_attention(qt, ck, cv, slot_t, pos_t, self.d ** -0.5)
+            return out.transpose(0, 1)[None]
         if meta.flat_groups is None:
             return self._flat_group(qt, ck, cv, slot_t, pos_t, meta.kv_len).transpose(0, 1)[None]
         outs = [self._flat_group(qt[idx], ck, cv, slot_t[idx], pos_t[idx], n)

@@ -45,6 +45,9 @@ class ModelRunner:
         self.pad_id = pad_id
         # the torch.compile'd flat forward (``compile``); None: eager
         self._flat = None
+        # its attention by the C kernel (``actors.engine.attention_kernel``): set by
+        # ``compile`` where the kernel builds and the cache is float32 on a CPU
+        self.flat_kernel = False
         self.flat_fallbacks = 0     # batches the compiled forward refused (a recompile due)
 
     # torch.compile (inductor), vLLM's default on its CPU and GPU backends (``enforce_eager``
@@ -86,6 +89,10 @@ class ModelRunner:
         if max(s + n for starts, lens in self.COMPILE_WARM_ROWS
                for s, n in zip(starts, lens)) + 1 > self.max_len:
             return False
+        if self.device.type == "cpu" and self.cache.k[0].dtype == torch.float32:
+            from actors.engine import attention_kernel
+
+            self.flat_kernel = attention_kernel.load() is not None
         # (the draft model's graph counts against the same code object's limit)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         try:
@@ -268,13 +275,17 @@ class ModelRunner:
         meta = BatchMeta(slots=slots_t, starts=pos_t, kv_len=max(pos) + 1, flat=True,
                          positions=pos_t[None])
         meta.write_rows, meta.write_pos = slots_t, pos_t
-        meta.flat_groups, meta.flat_back = self.flat_groups(pos)
+        if self.flat_kernel:         # the kernel reads each token's own positions only
+            meta.flat_kernel = True
+        else:
+            meta.flat_groups, meta.flat_back = self.flat_groups(pos)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         idx = torch.tensor([sel], dtype=torch.long, device=dev)
         from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
 
-        for t, dim in ((ids_t, 1), (pos_t, 0), (slots_t, 0), (idx, 1), (meta.flat_back, 0),
-                       *((i, 0) for i, _ in meta.flat_groups)):
+        for t, dim in ((ids_t, 1), (pos_t, 0), (slots_t, 0), (idx, 1),
+                       *(((meta.flat_back, 0), *((i, 0) for i, _ in meta.flat_groups))
+                         if meta.flat_groups is not None else ())):
             mark_dynamic(t, dim)
         if strict:
             try:
