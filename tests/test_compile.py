@@ -88,9 +88,12 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(5, 100, (8,), generator=gen).tolist()
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
-    # the same contexts in both caches: first chunks of up to FLAT_MAX_Q tokens run on the
-    # compiled forward, a batch with a longer one eager
-    short = [s for s in range(8) if lens[s] <= compiled.FLAT_MAX_Q][:3]
+    # the same contexts in both caches: first chunks of up to the longest row the flat
+    # forward takes run on the compiled forward, a batch with a longer one eager (a limit
+    # lowered here to this small model's lengths: the kernel's is 512 tokens)
+    compiled.FLAT_KERNEL_MAX_Q = compiled.FLAT_MAX_Q
+    max_q = compiled.flat_limits[0]
+    short = [s for s in range(8) if lens[s] <= max_q][:3]
     for part, on_graph in ((short, True), ([s for s in range(8) if s not in short], False)):
         rows = [RowInput(s, 0, prompts[s]) for s in part]
         before = calls[0]
@@ -104,7 +107,9 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
                ([4, 4], [0, 1], False), ([1, 4, 2, 4, 1], range(5), False),
                ([1, 3, 1], [2, 4, 6], False), ([2, 1, 5, 9], range(4),
                                                 [False, False, False, True]),
-               ([3, 7], [1, 3], True), ([16, 1], [0, 7], False), ([40, 2], [2, 5], True)]
+               ([3, 7], [1, 3], True), ([16, 1], [0, 7], False), ([40, 2], [2, 5], True),
+               ([90, 1, 3], [6, 0, 1], [True, False, False])]   # a chunk over 64: the kernel's
+    del compiled.FLAT_KERNEL_MAX_Q                               # limit again (512)
     for qs, slots, last in batches:
         rows = [RowInput(s, lens[s], torch.randint(0, V, (q,), generator=gen).tolist())
                 for s, q in zip(slots, qs)]
@@ -119,8 +124,9 @@ def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_mo
             lens[s] += q
     assert compiled.flat_fallbacks == 0
     assert _graphs() == graphs, "a batch after the warm-up compiled a graph"
-    # a row longer than FLAT_MAX_Q (a long prompt chunk): eager, same logits
-    n = compiled.FLAT_MAX_Q + 1
+    # a row longer than the limit (a long prompt chunk): eager, same logits
+    compiled.FLAT_KERNEL_MAX_Q = max_q
+    n = max_q + 1
     rows = [RowInput(0, lens[0], torch.randint(0, V, (n,), generator=gen).tolist()),
             RowInput(1, lens[1], [3])]
     before = calls[0]
