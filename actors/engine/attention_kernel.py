@@ -286,13 +286,23 @@ def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: to
 
 
 # the op: a schema, the CPU implementation above, and a fake (shape-only) one for
-# torch.compile's tracing; ``_LIB`` must stay alive for the registration to last
-_LIB = torch.library.Library("specload", "DEF")
-_LIB.define("flat_attention(Tensor q, Tensor ck, Tensor cv, Tensor slot, Tensor pos, "
-            "float scale) -> Tensor")
-_LIB.impl("flat_attention", flat_attention, "CPU")
+# torch.compile's tracing; ``_LIB`` must stay alive for the registration to last. Once a
+# process: a second import of this file (importlib.reload, a second copy on the path)
+# keeps the first registration.
+def _registered() -> bool:
+    try:
+        torch.ops.specload.flat_attention  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
-@torch.library.register_fake("specload::flat_attention")
-def _(q, ck, cv, slot, pos, scale):
-    return q.new_empty(q.shape)
+if not _registered():
+    _LIB = torch.library.Library("specload", "DEF")
+    _LIB.define("flat_attention(Tensor q, Tensor ck, Tensor cv, Tensor slot, Tensor pos, "
+                "float scale) -> Tensor")
+    _LIB.impl("flat_attention", flat_attention, "CPU")
+
+    @torch.library.register_fake("specload::flat_attention")
+    def _(q, ck, cv, slot, pos, scale):
+        return q.new_empty(q.shape)
