@@ -82,12 +82,17 @@ def test_kernel_refuses_bad_input():
         flat_attention(q, ck, ck, ok[0][:2], ok[1], 0.25)
 
 
-def test_kernel_builds_into_its_cache_dir_and_without_a_compiler_is_none(tmp_path, monkeypatch):
+def test_kernel_builds_into_its_cache_dir_per_cpu_and_without_a_compiler_is_none(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLOAD_KERNEL_CACHE", str(tmp_path / "k"))
     attention_kernel.load.cache_clear()
     try:
         assert attention_kernel.load() is not None
         assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]
+        # another CPU sharing the cache directory builds its own (-march=native)
+        monkeypatch.setattr(attention_kernel, "cpu_id", lambda: "another cpu")
+        attention_kernel.load.cache_clear()
+        assert attention_kernel.load() is not None
+        assert sorted(p.suffix for p in (tmp_path / "k").iterdir()) == [".so", ".so"]
         monkeypatch.setenv("SPECLOAD_KERNEL_CACHE", str(tmp_path / "none"))
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         attention_kernel.load.cache_clear()

@@ -13,7 +13,7 @@ on the tiny target's shapes (h=4, kvh=2, D=64, one thread), 35 tokens over conte
 It is plain C (no intrinsics), compiled at first use with the machine's C compiler
 (``$CC``, default ``cc``; ``-O3 -march=native``: the compiler vectorises the loops for
 this CPU, as inductor does for its own kernels) into ``$SPECLOAD_KERNEL_CACHE`` (default
-``~/.cache/specload/kernels``), named by a hash of source, flags and machine, and loaded
+``~/.cache/specload/kernels``), named by a hash of source, flags and CPU, and loaded
 with ctypes. Registered as the torch op ``specload::flat_attention`` (this module's import), so
 ``torch.compile`` calls it from its graph.
 ``load()`` returns None where no compiler works; the caller keeps the torch form.
@@ -207,13 +207,28 @@ def cache_dir() -> Path:
     return Path(base) / "specload" / "kernels"
 
 
+def cpu_id() -> str:
+    """What ``-march=native`` compiles for: the CPU's model name and flags
+    (``/proc/cpuinfo``), else ``platform.processor()``; part of the kernel's cache key, so
+    a cache directory shared by nodes of different CPUs (a network home) never hands one
+    node another's instructions."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            keep = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        if keep:
+            return "".join(dict.fromkeys(keep))      # the first CPU's lines, once each
+    except OSError:
+        pass
+    return platform.processor()
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use (a few tenths of a second) and
     cached on disk; None (with a warning logged) when it cannot be built or loaded."""
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256("\0".join((SOURCE, cc, *FLAGS, *sum(VARIANTS, ()), platform.machine(),
-                                    platform.processor())).encode()).hexdigest()[:16]
+                                    cpu_id())).encode()).hexdigest()[:16]
     try:
         d = cache_dir()
         d.mkdir(parents=True, exist_ok=True)
