@@ -35,7 +35,7 @@ def _batch(gen, S, L, h, D, rows):
     return torch.randn(len(slot), h, D, generator=gen), slot, pos
 
 
-@pytest.mark.parametrize("h,kvh,D", [(4, 2, 64), (4, 4, 16), (8, 2, 32)])
+@pytest.mark.parametrize("h,kvh,D", [(4, 2, 64), (4, 4, 16), (8, 2, 32), (4, 1, 128)])
 def test_kernel_equals_sdpa_per_token(h, kvh, D):
     assert attention_kernel.load() is not None, "no C compiler: the kernel did not build"
     gen = torch.Generator().manual_seed(h * 100 + kvh * 10 + D)
