@@ -1,8 +1,8 @@
 """The C kernel of the compiled flat forward's attention (``specload::flat_attention``,
 ``actors.engine.attention_kernel``): each token's attention equals SDPA over its own
 slot's positions 0..pos, for runs of same-slot tokens shorter and longer than its tile,
-GQA groups of 1, 2, 4 and 4 and head sizes 16, 32, 64 and 128; bad input is refused with a ValueError;
-without a C compiler the runner keeps the torch form."""
+GQA groups of 1, 2 and 4 and head sizes 16, 32, 64 and 128; bad input is refused with a
+ValueError; each CPU gets its own build; without a C compiler the op says it is not built."""
 
 from __future__ import annotations
 
