@@ -167,6 +167,19 @@ def test_compile_refuses_a_cache_with_live_requests():
     assert runner._flat is None
 
 
+def test_a_failed_compile_stays_eager_without_the_kernel(monkeypatch):
+    """torch.compile failing (no C++ compiler, an unsupported op): eager, and the runner
+    does not claim the kernel runs."""
+    def failing(*a, **k):
+        raise RuntimeError("inductor: no working C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", failing)
+    runner = ModelRunner(_tiny(61, seed=2), 4, 64)
+    assert runner.compile() is False
+    assert runner._flat is None and runner.flat_kernel is False
+    assert not runner.flat([1, 1])
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A random 1-layer model on the embedded target's tokenizer (a local HF directory)."""

@@ -379,8 +379,8 @@ class Attention(nn.Module):
         in two groups by context length (``ModelRunner.flat_groups``), each reading only
         to its own longest context. With ``meta.flat_kernel`` (a CPU, float32 K/V, the
         kernel built) the C kernel of ``actors.engine.attention_kernel`` does the
-        attention instead: each token's own positions only, each K/V row read once per
-        run of same-slot tokens, about 2x faster than inductor's loops."""
+        attention instead: each token's own positions only, runs of same-slot tokens
+        together (0.35 ms a layer in a 16-user ngram step, inductor's loops about 1.2)."""
         ck, cv = cache_kv
         T = q.shape[2]
         slot_t, pos_t = meta.write_rows, meta.write_pos

@@ -99,6 +99,14 @@ class ModelRunner:
             from actors.engine import attention_kernel
 
             self.flat_kernel = attention_kernel.load() is not None
+        if not self._compile_and_check(log):
+            self.flat_kernel = False       # eager: the attribute says what runs
+            return False
+        return True
+
+    def _compile_and_check(self, log) -> bool:
+        """``compile``'s work: torch.compile the forward, run the warm-up rows on it and
+        compare them with eager; True (and ``_flat`` set) when every check held."""
         # (the draft model's graph counts against the same code object's limit)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         try:
