@@ -2,6 +2,7 @@
 
     python -m actors.bench_serve [--strategy autoregressive] [--concurrency 4,16]
                                  [--max-tokens 128] [--reps 3] [--stream-intervals 1]
+                                 [--stream-intervals-ms 20]
                                  [--json out.json]
 
 Same prompts (held-out, ``data/prompts/heldout_eval.jsonl``), same engine
@@ -17,12 +18,14 @@ rotated per repetition, before the next repetition starts), medians of ``--reps`
 3. ``model_field``: ``POST /v1/completions`` with ``model``, through the OpenAI
    ingress (a second Ray hop per chunk), to the same replica.
 
-``--stream-intervals 1,4`` also measures those ``stream_interval`` values (tokens
-per chunk) on the strategy route. Per repetition, a served run's ratio is its
-tokens/s over the direct run's of the same repetition; the TTFT the service adds is
-served - direct, matched by prompt. Prints and writes (``--json``): ``ratio`` (served
-/ direct on the default route, the strategy route at stream_interval 1; the lowest
-over the concurrencies), ``ratio_model_field`` (same, model-field route),
+The strategy route runs with the deployment's default chunking (a chunk per
+``DEFAULT_STREAM_INTERVAL_MS`` window, Ray Serve LLM's stream batching);
+``--stream-intervals 1,4`` (default 1: one chunk per engine step, as vLLM streams)
+and ``--stream-intervals-ms 20`` also measure those request fields on it. Per
+repetition, a served run's ratio is its tokens/s over the direct run's of the same
+repetition; the TTFT the service adds is served - direct, matched by prompt. Prints
+and writes (``--json``): ``ratio`` (served / direct on the default route, the
+strategy route with the deployment's defaults; the lowest over the concurrencies), ``ratio_model_field`` (same, model-field route),
 ``ttft_added_ms_p50`` (default route, the highest over the concurrencies) and, per
 concurrency and way, tokens/s, ratio, TTFT and e2e added (p50, ms) and chunks per
 request.
@@ -121,8 +124,10 @@ async def stream_one(client, path: str, body: dict) -> dict:
 
 
 async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
-                   path: str = "/v1/completions", stream_interval: int | None = None) -> dict:
-    """The same requests as concurrent streaming completions calls to ``base + path``."""
+                   path: str = "/v1/completions", stream_interval: int | None = None,
+                   stream_interval_ms: float | None = None) -> dict:
+    """The same requests as concurrent streaming completions calls to ``base + path``
+    (``stream_interval`` / ``stream_interval_ms``: the body fields, when not None)."""
     import httpx
 
     async def one(client, prompt: str) -> dict:
@@ -130,6 +135,8 @@ async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
                 "ignore_eos": True}
         if stream_interval is not None:
             body["stream_interval"] = stream_interval
+        if stream_interval_ms is not None:
+            body["stream_interval_ms"] = stream_interval_ms
         return await stream_one(client, path, body)
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
@@ -218,7 +225,11 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=number(int, ge=1), default=128)
     ap.add_argument("--reps", type=number(int, ge=1), default=3, help="interleaved repetitions (median)")
     ap.add_argument("--stream-intervals", default="1",
-                    help="stream_interval values measured on the strategy route (1 always)")
+                    help="stream_interval values measured on the strategy route as request "
+                         "fields (1: one chunk per engine step, vLLM's streaming)")
+    ap.add_argument("--stream-intervals-ms", default="",
+                    help="stream_interval_ms values measured on the strategy route as request "
+                         "fields (a chunk per window)")
     ap.add_argument("--num-speculative-tokens", type=number(int, ge=0), default=4)
     ap.add_argument("--torch-threads", type=number(int, ge=1), default=1)
     ap.add_argument("--num-cpus", type=number(int, ge=1), default=2, help="CPUs of the local Ray")
@@ -235,8 +246,9 @@ def _build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[int]]:
-    """Parse and check the flags; return (args, concurrencies, stream intervals).
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[int],
+                                            list[float]]:
+    """Parse and check the flags; return (args, concurrencies, stream intervals, windows (ms)).
     A bad list or unknown strategy exits 2 through ``ap.error``."""
     ap = _build_parser()
     a = ap.parse_args(argv)
@@ -249,6 +261,13 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
     except ValueError:
         ap.error(f"--stream-intervals: expected comma-separated integers, got "
                  f"{a.stream_intervals!r}")
+    try:
+        windows = [float(c) for c in a.stream_intervals_ms.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--stream-intervals-ms: expected comma-separated numbers, got "
+                 f"{a.stream_intervals_ms!r}")
+    if windows and not all(0 < w <= 60_000 for w in windows):
+        ap.error("--stream-intervals-ms: give values in (0, 60000]")
     if not concs or min(concs) < 1:
         ap.error("--concurrency: give values >= 1")
     if intervals and min(intervals) < 1:
@@ -256,7 +275,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
     if a.strategy not in STRATEGIES:
         ap.error(f"argument --strategy: unknown strategy {a.strategy!r}; expected one of "
                  f"{', '.join(STRATEGIES)}")
-    return a, concs, intervals
+    return a, concs, intervals, windows
 
 
 def _run_way(way: str, eng, base: str, own: str, a: argparse.Namespace, prompts: list[str],
@@ -267,7 +286,8 @@ def _run_way(way: str, eng, base: str, own: str, a: argparse.Namespace, prompts:
     if way == MODEL_FIELD:
         return asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens))
     si = int(way.rsplit("_si", 1)[1]) if "_si" in way else None
-    return asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens, own, si))
+    ms = float(way.rsplit("_ms", 1)[1]) if "_ms" in way else None
+    return asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens, own, si, ms))
 
 
 def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
@@ -318,7 +338,9 @@ def _result(a: argparse.Namespace, concs: list[int], per_c: dict) -> dict:
                                              for c in concs),
         "by_concurrency": per_c,
         "note": "medians of interleaved repetitions; ratio / ttft_added_ms_p50: the worst "
-                "concurrency, strategy route (the load generator's default), stream_interval 1",
+                "concurrency, strategy route (the load generator's default) with the deployment's "
+                "default chunking (configs.serve_config.DEFAULT_STREAM_INTERVAL_MS); "
+                "strategy_route_si1: one chunk per engine step",
     }
 
 
@@ -340,13 +362,14 @@ def _print_outcome(result: dict, per_c: dict, concs: list[int], ways: list[str])
 
 
 def main(argv: list[str] | None = None) -> int:
-    a, concs, intervals = _parse(argv)
-    extra = sorted({i for i in intervals if i != 1})
+    a, concs, intervals, windows = _parse(argv)
     engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),
                   "torch_threads": a.torch_threads, "enforce_eager": a.enforce_eager,
                   "num_speculative_tokens": 0 if a.strategy == "autoregressive"
                   else a.num_speculative_tokens}
-    ways = [DIRECT, STRATEGY_ROUTE, MODEL_FIELD] + [f"{STRATEGY_ROUTE}_si{i}" for i in extra]
+    ways = ([DIRECT, STRATEGY_ROUTE, MODEL_FIELD]
+            + [f"{STRATEGY_ROUTE}_si{i}" for i in sorted(set(intervals))]
+            + [f"{STRATEGY_ROUTE}_ms{w:g}" for w in sorted(set(windows))])
     runs = _measure(a, concs, ways, engine_cfg)
     per_c = summarize(runs, concs, ways)
     result = _result(a, concs, per_c)

@@ -53,6 +53,10 @@ PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
 DEFAULT_ENGINE_FACTORY = "actors.serve.engine_core:make_llm_engine"  # (engine dict) -> LLMEngine
 ENGINE_PROCESS_MIN_CPUS = 4   # engine_process "auto": its own process from this many cores
+# A strategy's streamed deltas: one per this many ms (Ray Serve LLM's stream batching,
+# ``stream_batching_interval_ms``, default 50 there). Each chunk costs the replica, the Serve
+# proxy and the client CPU; the load generator's ITL stays per token (``token_ts``).
+DEFAULT_STREAM_INTERVAL_MS = 50.0
 
 
 def resolve_engine_process(value: bool | str) -> bool:
@@ -215,6 +219,13 @@ class StrategyEntry(BaseModel):
     stream_interval: int = Field(1, ge=1, le=4096, description=(
         "tokens per streamed chunk (vLLM's stream_interval); 1 = every engine step. "
         "A request may override it with the stream_interval body field"))
+    stream_interval_ms: float | None = Field(DEFAULT_STREAM_INTERVAL_MS, gt=0, le=60_000,
+                                             description=(
+        "ms per streamed chunk (Ray Serve LLM's stream batching): the tokens an engine emits "
+        "within one window leave as one chunk; the first token and the last are never held. "
+        "With stream_interval > 1: a chunk at whichever comes first. null: no window (one "
+        "chunk per engine step at stream_interval 1, vLLM's streaming). A request overrides "
+        "both with its stream_interval / stream_interval_ms body fields"))
     engine_process: bool | Literal["auto"] = Field("auto", description=(
         "run the engine step in its own process (vLLM V1's engine-core process), so the "
         "replica's HTTP and streaming work do not share a GIL with it; false: on a thread "

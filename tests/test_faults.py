@@ -275,13 +275,18 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
     old_pid = _info(service)["ngram"]["pid"]
     old_engine_pid = _info(service)["ngram"]["engine_pid"]
     assert old_engine_pid != old_pid and psutil.Process(old_engine_pid).ppid() == old_pid
-    tiers = _tiers(tmp_path, {"users": 2, "duration_s": 30, "max_tokens": 12})
+    # 4 users x 32 tokens: requests in the replica nearly all the time, and the kill waits
+    # until the replica says one is running (a kill between requests loses none: Serve's
+    # router holds new ones until the replacement is up, so no row would fail)
+    tiers = _tiers(tmp_path, {"users": 4, "duration_s": 30, "max_tokens": 32})
     results = tmp_path / "res"
     proc = subprocess.Popen(_loadgen(service, tiers, results, "ngram,autoregressive", "--report"), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         run_dir = _wait(lambda: _run_dir_once_made(results), 120, "run dir")
         _wait(lambda: _cell_rows(run_dir, "-ngram-") >= 4, 120, "4 ngram rows")
+        _wait(lambda: _info(service)["ngram"]["num_running"] >= 1, 30, "an ngram request running",
+              every_s=0.01)
         t_kill = time.time()
         os.kill(old_pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=400)

@@ -450,7 +450,7 @@ def test_serve_vllm_strategy_both_routes_errors_health_and_step_log(vllm_service
             empty = c.post(_path(route, VLLM_NAME), json={"model": VLLM_NAME, "prompt": "",
                                                            "max_tokens": 4})
             assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
-            # streaming: one chunk per engine step (ngram steps carry several tokens)
+            # streaming (ngram steps carry several tokens)
             with c.stream("POST", _path(route, VLLM_NAME), json={
                     "model": VLLM_NAME, "prompt": SERVE_PROMPTS[2] * 3, "max_tokens": 32,
                     "temperature": 0, "stream": True}) as s:

@@ -159,7 +159,7 @@ def _bind_strategy(entry: StrategyEntry, cfg: ServeAppConfig, store: Any):
         health_check_timeout_s=entry.health_check_timeout_s, **scaling,
     ).bind(entry.name, engine, cfg.engine_factory, store, entry.step_log_capacity,
            entry.stream_interval, cfg.ingress.retry_after_s, cfg.ingress.api_key,
-           entry.engine_process)
+           entry.engine_process, entry.stream_interval_ms)
 
 
 def build_strategy_app(args: dict[str, Any]):

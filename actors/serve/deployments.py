@@ -38,7 +38,8 @@ from actors.serve.openai_request import (API_KEY_ENV, api_key_error, error_respo
 from actors.serve.openai_response import health_response, model_card, respond
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
-from configs.serve_config import DEFAULT_ENGINE_FACTORY, resolve_engine_process
+from configs.serve_config import (DEFAULT_ENGINE_FACTORY, DEFAULT_STREAM_INTERVAL_MS,
+                                  resolve_engine_process)
 
 logger = logging.getLogger("ray.serve")
 
@@ -138,6 +139,20 @@ strategy_api = install_error_handlers(FastAPI(
     title="specload strategy", description="one strategy's OpenAI-compatible routes"))
 
 
+def chunk_rule(stream_interval: int, stream_interval_ms: float | None) -> tuple[float, float | None]:
+    """How a stream's deltas are chunked -> (tokens that send a delta, seconds that send one).
+
+    ``stream_interval`` (vLLM's name): tokens per delta; ``stream_interval_ms``: a delta
+    once that many ms passed since the last (Ray Serve LLM's stream batching window).
+    Only ms (interval 1): the window alone decides (tokens: inf). Both: whichever comes
+    first. Only tokens: ``(stream_interval, None)``; (1, None) is one delta per engine step.
+    """
+    interval = max(1, int(stream_interval))
+    if not stream_interval_ms:
+        return float(interval), None
+    return (float("inf") if interval == 1 else float(interval)), float(stream_interval_ms) / 1e3
+
+
 class StrategyReplica:
     """One replica of one strategy: an AsyncLLMEngine plus its metrics and step log.
     (The plain class; ``StrategyServer`` is its Serve deployment, an HTTP ingress too.)
@@ -146,8 +161,8 @@ class StrategyReplica:
     fields (dict). engine_factory: import path of ``(engine_config) -> engine``.
     step_store: handle of the StepLogStore; or ``(app_name, deployment_name)`` of
     it in another application (looked up at the first push); None: keep the log
-    local only. stream_interval: tokens per streamed delta unless a request says
-    otherwise. engine_process: run the engine step in its own process
+    local only. stream_interval, stream_interval_ms: how the streamed deltas are
+    chunked unless a request says otherwise (``chunk_rule``). engine_process: run the engine step in its own process
     (``ProcessAsyncLLMEngine``, vLLM V1's engine-core process), else on a thread of
     the replica's; "auto" (``configs.serve_config.resolve_engine_process``): its own
     process on a machine with at least 4 cores. retry_after_s, api_key: as the ingress's, for this replica's own
@@ -163,21 +178,12 @@ class StrategyReplica:
     ``model_not_found``), ``GET /v1/models``, ``GET /health``.
     """
 
-    # adaptive chunking (a request without stream_interval / stream_interval_ms, the
-    # deployment's stream_interval 1): one more token per chunk per this many running
-    # requests, a delta held at most this long. 0 (the default): off, one chunk per engine
-    # step as vLLM streams, so the client's inter-token latencies are the engine's; on a
-    # 2-core box 8 raised served/direct at 16 streams from 0.62 to 0.78 but lowered it at 4
-    # (0.63 -> 0.57), and it holds tokens up to 50 ms (the ITL distortion Ray Serve LLM's
-    # stream batching has)
-    ADAPTIVE_STREAM_PER = 0
-    ADAPTIVE_MAX_HOLD_S = 0.05
-
     def __init__(self, strategy: str, engine_config: dict,
                  engine_factory: str = DEFAULT_ENGINE_FACTORY,
                  step_store: Any = None, step_log_capacity: int = 8192,
                  stream_interval: int = 1, retry_after_s: int = 1,
-                 api_key: str | None = None, engine_process: bool | str = "auto"):
+                 api_key: str | None = None, engine_process: bool | str = "auto",
+                 stream_interval_ms: float | None = DEFAULT_STREAM_INTERVAL_MS):
         from actors.serve.async_engine import AsyncLLMEngine, ProcessAsyncLLMEngine
 
         cfg = dict(engine_config)
@@ -206,6 +212,8 @@ class StrategyReplica:
             torch.set_num_threads(threads)   # one replica must not take every core
         self.strategy = strategy
         self.stream_interval = max(1, int(stream_interval))  # tokens per streamed delta
+        # or a delta per this many ms (Ray Serve LLM's stream batching); None: per step
+        self.stream_interval_ms = float(stream_interval_ms) if stream_interval_ms else None
         self._retry_after_s = retry_after_s
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._created = int(time.time())
@@ -326,10 +334,11 @@ class StrategyReplica:
         ``Delta`` messages (with each token's engine emit time, ``token_ts``, and
         its ``TokenLogprob`` when the request asked for logprobs);
         deltas that queued up while the consumer was busy are merged, so one
-        may carry several tokens. ``stream_interval`` (vLLM's name; default:
-        the deployment's, 1) holds a delta back until it carries that many
-        tokens, or, with ``stream_interval_ms``, until that many ms passed
-        since the last one; the first token is never held. The last one is a
+        may carry several tokens. How deltas are chunked: ``chunk_rule`` of the
+        request's ``stream_interval`` (vLLM's name) and ``stream_interval_ms``
+        when it gives either, else of the deployment's; the first token and the
+        last are never held, and a held token leaves by the end of its window
+        even when no other token follows. The last message is a
         ``Finished`` (finish reason, completion tokens, SpecStats dict) or an
         ``ErrorMessage`` when the request failed part-way (the engine and the
         other requests go on). Cancelling the consumer aborts the request
@@ -347,16 +356,11 @@ class StrategyReplica:
             yield ErrorMessage.from_exception(exc, self.strategy)
             return
         yield Admitted(n_prompt)
+        if stream_interval is None and stream_interval_ms is None:
+            interval, every_s = chunk_rule(self.stream_interval, self.stream_interval_ms)
+        else:
+            interval, every_s = chunk_rule(stream_interval or 1, stream_interval_ms)
         finished = False
-        interval = self.stream_interval if stream_interval is None else max(1, int(stream_interval))
-        every_s = float(stream_interval_ms) / 1e3 if stream_interval_ms else None
-        # neither the request nor the deployment asked for a chunk size: under load, fewer
-        # chunks (each costs the replica, the Serve proxy and the client CPU; on a small
-        # box that CPU is the engine's): a delta waits for 1 + running // ADAPTIVE_STREAM_PER
-        # tokens, at most ADAPTIVE_MAX_HOLD_S. The first token and the last are never held;
-        # token_ts keeps each token's own emit time (the load generator's ITL).
-        adaptive = (self.ADAPTIVE_STREAM_PER > 0 and stream_interval is None
-                    and every_s is None and self.stream_interval == 1)
         ids: list[int] = []
         ts: list[float] = []
         text: list[str] = []
@@ -365,7 +369,17 @@ class StrategyReplica:
         sent_any, last_sent = False, time.monotonic()
         try:
             while not finished:
-                item = await queue.get()
+                if ids and every_s is not None:   # held tokens leave by the window's end
+                    wait_s = last_sent + every_s - time.monotonic()
+                    try:
+                        item = await asyncio.wait_for(queue.get(), max(wait_s, 0.0))
+                    except asyncio.TimeoutError:
+                        yield Delta(ids, "".join(text), ts, lps if want_lps else None)
+                        sent_any, last_sent = True, time.monotonic()
+                        ids, ts, text, lps = [], [], [], []
+                        continue
+                else:
+                    item = await queue.get()
                 batch = [item]
                 while not queue.empty():       # coalesce what queued up meanwhile
                     batch.append(queue.get_nowait())
@@ -396,11 +410,7 @@ class StrategyReplica:
                     yield msg
                     break
                 now = time.monotonic()
-                if adaptive:
-                    want = 1 + int(self.engine.num_running) // self.ADAPTIVE_STREAM_PER
-                    if sent_any and len(ids) < want and now - last_sent < self.ADAPTIVE_MAX_HOLD_S:
-                        continue
-                elif sent_any and len(ids) < interval and not (
+                if sent_any and len(ids) < interval and not (
                         every_s is not None and now - last_sent >= every_s):
                     continue                    # hold the tokens for a fuller chunk
                 yield Delta(ids, "".join(text), ts, lps if want_lps else None)

@@ -35,9 +35,11 @@ Extensions to OpenAI's body (vLLM does the same for token ids):
 
 - streamed choices carry ``token_ts``: the engine's emit time (unix s) of each
   of the chunk's token ids (one speculative step's tokens share it).
-- request fields ``stream_interval`` (tokens per chunk, vLLM's name; default:
-  the strategy's) and ``stream_interval_ms`` (also a chunk once this many ms
-  passed); the first token is never held back.
+- request fields ``stream_interval`` (tokens per chunk, vLLM's name) and
+  ``stream_interval_ms`` (a chunk per window of this many ms, Ray Serve LLM's
+  stream batching; with both, whichever comes first); either replaces the
+  strategy's chunking (default: a 50 ms window); the first token and the last
+  are never held back (``actors.serve.deployments.chunk_rule``).
 - request fields ``logprobs`` (completions: 0..20; chat: bool with ``top_logprobs``
   0..20), ``min_tokens``, ``skip_special_tokens`` and ``spaces_between_special_tokens``
   (vLLM's); the logprobs shapes are OpenAI's (``actors.serve.openai_logprobs``), per

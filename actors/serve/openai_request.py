@@ -111,7 +111,7 @@ class _Common(BaseModel):
     spaces_between_special_tokens: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None   # vLLM: logprobs tokens as ids
     # specload extensions (vLLM's stream_interval, per request): tokens per streamed
-    # chunk, or also a chunk once this many ms passed; None = the strategy's default
+    # chunk, and / or a chunk per window of this many ms; both None = the strategy's
     stream_interval: StrictInt | None = Field(None, ge=1, le=4096)
     stream_interval_ms: Number | None = Field(None, gt=0, le=60_000)
 
@@ -177,7 +177,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     stream_interval: int | None = None       # tokens per chunk (None: the strategy's)
-    stream_interval_ms: float | None = None  # or a chunk once this many ms passed
+    stream_interval_ms: float | None = None  # or a chunk per window of this many ms
     tokens_as_ids: bool = False   # vLLM's return_tokens_as_token_ids: "token_id:<id>"
 
 
