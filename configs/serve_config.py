@@ -52,7 +52,11 @@ _ENGINE_DEFAULT_MAX_WAITING = 1024
 PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
 DEFAULT_ENGINE_FACTORY = "actors.serve.engine_core:make_llm_engine"  # (engine dict) -> LLMEngine
-ENGINE_PROCESS_MIN_CPUS = 4   # engine_process "auto": its own process from this many cores
+# engine_process "auto": its own process from this many cores. On the 2-core dev box, side by
+# side with the 50 ms stream window (bench_serve, 64 tokens, medians of 3, two runs each):
+# served/direct 0.87-0.91 (4 streams) / 0.90 (16) in its own process against 0.75-0.80 /
+# 0.73-0.75 on a thread of the replica (the GIL, not only the cores, was the limit)
+ENGINE_PROCESS_MIN_CPUS = 2
 # A strategy's streamed deltas: one per this many ms (Ray Serve LLM's stream batching,
 # ``stream_batching_interval_ms``, default 50 there). Each chunk costs the replica, the Serve
 # proxy and the client CPU; the load generator's ITL stays per token (``token_ts``).
@@ -230,8 +234,7 @@ class StrategyEntry(BaseModel):
         "run the engine step in its own process (vLLM V1's engine-core process), so the "
         "replica's HTTP and streaming work do not share a GIL with it; false: on a thread "
         "of the replica. auto: its own process when the replica's machine has at least "
-        "ENGINE_PROCESS_MIN_CPUS cores (on the 2-core dev box the extra process measured "
-        "slower: the cores, not the GIL, are the limit there)"))
+        "ENGINE_PROCESS_MIN_CPUS (2) cores: a replica held to one core keeps it on a thread"))
     health_check_period_s: float = Field(2.0, gt=0, description="seconds")
     health_check_timeout_s: float = Field(10.0, gt=0, description="seconds")
 

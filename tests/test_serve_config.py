@@ -147,7 +147,7 @@ def test_one_hop_layout_of_the_serve_yaml(tmp_path):
 
 def test_engine_process_auto_follows_the_cores(monkeypatch):
     """engine_process: true / false as given; "auto" (the default) only from
-    ENGINE_PROCESS_MIN_CPUS cores (on 2 cores the extra process measured slower)."""
+    ENGINE_PROCESS_MIN_CPUS (2) cores: one core keeps the engine on the replica's thread."""
     import os
 
     from configs import serve_config as sc
@@ -157,7 +157,7 @@ def test_engine_process_auto_follows_the_cores(monkeypatch):
     assert sc.StrategyEntry(engine={"strategy": "ngram"}, engine_process=True).engine_process is True
     with pytest.raises(ValueError):
         sc.StrategyEntry(engine={"strategy": "ngram"}, engine_process="sometimes")
-    for cores, want in ((2, False), (sc.ENGINE_PROCESS_MIN_CPUS, True), (64, True)):
+    for cores, want in ((1, False), (2, True), (sc.ENGINE_PROCESS_MIN_CPUS, True), (64, True)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert sc.resolve_engine_process("auto") is want
         assert sc.resolve_engine_process(True) is True and sc.resolve_engine_process(False) is False
