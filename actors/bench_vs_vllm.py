@@ -202,10 +202,12 @@ def _interleave(a: argparse.Namespace, strategy: str, mode: str, sides: dict
 
 # ------------------------------------------------------------------ served mode
 async def closed_loop_http(base: str, path: str, model: str, prompts: list[str], users: int,
-                           duration_s: float, max_tokens: int, warmup_s: float = 1.0) -> dict:
+                           duration_s: float, max_tokens: int, warmup_s: float = 1.0,
+                           extra_body: dict | None = None) -> dict:
     """N streaming users against ``base + path`` (``bench_serve.stream_one``), each
     request replaced at once; the window after ``warmup_s`` is counted (tokens of the
-    requests that finished in it, over its length; TTFT / TPOT of those requests)."""
+    requests that finished in it, over its length; TTFT / TPOT of those requests).
+    ``extra_body``: more request fields (e.g. ``{"stream_interval": 1}``)."""
     import httpx
 
     from actors.bench_serve import stream_one
@@ -220,7 +222,8 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
             i = next(nxt)
             t0 = time.perf_counter()
             r = await stream_one(client, path, {"model": model, "prompt": prompts[i % len(prompts)],
-                                                "max_tokens": max_tokens, "temperature": 0})
+                                                "max_tokens": max_tokens, "temperature": 0,
+                                                **(extra_body or {})})
             if t0 >= w0 and time.perf_counter() <= w1:
                 done.append(r)
 
@@ -272,9 +275,10 @@ def served_mode(a: argparse.Namespace, strategy: str, prompts: list[str], log_di
     print(f"[served] {strategy}: starting Ray Serve (and vLLM)", flush=True)
     base, ray = serve_app(engine_cfg, strategy, 2)
     try:
+        extra = {"stream_interval": 1} if a.per_step_chunks else None
         sides = {"specload": lambda users, tag: asyncio.run(closed_loop_http(
             base, strategy_route(strategy) + "/v1/completions", strategy, prompts, users,
-            a.duration_s, a.max_tokens))}
+            a.duration_s, a.max_tokens, extra_body=extra))}
         if srv is not None:
             srv.wait_ready()
             sides["vllm"] = lambda users, tag: asyncio.run(closed_loop_http(
@@ -355,6 +359,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="both engines without torch.compile (vLLM's enforce_eager; the "
                          "default, vLLM's, is compiled: ~1 min of compiling per engine)")
     ap.add_argument("--no-vllm", action="store_true", help="specload only (no vLLM venv needed)")
+    ap.add_argument("--per-step-chunks", action="store_true",
+                    help="served: specload streams one chunk per engine step, as vLLM does "
+                         "(request field stream_interval: 1), instead of its default 50 ms "
+                         "window")
     ap.add_argument("--baseline-repo", default=None,
                     help="engine mode: also run the engine of this checkout (e.g. main)")
     ap.add_argument("--json", type=output_file(), default=None, help="write the result here")
@@ -382,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts()
     modes = ["engine", "served"] if a.mode == "both" else [a.mode]
     result: dict = {"reps": a.reps, "duration_s": a.duration_s, "max_tokens": a.max_tokens,
-                    "concurrency": a.concs, "load_avg_start": os.getloadavg(), "results": {}}
+                    "concurrency": a.concs, "load_avg_start": os.getloadavg(),
+                    "specload_chunks": "per engine step" if a.per_step_chunks
+                    else "the deployment's default (50 ms window)", "results": {}}
     with tempfile.TemporaryDirectory(prefix="bench_vs_vllm-") as tmp:
         pf = str(Path(tmp) / "prompts.jsonl")
         Path(pf).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))

@@ -128,6 +128,11 @@ def test_ray_up_local_loopback(tmp_path):
 
     try:
         run(["up", "-y", "--no-config-cache", str(cfg_path)], 900)
+        # the repo's files went over, its local venvs and .gitignore'd paths did not
+        # (.ci/run keeps the vLLM venv, 3.5 GB, in the checkout as .venv-vllm)
+        assert (Path(remote_dir) / "models" / "target" / "config.json").is_file()
+        synced = {p.name for p in Path(remote_dir).iterdir()}
+        assert not synced & {".venv-vllm", ".venv", "results", ".git"}, sorted(synced)
         up = run(["exec", str(cfg_path),
                   f"{env} cd {remote_dir} && python -m cluster up --address 127.0.0.1:{gcs} "
                   f"--dashboard http://127.0.0.1:{dash} --port {http_port} --timeout 600"], 900)
