@@ -161,3 +161,16 @@ def test_engine_process_auto_follows_the_cores(monkeypatch):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
         assert sc.resolve_engine_process("auto") is want
         assert sc.resolve_engine_process(True) is True and sc.resolve_engine_process(False) is False
+
+
+def test_stream_interval_ms_defaults_to_the_window_and_is_checked():
+    """A strategy's streamed chunks: one per 50 ms window by default (Ray Serve LLM's stream
+    batching); null turns the window off; 0, negative and over a minute are refused."""
+    from configs import serve_config as sc
+
+    assert sc.StrategyEntry(engine={"strategy": "ngram"}).stream_interval_ms == 50.0
+    assert sc.StrategyEntry(engine={"strategy": "ngram"},
+                            stream_interval_ms=None).stream_interval_ms is None
+    for bad in (0, -5, 60_001):
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            sc.StrategyEntry(engine={"strategy": "ngram"}, stream_interval_ms=bad)
