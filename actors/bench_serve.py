@@ -25,7 +25,8 @@ and ``--stream-intervals-ms 20`` also measure those request fields on it. Per
 repetition, a served run's ratio is its tokens/s over the direct run's of the same
 repetition; the TTFT the service adds is served - direct, matched by prompt. Prints
 and writes (``--json``): ``ratio`` (served / direct on the default route, the
-strategy route with the deployment's defaults; the lowest over the concurrencies), ``ratio_model_field`` (same, model-field route),
+strategy route with the deployment's defaults; the lowest over the concurrencies),
+``ratio_model_field`` (same, model-field route),
 ``ttft_added_ms_p50`` (default route, the highest over the concurrencies) and, per
 concurrency and way, tokens/s, ratio, TTFT and e2e added (p50, ms) and chunks per
 request.

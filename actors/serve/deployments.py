@@ -162,10 +162,11 @@ class StrategyReplica:
     step_store: handle of the StepLogStore; or ``(app_name, deployment_name)`` of
     it in another application (looked up at the first push); None: keep the log
     local only. stream_interval, stream_interval_ms: how the streamed deltas are
-    chunked unless a request says otherwise (``chunk_rule``). engine_process: run the engine step in its own process
-    (``ProcessAsyncLLMEngine``, vLLM V1's engine-core process), else on a thread of
-    the replica's; "auto" (``configs.serve_config.resolve_engine_process``): its own
-    process on a machine with at least 4 cores. retry_after_s, api_key: as the ingress's, for this replica's own
+    chunked unless a request says otherwise (``chunk_rule``). engine_process: run
+    the engine step in its own process (``ProcessAsyncLLMEngine``, vLLM V1's
+    engine-core process), else on a thread of the replica's; "auto"
+    (``configs.serve_config.resolve_engine_process``): its own process on a machine
+    with at least 2 cores. retry_after_s, api_key: as the ingress's, for this replica's own
     routes (api_key default ``$SPECLOAD_API_KEY``; none: open). An engine config with
     ``backend: vllm`` runs vLLM's engine (``actors.engine.vllm_backend``) in its own
     process started by the vLLM venv's python, whatever engine_process and
@@ -369,18 +370,15 @@ class StrategyReplica:
         sent_any, last_sent = False, time.monotonic()
         try:
             while not finished:
+                window_over = False
                 if ids and every_s is not None:   # held tokens leave by the window's end
                     wait_s = last_sent + every_s - time.monotonic()
                     try:
-                        item = await asyncio.wait_for(queue.get(), max(wait_s, 0.0))
+                        batch = [await asyncio.wait_for(queue.get(), max(wait_s, 0.0))]
                     except asyncio.TimeoutError:
-                        yield Delta(ids, "".join(text), ts, lps if want_lps else None)
-                        sent_any, last_sent = True, time.monotonic()
-                        ids, ts, text, lps = [], [], [], []
-                        continue
+                        batch, window_over = [], True
                 else:
-                    item = await queue.get()
-                batch = [item]
+                    batch = [await queue.get()]
                 while not queue.empty():       # coalesce what queued up meanwhile
                     batch.append(queue.get_nowait())
                 msg: ReplicaMessage | None = None
@@ -410,7 +408,7 @@ class StrategyReplica:
                     yield msg
                     break
                 now = time.monotonic()
-                if sent_any and len(ids) < interval and not (
+                if sent_any and len(ids) < interval and not window_over and not (
                         every_s is not None and now - last_sent >= every_s):
                     continue                    # hold the tokens for a fuller chunk
                 yield Delta(ids, "".join(text), ts, lps if want_lps else None)
