@@ -119,3 +119,16 @@ def test_actor_reported_dead_by_ray_is_recorded_before_locust_notices():
     assert loss["in_flight_at_last_report"] == 2 and loss["rows_delivered"] == 7
     assert loss["live_workers"] == 1 and out["live"] == [0]
     assert out["took"] < 4.0      # Ray's word, not Locust's ~4 s of missed beats
+
+
+def test_actor_reported_dead_is_recorded_even_once_locust_dropped_its_client():
+    """Locust may drop a worker from ``runner.clients`` (a late ``quit``/``client_stopped``, or
+    its missing-for-60-s purge) before anyone checked it: Ray's ``LOST <i>`` still records it."""
+    script = RAY_SCRIPT.replace('    yield "LOST 1\\n"', '    runner.clients.pop("dead")\n    yield "LOST 1\\n"')
+    assert script != RAY_SCRIPT
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    (loss,) = out["losses"]
+    assert loss["worker_index"] == 1 and loss["client_id"] == "dead" and loss["detected_by"] == "ray"
+    assert loss["rows_delivered"] == 7 and loss["live_workers"] == 1 and out["live"] == [0]

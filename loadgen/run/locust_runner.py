@@ -164,20 +164,23 @@ class LoadRunner:
         if self.n_workers <= 0:
             return
         dead = self._dead_by_ray()
-        for c in list(self.runner.clients.values()):
-            if not self._is_lost(c, dead) or c.id in self._lost:
+        # a client Ray reports dead counts even once Locust has dropped it from its clients
+        lost_now = [c.id for c in list(self.runner.clients.values()) if self._is_lost(c, dead)]
+        lost_now += sorted(cid for cid in dead if cid not in lost_now)
+        for cid in lost_now:
+            if cid in self._lost:
                 continue
-            self._lost.add(c.id)
-            index = self.runner.worker_indexes.get(c.id, -1)
+            self._lost.add(cid)
+            index = self.runner.worker_indexes.get(cid, -1)
             last_ts, in_flight = self._worker_inflight.get(index, (None, 0))
-            loss = {"worker_index": index, "client_id": c.id, "cell_id": cell_id, "lost_ts": time.time(),
+            loss = {"worker_index": index, "client_id": cid, "cell_id": cell_id, "lost_ts": time.time(),
                     "last_report_ts": last_ts, "in_flight_at_last_report": in_flight,
                     "rows_delivered": self._rows_by_worker.get(index, 0),
                     "live_workers": len(self._live_indices()),
-                    "detected_by": "ray" if c.id in dead else "heartbeat"}
+                    "detected_by": "ray" if cid in dead else "heartbeat"}
             self._worker_inflight.pop(index, None)
             log.warning("load worker %d (%s) lost: %d in-flight request(s) lost, %d rows kept",
-                        index, c.id, in_flight, loss["rows_delivered"])
+                        index, cid, in_flight, loss["rows_delivered"])
             self.worker_losses.append(loss)
 
     def _check_stop(self) -> None:

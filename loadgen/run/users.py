@@ -189,6 +189,7 @@ def install_worker_hooks(environment: Any, flush_interval_s: float = 0.25) -> No
         index = max(runner.worker_index, 0)
         rank = int((msg.data.get("ranks") or {}).get(str(index), index))
         environment.specload = CellContext(plan, buffer.append, rank, int(msg.data["n_workers"]))
+        flush()   # at once: the master learns this worker's pid (Ray's LOST <i> maps by it) before any row
 
     def flusher() -> None:
         while True:
