@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
 import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from actors.engine.kernel_build import build, cache_dir, cpu_id  # noqa: F401  (cache_dir, cpu_id: re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -200,57 +197,12 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
 VARIANTS = (("-DSPECLOAD_SIMD_EXPF", "-lmvec", "-lm"), ("-lm",))
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$SPECLOAD_KERNEL_CACHE``, else
-    ``$XDG_CACHE_HOME/specload/kernels`` (``~/.cache/specload/kernels``)."""
-    env = os.environ.get("SPECLOAD_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specload" / "kernels"
-
-
-def cpu_id() -> str:
-    """What ``-march=native`` compiles for: the CPU's model name and flags
-    (``/proc/cpuinfo``), else ``platform.processor()``; part of the kernel's cache key, so
-    a cache directory shared by nodes of different CPUs (a network home) never hands one
-    node another's instructions."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            keep = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        if keep:
-            return "".join(dict.fromkeys(keep))      # the first CPU's lines, once each
-    except OSError:
-        pass
-    return platform.processor()
-
-
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use (a few tenths of a second) and
     cached on disk; None (with a warning logged) when it cannot be built or loaded."""
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join((SOURCE, cc, *FLAGS, *sum(VARIANTS, ()), platform.machine(),
-                                    cpu_id())).encode()).hexdigest()[:16]
     try:
-        d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        so = d / f"flat_attention-{key}.so"
-        if not so.exists():
-            with tempfile.TemporaryDirectory(dir=d) as tmp:
-                src = Path(tmp) / "flat_attention.c"
-                src.write_text(SOURCE)
-                built = Path(tmp) / "k.so"
-                for i, extra in enumerate(VARIANTS):
-                    try:
-                        subprocess.run([cc, *FLAGS, str(src), "-o", str(built), *extra],
-                                       check=True, capture_output=True, timeout=120)
-                        break
-                    except subprocess.CalledProcessError:
-                        if i == len(VARIANTS) - 1:
-                            raise
-                os.replace(built, so)      # atomic: another process may be building too
-        lib = ctypes.CDLL(str(so))
+        lib = build("flat_attention", SOURCE, FLAGS, VARIANTS)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         logger.warning("flat attention kernel unavailable (%r %s); the torch form is used",

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine import attention_kernel  # noqa: F401  (registers specload::flat_attention)
+from actors.engine import linear_kernel
 from actors.engine.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -138,17 +139,27 @@ def transposed(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous()
 
 
-def linear_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None,
+             packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, wt.T, b)`` from a weight stored transposed: x [..., in], wt [in, out]
-    contiguous, b [out] or None -> [..., out].
+    contiguous, b [out] or None, packed: the same weight as ``linear_kernel.pack`` made it
+    (bfloat16 values only) or None -> [..., out].
 
     One ``mm``/``addmm`` on a 2-D view. On a CPU, MKL's GEMM with few rows (a decode
     step's batch) runs 1.3-2.2x faster from this layout than ``F.linear`` from [out, in]
     (measured here, one thread, M = 1 and 8 rows: [8, 256] x [256, 1536] 134 -> 65 us,
-    the [256, 4096] LM head 689 -> 311 us).
+    the [256, 4096] LM head 689 -> 311 us). With ``packed``, batches of at most
+    ``linear_kernel.MAX_ROWS`` rows in an eager forward run on the bf16-weight kernel
+    (half the bytes read; the same float32 products and sums, in another order).
     """
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.mm(x2, wt) if b is None else torch.addmm(b, x2, wt)
+    if packed is not None and x2.shape[0] <= linear_kernel.MAX_ROWS and x2.dtype == torch.float32 \
+            and not torch.compiler.is_compiling():
+        y = linear_kernel.linear_packed(x2, packed)
+        if b is not None:
+            y += b
+    else:
+        y = torch.mm(x2, wt) if b is None else torch.addmm(b, x2, wt)
     return y.view(*x.shape[:-1], wt.shape[1])
 
 
@@ -254,18 +265,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def fuse(self, norm_weight: torch.Tensor | None = None) -> None:
+    def fuse(self, norm_weight: torch.Tensor | None = None, packed: bool = False) -> None:
         """Inference only: one GEMM for q, k and v (fewer kernel launches per step).
 
         norm_weight: [H] the input RMSNorm's weight, folded into the fused
         weight's columns ((x * w) @ W^T == x @ (W * w)^T), so the caller runs
         the norm without it. The q/k norms become one norm over both with a
-        per-head weight [h + kvh, D].
+        per-head weight [h + kvh, D]. packed: also keep bfloat16-packed copies of
+        the qkv and o weights for ``linear_t``'s few-row kernel (where ``pack`` takes them).
         """
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         self._qkv_w = transposed(w if norm_weight is None else w * norm_weight[None, :])  # [H, out]
         # o_proj transposed too on a CPU (linear_t's faster layout; a GPU keeps F.linear)
         self._o_wt = transposed(self.o_proj.weight) if w.device.type == "cpu" else None
+        self._qkv_p = linear_kernel.pack(self._qkv_w) if packed else None
+        self._o_p = linear_kernel.pack(self._o_wt) if packed and self._o_wt is not None else None
         self._qkv_b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                        if self.q_proj.bias is not None else None)
         self._fused_norm = norm_weight is not None
@@ -280,7 +294,7 @@ class Attention(nn.Module):
         if not self.training and getattr(self, "_qkv_w", None) is not None:
             # inference: one GEMM, one q/k norm, rope in three kernels (cos, sin_signed:
             # CausalLM._rope's signed table)
-            qkv = linear_t(x, self._qkv_w, self._qkv_b).view(B, Q, h + 2 * kvh, d)
+            qkv = linear_t(x, self._qkv_w, self._qkv_b, getattr(self, "_qkv_p", None)).view(B, Q, h + 2 * kvh, d)
             qk, v = qkv[:, :, :h + kvh], qkv[:, :, h + kvh:]
             if self.qk_norm:
                 qk = rms_unweighted(qk, self.q_norm.eps) * self._qk_norm_w
@@ -299,7 +313,8 @@ class Attention(nn.Module):
                 q, k, v, cache_kv, meta)
             out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
             o_wt = getattr(self, "_o_wt", None)
-            return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
+            return self.o_proj(out) if o_wt is None or self.training else linear_t(
+                out, o_wt, packed=getattr(self, "_o_p", None))
         if cache_kv is not None:
             ck, cv = cache_kv
             same = ck.dtype == q.dtype
@@ -358,7 +373,8 @@ class Attention(nn.Module):
                 out[b] = ob[0]
         out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
         o_wt = getattr(self, "_o_wt", None)
-        return self.o_proj(out) if o_wt is None or self.training else linear_t(out, o_wt)
+        return self.o_proj(out) if o_wt is None or self.training else linear_t(
+                out, o_wt, packed=getattr(self, "_o_p", None))
 
     def _flat_attention(self, q, k, v, cache_kv, meta: BatchMeta) -> torch.Tensor:
         """Attention of a flat batch (``BatchMeta.flat``): every token's K/V written to
@@ -445,18 +461,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def fuse(self, norm_weight: torch.Tensor | None = None) -> None:
+    def fuse(self, norm_weight: torch.Tensor | None = None, packed: bool = False) -> None:
         """Inference only: one GEMM for gate and up projections (``norm_weight``:
-        [H] the preceding RMSNorm's weight, folded in as in ``Attention.fuse``)."""
+        [H] the preceding RMSNorm's weight, folded in as in ``Attention.fuse``; ``packed``:
+        bfloat16-packed copies too, as there)."""
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self._gate_up_w = transposed(w if norm_weight is None else w * norm_weight[None, :])
         self._down_wt = transposed(self.down_proj.weight) if w.device.type == "cpu" else None
+        self._gate_up_p = linear_kernel.pack(self._gate_up_w) if packed else None
+        self._down_p = linear_kernel.pack(self._down_wt) if packed and self._down_wt is not None else None
 
     def forward(self, x):
         if not self.training and getattr(self, "_gate_up_w", None) is not None:
-            gate, up = linear_t(x, self._gate_up_w).chunk(2, dim=-1)
+            gate, up = linear_t(x, self._gate_up_w, packed=getattr(self, "_gate_up_p", None)).chunk(2, dim=-1)
             act = F.silu(gate) * up
-            return self.down_proj(act) if self._down_wt is None else linear_t(act, self._down_wt)
+            return self.down_proj(act) if self._down_wt is None else linear_t(
+                act, self._down_wt, packed=getattr(self, "_down_p", None))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -468,11 +488,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def fuse(self) -> None:
-        """Inference only: fused GEMMs with both RMSNorm weights folded into them."""
-        fold = self.input_layernorm.weight.dtype == torch.float32
-        self.self_attn.fuse(self.input_layernorm.weight if fold else None)
-        self.mlp.fuse(self.post_attention_layernorm.weight if fold else None)
+    def fuse(self, packed: bool = False) -> None:
+        """Inference only: fused GEMMs, with both RMSNorm weights folded into them, or,
+        with ``packed`` (bfloat16-valued weights, ``CausalLM.fuse``), kept apart so the
+        fused weights stay bfloat16 values and get packed copies for the few-row kernel
+        (a folded product of two bfloat16 values is not one)."""
+        fold = self.input_layernorm.weight.dtype == torch.float32 and not packed
+        self.self_attn.fuse(self.input_layernorm.weight if fold else None, packed=packed)
+        self.mlp.fuse(self.post_attention_layernorm.weight if fold else None, packed=packed)
         self._folded = fold
 
     def forward(self, x, cos, sin, mask, cache_kv=None, meta=None):
@@ -553,15 +576,28 @@ class CausalLM(nn.Module):
         """Build fused inference weights (qkv, gate|up) used in eval mode. Call
         again after changing weights, or ``fuse(False)`` before training."""
         with torch.no_grad():
+            packed = enabled and self.packable()
             for layer in self.model.layers:
                 if enabled:
-                    layer.fuse()
+                    layer.fuse(packed=packed)
                 else:
                     layer.self_attn._qkv_w = layer.self_attn._qkv_b = layer.self_attn._o_wt = None
+                    layer.self_attn._qkv_p = layer.self_attn._o_p = None
                     layer.mlp._gate_up_w = layer.mlp._down_wt = None
+                    layer.mlp._gate_up_p = layer.mlp._down_p = None
                     layer._folded = False
             w = self.lm_head.weight
             self._lm_wt = transposed(w) if enabled and w.device.type == "cpu" else None
+            self._lm_p = linear_kernel.pack(self._lm_wt) if packed and self._lm_wt is not None else None
+
+    def packable(self) -> bool:
+        """Whether the eager few-row forwards read bfloat16-packed weights
+        (``actors.engine.linear_kernel``): float32 weights on a CPU whose every linear
+        weight holds bfloat16 values (a bfloat16 checkpoint loaded as float32), and the
+        kernel built. Then the RMSNorm weights are not folded into the GEMMs."""
+        lin = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
+        return bool(lin) and lin[0].device.type == "cpu" and linear_kernel.load() is not None \
+            and all(linear_kernel.bf16_exact(w) for w in lin)
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         """Write ``config.json`` + ``model.safetensors`` (HF layout) in ``dtype``."""
@@ -662,5 +698,6 @@ class CausalLM(nn.Module):
         hs = h if logits_index is None else torch.gather(
             h, 1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
         lm_wt = getattr(self, "_lm_wt", None)
-        logits = self.lm_head(hs) if lm_wt is None or self.training else linear_t(hs, lm_wt)
+        logits = self.lm_head(hs) if lm_wt is None or self.training else linear_t(
+            hs, lm_wt, packed=getattr(self, "_lm_p", None))
         return ForwardOutput(logits, h, torch.cat(aux, -1) if aux else None)

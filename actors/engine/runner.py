@@ -49,6 +49,21 @@ class ModelRunner:
         # ``compile`` where the kernel builds and the cache is float32 on a CPU
         self.flat_kernel = False
         self.flat_fallbacks = 0     # batches the compiled forward refused (a recompile due)
+        # eager forwards of decode / verify batches flat too, attention by the C kernel
+        # (``EAGER_FLAT``): a CPU, a float32 cache, the kernel built
+        self.eager_flat = False
+        if self.EAGER_FLAT and self.device.type == "cpu" and dtype == torch.float32:
+            from actors.engine import attention_kernel
+
+            self.eager_flat = attention_kernel.load() is not None
+
+    # Without a compiled forward, batches of rows of at most this many tokens (decodes,
+    # verifies) still run flat (``run_flat``, eager): each token attends its own slot up to
+    # its own position in the C kernel, where the padded batch's SDPA read and masked every
+    # row to the longest context (tiny target, 8 decodes, one thread: SDPA 443 us a layer
+    # there, 34% of the step). Prompt chunks keep the packed / padded forwards.
+    EAGER_FLAT = True
+    EAGER_FLAT_MAX_Q = 16
 
     # torch.compile (inductor), vLLM's default on its CPU and GPU backends (``enforce_eager``
     # off), of the flat forward (``run_flat``): a batch's tokens one after the other, each
@@ -151,10 +166,17 @@ class ModelRunner:
         return True
 
     def flat(self, lens: list[int]) -> bool:
-        """Whether a batch with these row lengths runs on the compiled flat forward."""
-        max_q, max_tokens = self.flat_limits
-        return (self._flat is not None and bool(lens) and max(lens) <= max_q
-                and sum(lens) <= max_tokens)
+        """Whether a batch with these row lengths runs flat (``run_flat``): on the compiled
+        forward, or eager with the C attention kernel (``eager_flat``)."""
+        if not lens:
+            return False
+        if self._flat is not None:
+            max_q, max_tokens = self.flat_limits
+        elif self.eager_flat:
+            max_q, max_tokens = self.EAGER_FLAT_MAX_Q, self.FLAT_KERNEL_MAX_TOKENS
+        else:
+            return False
+        return max(lens) <= max_q and sum(lens) <= max_tokens
 
     @property
     def flat_limits(self) -> tuple[int, int]:
@@ -288,21 +310,25 @@ class ModelRunner:
         # one graph: T and R are never 1 (a size-1 dim would be specialised into a graph of
         # its own). A lone token is sent twice (the same K/V written twice to the same
         # place, the same attention), a lone logits row asked twice; the copies are dropped.
-        if len(ids) == 1:
+        compiled = self._flat is not None
+        if compiled and len(ids) == 1:
             ids, pos, slots = ids * 2, pos * 2, slots * 2
-        if len(sel) == 1:
+        if compiled and len(sel) == 1:
             sel = sel * 2
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = BatchMeta(slots=slots_t, starts=pos_t, kv_len=max(pos) + 1, flat=True,
                          positions=pos_t[None])
         meta.write_rows, meta.write_pos = slots_t, pos_t
-        if self.flat_kernel:         # the kernel reads each token's own positions only
+        if self.flat_kernel or not compiled:   # the kernel reads each token's own positions only
             meta.flat_kernel = True
         else:
             meta.flat_groups, meta.flat_back = self.flat_groups(pos)
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         idx = torch.tensor([sel], dtype=torch.long, device=dev)
+        if not compiled:             # eager_flat
+            out = self.model(ids_t, cache=self.cache, meta=meta, logits_index=idx)
+            return self._flat_rows(out, rows, flags), None
         from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
 
         for t, dim in ((ids_t, 1), (pos_t, 0), (slots_t, 0), (idx, 1),
@@ -321,13 +347,18 @@ class ModelRunner:
                 return None
         else:
             out = self._flat(ids_t, cache=self.cache, meta=meta, logits_index=idx)
+        return self._flat_rows(out, rows, flags), None
+
+    @staticmethod
+    def _flat_rows(out: ForwardOutput, rows: list[RowInput], flags: list[bool]) -> list[torch.Tensor]:
+        """A flat forward's logits [1, R, V] split per row: [1, V] (last only) or [len_i, V]."""
         logits = out.logits[0].float()                     # [len(sel), V]
         per_row, at = [], 0
         for r, lo in zip(rows, flags):
             k = 1 if lo else len(r.token_ids)
             per_row.append(logits[at:at + k])
             at += k
-        return per_row, None
+        return per_row
 
     @torch.inference_mode()
     def run_packed(self, rows: list[RowInput], last_only: bool | list[bool] = False,

@@ -1,0 +1,71 @@
+"""Build and cache the engine's C kernels (``attention_kernel``, ``linear_kernel``).
+
+Each kernel is plain C compiled at first use with the machine's C compiler (``$CC``,
+default ``cc``) into ``$SPECLOAD_KERNEL_CACHE`` (default ``~/.cache/specload/kernels``),
+named by a hash of source, compiler, flags and CPU, and loaded with ctypes. A kernel that
+cannot be built leaves its caller on the torch form.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$SPECLOAD_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/specload/kernels`` (``~/.cache/specload/kernels``)."""
+    env = os.environ.get("SPECLOAD_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specload" / "kernels"
+
+
+def cpu_id() -> str:
+    """What ``-march=native`` compiles for: the CPU's model name and flags
+    (``/proc/cpuinfo``), else ``platform.processor()``; part of the kernel's cache key, so
+    a cache directory shared by nodes of different CPUs (a network home) never hands one
+    node another's instructions."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            keep = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        if keep:
+            return "".join(dict.fromkeys(keep))      # the first CPU's lines, once each
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(name: str, source: str, flags: tuple[str, ...],
+          variants: tuple[tuple[str, ...], ...] = ((),)) -> ctypes.CDLL:
+    """The library ``name`` compiled from ``source`` with ``flags`` and the first of
+    ``variants`` (extra arguments) that compiles; built once per (source, compiler, flags,
+    CPU) and cached on disk. Raises OSError or subprocess.SubprocessError (stderr on the
+    exception) when no variant compiles or the result cannot be loaded."""
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256("\0".join((source, cc, *flags, *sum(variants, ()), platform.machine(),
+                                    cpu_id())).encode()).hexdigest()[:16]
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    so = d / f"{name}-{key}.so"
+    if not so.exists():
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
+            built = Path(tmp) / "k.so"
+            for i, extra in enumerate(variants):
+                try:
+                    subprocess.run([cc, *flags, str(src), "-o", str(built), *extra],
+                                   check=True, capture_output=True, timeout=120)
+                    break
+                except subprocess.CalledProcessError:
+                    if i == len(variants) - 1:
+                        raise
+            os.replace(built, so)      # atomic: another process may be building too
+    return ctypes.CDLL(str(so))
