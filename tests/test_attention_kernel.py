@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from actors.engine import attention_kernel
+from actors.engine import attention_kernel, kernel_build
 from actors.engine.attention_kernel import TILE
 
 flat_attention = torch.ops.specload.flat_attention
@@ -89,7 +89,7 @@ def test_kernel_builds_into_its_cache_dir_per_cpu_and_without_a_compiler_is_none
         assert attention_kernel.load() is not None
         assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]
         # another CPU sharing the cache directory builds its own (-march=native)
-        monkeypatch.setattr(attention_kernel, "cpu_id", lambda: "another cpu")
+        monkeypatch.setattr(kernel_build, "cpu_id", lambda: "another cpu")
         attention_kernel.load.cache_clear()
         assert attention_kernel.load() is not None
         assert sorted(p.suffix for p in (tmp_path / "k").iterdir()) == [".so", ".so"]

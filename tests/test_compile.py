@@ -53,8 +53,12 @@ def test_flat_forward_eager_equals_packed_and_plain():
     flat._flat = model.forward          # the compiled forward's code path, run eager
     rows = [RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)] + [
         RowInput(2, 0, [1, 2, 3, 4])]                       # a first chunk (slot 2, empty)
-    for kernel in (False, True):    # the torch form, then the C kernel's attention
+    assert flat.eager_flat, "the C attention kernel did not build"
+    # the torch form, the C kernel's attention, then the eager flat path (no compiled
+    # forward: ``run_flat`` calls the model itself, the kernel's attention)
+    for kernel, compiled in ((False, True), (True, True), (False, False)):
         flat.flat_kernel = kernel
+        flat._flat = model.forward if compiled else None
         for last in (False, [False, False, False, False, True], True):
             got, _ = flat.run_flat(rows, last, strict=False)
             want, _ = packed.run_packed(rows, last)
@@ -64,10 +68,14 @@ def test_flat_forward_eager_equals_packed_and_plain():
         for i, (c, t) in enumerate(zip(ctxs, new)):
             ref = model(torch.tensor([c + t])).logits[0, -len(t):]
             assert torch.allclose(got[i], ref[-1:], atol=1e-4), i
-    # one token alone (sent twice, one copy dropped)
-    got, _ = flat.run_flat([RowInput(0, 35, [7])], strict=False)
+    # one token alone (compiled: sent twice, one copy dropped; eager: once)
     want, _ = packed.run_packed([RowInput(0, 35, [7])])
-    assert got[0].shape == (1, 61) and torch.allclose(got[0], want[0], atol=1e-5)
+    for compiled in (True, False):
+        flat._flat = model.forward if compiled else None
+        got, _ = flat.run_flat([RowInput(0, 35, [7])], strict=False)
+        assert got[0].shape == (1, 61) and torch.allclose(got[0], want[0], atol=1e-5)
+    # eager: decode and verify batches take the flat path, prompt chunks do not
+    assert flat.flat([1, 1, 1]) and flat.flat([1, 5, 3]) and not flat.flat([1, 40])
 
 
 def test_compiled_runner_equals_eager_and_compiles_nothing_after_warm_up(tiny_model_dir):
@@ -177,6 +185,9 @@ def test_a_failed_compile_stays_eager_without_the_kernel(monkeypatch):
     runner = ModelRunner(_tiny(61, seed=2), 4, 64)
     assert runner.compile() is False
     assert runner._flat is None and runner.flat_kernel is False
+    # no compiled graph: decodes run flat only by the eager path (the C attention kernel)
+    assert runner.flat([1, 1]) is runner.eager_flat
+    runner.eager_flat = False
     assert not runner.flat([1, 1])
 
 
