@@ -23,8 +23,9 @@ Built by ``actors.engine.kernel_build`` at first use; ``load()`` returns None wh
 compiler works, and ``SPECLOAD_LINEAR_KERNEL=0`` turns the kernel off (the float32 path
 then runs alone, for side-by-side benchmarks).
 
-Used in eager forwards only: a ``torch.compile`` graph keeps ``mm`` (the compiled flat
-forward is traced once over dynamic batch sizes; a row-count switch would recompile).
+A ``torch.compile`` graph (the compiled flat forward, traced once over dynamic batch
+sizes) calls it as the ``specload::linear_bf16`` op, which picks the kernel or ``mm`` by
+the rows it gets, so the graph holds no row-count guard.
 """
 
 from __future__ import annotations
@@ -186,3 +187,35 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if M:
         lib.linear_bf16_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), M, K, N)
     return y
+
+
+def linear_rows(x: torch.Tensor, wt: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, wt [K, N] float32, packed: ``pack(wt)`` -> x @ wt [M, N]: the kernel
+    for at most ``MAX_ROWS`` rows, float32 ``mm`` above. The CPU implementation of the
+    ``specload::linear_bf16`` op, which a ``torch.compile`` graph calls (the row count is
+    dynamic there: the choice is made inside the op, so it adds no guard to the graph)."""
+    if x.shape[0] <= MAX_ROWS:
+        return linear_packed(x, packed)
+    return torch.mm(x, wt)
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.specload.linear_bf16  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# the op (a schema, the CPU implementation, a shape-only fake for tracing); ``_LIB`` must
+# stay alive for the registration to last; once a process, as ``specload::flat_attention``
+if not _registered():
+    from actors.engine import attention_kernel  # noqa: F401  (defines the specload namespace)
+
+    _LIB = torch.library.Library("specload", "FRAGMENT")
+    _LIB.define("linear_bf16(Tensor x, Tensor wt, Tensor packed) -> Tensor")
+    _LIB.impl("linear_bf16", linear_rows, "CPU")
+
+    @torch.library.register_fake("specload::linear_bf16")
+    def _(x, wt, packed):
+        return x.new_empty((x.shape[0], wt.shape[1]))
