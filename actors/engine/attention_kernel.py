@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
-from actors.engine.kernel_build import build, cache_dir, cpu_id  # noqa: F401  (cache_dir, cpu_id: re-exported)
+from actors.engine.kernel_build import cache_dir, cpu_id, load_kernel, register_op  # noqa: F401  (cache_dir, cpu_id: re-exported)
 
-logger = logging.getLogger(__name__)
 
 TILE = 8        # tokens of one slot that share each K/V row read
 
@@ -201,18 +198,10 @@ VARIANTS = (("-DSPECLOAD_SIMD_EXPF", "-lmvec", "-lm"), ("-lm",))
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use (a few tenths of a second) and
     cached on disk; None (with a warning logged) when it cannot be built or loaded."""
-    try:
-        lib = build("flat_attention", SOURCE, FLAGS, VARIANTS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("flat attention kernel unavailable (%r %s); the torch form is used",
-                       exc, detail.decode(errors="replace")[-500:])
-        return None
-    fn = lib.flat_attention_f32
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, I, I] + [P] * 5 + [I] * 6 + [ctypes.c_float, I]
-    fn.restype = ctypes.c_int
-    return lib
+    return load_kernel("flat_attention", SOURCE, FLAGS, "flat_attention_f32",
+                       [P, I, I] + [P] * 5 + [I] * 6 + [ctypes.c_float, I],
+                       "the torch form is used", VARIANTS)
 
 
 def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: torch.Tensor,
@@ -255,24 +244,7 @@ def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: to
     return out
 
 
-# the op: a schema, the CPU implementation above, and a fake (shape-only) one for
-# torch.compile's tracing; ``_LIB`` must stay alive for the registration to last. Once a
-# process: a second import of this file (importlib.reload, a second copy on the path)
-# keeps the first registration.
-def _registered() -> bool:
-    try:
-        torch.ops.specload.flat_attention  # noqa: B018
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-if not _registered():
-    _LIB = torch.library.Library("specload", "DEF")
-    _LIB.define("flat_attention(Tensor q, Tensor ck, Tensor cv, Tensor slot, Tensor pos, "
-                "float scale) -> Tensor")
-    _LIB.impl("flat_attention", flat_attention, "CPU")
-
-    @torch.library.register_fake("specload::flat_attention")
-    def _(q, ck, cv, slot, pos, scale):
-        return q.new_empty(q.shape)
+# the op, for torch.compile's graphs (``kernel_build.register_op``)
+register_op("flat_attention", "flat_attention(Tensor q, Tensor ck, Tensor cv, Tensor slot, "
+            "Tensor pos, float scale) -> Tensor", flat_attention,
+            lambda q, ck, cv, slot, pos, scale: q.new_empty(q.shape))

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def cache_dir() -> Path:
@@ -69,3 +71,43 @@ def build(name: str, source: str, flags: tuple[str, ...],
                         raise
             os.replace(built, so)      # atomic: another process may be building too
     return ctypes.CDLL(str(so))
+
+
+_LIBS: list = []    # the op registrations: each must stay alive for its op to last
+
+
+def register_op(name: str, schema: str, impl: Callable, fake: Callable) -> None:
+    """Define the torch op ``specload::<name>`` (``schema``) with ``impl`` as its CPU
+    implementation and ``fake`` (shapes only) for ``torch.compile``'s tracing, once a
+    process: a second import of a kernel module (importlib.reload, a second copy on the
+    path) keeps the first registration."""
+    import torch
+
+    try:
+        getattr(torch.ops.specload, name)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("specload", "FRAGMENT")
+    lib.define(schema)
+    lib.impl(name, impl, "CPU")
+    torch.library.register_fake(f"specload::{name}")(fake)
+    _LIBS.append(lib)
+
+
+def load_kernel(name: str, source: str, flags: tuple[str, ...], fn: str, argtypes: list,
+                fallback: str, variants: tuple[tuple[str, ...], ...] = ((),)) -> ctypes.CDLL | None:
+    """``build``'s library with its entry point ``fn`` typed (``argtypes``, an int result),
+    or None with a warning naming ``fallback`` (what runs instead) when it cannot be built
+    or loaded."""
+    try:
+        lib = build(name, source, flags, variants)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logging.getLogger(__name__).warning("%s kernel unavailable (%r %s); %s", name, exc,
+                                            detail.decode(errors="replace")[-500:], fallback)
+        return None
+    f = getattr(lib, fn)
+    f.argtypes = argtypes
+    f.restype = ctypes.c_int
+    return lib

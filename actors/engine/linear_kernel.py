@@ -32,15 +32,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import subprocess
 
 import torch
 
-from actors.engine.kernel_build import build
-
-logger = logging.getLogger(__name__)
+from actors.engine.kernel_build import load_kernel, register_op
 
 MAX_ROWS = 8        # batches of more rows run on torch.mm (the kernel is slower from ~16)
 BLOCK = 64          # columns per packed block
@@ -135,18 +131,9 @@ def load() -> ctypes.CDLL | None:
     warning logged) when it cannot be built or loaded, or ``SPECLOAD_LINEAR_KERNEL=0``."""
     if os.environ.get("SPECLOAD_LINEAR_KERNEL", "1") == "0":
         return None
-    try:
-        lib = build("linear_bf16", SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("bf16 linear kernel unavailable (%r %s); float32 mm is used",
-                       exc, detail.decode(errors="replace")[-500:])
-        return None
-    fn = lib.linear_bf16_f32
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, I, P, P, I, I, I]
-    fn.restype = ctypes.c_int
-    return lib
+    return load_kernel("linear_bf16", SOURCE, FLAGS, "linear_bf16_f32", [P, I, P, P, I, I, I],
+                       "float32 mm is used")
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
@@ -199,23 +186,6 @@ def linear_rows(x: torch.Tensor, wt: torch.Tensor, packed: torch.Tensor) -> torc
     return torch.mm(x, wt)
 
 
-def _registered() -> bool:
-    try:
-        torch.ops.specload.linear_bf16  # noqa: B018
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# the op (a schema, the CPU implementation, a shape-only fake for tracing); ``_LIB`` must
-# stay alive for the registration to last; once a process, as ``specload::flat_attention``
-if not _registered():
-    from actors.engine import attention_kernel  # noqa: F401  (defines the specload namespace)
-
-    _LIB = torch.library.Library("specload", "FRAGMENT")
-    _LIB.define("linear_bf16(Tensor x, Tensor wt, Tensor packed) -> Tensor")
-    _LIB.impl("linear_bf16", linear_rows, "CPU")
-
-    @torch.library.register_fake("specload::linear_bf16")
-    def _(x, wt, packed):
-        return x.new_empty((x.shape[0], wt.shape[1]))
+# the op, for torch.compile's graphs (``kernel_build.register_op``)
+register_op("linear_bf16", "linear_bf16(Tensor x, Tensor wt, Tensor packed) -> Tensor", linear_rows,
+            lambda x, wt, packed: x.new_empty((x.shape[0], wt.shape[1])))
