@@ -66,7 +66,8 @@ def test_embedded_checkpoints_run_packed_and_unfolded(path):
     assert m.packable()
     layer = m.model.layers[0]
     assert not layer._folded
-    for t in (layer.self_attn._qkv_p, layer.self_attn._o_p, layer.mlp._gate_up_p, layer.mlp._down_p, m._lm_p):
+    att, mlp = layer.self_attn, layer.mlp
+    for t in (att._qkv_p, att._o_p, mlp._gate_up_p, mlp._down_p, m._lm_p):
         assert t is not None and t.dtype == torch.bfloat16
     ids = torch.randint(1, m.config.vocab_size, (4, 1))
     with torch.inference_mode():

@@ -33,7 +33,8 @@ import functools
 
 import torch
 
-from actors.engine.kernel_build import cache_dir, cpu_id, load_kernel, register_op  # noqa: F401  (cache_dir, cpu_id: re-exported)
+# (cache_dir, cpu_id: re-exported for callers of this module)
+from actors.engine.kernel_build import cache_dir, cpu_id, load_kernel, register_op  # noqa: F401
 
 
 TILE = 8        # tokens of one slot that share each K/V row read

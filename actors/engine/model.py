@@ -298,7 +298,8 @@ class Attention(nn.Module):
         if not self.training and getattr(self, "_qkv_w", None) is not None:
             # inference: one GEMM, one q/k norm, rope in three kernels (cos, sin_signed:
             # CausalLM._rope's signed table)
-            qkv = linear_t(x, self._qkv_w, self._qkv_b, getattr(self, "_qkv_p", None)).view(B, Q, h + 2 * kvh, d)
+            qkv = linear_t(x, self._qkv_w, self._qkv_b, getattr(self, "_qkv_p", None))
+            qkv = qkv.view(B, Q, h + 2 * kvh, d)
             qk, v = qkv[:, :, :h + kvh], qkv[:, :, h + kvh:]
             if self.qk_norm:
                 qk = rms_unweighted(qk, self.q_norm.eps) * self._qk_norm_w
@@ -477,7 +478,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if not self.training and getattr(self, "_gate_up_w", None) is not None:
-            gate, up = linear_t(x, self._gate_up_w, packed=getattr(self, "_gate_up_p", None)).chunk(2, dim=-1)
+            gate, up = linear_t(x, self._gate_up_w,
+                                packed=getattr(self, "_gate_up_p", None)).chunk(2, dim=-1)
             act = F.silu(gate) * up
             return self.down_proj(act) if self._down_wt is None else linear_t(
                 act, self._down_wt, packed=getattr(self, "_down_p", None))
