@@ -51,6 +51,7 @@ class ModelRunner:
         self.flat_fallbacks = 0     # batches the compiled forward refused (a recompile due)
         # eager forwards of decode / verify batches flat too, attention by the C kernel
         # (``EAGER_FLAT``): a CPU, a float32 cache, the kernel built
+        self._stack, self._stack_key = None, None     # ``stack``
         self.eager_flat = False
         if self.EAGER_FLAT and self.device.type == "cpu" and dtype == torch.float32:
             from actors.engine import attention_kernel
@@ -64,6 +65,12 @@ class ModelRunner:
     # there, 34% of the step). Prompt chunks keep the packed / padded forwards.
     EAGER_FLAT = True
     EAGER_FLAT_MAX_Q = 16
+    # Batches of at most this many tokens run every layer in one C call
+    # (``actors.engine.layer_kernel``: the tiny target's b1 decode step 3.1 ms op by op, of
+    # which 0.9 ms computing), compiled forward or not. Needs the packed bfloat16 weights
+    # (``CausalLM.packable``) and a float32 cache on a CPU.
+    STACK_KERNEL = True
+    STACK_MAX_TOKENS = 16
 
     # torch.compile (inductor), vLLM's default on its CPU and GPU backends (``enforce_eager``
     # off), of the flat forward (``run_flat``): a batch's tokens one after the other, each
@@ -145,7 +152,8 @@ class ModelRunner:
                         # no duck shaping: sizes equal by chance in the compiling batch (T
                         # and the logits rows, two contexts) must not become one symbol
                         with fx_config.patch(use_duck_shape=False):
-                            got = self.run_flat(rows, last_only, strict=not first)
+                            got = self.run_flat(rows, last_only, strict=not first,
+                                                stack=False)
                     finally:
                         self._flat = None
                     first = False
@@ -165,11 +173,29 @@ class ModelRunner:
         self._flat = fn
         return True
 
+    def stack(self):
+        """The model's layers over this cache for one C call a forward
+        (``layer_kernel.Stack``; built at first use, again after ``CausalLM.fuse``
+        replaced the packed weights), or None where it does not apply (``Stack.usable``)."""
+        if not self.STACK_KERNEL:
+            return None
+        layer0 = self.model.model.layers[0].self_attn
+        key = getattr(layer0, "_qkv_p", None)
+        if self._stack_key is not key or key is None:
+            from actors.engine import layer_kernel
+
+            self._stack = layer_kernel.Stack.of(self.model, self.cache)
+            self._stack_key = key
+        return self._stack
+
     def flat(self, lens: list[int]) -> bool:
-        """Whether a batch with these row lengths runs flat (``run_flat``): on the compiled
-        forward, or eager with the C attention kernel (``eager_flat``)."""
+        """Whether a batch with these row lengths runs flat (``run_flat``): in one C call
+        (``stack``: at most ``layer_kernel.MAX_TOKENS`` tokens), on the compiled forward,
+        or eager with the C attention kernel (``eager_flat``)."""
         if not lens:
             return False
+        if sum(lens) <= self.STACK_MAX_TOKENS and self.stack() is not None:
+            return True
         if self._flat is not None:
             max_q, max_tokens = self.flat_limits
         elif self.eager_flat:
@@ -292,11 +318,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_flat(self, rows: list[RowInput], last_only: bool | list[bool] = False,
-                 strict: bool = True) -> tuple[list[torch.Tensor], None] | None:
-        """As ``run`` (no aux layers) on the compiled flat forward (``compile``): the
-        rows' ``T = sum(len_i)`` tokens as one sequence [1, T], no padding, each token
-        attending its own slot up to its own position; the LM head only where logits are
-        wanted. Returns None (nothing written) when the batch would need a graph the
+                 strict: bool = True, stack: bool = True
+                 ) -> tuple[list[torch.Tensor], None] | None:
+        """As ``run`` (no aux layers) on the flat forward: the rows' ``T = sum(len_i)``
+        tokens as one sequence [1, T], no padding, each token attending its own slot up
+        to its own position; the LM head only where logits are wanted. At most
+        ``STACK_MAX_TOKENS`` tokens run in one C call (``stack``; ``stack=False``: not,
+        as the compile warm-up wants), more on the compiled forward (``compile``) or
+        eager. Returns None (nothing written) when the batch would need a graph the
         warm-up did not build (``strict``; the caller runs it eager)."""
         dev = self.device
         flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
@@ -307,6 +336,13 @@ class ModelRunner:
             ids.extend(r.token_ids)
             pos.extend(range(r.start, r.start + n))
             slots.extend([r.slot] * n)
+        if stack and len(ids) <= self.STACK_MAX_TOKENS and self.stack() is not None:
+            out = self.model.forward_stack(
+                torch.tensor([ids], dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev),
+                torch.tensor(slots, dtype=torch.long, device=dev), self._stack,
+                torch.tensor([sel], dtype=torch.long, device=dev), max(pos))
+            return self._flat_rows(out, rows, flags), None
         # one graph: T and R are never 1 (a size-1 dim would be specialised into a graph of
         # its own). A lone token is sent twice (the same K/V written twice to the same
         # place, the same attention), a lone logits row asked twice; the copies are dropped.

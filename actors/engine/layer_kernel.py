@@ -1,0 +1,223 @@
+"""The decoder stack of a few-token flat batch in one C call (``run_stack``).
+
+A decode step at batch 1 on a CPU spent more time dispatching ops than computing: with
+the bfloat16 weight kernel (``linear_kernel``) the tiny target's 25 matrix products of a
+step took about 0.9 ms of a 3.1 ms step, the rest was some 40 PyTorch ops a layer
+(norms, q/k norms, rotary, cache writes, attention, SiLU, residuals), each a few
+microseconds of Python and dispatcher (measured here with cProfile, one thread). A CPU
+inference engine runs a layer as one native call (llama.cpp's graph, vLLM CPU's fused
+IPEX ops); this module does the same for the flat forward (``ModelRunner.run_flat``) of
+at most ``MAX_TOKENS`` tokens: every layer of the stack, in C, in one ctypes call.
+
+Per layer and token (float32 activations, the math of ``DecoderLayer.forward`` with the
+packed, unfolded weights, ``CausalLM.fuse``):
+
+    x += o(attn(rope(qk_norm(q, k)), v)) ; x += down(silu(gate) * up)
+
+with ``a = rms(x) * w_in`` feeding q|k|v and ``rms(x) * w_post`` feeding gate|up (RMSNorm,
+Zhang & Sennrich 2019), q/k RMSNorm per head where the model has it (Qwen3), rotary
+embedding in the HF ``rotate_half`` layout (Su et al. 2021), each token's K/V written to
+its slot and position, attention over positions ``0 .. pos[t]`` of its slot
+(``attention_kernel``'s C code, Vaswani et al. 2017 eq. 1), and the products on
+``linear_kernel``'s bfloat16-weight code. The same float32 operations as the torch
+forward, summed in other orders (~1e-7 relative; the tests compare logits to the plain
+forward). The final norm and the LM head stay in torch (only the rows whose logits are
+wanted).
+
+Built from the two kernels' sources plus this glue by ``kernel_build`` (one library, the
+attention kernel's flags); ``load()`` is None where it cannot be built or
+``SPECLOAD_LAYER_KERNEL=0``, and the runner keeps the op-by-op forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from actors.engine import attention_kernel, linear_kernel
+from actors.engine.kernel_build import load_kernel
+
+# tokens of a batch the stack call serves; more run op by op (the weight kernel loses
+# to MKL's GEMM from about 16 rows, where the ops' overhead is a smaller share)
+MAX_TOKENS = 16
+
+GLUE = r"""
+#include <math.h>
+
+typedef struct {
+    const float *w_in, *w_post, *qkv_b, *qk_w;
+    const uint16_t *qkv, *o, *gate_up, *down;
+    float *ck, *cv;
+} layer_w;
+
+static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_t n,
+                     float eps) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *xr = x + t * n;
+        float *yr = y + t * n;
+        float s = 0.f;
+        for (int64_t i = 0; i < n; ++i) s += xr[i] * xr[i];
+        const float r = 1.f / sqrtf(s * (1.f / (float)n) + eps);
+        for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * r * w[i];
+    }
+}
+
+/* x [T, H] (in place: the residual stream through nl layers); cs, sn [T, D] the rotary
+   cos and signed sin of each token's position; slot, pos [T]; caches [S, L, kvh, D] per
+   layer (in ws). Returns 0; -1 when scratch could not be allocated; -2 when a slot or
+   position is out of range (nothing computed). */
+int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
+                      const float *cs, const float *sn, const int64_t *slot,
+                      const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
+                      int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
+                      float scale) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
+    const int64_t NQ = (h + 2 * kvh) * D, row = kvh * D, half = D / 2;
+    float *buf = (float *)malloc(sizeof(float) * (T * H + T * NQ + T * h * D + 3 * T * I + D));
+    if (!buf) return -1;
+    float *a = buf, *qkv = a + T * H, *att = qkv + T * NQ, *gu = att + T * h * D;
+    float *act = gu + 2 * T * I, *tmp = act + T * I;
+    for (int64_t l = 0; l < nl; ++l) {
+        const layer_w *w = ws + l;
+        rms_rows(x, w->w_in, a, T, H, eps);
+        linear_bf16_f32(a, H, w->qkv, qkv, T, H, NQ);
+        for (int64_t t = 0; t < T; ++t) {
+            float *r = qkv + t * NQ;
+            if (w->qkv_b) for (int64_t i = 0; i < NQ; ++i) r[i] += w->qkv_b[i];
+            const float *c = cs + t * D, *s = sn + t * D;
+            for (int64_t hd = 0; hd < h + kvh; ++hd) {
+                float *p = r + hd * D;
+                if (w->qk_w) rms_rows(p, w->qk_w + hd * D, p, 1, D, qk_eps);
+                for (int64_t i = 0; i < D; ++i)
+                    tmp[i] = p[i] * c[i] + p[i < half ? i + half : i - half] * s[i];
+                memcpy(p, tmp, sizeof(float) * D);
+            }
+            float *kd = w->ck + (slot[t] * L + pos[t]) * row;
+            float *vd = w->cv + (slot[t] * L + pos[t]) * row;
+            memcpy(kd, r + h * D, sizeof(float) * row);
+            memcpy(vd, r + (h + kvh) * D, sizeof(float) * row);
+        }
+        int rc = flat_attention_f32(qkv, NQ, D, w->ck, w->cv, slot, pos, att, T, h, kvh, D,
+                                    S, L, scale, 8);
+        if (rc) { free(buf); return rc; }
+        linear_bf16_f32(att, h * D, w->o, a, T, h * D, H);
+        for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
+        rms_rows(x, w->w_post, a, T, H, eps);
+        linear_bf16_f32(a, H, w->gate_up, gu, T, H, 2 * I);
+        for (int64_t t = 0; t < T; ++t) {
+            const float *g = gu + t * 2 * I, *u = g + I;
+            float *o = act + t * I;
+            for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        }
+        linear_bf16_f32(act, I, w->down, a, T, I, H);
+        for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
+    }
+    free(buf);
+    return 0;
+}
+"""
+
+
+class LayerW(ctypes.Structure):
+    """One layer's weights and K/V cache, as the C code's ``layer_w``."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in
+                ("w_in", "w_post", "qkv_b", "qk_w", "qkv", "o", "gate_up", "down", "ck", "cv")]
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled stack library (both kernels' code and the glue), or None (a warning
+    logged) when it cannot be built, or ``SPECLOAD_LAYER_KERNEL=0`` or
+    ``SPECLOAD_LINEAR_KERNEL=0``."""
+    if os.environ.get("SPECLOAD_LAYER_KERNEL", "1") == "0" or linear_kernel.load() is None:
+        return None
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    return load_kernel("decoder_stack", attention_kernel.SOURCE + linear_kernel.SOURCE + GLUE,
+                       attention_kernel.FLAGS, "decoder_stack_f32",
+                       [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F],
+                       "layers run op by op", attention_kernel.VARIANTS)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Stack:
+    """A model's layers as the stack call takes them, for one KV cache: a ``LayerW`` per
+    layer (pointers into tensors this object keeps alive). Build with ``Stack.of``."""
+
+    def __init__(self, model, cache):
+        cfg = model.config
+        self.keep, rows = [], []
+        for i, layer in enumerate(model.model.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            qk_w = at._qk_norm_w.contiguous() if at.qk_norm else None
+            ts = dict(w_in=layer.input_layernorm.weight.detach().contiguous(),
+                      w_post=layer.post_attention_layernorm.weight.detach().contiguous(),
+                      qkv_b=at._qkv_b, qk_w=qk_w, qkv=at._qkv_p, o=at._o_p,
+                      gate_up=mlp._gate_up_p, down=mlp._down_p, ck=cache.k[i], cv=cache.v[i])
+            self.keep.append(ts)
+            rows.append(LayerW(**{k: _ptr(v) for k, v in ts.items()}))
+        self.layers = (LayerW * len(rows))(*rows)
+        self.n = len(rows)
+        self.S, self.L = cache.k[0].shape[0], cache.k[0].shape[1]
+        self.dims = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                     cfg.num_key_value_heads, cfg.head_dim)
+        self.eps = float(model.model.layers[0].input_layernorm.eps)
+        a0 = model.model.layers[0].self_attn
+        self.qk_eps = float(a0.q_norm.eps) if a0.qk_norm else 0.0
+        self.scale = cfg.head_dim ** -0.5
+
+    @staticmethod
+    def usable(model, cache) -> bool:
+        """Whether ``model`` (fused, packed: ``CausalLM.fuse``) and ``cache`` (float32,
+        contiguous, on a CPU) can run on the stack call, and the library built."""
+        layers = model.model.layers
+        if not layers or model.training or load() is None:
+            return False
+        for i, layer in enumerate(layers):
+            at, mlp = layer.self_attn, layer.mlp
+            if getattr(layer, "_folded", True) or any(
+                    getattr(m, n, None) is None for m, n in
+                    ((at, "_qkv_p"), (at, "_o_p"), (mlp, "_gate_up_p"), (mlp, "_down_p"))):
+                return False
+            ck, cv = cache.k[i], cache.v[i]
+            if ck.dtype != torch.float32 or ck.device.type != "cpu" or not (
+                    ck.is_contiguous() and cv.is_contiguous()):
+                return False
+        return getattr(model.config, "hidden_act", "silu") == "silu"
+
+    @classmethod
+    def of(cls, model, cache) -> "Stack | None":
+        """The ``Stack`` of ``model`` over ``cache``, or None where ``usable`` is False."""
+        return cls(model, cache) if cls.usable(model, cache) else None
+
+
+def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+              slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Every layer of ``stack`` over a flat batch, in place: x [T, H] float32 contiguous
+    (the embeddings; the last layer's output on return), cos, sin_signed [T, D] float32
+    contiguous (``CausalLM._rope``'s table rows, signed sin), slot, pos [T] int64
+    contiguous: each token's K/V go to slot[t], position pos[t], and it attends positions
+    0..pos[t] of that slot. Raises ValueError on a slot or position out of range (nothing
+    computed), RuntimeError when the library is missing or out of memory."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the decoder stack kernel is not built (see the log)")
+    T = x.shape[0]
+    H, I, h, kvh, D = stack.dims
+    rc = lib.decoder_stack_f32(ctypes.addressof(stack.layers), stack.n, x.data_ptr(), T,
+                               cos.data_ptr(), sin_signed.data_ptr(), slot.data_ptr(),
+                               pos.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
+                               stack.qk_eps, stack.scale)
+    if rc == -2:
+        raise ValueError(f"decoder stack: a slot outside 0..{stack.S - 1} or a position "
+                         f"outside 0..{stack.L - 1}")
+    if rc:
+        raise RuntimeError("decoder stack: out of memory for its scratch")
+    return x

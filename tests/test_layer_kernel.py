@@ -1,0 +1,214 @@
+"""The decoder stack in one C call (``actors.engine.layer_kernel``) and the runner's use of it.
+
+A flat batch of at most ``STACK_MAX_TOKENS`` tokens must give the logits and the K/V the
+op-by-op forward gives (up to the order of float32 sums), for every architecture the
+engine loads (Qwen3's q/k norms, Qwen2's q/k/v bias, Llama's neither); refuse a slot or
+position out of range before computing anything; and stay out of the way where it does
+not apply (float32 weights, the kernel off, aux layers, bigger batches).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import layer_kernel
+from actors.engine.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from actors.engine.model import CausalLM, ModelConfig
+from actors.engine.runner import ModelRunner, RowInput
+
+
+def _bf16_model(model_type: str, seed: int = 0, layers: int = 2) -> CausalLM:
+    """A random model whose weights are all bfloat16 values (as a bf16 checkpoint loads)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(model_type=model_type, vocab_size=192, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=True, attention_bias=model_type == "qwen2")
+    model = CausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.fuse()
+    return model
+
+
+def _batch(vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    ctxs = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (7, 30, 5, 12)]
+    slots = [3, 0, 5, 1]
+    new = [[3], [4, 5, 6, 7, 8], [9, 10], [11]]
+    rows = [RowInput(s, len(c), t) for s, c, t in zip(slots, ctxs, new)] + [
+        RowInput(2, 0, [1, 2, 3, 4])]                       # a first chunk (slot 2, empty)
+    return ctxs, slots, new, rows
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+def test_stack_equals_the_op_by_op_forward(model_type):
+    """Decodes, uneven verifies and a prompt's first chunk on scattered slots, with all,
+    per-row and last-only logits: the stack call's logits and cache writes equal the
+    op-by-op flat forward's, and a plain forward without a cache."""
+    model = _bf16_model(model_type)
+    assert model.packable() and not model.model.layers[0]._folded
+    ctxs, slots, new, rows = _batch(model.config.vocab_size)
+    stack, ops = ModelRunner(model, 6, 64), ModelRunner(model, 6, 64)
+    ops.STACK_KERNEL = False
+    assert stack.stack() is not None and ops.stack() is None
+    for r in (stack, ops):
+        r.run_packed([RowInput(s, 0, c) for s, c in zip(slots, ctxs)], last_only=True)
+    calls = []
+    real = layer_kernel.run_stack
+    layer_kernel.run_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    try:
+        for last in (False, [False, True, False, False, True], True):
+            got, _ = stack.run_flat(rows, last)
+            want, _ = ops.run_flat(rows, last)
+            for g_, w_ in zip(got, want):
+                assert g_.shape == w_.shape and torch.allclose(g_, w_, rtol=1e-5, atol=1e-4), (
+                    model_type, (g_ - w_).abs().max())
+    finally:
+        layer_kernel.run_stack = real
+    assert calls == [13, 13, 13]          # every forward took the stack call, all 13 tokens
+    for i in range(model.config.num_hidden_layers):
+        assert torch.allclose(stack.cache.k[i], ops.cache.k[i], atol=1e-5)
+        assert torch.allclose(stack.cache.v[i], ops.cache.v[i], atol=1e-5)
+    with torch.inference_mode():
+        for i, (c, t) in enumerate(zip(ctxs, new)):
+            ref = model(torch.tensor([c + t])).logits[0, -1]
+            assert torch.allclose(got[i][-1], ref, atol=1e-4), (model_type, i)
+
+
+@pytest.mark.parametrize("path", [DEFAULT_TARGET, DEFAULT_DRAFT])
+def test_embedded_checkpoints_decode_on_the_stack(path):
+    """The embedded models (bfloat16 checkpoints) take the stack call for a lone decode and
+    a batch of 16 tokens, not for 17; the logits match the op-by-op forward's."""
+    model = CausalLM.from_pretrained(path)
+    runner, ops = ModelRunner(model, 17, 128), ModelRunner(model, 17, 128)
+    ops.STACK_KERNEL = False
+    assert runner.stack() is not None and runner.flat([1]) and runner.flat([4] * 4)
+    gen = torch.Generator().manual_seed(2)
+    ctx = [torch.randint(1, model.config.vocab_size, (20 + 3 * s,), generator=gen).tolist()
+           for s in range(17)]
+    for r in (runner, ops):
+        r.run_packed([RowInput(s, 0, c) for s, c in enumerate(ctx)], last_only=True)
+    calls = []
+    real = layer_kernel.run_stack
+    layer_kernel.run_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    try:
+        for rows in ([RowInput(5, len(ctx[5]), [7])],
+                     [RowInput(s, len(ctx[s]), [9]) for s in range(16)],
+                     [RowInput(s, len(ctx[s]) + 1, [11]) for s in range(17)]):
+            got, _ = runner.run(rows, last_only=True)
+            want, _ = ops.run(rows, last_only=True)
+            for g_, w_ in zip(got, want):
+                assert torch.allclose(g_, w_, atol=1e-4)
+    finally:
+        layer_kernel.run_stack = real
+    assert calls == [1, 16]             # 17 decodes: op by op
+
+
+def test_out_of_range_slot_or_position_is_refused_before_anything_is_computed():
+    model = _bf16_model("qwen3", seed=3, layers=1)
+    runner = ModelRunner(model, 2, 32)
+    stack = runner.stack()
+    k0 = runner.cache.k[0].clone()
+    x = model.model.embed_tokens(torch.tensor([5, 6]))
+    x0 = x.clone()
+    cos, sin = model._rope(torch.tensor([0, 1]), torch.float32, signed=True)
+    cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+    for slot, pos in (([0, 2], [0, 1]), ([0, -1], [0, 1]), ([0, 0], [0, stack.L])):
+        with pytest.raises(ValueError, match="outside"):
+            layer_kernel.run_stack(stack, x, cos, sin, torch.tensor(slot), torch.tensor(pos))
+        assert torch.equal(x, x0) and torch.equal(runner.cache.k[0], k0)
+
+
+def test_where_the_stack_does_not_apply(monkeypatch):
+    """float32 weights (not packable), the kernel turned off, and aux layers (DFlash's
+    target) run op by op; a model re-fused gets a fresh stack."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, max_position_embeddings=64)
+    m32 = CausalLM(cfg).eval()
+    m32.fuse()
+    assert ModelRunner(m32, 2, 32).stack() is None
+    model = _bf16_model("qwen3", seed=5, layers=1)
+    runner = ModelRunner(model, 2, 32)
+    first = runner.stack()
+    assert first is not None and runner.stack() is first
+    model.fuse()                                           # new packed copies: a new stack
+    assert runner.stack() is not first
+    calls = []
+    monkeypatch.setattr(layer_kernel, "run_stack", lambda *a: calls.append(1))
+    runner.run_packed([RowInput(0, 0, [1, 2, 3])], last_only=True)
+    runner.run([RowInput(0, 3, [4])], last_only=True, aux_layers=(0,))
+    assert calls == []
+    monkeypatch.setenv("SPECLOAD_LAYER_KERNEL", "0")
+    layer_kernel.load.cache_clear()
+    try:
+        assert layer_kernel.load() is None and ModelRunner(model, 2, 32).stack() is None
+    finally:
+        monkeypatch.delenv("SPECLOAD_LAYER_KERNEL")
+        layer_kernel.load.cache_clear()
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "ngram", "draft_model"])
+def test_engine_greedy_output_with_the_stack_equals_op_by_op_up_to_ties(strategy, monkeypatch):
+    """The embedded target (and draft) end to end: greedy outputs with the stack call equal
+    the op-by-op engine's, or diverge only where the two tokens' logits tie (< 1e-4)."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine, run_requests
+    from actors.engine.types import SamplingParams
+
+    prompts = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+               "import os\nimport sys\n", "class Point:\n    def __init__(self, x, y):\n"]
+    outs, used = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(ModelRunner, "STACK_KERNEL", on)
+        eng = LLMEngine(EngineConfig(strategy=strategy, max_num_seqs=4,
+                                     draft_model=str(DEFAULT_DRAFT)
+                                     if strategy == "draft_model" else None))
+        calls = []
+        real = layer_kernel.run_stack
+        monkeypatch.setattr(layer_kernel, "run_stack", lambda *a: calls.append(1) or real(*a))
+        ids = [eng.tokenizer(p)["input_ids"] for p in prompts]
+        res = run_requests(eng, [(f"r{i}", x, SamplingParams(max_tokens=24, ignore_eos=True))
+                                 for i, x in enumerate(ids)], batch_size=4)
+        monkeypatch.setattr(layer_kernel, "run_stack", real)
+        outs[on] = [res[f"r{i}"]["token_ids"] for i in range(len(ids))]
+        used[on] = len(calls)
+    assert used[True] > 0 and used[False] == 0
+    for x, a, b in zip(ids, outs[True], outs[False]):
+        if a == b:
+            continue
+        i = next(j for j, (s, t) in enumerate(zip(a, b)) if s != t)
+        with torch.inference_mode():
+            lg = eng.model(torch.tensor([x + a[:i]])).logits[0, -1]
+        assert abs(float(lg[a[i]] - lg[b[i]])) < 1e-4, f"diverges at {i}: not a tie"
+
+
+def test_compiled_runner_warms_up_its_graph_past_the_stack():
+    """With a compiled forward (``enforce_eager`` off) the warm-up traces the graph itself
+    (not the stack call), so batches over ``STACK_MAX_TOKENS`` tokens run on it without a
+    recompile, and small ones still take the stack call; both match the op-by-op logits."""
+    model = _bf16_model("qwen3", seed=7, layers=1)
+    runner, ops = ModelRunner(model, 20, 128), ModelRunner(model, 20, 128)
+    ops.STACK_KERNEL = False
+    assert runner.compile() and runner._flat is not None
+    gen = torch.Generator().manual_seed(3)
+    ctx = [torch.randint(1, 192, (10 + s,), generator=gen).tolist() for s in range(20)]
+    for r in (runner, ops):
+        r.run_packed([RowInput(s, 0, c) for s, c in enumerate(ctx)], last_only=True)
+    calls = []
+    real = layer_kernel.run_stack
+    layer_kernel.run_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    try:
+        for rows in ([RowInput(s, len(ctx[s]), [3, 4]) for s in range(4)],       # 8 tokens
+                     [RowInput(s, len(ctx[s]) + 2, [5]) for s in range(20)]):    # 20
+            got = runner.run_flat(rows, True)
+            assert got is not None, "the compiled forward refused a batch: a recompile due"
+            want, _ = ops.run(rows, last_only=True)
+            for g_, w_ in zip(got[0], want):
+                assert torch.allclose(g_, w_, rtol=1e-5, atol=1e-4)
+    finally:
+        layer_kernel.run_stack = real
+    assert calls == [8] and runner.flat_fallbacks == 0
