@@ -77,6 +77,33 @@ def test_stack_equals_the_op_by_op_forward(model_type):
             assert torch.allclose(got[i][-1], ref, atol=1e-4), (model_type, i)
 
 
+def test_stack_returns_the_aux_layers_hidden_states():
+    """The DFlash family's target forward asks for layers' outputs (``aux_layers``): the
+    stack call returns them per row, [len_i, A * H] in layer order, equal to the op-by-op
+    forward's, with the same logits."""
+    model = _bf16_model("qwen3", seed=9, layers=3)
+    ctxs, slots, new, rows = _batch(model.config.vocab_size)
+    stack, ops = ModelRunner(model, 6, 64), ModelRunner(model, 6, 64)
+    ops.STACK_KERNEL = False
+    for r in (stack, ops):
+        r.run_packed([RowInput(s, 0, c) for s, c in zip(slots, ctxs)], last_only=True)
+    calls = []
+    real = layer_kernel.run_stack
+    layer_kernel.run_stack = lambda *a: calls.append(a[6]) or real(*a)
+    try:
+        got, got_aux = stack.run(rows, last_only=True, aux_layers=(2, 0))
+        want, want_aux = ops.run(rows, last_only=True, aux_layers=(2, 0))
+    finally:
+        layer_kernel.run_stack = real
+    assert calls == [(2, 0)]
+    for g_, w_, ga, wa, r in zip(got, want, got_aux, want_aux, rows):
+        assert torch.allclose(g_, w_, rtol=1e-5, atol=1e-4)
+        assert ga.shape == wa.shape == (len(r.token_ids), 2 * model.config.hidden_size)
+        assert torch.allclose(ga, wa, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="aux layers"):
+        stack.run([RowInput(0, 40, [1])], aux_layers=(3,))
+
+
 @pytest.mark.parametrize("path", [DEFAULT_TARGET, DEFAULT_DRAFT])
 def test_embedded_checkpoints_decode_on_the_stack(path):
     """The embedded models (bfloat16 checkpoints) take the stack call for a lone decode and
@@ -122,8 +149,8 @@ def test_out_of_range_slot_or_position_is_refused_before_anything_is_computed():
 
 
 def test_where_the_stack_does_not_apply(monkeypatch):
-    """float32 weights (not packable), the kernel turned off, and aux layers (DFlash's
-    target) run op by op; a model re-fused gets a fresh stack."""
+    """float32 weights (not packable), the kernel turned off, and aux layers over more
+    tokens than the stack takes run op by op; a model re-fused gets a fresh stack."""
     torch.manual_seed(0)
     cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -140,7 +167,7 @@ def test_where_the_stack_does_not_apply(monkeypatch):
     calls = []
     monkeypatch.setattr(layer_kernel, "run_stack", lambda *a: calls.append(1))
     runner.run_packed([RowInput(0, 0, [1, 2, 3])], last_only=True)
-    runner.run([RowInput(0, 3, [4])], last_only=True, aux_layers=(0,))
+    runner.run([RowInput(0, 3, list(range(1, 18)))], last_only=True, aux_layers=(0,))
     assert calls == []
     monkeypatch.setenv("SPECLOAD_LAYER_KERNEL", "0")
     layer_kernel.load.cache_clear()

@@ -67,13 +67,15 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_
 
 /* x [T, H] (in place: the residual stream through nl layers); cs, sn [T, D] the rotary
    cos and signed sin of each token's position; slot, pos [T]; caches [S, L, kvh, D] per
-   layer (in ws). Returns 0; -1 when scratch could not be allocated; -2 when a slot or
+   layer (in ws); aux [T, A * H] or NULL: after each layer l whose bit is set in aux_mask,
+   x is copied into the next H columns (the DFlash family's target hidden states).
+   Returns 0; -1 when scratch could not be allocated; -2 when a slot or
    position is out of range (nothing computed). */
 int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
                       const float *cs, const float *sn, const int64_t *slot,
                       const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
                       int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
-                      float scale) {
+                      float scale, float *aux, int64_t aux_mask, int64_t naux) {
     for (int64_t t = 0; t < T; ++t)
         if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
     const int64_t NQ = (h + 2 * kvh) * D, row = kvh * D, half = D / 2;
@@ -81,6 +83,7 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
     if (!buf) return -1;
     float *a = buf, *qkv = a + T * H, *att = qkv + T * NQ, *gu = att + T * h * D;
     float *act = gu + 2 * T * I, *tmp = act + T * I;
+    int64_t ja = 0;
     for (int64_t l = 0; l < nl; ++l) {
         const layer_w *w = ws + l;
         rms_rows(x, w->w_in, a, T, H, eps);
@@ -115,6 +118,11 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
         }
         linear_bf16_f32(act, I, w->down, a, T, I, H);
         for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
+        if (aux && l < 63 && (aux_mask >> l & 1)) {
+            for (int64_t t = 0; t < T; ++t)
+                memcpy(aux + t * naux * H + ja * H, x + t * H, sizeof(float) * H);
+            ++ja;
+        }
     }
     free(buf);
     return 0;
@@ -139,7 +147,7 @@ def load() -> ctypes.CDLL | None:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     return load_kernel("decoder_stack", attention_kernel.SOURCE + linear_kernel.SOURCE + GLUE,
                        attention_kernel.FLAGS, "decoder_stack_f32",
-                       [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F],
+                       [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I],
                        "layers run op by op", attention_kernel.VARIANTS)
 
 
@@ -199,25 +207,37 @@ class Stack:
 
 
 def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-              slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+              slot: torch.Tensor, pos: torch.Tensor, aux_layers: tuple[int, ...] = ()
+              ) -> torch.Tensor | None:
     """Every layer of ``stack`` over a flat batch, in place: x [T, H] float32 contiguous
     (the embeddings; the last layer's output on return), cos, sin_signed [T, D] float32
     contiguous (``CausalLM._rope``'s table rows, signed sin), slot, pos [T] int64
     contiguous: each token's K/V go to slot[t], position pos[t], and it attends positions
-    0..pos[t] of that slot. Raises ValueError on a slot or position out of range (nothing
-    computed), RuntimeError when the library is missing or out of memory."""
+    0..pos[t] of that slot. Returns the outputs of ``aux_layers`` (layer indices) side by
+    side in layer order, [T, len(aux_layers) * H] (``CausalLM.forward``'s ``aux_hidden``),
+    or None without them. Raises ValueError on a slot or position out of range (nothing
+    computed) or an aux layer outside the stack, RuntimeError when the library is missing
+    or out of memory."""
     lib = load()
     if lib is None:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
     T = x.shape[0]
     H, I, h, kvh, D = stack.dims
+    aux, mask = None, 0
+    if aux_layers:
+        if any(not 0 <= i < min(stack.n, 63) for i in aux_layers):
+            raise ValueError(f"decoder stack: aux layers {aux_layers} outside 0..{stack.n - 1}")
+        mask = sum(1 << i for i in set(aux_layers))
+        aux = torch.empty((T, bin(mask).count("1") * H), dtype=torch.float32)
     rc = lib.decoder_stack_f32(ctypes.addressof(stack.layers), stack.n, x.data_ptr(), T,
                                cos.data_ptr(), sin_signed.data_ptr(), slot.data_ptr(),
                                pos.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
-                               stack.qk_eps, stack.scale)
+                               stack.qk_eps, stack.scale,
+                               None if aux is None else aux.data_ptr(), mask,
+                               bin(mask).count("1"))
     if rc == -2:
         raise ValueError(f"decoder stack: a slot outside 0..{stack.S - 1} or a position "
                          f"outside 0..{stack.L - 1}")
     if rc:
         raise RuntimeError("decoder stack: out of memory for its scratch")
-    return x
+    return aux

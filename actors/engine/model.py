@@ -654,23 +654,24 @@ class CausalLM(nn.Module):
 
     # -- forward ----------------------------------------------------------
     def forward_stack(self, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                      stack, logits_index: torch.Tensor, max_pos: int | None = None
-                      ) -> ForwardOutput:
+                      stack, logits_index: torch.Tensor, max_pos: int | None = None,
+                      aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """The flat forward (``BatchMeta.flat``) with every layer in one C call
         (``layer_kernel.run_stack``; ``stack``: its ``Stack`` of this model over the cache).
         input_ids [1, T], pos / slots [T] int64 (each token's position and cache slot),
         logits_index [1, R] (max_pos: the largest position, when the caller knows it) ->
-        logits [1, R, V], hidden [1, T, H]. Raises as ``run_stack``."""
+        logits [1, R, V], hidden [1, T, H], aux_hidden [1, T, A * H] (``aux_layers``, as
+        ``forward``'s) or None. Raises as ``run_stack``."""
         from actors.engine import layer_kernel
 
         x = self.model.embed_tokens(input_ids[0])                       # [T, H], a new tensor
         cos, sin = self._rope(pos, x.dtype, signed=True,
                               max_pos=int(pos.max()) if max_pos is None else max_pos)
-        layer_kernel.run_stack(stack, x, cos[:, 0].contiguous(), sin[:, 0].contiguous(),
-                               slots, pos)
+        aux = layer_kernel.run_stack(stack, x, cos[:, 0].contiguous(), sin[:, 0].contiguous(),
+                                     slots, pos, aux_layers)
         h = self.model.norm(x)
         logits = linear_t(h[logits_index[0]], self._lm_wt, packed=self._lm_p)
-        return ForwardOutput(logits[None], h[None])
+        return ForwardOutput(logits[None], h[None], None if aux is None else aux[None])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, meta: BatchMeta | None = None,

@@ -226,6 +226,8 @@ class ModelRunner:
         ``aux_layers`` or None when no aux layers were asked for.
         """
         lens = [len(r.token_ids) for r in rows]
+        if aux_layers and sum(lens) <= self.STACK_MAX_TOKENS and self.stack() is not None:
+            return self.run_flat(rows, last_only, aux_layers=aux_layers)
         if not aux_layers and self.flat(lens):
             got = self.run_flat(rows, last_only)
             if got is not None:
@@ -318,14 +320,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_flat(self, rows: list[RowInput], last_only: bool | list[bool] = False,
-                 strict: bool = True, stack: bool = True
-                 ) -> tuple[list[torch.Tensor], None] | None:
+                 strict: bool = True, stack: bool = True, aux_layers: tuple[int, ...] = ()
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | None:
         """As ``run`` (no aux layers) on the flat forward: the rows' ``T = sum(len_i)``
         tokens as one sequence [1, T], no padding, each token attending its own slot up
         to its own position; the LM head only where logits are wanted. At most
         ``STACK_MAX_TOKENS`` tokens run in one C call (``stack``; ``stack=False``: not,
         as the compile warm-up wants), more on the compiled forward (``compile``) or
-        eager. Returns None (nothing written) when the batch would need a graph the
+        eager. ``aux_layers`` (the stack call only): their outputs per row, [len_i, A * H],
+        as ``run``'s aux. Returns None (nothing written) when the batch would need a graph the
         warm-up did not build (``strict``; the caller runs it eager)."""
         dev = self.device
         flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
@@ -341,8 +344,16 @@ class ModelRunner:
                 torch.tensor([ids], dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev),
                 torch.tensor(slots, dtype=torch.long, device=dev), self._stack,
-                torch.tensor([sel], dtype=torch.long, device=dev), max(pos))
-            return self._flat_rows(out, rows, flags), None
+                torch.tensor([sel], dtype=torch.long, device=dev), max(pos), aux_layers)
+            aux, at = None, 0
+            if aux_layers:
+                aux = []
+                for r in rows:
+                    aux.append(out.aux_hidden[0, at:at + len(r.token_ids)])
+                    at += len(r.token_ids)
+            return self._flat_rows(out, rows, flags), aux
+        if aux_layers:
+            raise ValueError("run_flat: aux layers need the stack call")
         # one graph: T and R are never 1 (a size-1 dim would be specialised into a graph of
         # its own). A lone token is sent twice (the same K/V written twice to the same
         # place, the same attention), a lone logits row asked twice; the copies are dropped.
