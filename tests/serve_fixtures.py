@@ -1,8 +1,8 @@
 """Helpers for the Serve tests: a local Ray + Serve app on a free loopback port.
 
 The real engine (``actors.engine.llm_engine.LLMEngine`` on ``models/target``) is used
-when it and the model weights exist and ``SPECLOAD_TEST_FAKE_ENGINE`` is not
-"1"; otherwise ``tests.fake_engine`` stands in (same API, deterministic).
+unless ``SPECLOAD_TEST_FAKE_ENGINE`` is "1"; then ``tests.fake_engine`` stands in (same
+API, deterministic).
 """
 
 from __future__ import annotations
@@ -29,9 +29,16 @@ def process_running(pid: int) -> bool:
 
 
 def use_real_engine() -> bool:
-    return (os.environ.get("SPECLOAD_TEST_FAKE_ENGINE") != "1"
-            and (REPO / "actors" / "engine" / "llm_engine.py").exists()
-            and (REPO / "models" / "target" / "model.safetensors").exists())
+    """False only when ``SPECLOAD_TEST_FAKE_ENGINE=1`` asks for the fake engine. The engine
+    and the embedded weights are committed: a checkout without them is broken, and the
+    tests say so (AssertionError) instead of quietly running the fake."""
+    if os.environ.get("SPECLOAD_TEST_FAKE_ENGINE") == "1":
+        return False
+    missing = [str(p) for p in (REPO / "actors" / "engine" / "llm_engine.py",
+                                REPO / "models" / "target" / "model.safetensors")
+               if not p.exists()]
+    assert not missing, f"committed files missing from this checkout: {missing}"
+    return True
 
 
 def app_args(real: bool) -> dict:

@@ -193,7 +193,7 @@ def test_idle_engine_does_not_step(mode):
         eng.shutdown()
 
 
-@pytest.mark.skipif(not use_real_engine(), reason="real engine or model weights missing")
+@pytest.mark.skipif(not use_real_engine(), reason="SPECLOAD_TEST_FAKE_ENGINE=1 asked for the fake engine")
 def test_real_engine_greedy_equals_run_requests():
     from actors.engine.config import EngineConfig
     from actors.engine.llm_engine import LLMEngine, run_requests
@@ -209,7 +209,7 @@ def test_real_engine_greedy_equals_run_requests():
         eng.shutdown()
 
 
-@pytest.mark.skipif(not use_real_engine(), reason="real engine or model weights missing")
+@pytest.mark.skipif(not use_real_engine(), reason="SPECLOAD_TEST_FAKE_ENGINE=1 asked for the fake engine")
 def test_real_engine_in_its_process_greedy_equals_run_requests():
     from actors.engine.config import EngineConfig
     from actors.engine.llm_engine import LLMEngine, run_requests

@@ -3,7 +3,7 @@
 and the ingress's ``model`` field), streamed and not, completions and chat.
 
 One module-scoped Ray Serve service with all six strategies on the real engine (the
-fake engine has no logits: skipped without the model files). ``dflash`` runs its
+fake engine has no logits: skipped only under SPECLOAD_TEST_FAKE_ENGINE=1). ``dflash`` runs its
 engine in its own process, so the new fields cross that pickle boundary too.
 """
 
@@ -28,8 +28,8 @@ TOP = 4
 
 @pytest.fixture(scope="module")
 def base_url():
-    if not use_real_engine():
-        pytest.skip("needs the real engine and models/ (logprobs come from its logits)")
+    if not use_real_engine():   # SPECLOAD_TEST_FAKE_ENGINE=1 asked for the fake one
+        pytest.skip("SPECLOAD_TEST_FAKE_ENGINE=1: logprobs come from the real engine's logits")
     from actors.serve.app import run_applications
 
     env = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",

@@ -295,7 +295,7 @@ def test_error_bodies_do_not_echo_huge_inputs():
     assert len(err["error"]["message"]) < MAX_ERROR_MESSAGE_CHARS + 100
 
 
-@pytest.mark.skipif(not use_real_engine(), reason="real engine or model weights missing")
+@pytest.mark.skipif(not use_real_engine(), reason="SPECLOAD_TEST_FAKE_ENGINE=1 asked for the fake engine")
 def test_prompt_far_over_the_context_is_refused_before_tokenizing():
     """A 6 MB prompt was tokenized (seconds, stalling its replica) before its 400: the
     longest vocabulary entry bounds how few tokens it can be, so it is refused at once."""
