@@ -4,8 +4,8 @@ and traffic under another served name is kept out (before the cell: by the time 
 or flagged (during the cell: vLLM's counters carry one label per engine, the first
 --served-model-name, so nothing can tell it apart; the per-request stats can).
 
-Two vLLM servers for the whole module (session fixture, warm-ups overlapped): ngram and
-draft_model, each serving the target under two names. Needs the vLLM venv
+Three vLLM servers for the whole module (session fixture, warm-ups overlapped): ngram and
+draft_model, each serving the target under two names, and a bf16 one for the consistency check. Needs the vLLM venv
 (tests/vllm_server.py: $SPECLOAD_VLLM_PYTHON or .venv-vllm); skipped without it unless
 SPECLOAD_REQUIRE_VLLM=1. Each load run: the cpu profile's mid tier (4 users), short
 outputs (32 tokens), 20 s.
@@ -43,13 +43,17 @@ EAGER = ["--enforce-eager"]
 
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory):
-    """{"ngram": VllmServer, "draft_model": VllmServer}, each also serving ``<name>-alias``."""
+    """{"ngram": VllmServer, "draft_model": VllmServer, "bf16": VllmServer}: ngram and
+    draft_model each also serve ``<name>-alias``; bf16 (no speculation) is for the tie-aware
+    consistency check (greedy identity breaks at near-tied logits in bf16: docs/design.md).
+    All three warm up at once (one start-up wait instead of two)."""
     log_dir = tmp_path_factory.mktemp("vllm")
     # --enforce-eager: no torch.compile warm-up (28 vs 42 s to ready here); these tests
     # read what vLLM reports, not its speed
     servers = {"ngram": VllmServer(["ngram", "ngram-alias"], NGRAM, extra=EAGER),
                "draft_model": VllmServer(["draft_model", "draft_model-alias"], DRAFT_MODEL,
-                                         extra=EAGER)}
+                                         extra=EAGER),
+               "bf16": VllmServer(["bf16"], None, dtype="bfloat16", extra=EAGER)}
     t0 = time.monotonic()
     start_servers(list(servers.values()), log_dir)
     print(f"\nvLLM servers ready in {time.monotonic() - t0:.0f} s: "
@@ -57,16 +61,6 @@ def vllm_servers(tmp_path_factory):
     yield servers
     for s in servers.values():
         s.stop()
-
-
-@pytest.fixture(scope="session")
-def vllm_bf16(tmp_path_factory):
-    """A bf16 vLLM (no speculation) for a tie-aware consistency check; not started unless a
-    test asks for it (greedy identity breaks at near-tied logits in bf16: docs/design.md)."""
-    srv = start_servers([VllmServer(["bf16"], None, dtype="bfloat16", extra=EAGER)],
-                        tmp_path_factory.mktemp("vllm-bf16"))[0]
-    yield srv
-    srv.stop()
 
 
 def run_loadgen(url: str, strategy: str, results: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -243,7 +237,7 @@ def _vllm_greedy(url: str, model: str, prompts: list[dict], max_tokens: int) -> 
     return out
 
 
-def test_consistency_ties_vllm_fp32_and_bf16_against_specload(vllm_servers, vllm_bf16,
+def test_consistency_ties_vllm_fp32_and_bf16_against_specload(vllm_servers,
                                                               make_engine, heldout_prompts):
     """specload's fp32 autoregressive engine is the baseline (its own top-5 logprobs at each
     position); vLLM fp32 (ngram, draft_model speculation) and vLLM bf16 (no speculation)
@@ -262,7 +256,7 @@ def test_consistency_ties_vllm_fp32_and_bf16_against_specload(vllm_servers, vllm
             for k, r in ref.items()}
     cases = {"vllm fp32 ngram": (vllm_servers["ngram"].url, "ngram", "float32"),
              "vllm fp32 draft_model": (vllm_servers["draft_model"].url, "draft_model", "float32"),
-             "vllm bf16": (vllm_bf16.url, "bf16", "bfloat16")}
+             "vllm bf16": (vllm_servers["bf16"].url, "bf16", "bfloat16")}
     table = {}
     for name, (url, model, dtype) in cases.items():
         got = _vllm_greedy(url, model, prompts, 48)
