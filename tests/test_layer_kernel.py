@@ -8,6 +8,8 @@ not apply (float32 weights, the kernel off, aux layers, bigger batches).
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -30,6 +32,30 @@ def _bf16_model(model_type: str, seed: int = 0, layers: int = 2) -> CausalLM:
             p.copy_(p.to(torch.bfloat16).float())
     model.fuse()
     return model
+
+
+def _prefilled_pair(model: CausalLM, slots: int, ctx: list[list[int]], compile_: bool = False):
+    """(runner, ops): two runners on ``model`` with ``ctx[s]`` prefilled in slot s; ``ops``
+    without the stack kernel (the op-by-op reference); ``runner`` compiled if asked."""
+    runner, ops = ModelRunner(model, slots, 128), ModelRunner(model, slots, 128)
+    ops.STACK_KERNEL = False
+    if compile_:
+        assert runner.compile() and runner._flat is not None
+    for r in (runner, ops):
+        r.run_packed([RowInput(s, 0, c) for s, c in enumerate(ctx)], last_only=True)
+    return runner, ops
+
+
+@contextlib.contextmanager
+def _stack_calls():
+    """Counts the stack kernel's calls: yields a list that gets each call's token count."""
+    calls: list[int] = []
+    real = layer_kernel.run_stack
+    layer_kernel.run_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    try:
+        yield calls
+    finally:
+        layer_kernel.run_stack = real
 
 
 def _batch(vocab: int):
@@ -109,18 +135,12 @@ def test_embedded_checkpoints_decode_on_the_stack(path):
     """The embedded models (bfloat16 checkpoints) take the stack call for a lone decode and
     a batch of 16 tokens, not for 17; the logits match the op-by-op forward's."""
     model = CausalLM.from_pretrained(path)
-    runner, ops = ModelRunner(model, 17, 128), ModelRunner(model, 17, 128)
-    ops.STACK_KERNEL = False
-    assert runner.stack() is not None and runner.flat([1]) and runner.flat([4] * 4)
     gen = torch.Generator().manual_seed(2)
     ctx = [torch.randint(1, model.config.vocab_size, (20 + 3 * s,), generator=gen).tolist()
            for s in range(17)]
-    for r in (runner, ops):
-        r.run_packed([RowInput(s, 0, c) for s, c in enumerate(ctx)], last_only=True)
-    calls = []
-    real = layer_kernel.run_stack
-    layer_kernel.run_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
-    try:
+    runner, ops = _prefilled_pair(model, 17, ctx)
+    assert runner.stack() is not None and runner.flat([1]) and runner.flat([4] * 4)
+    with _stack_calls() as calls:
         for rows in ([RowInput(5, len(ctx[5]), [7])],
                      [RowInput(s, len(ctx[s]), [9]) for s in range(16)],
                      [RowInput(s, len(ctx[s]) + 1, [11]) for s in range(17)]):
@@ -128,8 +148,6 @@ def test_embedded_checkpoints_decode_on_the_stack(path):
             want, _ = ops.run(rows, last_only=True)
             for g_, w_ in zip(got, want):
                 assert torch.allclose(g_, w_, atol=1e-4)
-    finally:
-        layer_kernel.run_stack = real
     assert calls == [1, 16]             # 17 decodes: op by op
 
 
@@ -218,17 +236,10 @@ def test_compiled_runner_warms_up_its_graph_past_the_stack():
     (not the stack call), so batches over ``STACK_MAX_TOKENS`` tokens run on it without a
     recompile, and small ones still take the stack call; both match the op-by-op logits."""
     model = _bf16_model("qwen3", seed=7, layers=1)
-    runner, ops = ModelRunner(model, 20, 128), ModelRunner(model, 20, 128)
-    ops.STACK_KERNEL = False
-    assert runner.compile() and runner._flat is not None
     gen = torch.Generator().manual_seed(3)
     ctx = [torch.randint(1, 192, (10 + s,), generator=gen).tolist() for s in range(20)]
-    for r in (runner, ops):
-        r.run_packed([RowInput(s, 0, c) for s, c in enumerate(ctx)], last_only=True)
-    calls = []
-    real = layer_kernel.run_stack
-    layer_kernel.run_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
-    try:
+    runner, ops = _prefilled_pair(model, 20, ctx, compile_=True)
+    with _stack_calls() as calls:
         for rows in ([RowInput(s, len(ctx[s]), [3, 4]) for s in range(4)],       # 8 tokens
                      [RowInput(s, len(ctx[s]) + 2, [5]) for s in range(20)]):    # 20
             got = runner.run_flat(rows, True)
@@ -236,6 +247,4 @@ def test_compiled_runner_warms_up_its_graph_past_the_stack():
             want, _ = ops.run(rows, last_only=True)
             for g_, w_ in zip(got[0], want):
                 assert torch.allclose(g_, w_, rtol=1e-5, atol=1e-4)
-    finally:
-        layer_kernel.run_stack = real
     assert calls == [8] and runner.flat_fallbacks == 0
