@@ -4,8 +4,9 @@ and traffic under another served name is kept out (before the cell: by the time 
 or flagged (during the cell: vLLM's counters carry one label per engine, the first
 --served-model-name, so nothing can tell it apart; the per-request stats can).
 
-Three vLLM servers for the whole module (session fixture, warm-ups overlapped): ngram and
-draft_model, each serving the target under two names, and a bf16 one for the consistency check. Needs the vLLM venv
+Three vLLM servers for the whole module (session fixture, warm-ups overlapped): ngram
+and draft_model, each serving the target under two names, and a bf16 one for the
+consistency check. Needs the vLLM venv
 (tests/vllm_server.py: $SPECLOAD_VLLM_PYTHON or .venv-vllm); skipped without it unless
 SPECLOAD_REQUIRE_VLLM=1. Each load run: the cpu profile's mid tier (4 users), short
 outputs (32 tokens), 20 s.
