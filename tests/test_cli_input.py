@@ -109,7 +109,8 @@ def test_loadgen_subprocess_profile_and_tier_dir(tmp_path):
     p = _run("loadgen", "--tier", "low", "--profile", "bogus", "--target", "http://127.0.0.1:9",
              "--results", str(tmp_path / "r"))
     assert p.returncode == 2, p.stdout + p.stderr
-    assert "--profile: profile 'bogus' not in tier file" in p.stdout and '"' not in p.stdout
+    assert "python -m loadgen: error: --profile: profile 'bogus' not in tier file" in p.stderr
+    assert '"' not in p.stderr
     assert "Traceback" not in p.stdout + p.stderr and not (tmp_path / "r").exists()
 
 

@@ -141,7 +141,7 @@ def test_unknown_strategy_fails_before_starting_anything(tmp_path):
     p = _loadgen("--tier", "low", "--strategies", "autoregressive,ngramm", "--results",
                  str(tmp_path / "res"), timeout=60)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert "--strategies: 'ngramm' not deployed" in p.stdout
+    assert "python -m loadgen: error: --strategies: 'ngramm' not deployed" in p.stderr
     assert "cluster up" not in p.stderr and "starting or reusing" not in p.stdout
     assert "cluster down" not in p.stdout   # nothing was started, so nothing to stop
     assert not (tmp_path / "res").exists()

@@ -77,7 +77,7 @@ def race_settings(results: Results) -> dict:
     entry = entries[0] if len(entries) == 1 and isinstance(entries[0], dict) else None
     if entry is None:
         reason = ("several runs merged: no racing replayed" if len(entries) > 1
-                  else "no racing: --budget 0")
+                  else "no racing: budget 0 (--budget auto races only the main job, --tier all)")
         return {"raced": False, "confidence": race_mod.DEFAULT_CONFIDENCE,
                 "equivalence_margin": race_mod.DEFAULT_MARGIN, "first_pass_repeats": None,
                 "stopped": None, "budget_s": None, "rounds": 0, "undecided_reason": reason}

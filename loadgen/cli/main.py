@@ -161,6 +161,12 @@ def _samplings(args: argparse.Namespace, profile: Any) -> dict[tuple[str, str], 
     return {(t, oc): profile.samplings_for(t, oc) for t in TIER_NAMES for oc in OUTPUT_CLASSES}
 
 
+def _flag_error(message: str) -> None:
+    """A flag's error before anything ran, as argparse writes its own: one line on stderr,
+    ``python -m loadgen: error: <flag>: <what>`` (the caller exits 2)."""
+    print(f"python -m loadgen: error: {message}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole run; returns the exit code. Locust is imported here (gevent already patched).
 
@@ -173,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if tty else int(os.environ.get("COLUMNS") or 100))
     err = check_local_strategy_names(args)
     if err:
-        console.print(f"[red]argument error:[/] {err}", highlight=False, soft_wrap=True)
+        _flag_error(err)
         return EXIT_CONFIG
     try:   # each failure names its flag (a KeyError's text is its repr: take the message)
         try:
@@ -197,8 +203,7 @@ def run(args: argparse.Namespace) -> int:
         variants = _variants(args)   # --k / --top-k-candidates: one deployment per variant
         samplings = _samplings(args, profile)
     except _FlagError as err:
-        console.print(f"[red]config error:[/] {err.flag}: {err.message}", markup=True, highlight=False,
-                      soft_wrap=True)   # one line per error, however wide
+        _flag_error(f"{err.flag}: {err.message}")
         return EXIT_CONFIG
     local: dict[str, Any] = {"url": None}
     try:
@@ -276,7 +281,7 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
     try:
         _open_server_metrics(st)
     except ServerMetricsError as err:
-        console.print(f"[red]config error:[/] --server-metrics: {err}", highlight=False, soft_wrap=True)
+        _flag_error(f"--server-metrics: {err}")
         return EXIT_CONFIG
     n_cells, planned_cell_s = _open_run(st)
     _catch_signals(st.stop)
