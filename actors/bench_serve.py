@@ -1,13 +1,15 @@
 """Serving overhead: output tokens/s through HTTP + Ray Serve vs the engine directly.
 
     python -m actors.bench_serve [--strategy autoregressive] [--concurrency 4,16]
-                                 [--max-tokens 128] [--reps 3] [--stream-intervals 1]
+                                 [--max-tokens 128] [--reps 3] [--waves 5]
+                                 [--stream-intervals 1]
                                  [--stream-intervals-ms 20]
                                  [--json out.json]
 
 Same prompts (held-out, ``data/prompts/heldout_eval.jsonl``), same engine
 config, greedy, ``ignore_eos`` so every request emits ``max_tokens`` tokens,
-``concurrency`` streaming requests at once. Three ways, side by side and
+``concurrency`` streaming requests at once (a wave), ``--waves`` waves per measurement
+(tokens/s over all of them), each way's waves interleaved with the others'. Three ways, side by side and
 interleaved (each repetition runs every way at every concurrency, in an order
 rotated per repetition, before the next repetition starts), medians of ``--reps``:
 
@@ -56,10 +58,11 @@ def load_prompts(n: int) -> list[str]:
     return [rows[i % len(rows)]["prompt"] for i in range(n)]
 
 
-# As configs/serve.yaml: gRPC between ingress and strategy replicas, user code on
-# the replica's event loop (two of Serve's throughput-mode settings).
+# As configs/serve.yaml: gRPC between ingress and strategy replicas, user code and the
+# request router on the replica's event loop (three of Serve's throughput-mode settings).
 THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                  "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+                  "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def make_direct_engine(engine_cfg: dict):
@@ -225,6 +228,14 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="comma-separated concurrent requests (4 = the mid tier's users)")
     ap.add_argument("--max-tokens", type=number(int, ge=1), default=128)
     ap.add_argument("--reps", type=number(int, ge=1), default=3, help="interleaved repetitions (median)")
+    ap.add_argument("--waves", type=number(int, ge=1), default=5,
+                    help="waves of --concurrency requests per measurement, interleaved "
+                         "wave by wave with the other ways' (one wave of 4 x 64 tokens "
+                         "lasts ~0.3 s here: too short to time alone on a shared box)")
+    ap.add_argument("--settle-s", type=number(float, ge=0), default=0.25,
+                    help="idle seconds before each wave: the work a wave leaves behind "
+                         "(the replica's step-row flush, Serve's logs and metrics) does not "
+                         "land on the next wave, which may be another way's")
     ap.add_argument("--stream-intervals", default="1",
                     help="stream_interval values measured on the strategy route as request "
                          "fields (1: one chunk per engine step, vLLM's streaming)")
@@ -294,7 +305,12 @@ def _run_way(way: str, eng, base: str, own: str, a: argparse.Namespace, prompts:
 def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
              engine_cfg: dict) -> dict[tuple[int, str], list[dict]]:
     """Start the direct engine and the local Serve app, run ``--reps`` interleaved repetitions
-    of every way at every concurrency, shut both down; return the runs by (users, way)."""
+    of every way at every concurrency, shut both down; return the runs by (users, way).
+
+    A repetition's measurement of a way is ``--waves`` waves, interleaved with the other
+    ways' wave by wave (the order rotated per wave), so that the box's drift over seconds
+    falls on every way alike; its tokens/s is over all its waves. Each wave starts after
+    ``--settle-s`` idle seconds."""
     import torch
 
     from actors.serve.app import strategy_route
@@ -308,11 +324,18 @@ def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
                           engine_process)
     try:
         for rep in range(a.reps):
-            order = ways[rep % len(ways):] + ways[:rep % len(ways)]   # no way always first
             for c in concs:
                 prompts = load_prompts(c)
-                for way in order:
-                    res = _run_way(way, eng, base, own, a, prompts, f"r{rep}c{c}")
+                waves: dict[str, list[dict]] = {way: [] for way in ways}
+                for w in range(a.waves):
+                    k = (rep * a.waves + w) % len(ways)
+                    for way in ways[k:] + ways[:k]:           # no way always first
+                        time.sleep(a.settle_s)   # each wave from an idle service
+                        waves[way].append(_run_way(way, eng, base, own, a, prompts,
+                                                   f"r{rep}c{c}w{w}"))
+                for way in ways:
+                    res = _timed([r for wave in waves[way] for r in wave["requests"]],
+                                 sum(wave["wall_s"] for wave in waves[way]))
                     runs.setdefault((c, way), []).append(res)
                     print(f"rep {rep + 1}/{a.reps} users {c:>3} {way:<20} "
                           f"{res['tokens_per_s']:8.1f} output tokens/s", flush=True)
@@ -328,7 +351,8 @@ def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
 def _result(a: argparse.Namespace, concs: list[int], per_c: dict) -> dict:
     """The result document: the worst concurrency's ratios and TTFT added (ms), per concurrency."""
     return {
-        "strategy": a.strategy, "max_tokens": a.max_tokens, "reps": a.reps,
+        "strategy": a.strategy, "max_tokens": a.max_tokens, "reps": a.reps, "waves": a.waves,
+        "settle_s": a.settle_s,
         "engine_process": a.engine_process,
         "concurrency": concs, "route": STRATEGY_ROUTE,
         "ratio": min(per_c[str(c)][STRATEGY_ROUTE]["ratio"] for c in concs),
