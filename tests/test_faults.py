@@ -328,7 +328,9 @@ def test_load_worker_killed_mid_run(service, tmp_path):
     the loss (and the requests it had in flight)."""
     import psutil
 
-    tiers = _tiers(tmp_path, {"users": 4, "duration_s": 20, "max_tokens": 8})
+    # 14 s: the kill comes after 10 rows (a few seconds in); the loss is recorded within
+    # ~4 s of it (Ray at once, else missed heartbeats) and the other worker goes on after
+    tiers = _tiers(tmp_path, {"users": 4, "duration_s": 14, "max_tokens": 8})
     results = tmp_path / "res"
     # the workers' own private local Ray (as `--workers` without --ray-address does for a user)
     proc = subprocess.Popen(_loadgen(service, tiers, results, "autoregressive", "--workers", "2"), cwd=REPO,

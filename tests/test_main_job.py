@@ -35,7 +35,7 @@ def service(tmp_path_factory):
 def test_loadgen_to_report(service, tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "all", "--target", service,
-         "--duration", "3", "--results", str(tmp_path), "--report"],
+         "--duration", "2", "--results", str(tmp_path), "--report"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run_dir = Path(res.stdout.strip().splitlines()[-1].split("results: ", 1)[1])

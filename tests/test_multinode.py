@@ -98,7 +98,10 @@ def cluster():
         _wait_ready(url, STRATEGIES, 240)
         yield c, url
     finally:
-        c.shutdown()
+        # a node's ``ray start --block`` that has not exited 5 s after its SIGTERM is only
+        # slow to stop (the 30 s default wait was half a minute of idle teardown): its
+        # session is SIGKILLed by pid, and the lab then kills what is left in its namespaces
+        c.shutdown(timeout_s=5.0)
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
@@ -304,7 +307,9 @@ def test_node_loss_mid_run(cluster, tmp_path):
     _replace_lost_workers(c)
     strategy, victim_id, survivor = _victim(c)
     victim = c.node_name(victim_id)
-    tiers = _tiers(tmp_path, users=6, duration_s=30)
+    # 20 s: the kill comes ~3 s into the cell and the replica is back on the survivor ~11 s
+    # after it (docs/multinode.md); nothing asserted needs load after that
+    tiers = _tiers(tmp_path, users=6, duration_s=20)
     t_start = time.time()
     # the model-field route: the ingress sees the replica's death and says replica_lost (on a
     # strategy's own route the proxy just cuts the stream: disconnected, tests/test_faults.py)

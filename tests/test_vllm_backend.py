@@ -246,6 +246,13 @@ def _requests(prompts: list[dict], logprobs: int | None = None) -> list:
             for p in prompts]
 
 
+# the stop-strings test's requests: stop strings, min_tokens, ignore_eos, token-id prompt
+STOP_REQUESTS = [["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
+                 ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
+                 ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
+                 ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
+
+
 def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 4,
              requests: list | None = None) -> dict:
     """The adapter in the vLLM venv (``python -m actors.engine.vllm_backend``)."""
@@ -262,7 +269,9 @@ def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 
 @pytest.fixture(scope="module")
 def side_by_side(heldout_prompts):
     """{strategy: (vllm result, embedded results, seconds)} on N_PROMPTS held-out prompts
-    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines."""
+    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines; and
+    "_stop_strings": the vLLM ngram results of ``STOP_REQUESTS`` (a vLLM process of its
+    own, started with the other three so its start-up overlaps theirs and the embedded runs)."""
     python = _vllm_python_or_skip()
     from actors.engine.llm_engine import LLMEngine, run_requests
 
@@ -278,8 +287,9 @@ def side_by_side(heldout_prompts):
 
     # the three vLLM runs at once, each in its own process (their start-ups overlap), while
     # the embedded engine runs here
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
     runs = {strategy: pool.submit(timed_vllm, strategy) for strategy in _configs()}
+    stop_run = pool.submit(run_vllm, python, "ngram", [], batch_size=4, requests=STOP_REQUESTS)
     for strategy, cfg in _configs().items():
         eng = LLMEngine(EngineConfig(**cfg))
         reqs = [(rid, pr, SamplingParams(**sp)) for rid, pr, sp in
@@ -292,6 +302,7 @@ def side_by_side(heldout_prompts):
     for strategy, fut in runs.items():
         v, tv = fut.result()
         out[strategy] = (v, out[strategy][0], tv)
+    out["_stop_strings"] = stop_run.result()["results"]
     pool.shutdown()
     out["_baseline_logprobs"] = baseline_lp
     return out
@@ -545,7 +556,7 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
     url, _, _ = vllm_service
     names = ["autoregressive", *VLLM_NAMES] if route == "strategy" else [VLLM_NAME]
     tiers = write_tiers(tmp_path, {"arrival": "closed", "users": 2, "spawn_rate": 2,
-                                   "duration_s": 6, "max_tokens": 32,
+                                   "duration_s": 3, "max_tokens": 32,
                                    "slo": {"ttft_ms": 5000, "tpot_ms": 500}},
                         request_timeout_s=60, drain_timeout_s=30, seed=0, max_prompt_chars=600,
                         sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
@@ -586,17 +597,15 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
 
 
 @pytest.mark.slow
-def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine():
+def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine(side_by_side):
     """Greedy, ngram: stop strings, min_tokens (stop strings only after them) and
-    ignore_eos give the embedded engine's tokens, text and finish reasons."""
+    ignore_eos give the embedded engine's tokens, text and finish reasons (the vLLM side:
+    ``STOP_REQUESTS`` alone in a vLLM ngram process of their own, batch 4, run by the
+    ``side_by_side`` fixture)."""
     from actors.engine.llm_engine import LLMEngine, run_requests
 
-    python = _vllm_python_or_skip()
-    reqs = [["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
-            ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
-            ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
-            ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
-    v = run_vllm(python, "ngram", [], batch_size=4, requests=reqs)["results"]
+    reqs = STOP_REQUESTS
+    v = side_by_side["_stop_strings"]
     eng = LLMEngine(EngineConfig(**_configs()["ngram"]))
     e = run_requests(eng, [(r, p, SamplingParams(**sp)) for r, p, sp in reqs], batch_size=4)
     for rid in e:

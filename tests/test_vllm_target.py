@@ -9,7 +9,8 @@ and draft_model, each serving the target under two names, and a bf16 one for the
 consistency check. Needs the vLLM venv
 (tests/vllm_server.py: $SPECLOAD_VLLM_PYTHON or .venv-vllm); skipped without it unless
 SPECLOAD_REQUIRE_VLLM=1. Each load run: the cpu profile's mid tier (4 users), short
-outputs (32 tokens), 20 s.
+outputs (32 tokens), 10 s (the checks are counter equalities, not
+rates: they hold whatever the length).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tests.vllm_server import DRAFT_MODEL, NGRAM, REPO, VllmServer, start_server
 
 pytestmark = pytest.mark.slow
 
-DURATION_S = 20
+DURATION_S = 10
 USERS = 4
 PROMPTS = [json.loads(l)["prompt"] for l in (REPO / "data" / "prompts" / "heldout_eval.jsonl").read_text().splitlines()
            if l.strip()]
@@ -65,7 +66,7 @@ def vllm_servers(tmp_path_factory):
 
 
 def run_loadgen(url: str, strategy: str, results: Path, *extra: str) -> subprocess.CompletedProcess:
-    """4 users, 32-token outputs, 20 s, greedy; a drain long enough that no request is cancelled
+    """4 users, 32-token outputs, DURATION_S, greedy; a drain long enough that no request is cancelled
     at the cell's end (a cancelled request drafted on the server but reports no stats)."""
     tiers = write_tiers(results, {"arrival": "closed", "users": USERS, "spawn_rate": USERS,
                                   "duration_s": DURATION_S, "max_tokens": 32,
