@@ -58,11 +58,6 @@ def load_prompts(n: int) -> list[str]:
     return [rows[i % len(rows)]["prompt"] for i in range(n)]
 
 
-# As configs/serve.yaml: gRPC between ingress and strategy replicas, user code and the
-# request router on the replica's event loop (three of Serve's throughput-mode settings).
-THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                  "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def make_direct_engine(engine_cfg: dict):
@@ -160,7 +155,7 @@ def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
     from ray import serve
 
     from actors.serve.app import run_applications
-    from configs.serve_config import PROXY_ENV
+    from configs.serve_config import PROXY_ENV, REPLICA_ENV
 
     if tuned:   # as `python -m cluster up`: the local Ray (and its Serve proxy) inherit it
         for k, v in PROXY_ENV.items():
@@ -176,7 +171,7 @@ def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
                 raise
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    rt = {"env_vars": dict(THROUGHPUT_ENV) if tuned else {}}
+    rt = {"env_vars": dict(REPLICA_ENV) if tuned else {}}
     run_applications({"strategies": [{"name": strategy, "engine": engine_cfg,
                                       "engine_process": engine_process,
                                       "ray_actor_options": {"num_cpus": 0.5, "runtime_env": rt}}],

@@ -54,6 +54,14 @@ _ENGINE_DEFAULT_MAX_WAITING = 1024
 # bench_serve, 4 streams x 64 tokens, 12 waves each, the time from a wave's first send to
 # its first engine step: 21-22.5 -> 16-18 ms (strategy route, 2-core box).
 PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# The replicas' environment (an application's runtime_env; configs/serve.yaml and
+# serve-vllm.yaml carry the same, tests/test_serve_config.py checks): gRPC handles between
+# ingress and strategy replicas, user code and the request router on the replica's own loop
+# (three of Serve's throughput-mode settings; not RAY_SERVE_THROUGHPUT_OPTIMIZED as a
+# whole, which also turns on direct ingress and its replica ports from 30000 up).
+REPLICA_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+               "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 CONTROL_HEADROOM = 4   # extra Serve slots for info / step_log calls on a full replica
 DEFAULT_ENGINE_FACTORY = "actors.serve.engine_core:make_llm_engine"  # (engine dict) -> LLMEngine
 # engine_process "auto": its own process from this many cores. On the 2-core dev box, side by

@@ -43,6 +43,8 @@ def use_real_engine() -> bool:
 
 def app_args(real: bool) -> dict:
     """ServeAppConfig args for the test app: every servable strategy + ONE_SLOT."""
+    from configs.serve_config import REPLICA_ENV
+
     common = {"max_num_seqs": 8, "max_waiting": 32, "torch_threads": 1}
     fake = {} if real else {"max_model_len": 4096, "step_ms": 4}
     strategies = [
@@ -62,11 +64,10 @@ def app_args(real: bool) -> dict:
                               "ray_actor_options": {"num_cpus": 0.3}})
     args: dict = {"strategies": strategies,
                   "ingress": {"ray_actor_options": {"num_cpus": 0.1}}}
-    # As configs/serve.yaml's runtime_env: gRPC handles, user code on the replica loop.
+    # As configs/serve.yaml's runtime_env (configs.serve_config.REPLICA_ENV).
     for opts in [s["ray_actor_options"] for s in strategies] + [
             args["ingress"]["ray_actor_options"]]:
-        opts["runtime_env"] = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                                            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+        opts["runtime_env"] = {"env_vars": dict(REPLICA_ENV)}
     if not real:
         args["engine_factory"] = "tests.fake_engine:make_fake_engine"
     return args

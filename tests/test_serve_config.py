@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from configs.serve_config import CONTROL_HEADROOM, ServeAppConfig, StrategyEntry
+from configs.serve_config import CONTROL_HEADROOM, REPLICA_ENV, ServeAppConfig, StrategyEntry
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_YAML = REPO / "configs" / "serve.yaml"
@@ -17,6 +17,15 @@ SERVE_YAML = REPO / "configs" / "serve.yaml"
 
 def _args() -> dict:
     return yaml.safe_load(SERVE_YAML.read_text())["applications"][0]["args"]
+
+
+@pytest.mark.parametrize("name", ["serve.yaml", "serve-vllm.yaml"])
+def test_replica_env_is_the_one_in_configs(name):
+    """The deployable configs' replica environment is ``REPLICA_ENV`` (what bench_serve and
+    the test services deploy with), router on the replica's loop included."""
+    app = yaml.safe_load((REPO / "configs" / name).read_text())["applications"][0]
+    assert app["runtime_env"]["env_vars"] == REPLICA_ENV
+    assert REPLICA_ENV["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
 
 
 def test_serve_yaml_is_a_valid_serve_config():

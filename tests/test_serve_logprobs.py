@@ -16,6 +16,7 @@ serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
 from configs.net import free_port  # noqa: E402
+from configs.serve_config import REPLICA_ENV  # noqa: E402
 from tests.logprob_checks import (ALL_STRATEGIES, LOGPROB_TOL, check_greedy_entry,  # noqa: E402
                                   same_or_tie)
 from tests.serve_fixtures import parse_sse, use_real_engine  # noqa: E402
@@ -32,8 +33,7 @@ def base_url():
         pytest.skip("SPECLOAD_TEST_FAKE_ENGINE=1: logprobs come from the real engine's logits")
     from actors.serve.app import run_applications
 
-    env = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    env = {"env_vars": dict(REPLICA_ENV)}
     strategies = []
     for s in ALL_STRATEGIES:
         engine = {"strategy": s, "max_num_seqs": 4, "max_waiting": 16, "torch_threads": 1}

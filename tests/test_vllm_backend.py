@@ -30,6 +30,7 @@ from actors.engine.types import SamplingParams
 from actors.engine.vllm_backend import (REPO_ROOT, spec_stats_from_vllm, step_row,
                                         vllm_engine_args, vllm_env, vllm_sampling_kwargs)
 from configs import metric_names as M
+from configs.serve_config import REPLICA_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = str(REPO / "models" / "target")
@@ -246,13 +247,6 @@ def _requests(prompts: list[dict], logprobs: int | None = None) -> list:
             for p in prompts]
 
 
-# the stop-strings test's requests: stop strings, min_tokens, ignore_eos, token-id prompt
-STOP_REQUESTS = [["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
-                 ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
-                 ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
-                 ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
-
-
 def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 4,
              requests: list | None = None) -> dict:
     """The adapter in the vLLM venv (``python -m actors.engine.vllm_backend``)."""
@@ -269,9 +263,7 @@ def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 
 @pytest.fixture(scope="module")
 def side_by_side(heldout_prompts):
     """{strategy: (vllm result, embedded results, seconds)} on N_PROMPTS held-out prompts
-    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines; and
-    "_stop_strings": the vLLM ngram results of ``STOP_REQUESTS`` (a vLLM process of its
-    own, started with the other three so its start-up overlaps theirs and the embedded runs)."""
+    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines."""
     python = _vllm_python_or_skip()
     from actors.engine.llm_engine import LLMEngine, run_requests
 
@@ -287,9 +279,8 @@ def side_by_side(heldout_prompts):
 
     # the three vLLM runs at once, each in its own process (their start-ups overlap), while
     # the embedded engine runs here
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
     runs = {strategy: pool.submit(timed_vllm, strategy) for strategy in _configs()}
-    stop_run = pool.submit(run_vllm, python, "ngram", [], batch_size=4, requests=STOP_REQUESTS)
     for strategy, cfg in _configs().items():
         eng = LLMEngine(EngineConfig(**cfg))
         reqs = [(rid, pr, SamplingParams(**sp)) for rid, pr, sp in
@@ -302,7 +293,6 @@ def side_by_side(heldout_prompts):
     for strategy, fut in runs.items():
         v, tv = fut.result()
         out[strategy] = (v, out[strategy][0], tv)
-    out["_stop_strings"] = stop_run.result()["results"]
     pool.shutdown()
     out["_baseline_logprobs"] = baseline_lp
     return out
@@ -402,8 +392,7 @@ def vllm_service():
     pytest.importorskip("ray.serve")
     from tests.serve_fixtures import local_service
 
-    env = {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    env = {"env_vars": dict(REPLICA_ENV)}
     common = {"torch_threads": 1, "dtype": "float32", "max_model_len": 1024}
 
     def vllm(name, strategy, **kw):
@@ -597,15 +586,17 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
 
 
 @pytest.mark.slow
-def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine(side_by_side):
+def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine():
     """Greedy, ngram: stop strings, min_tokens (stop strings only after them) and
-    ignore_eos give the embedded engine's tokens, text and finish reasons (the vLLM side:
-    ``STOP_REQUESTS`` alone in a vLLM ngram process of their own, batch 4, run by the
-    ``side_by_side`` fixture)."""
+    ignore_eos give the embedded engine's tokens, text and finish reasons."""
     from actors.engine.llm_engine import LLMEngine, run_requests
 
-    reqs = STOP_REQUESTS
-    v = side_by_side["_stop_strings"]
+    python = _vllm_python_or_skip()
+    reqs = [["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
+            ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
+            ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
+            ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
+    v = run_vllm(python, "ngram", [], batch_size=4, requests=reqs)["results"]
     eng = LLMEngine(EngineConfig(**_configs()["ngram"]))
     e = run_requests(eng, [(r, p, SamplingParams(**sp)) for r, p, sp in reqs], batch_size=4)
     for rid in e:
