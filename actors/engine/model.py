@@ -517,7 +517,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an explicit weight: nn.Embedding's own init (normal_) on the meta device goes
+        # through torch._refs and imports torch._dynamo (2.7 s of every engine process's
+        # start-up, for values from_pretrained overwrites anyway)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -565,11 +569,14 @@ class CausalLM(nn.Module):
             state.update(load_file(str(f)))
         with torch.device("meta"):
             model = cls(cfg)
-        model = model.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        # assign=True: the loaded tensors become the parameters (no to_empty, whose
+        # empty_like on meta tensors goes through torch._refs and imports sympy)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-            state.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        model = model.to(device=device)
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"weights in {path} do not match the config: missing {missing[:5]}, "

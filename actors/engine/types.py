@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from actors.engine.errors import InvalidRequest
+
+if TYPE_CHECKING:  # annotations only: the Serve replicas import these types without torch
+    import torch
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / T would
 # overflow float32 (max 3.4e38) for T ~ 1e-40, and the limit distribution is the argmax.
