@@ -29,7 +29,7 @@ import pytest
 
 from configs import metric_names as M
 from tests.tiers_file import write_tiers
-from tests.vllm_server import DRAFT_MODEL, NGRAM, REPO, VllmServer, start_servers
+from tests.vllm_server import DRAFT_MODEL, FAST_START, NGRAM, REPO, VllmServer, start_servers
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,6 @@ PROMPTS = [json.loads(l)["prompt"] for l in (REPO / "data" / "prompts" / "heldou
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-EAGER = ["--enforce-eager"]
 
 
 @pytest.fixture(scope="session")
@@ -50,12 +49,12 @@ def vllm_servers(tmp_path_factory):
     consistency check (greedy identity breaks at near-tied logits in bf16: docs/design.md).
     All three warm up at once (one start-up wait instead of two)."""
     log_dir = tmp_path_factory.mktemp("vllm")
-    # --enforce-eager: no torch.compile warm-up (28 vs 42 s to ready here); these tests
-    # read what vLLM reports, not its speed
-    servers = {"ngram": VllmServer(["ngram", "ngram-alias"], NGRAM, extra=EAGER),
+    # FAST_START: no torch.compile warm-up, no worker process; these tests read what vLLM
+    # reports, not its speed
+    servers = {"ngram": VllmServer(["ngram", "ngram-alias"], NGRAM, **FAST_START),
                "draft_model": VllmServer(["draft_model", "draft_model-alias"], DRAFT_MODEL,
-                                         extra=EAGER),
-               "bf16": VllmServer(["bf16"], None, dtype="bfloat16", extra=EAGER)}
+                                         **FAST_START),
+               "bf16": VllmServer(["bf16"], None, dtype="bfloat16", **FAST_START)}
     t0 = time.monotonic()
     start_servers(list(servers.values()), log_dir)
     print(f"\nvLLM servers ready in {time.monotonic() - t0:.0f} s: "

@@ -17,6 +17,10 @@ from actors.vllm_server import (DRAFT, DRAFT_MODEL, ENV_PYTHON, NGRAM, REPO, TAR
 from actors.vllm_server import start_servers as _start_servers
 
 ENV_REQUIRE = "SPECLOAD_REQUIRE_VLLM"
+# What the tests' vLLM servers start with: no torch.compile warm-up (--enforce-eager) and the
+# model in the engine-core process (no worker process). They read what vLLM reports and
+# returns, not its speed; actors.bench_vs_vllm keeps vLLM's defaults.
+FAST_START = {"extra": ["--enforce-eager"], "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
 def vllm_python() -> str:
