@@ -1,4 +1,5 @@
-"""A single-node ``python -m cluster up`` listens on 127.0.0.1 only (issue 23, item 2).
+"""A single-node ``python -m cluster up`` listens on 127.0.0.1 only (issue 23, item 2), and
+comes up again at once on the port it just left (issue 23, the port check).
 
 The audit (``tests.socket_audit``) lists every listening TCP socket, IPv4 and IPv6, of
 every process of the service: the Ray head recorded in the state file, its descendants,
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,22 +122,68 @@ def _small_strategies() -> list[dict]:
              "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2}}]
 
 
+def _plain_bind_fails(port: int) -> bool:
+    """True when a bind without ``SO_REUSEADDR`` (the old port check) fails on ``port``."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+            return False
+        except OSError:
+            return True
+
+
 @pytest.mark.slow
-def test_cluster_up_listens_on_loopback_only(tmp_path):
+def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path):
     """A real ``cluster up`` (one strategy): every listener of every process of the service
     is on 127.0.0.1: Ray's GCS, raylet, object manager, dashboard and its agents, metrics
     export, client server, autoscaler monitor, Serve controller, proxy and each replica
-    (gRPC included)."""
+    (gRPC included).
+
+    Then ``cluster down`` and at once ``cluster up`` again on the same port (issue 23): the
+    old port check bound without ``SO_REUSEADDR``, so the previous service's connections in
+    TIME-WAIT made it refuse ``up`` ("in use by another server") for up to a minute,
+    although nothing listened. One service start serves both checks."""
     pytest.importorskip("ray")
     pytest.importorskip("psutil")
-    from cluster.local import state_file
-    from tests.serve_fixtures import cluster_up
+    import http.client
 
-    with cluster_up(tmp_path, _small_strategies(), timeout_s=300) as url:
-        port = int(url.rsplit(":", 1)[1])
+    import yaml
+
+    from cluster.local import state_file
+    from configs.net import free_port
+
+    cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    cfg["applications"][0]["args"]["strategies"] = _small_strategies()
+    port = free_port()
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    up = [sys.executable, "-m", "cluster", "up", "--config", str(path), "--port", str(port),
+          "--timeout", "300"]
+    down = [sys.executable, "-m", "cluster", "down", "--port", str(port)]
+    try:
+        first = subprocess.run(up, cwd=REPO, capture_output=True, text=True, timeout=420)
+        assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+        assert first.stdout.strip().splitlines()[-1] == f"http://{LOOPBACK}:{port}"
         state = json.loads(state_file(port).read_text())
         assert state["started_ray"], state
         found = listeners(service_pids(state["ray_pid"]))
+        # a client holding a keep-alive connection, as a load generator does: the server
+        # closes it first at shutdown, leaving TIME-WAIT on the service's own port
+        keep = http.client.HTTPConnection(LOOPBACK, port, timeout=30)
+        keep.request("GET", "/health")
+        keep.getresponse().read()
+        d = subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
+        keep.close()
+        assert d.returncode == 0, d.stderr[-2000:]
+        t_down = time.monotonic()
+        time_wait = _plain_bind_fails(port)   # the case the old check refused
+        second = subprocess.run(up, cwd=REPO, capture_output=True, text=True, timeout=420)
+        elapsed = time.monotonic() - t_down
+    finally:
+        subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
+
     bad = not_loopback(found)
     kinds = {k: [x for x in found if k in x.name] for k in (
         "gcs_server", "raylet", "dashboard", "DashboardAgent", "RuntimeEnvAgent", "client.server",
@@ -153,3 +201,10 @@ def test_cluster_up_listens_on_loopback_only(tmp_path):
     # to [::], moved by the preload)
     replicas = {x.pid for x in kinds["ServeReplica"]}
     assert all(sum(x.pid == pid for x in found) >= 2 for pid in replicas), kinds["ServeReplica"]
+
+    # up again at once after down
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "in use" not in second.stderr
+    assert second.stdout.strip().splitlines()[-1] == f"http://{LOOPBACK}:{port}"
+    print(f"up again {elapsed:.1f} s after down returned (a plain bind "
+          f"{'failed: TIME-WAIT present' if time_wait else 'succeeded'} at that moment)")
