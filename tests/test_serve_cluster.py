@@ -111,6 +111,14 @@ def test_ray_up_local_loopback(tmp_path):
         "--autoscaling-config=~/ray_bootstrap_config.yaml --disable-usage-stats"]
     cfg_path = tmp_path / "local.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
+    # the service deployed over there: configs/serve.yaml with its autoregressive entry only
+    # (this test is about ray up / exec / down; every strategy's deploy is tested elsewhere)
+    serve_cfg = yaml.safe_load((REPO / "configs" / "serve.yaml").read_text())
+    app_args = serve_cfg["applications"][0]["args"]
+    app_args["strategies"] = [s for s in app_args["strategies"]
+                              if s["engine"]["strategy"] == "autoregressive"][:1]
+    serve_path = tmp_path / "serve.yaml"
+    serve_path.write_text(yaml.safe_dump(serve_cfg))
     _ray_validate(cfg_path)
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
 
@@ -135,7 +143,8 @@ def test_ray_up_local_loopback(tmp_path):
         assert not synced & {".venv-vllm", ".venv", "results", ".git"}, sorted(synced)
         up = run(["exec", str(cfg_path),
                   f"{env} cd {remote_dir} && python -m cluster up --address 127.0.0.1:{gcs} "
-                  f"--dashboard http://127.0.0.1:{dash} --port {http_port} --timeout 600"], 900)
+                  f"--dashboard http://127.0.0.1:{dash} --port {http_port} --timeout 600 "
+                  f"--config {serve_path}"], 900)
         url = f"http://127.0.0.1:{http_port}"
         assert url in [line.strip() for line in up.stdout.splitlines()], up.stdout[-2000:]
         r = httpx.post(url + "/v1/completions", timeout=120, json={
