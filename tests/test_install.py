@@ -5,15 +5,17 @@ temporary folder, builds its wheel and installs it with ``pip install --no-deps`
 into a fresh venv
 (``--system-site-packages`` only to reuse the already installed dependencies:
 torch, ray, locust, pandas), then, from an empty directory and with no
-PYTHONPATH, runs ``python -m loadgen --tier low --report`` cut short
-(``--duration 2``, two strategies, its own local service on a free port).
+PYTHONPATH, runs the main job ``python -m loadgen --tier low --output all --report`` cut
+short (``--duration 2``, two strategies, its own local service on a free port).
 It checks that every specload module and the embedded models come from the
-venv, never from this checkout or the shared editable install, and stops the
-service it started whatever happens.
+venv, never from this checkout or the shared editable install, then what a user
+reads (Parquet rows, the step log, the report and the recommendation), and stops
+the service it started whatever happens.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -93,7 +95,7 @@ def test_pip_install_runs_loadgen_report_from_any_directory(tmp_path):
     port = free_port()
     try:
         run = subprocess.run(
-            [py, "-m", "loadgen", "--tier", "low", "--report", "--duration", "2",
+            [py, "-m", "loadgen", "--tier", "low", "--output", "all", "--report", "--duration", "2",
              "--strategies", "autoregressive,ngram", "--local-port", str(port),
              "--local-config", "serve.yaml", "--results", "results"],
             cwd=work, env=env, capture_output=True, text=True, timeout=480)
@@ -107,8 +109,30 @@ def test_pip_install_runs_loadgen_report_from_any_directory(tmp_path):
         run_dir = work / run_dir
     import pandas as pd
 
+    # what a user of the main job reads: rows, the step log, the report, the recommendation
     rows = pd.read_parquet(run_dir / "requests.parquet")
+    assert set(rows["strategy"]) == {"autoregressive", "ngram"}
+    assert set(rows["output_class"]) == {"short", "long"}
     ok = rows[rows["status"] == "ok"]
-    assert set(ok["strategy"]) == {"autoregressive", "ngram"} and (ok["output_tokens"] > 0).all()
-    assert (run_dir / "report" / "report.html").is_file()
-    assert (run_dir / "report" / "recommendation.json").is_file()
+    assert set(ok["strategy"]) == {"autoregressive", "ngram"} and len(ok) >= 4
+    assert (ok["output_tokens"] > 0).all()
+    assert (ok["ttft_ms"] > 0).all() and (ok["e2e_ms"] >= ok["ttft_ms"]).all()
+    # the server's speculative stats reached the client rows
+    assert ok[ok["strategy"] == "ngram"]["num_draft_tokens"].sum() > 0
+    # the local service deploys the one-hop layout and --route auto measured each strategy on it
+    service = f"http://127.0.0.1:{port}"
+    routes = json.loads((run_dir / "manifest.json").read_text())["routes"]
+    assert routes == {s: {"route": "strategy", "base_url": f"{service}/strategies/{s}"}
+                      for s in ("autoregressive", "ngram")}
+    assert "autoregressive: strategy" in (run_dir / "report" / "report.md").read_text()
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
+    rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
+    assert set(rec["low"]) == {"short", "long"}
+    assert rec["schema_version"] == 3
+    low = rec["low"]["short"]
+    assert low["strategy"] in {"autoregressive", "ngram"} or (
+        low["strategy"] == "tie" and set(low["tied"]) == {"autoregressive", "ngram"})
+    html = (run_dir / "report" / "report.html").read_text()
+    assert 'id="recommendation"' in html and "data:image/png;base64," in html
+    assert "recommendation per tier" in run.stdout
