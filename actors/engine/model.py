@@ -517,11 +517,13 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # an explicit weight: nn.Embedding's own init (normal_) on the meta device goes
-        # through torch._refs and imports torch._dynamo (2.7 s of every engine process's
-        # start-up, for values from_pretrained overwrites anyway)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        # nn.Embedding's own init, except on the meta device (from_pretrained): there its
+        # normal_ goes through torch._refs and imports torch._dynamo (2.7 s of every engine
+        # process's start-up, for values the checkpoint overwrites anyway)
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

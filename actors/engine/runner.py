@@ -129,6 +129,8 @@ class ModelRunner:
     def _compile_and_check(self, log) -> bool:
         """``compile``'s work: torch.compile the forward, run the warm-up rows on it and
         compare them with eager; True (and ``_flat`` set) when every check held."""
+        import torch._dynamo   # not loaded by the model's construction any more
+
         # (the draft model's graph counts against the same code object's limit)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         try:
