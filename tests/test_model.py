@@ -70,3 +70,53 @@ def test_cached_ragged_forward_equals_plain_forward():
         for b, s in enumerate(seqs):
             ref = m(s[None]).logits[0, -3:]
             assert (out[b] - ref).abs().max().item() <= 1e-5
+
+
+def test_random_init_embedding_is_nn_embeddings_init():
+    """Off the meta device the backbone's embedding gets nn.Embedding's own init (normal_,
+    same RNG draws): a random-weight model is initialised, finite, and seeded alike."""
+    import json
+
+    cfg = ModelConfig.from_hf_dict(json.loads((DEFAULT_TARGET / "config.json").read_text()))
+    torch.manual_seed(0)
+    got = CausalLM(cfg).model.embed_tokens.weight
+    torch.manual_seed(0)
+    want = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).weight
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+
+
+_STARTUP_IMPORTS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import actors.serve.app, actors.serve.deployments, actors.serve.async_engine
+replica = {m: m in sys.modules for m in ("torch", "transformers")}
+from actors.engine.config import EngineConfig
+from actors.engine.llm_engine import LLMEngine
+eng = LLMEngine(EngineConfig(strategy="draft_model", draft_model="models/draft"))
+engine = {m: m in sys.modules for m in ("torch._dynamo", "sympy")}
+print(json.dumps({"replica": replica, "engine": engine,
+                  "fast_tokenizer": isinstance(eng.tokenizer, __import__("transformers").PreTrainedTokenizerFast),
+                  "meta": [n for n, p in eng.model.named_parameters() if p.is_meta]}))
+"""
+
+
+def test_start_up_imports_stay_light():
+    """What each process of a service imports at start-up, in a fresh interpreter: a Serve
+    replica's modules import neither torch nor transformers (its engine runs in its own
+    process), and an engine loads its models without torch._dynamo or sympy (2.7 s and
+    0.7 s of every engine process's start-up); every parameter is materialised."""
+    import json
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run([sys.executable, "-c", _STARTUP_IMPORTS, repo], cwd=repo,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["replica"] == {"torch": False, "transformers": False}, got
+    assert got["engine"] == {"torch._dynamo": False, "sympy": False}, got
+    assert got["meta"] == [] and got["fast_tokenizer"] is True, got
