@@ -47,3 +47,68 @@ def make_engine():
         return cache[key]
 
     return make
+
+
+# ------------------------------------------------------------------ the suite on two workers
+# pyproject's addopts run the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``).
+# Tests that start Ray, Serve, ``cluster up`` or ``ray up`` (or a load run on Ray workers)
+# share one worker, in this order: Ray's own state (``/tmp/ray``'s current-cluster file,
+# ``ray stop`` in the ray-up test, the loopback audit of every listener) allows one cluster
+# at a time. Their fault, multi-node and load-timing tests come last, after the other
+# worker has run the rest (engine, analysis, load generator against in-process servers,
+# vLLM alone): those tests read latencies and deadlines. Every other module is a group of
+# its own, so its module-scoped fixtures are built once. ``-n 0`` runs it all in one process.
+SERIAL_GROUP = "ray"
+SERIAL = [  # "module" (all its tests) or "module::test" (that test, all its parameters)
+    "test_consistency_run.py",
+    "test_install.py",
+    "test_serve.py",
+    "test_serve_logprobs.py",
+    # its vLLM-backed service after the other worker's vLLM start-ups (POOL_FIRST)
+    "test_vllm_backend.py::test_serve_vllm_strategy_both_routes_errors_health_and_step_log",
+    "test_vllm_backend.py::test_loadgen_measures_embedded_and_vllm_side_by_side",
+    "test_serve_reliability.py",
+    "test_serve_async_engine.py",
+    "test_server_metrics.py",
+    "test_loopback.py",
+    "test_serve_cluster.py",
+    "test_cluster_down.py",
+    "test_cli_input.py",
+    "test_plan_validate.py",
+    "test_analysis_policy.py::test_validation_on_the_local_service_switches_k_by_batch",
+    "test_worker_settle.py",
+    "test_loadgen_e2e.py",
+    "test_faults.py",
+    "test_multinode.py",
+]
+# the other worker's first groups: the longest, vLLM start-ups, before the Ray worker's own
+POOL_FIRST = ["test_vllm_target.py", "test_vllm_backend.py"]
+
+
+def _serial_rank(item) -> int | None:
+    module = item.path.name
+    name = getattr(item, "originalname", None) or item.name
+    for i, entry in enumerate(SERIAL):
+        if entry == module or entry == f"{module}::{name}":
+            return i
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Each test's ``xdist_group`` (``SERIAL_GROUP`` or its module's name) and the order:
+    the serial group first (the scheduler gives it to one worker whole), in ``SERIAL``'s
+    order, then ``POOL_FIRST``, then the rest as collected."""
+    ranks = {}
+    for pos, item in enumerate(items):
+        rank = _serial_rank(item)
+        if rank is not None:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+            ranks[item.nodeid] = (0, rank, pos)
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+            if item.path.name in POOL_FIRST:
+                ranks[item.nodeid] = (1, POOL_FIRST.index(item.path.name), pos)
+            else:
+                ranks[item.nodeid] = (2, 0, pos)
+    items.sort(key=lambda it: ranks[it.nodeid])
