@@ -51,37 +51,36 @@ def make_engine():
 
 # ------------------------------------------------------------------ the suite on two workers
 # pyproject's addopts run the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``).
-# Tests that start Ray, Serve, ``cluster up`` or ``ray up`` (or a load run on Ray workers)
-# share one worker, in this order: Ray's own state (``/tmp/ray``'s current-cluster file,
-# ``ray stop`` in the ray-up test, the loopback audit of every listener) allows one cluster
-# at a time. Their fault, multi-node and load-timing tests come last, after the other
-# worker has run the rest (engine, analysis, load generator against in-process servers,
-# vLLM alone): those tests read latencies and deadlines. Every other module is a group of
-# its own, so its module-scoped fixtures are built once. ``-n 0`` runs it all in one process.
+# The tests that start Ray (Serve, ``cluster up``, ``ray up``, a load run on Ray workers) and
+# those that read latencies under load share one worker, in ``SERIAL``'s order: Ray's own
+# state (``/tmp/ray``'s current-cluster file, ``ray stop`` in the ray-up test, the loopback
+# audit of every listener) allows one cluster at a time. Every other module is a group of its
+# own (its module-scoped fixtures built once) on the other worker, vLLM's start-ups first.
+# The fault, multi-node and load-timing tests run while that worker runs single-threaded
+# unit tests (one core), not vLLM start-ups; the CPU-heavy Serve bring-ups come last, when
+# it is done. ``-n 0`` runs everything in one process, in the same order.
 SERIAL_GROUP = "ray"
 SERIAL = [  # "module" (all its tests) or "module::test" (that test, all its parameters)
     "test_consistency_run.py",
+    "test_vllm_backend.py::test_serve_vllm_strategy_both_routes_errors_health_and_step_log",
+    "test_vllm_backend.py::test_loadgen_measures_embedded_and_vllm_side_by_side",
+    "test_loadgen_e2e.py::test_closed_loop_timing_matches_server_truth",
+    "test_loadgen_e2e.py::test_failures_are_rows_and_do_not_distort_ok_rows",
+    "test_loadgen_e2e.py::test_open_loop_stall_shows_in_latency",
+    "test_loadgen_e2e.py::test_ray_distributed_workers",
+    "test_loadgen_e2e.py::test_smoke_against_real_service",
+    "test_worker_settle.py",
+    "test_faults.py",
+    "test_multinode.py",
     "test_install.py",
     "test_serve.py",
     "test_serve_logprobs.py",
-    # its vLLM-backed service after the other worker's vLLM start-ups (POOL_FIRST)
-    "test_vllm_backend.py::test_serve_vllm_strategy_both_routes_errors_health_and_step_log",
-    "test_vllm_backend.py::test_loadgen_measures_embedded_and_vllm_side_by_side",
-    "test_serve_reliability.py",
-    "test_serve_async_engine.py",
-    "test_server_metrics.py",
     "test_loopback.py",
     "test_serve_cluster.py",
     "test_cluster_down.py",
-    "test_cli_input.py",
-    "test_plan_validate.py",
+    "test_cli_input.py::test_cluster_up_failure_after_ray_started_stops_its_head",
     "test_analysis_policy.py::test_validation_on_the_local_service_switches_k_by_batch",
-    "test_worker_settle.py",
-    "test_loadgen_e2e.py",
-    "test_faults.py",
-    "test_multinode.py",
 ]
-# the other worker's first groups: the longest, vLLM start-ups, before the Ray worker's own
 POOL_FIRST = ["test_vllm_target.py", "test_vllm_backend.py"]
 
 

@@ -241,13 +241,6 @@ def _configs() -> dict[str, dict]:
                             "num_speculative_tokens": K}}
 
 
-STOP_REQUESTS = [
-    ["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
-    ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
-    ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
-    ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
-
-
 def _requests(prompts: list[dict], logprobs: int | None = None) -> list:
     return [(p["id"], p["prompt"], {"max_tokens": MAX_TOKENS, "temperature": 0.0,
                                     **({"logprobs": logprobs} if logprobs is not None else {})})
@@ -270,8 +263,7 @@ def run_vllm(python: str, strategy: str, prompts: list[dict], batch_size: int = 
 @pytest.fixture(scope="module")
 def side_by_side(heldout_prompts):
     """{strategy: (vllm result, embedded results, seconds)} on N_PROMPTS held-out prompts
-    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines; vLLM's ngram
-    result also holds ``STOP_REQUESTS`` (one engine start fewer)."""
+    (half code, half prose), greedy, fp32, k = 4, batch 4 on both engines."""
     python = _vllm_python_or_skip()
     from actors.engine.llm_engine import LLMEngine, run_requests
 
@@ -283,11 +275,7 @@ def side_by_side(heldout_prompts):
 
     def timed_vllm(strategy: str) -> tuple[dict, float]:
         t0 = time.monotonic()
-        # the ngram engine also serves the stop / min_tokens / ignore_eos requests
-        # (test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine)
-        extra = STOP_REQUESTS if strategy == "ngram" else []
-        return (run_vllm(python, strategy, prompts, requests=_requests(prompts) + extra),
-                time.monotonic() - t0)
+        return run_vllm(python, strategy, prompts), time.monotonic() - t0
 
     # the three vLLM runs at once, each in its own process (their start-ups overlap), while
     # the embedded engine runs here
@@ -598,16 +586,19 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
 
 
 @pytest.mark.slow
-def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine(side_by_side):
+def test_vllm_stop_strings_min_tokens_and_ignore_eos_as_the_embedded_engine():
     """Greedy, ngram: stop strings, min_tokens (stop strings only after them) and
     ignore_eos give the embedded engine's tokens, text and finish reasons."""
     from actors.engine.llm_engine import LLMEngine, run_requests
 
-    v = side_by_side["ngram"][0]["results"]
+    python = _vllm_python_or_skip()
+    reqs = [["stop", "def f(x):\n    return x\n\ndef g(y):\n", {"max_tokens": 40, "stop": ["\n\n"]}],
+            ["min", "def f(x):\n", {"max_tokens": 20, "min_tokens": 10, "stop": ["\n"]}],
+            ["eos", "hello", {"max_tokens": 12, "ignore_eos": True}],
+            ["ids", [5, 6, 7, 8, 9, 10], {"max_tokens": 10}]]
+    v = run_vllm(python, "ngram", [], batch_size=4, requests=reqs)["results"]
     eng = LLMEngine(EngineConfig(**_configs()["ngram"]))
-    e = run_requests(eng, [(r, p, SamplingParams(**sp)) for r, p, sp in STOP_REQUESTS],
-                     batch_size=4)
-    assert set(e) == {r for r, _, _ in STOP_REQUESTS}
+    e = run_requests(eng, [(r, p, SamplingParams(**sp)) for r, p, sp in reqs], batch_size=4)
     for rid in e:
         assert v[rid]["token_ids"] == e[rid]["token_ids"], rid
         assert v[rid]["text"] == e[rid]["text"], rid

@@ -4,7 +4,7 @@ and traffic under another served name is kept out (before the cell: by the time 
 or flagged (during the cell: vLLM's counters carry one label per engine, the first
 --served-model-name, so nothing can tell it apart; the per-request stats can).
 
-Three vLLM servers for the whole module (session fixture, warm-ups overlapped): ngram
+Three vLLM servers for the whole module (module fixture, warm-ups overlapped): ngram
 and draft_model, each serving the target under two names, and a bf16 one for the
 consistency check. Needs the vLLM venv
 (tests/vllm_server.py: $SPECLOAD_VLLM_PYTHON or .venv-vllm); skipped without it unless
@@ -42,7 +42,7 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_servers(tmp_path_factory):
     """{"ngram": VllmServer, "draft_model": VllmServer, "bf16": VllmServer}: ngram and
     draft_model each also serve ``<name>-alias``; bf16 (no speculation) is for the tie-aware
