@@ -19,6 +19,10 @@ rotated per repetition, before the next repetition starts), medians of ``--reps`
    ``actors.serve.app.run_applications``).
 3. ``model_field``: ``POST /v1/completions`` with ``model``, through the OpenAI
    ingress (a second Ray hop per chunk), to the same replica.
+4. ``direct_ingress``: the strategy route on the replica's own HTTP listener (Ray Serve's
+   direct ingress, ``configs.serve_config.DIRECT_INGRESS_ENV``: no Serve proxy in the
+   path; ``python -m cluster up --direct-ingress``, ``python -m loadgen --route direct``);
+   off with ``--no-direct-ingress``.
 
 The strategy route runs with the deployment's default chunking (a chunk per
 ``DEFAULT_STREAM_INTERVAL_MS`` window, Ray Serve LLM's stream batching);
@@ -28,7 +32,7 @@ repetition, a served run's ratio is its tokens/s over the direct run's of the sa
 repetition; the TTFT the service adds is served - direct, matched by prompt. Prints
 and writes (``--json``): ``ratio`` (served / direct on the default route, the
 strategy route with the deployment's defaults; the lowest over the concurrencies),
-``ratio_model_field`` (same, model-field route),
+``ratio_model_field`` (same, model-field route), ``ratio_direct_ingress`` (same, direct ingress),
 ``ttft_added_ms_p50`` (default route, the highest over the concurrencies) and, per
 concurrency and way, tokens/s, ratio, TTFT and e2e added (p50, ms) and chunks per
 request.
@@ -147,19 +151,23 @@ async def run_http(base: str, model: str, prompts: list[str], max_tokens: int,
 
 
 def serve_app(engine_cfg: dict, strategy: str, num_cpus: int,
-              tuned: bool = True, engine_process: bool | str = "auto") -> tuple[str, object]:
+              tuned: bool = True, engine_process: bool | str = "auto",
+              direct_ingress: bool = False) -> tuple[str, object]:
     """A local Ray + Serve with ``strategy`` in the one-hop layout (its own application
     at ``/strategies/<name>`` and the model-field ingress at ``/``); ``engine_process``
-    as the strategy entry's; returns (base URL, the ray module)."""
+    as the strategy entry's; ``direct_ingress``: with Serve's direct ingress (as ``cluster
+    up --direct-ingress``); returns (base URL, the ray module)."""
     import ray
     from ray import serve
 
     from actors.serve.app import run_applications
-    from configs.serve_config import PROXY_ENV, REPLICA_ENV
+    from configs.serve_config import DIRECT_INGRESS_ENV, PROXY_ENV, REPLICA_ENV
 
     if tuned:   # as `python -m cluster up`: the local Ray (and its Serve proxy) inherit it
         for k, v in PROXY_ENV.items():
             os.environ.setdefault(k, v)
+    if direct_ingress:   # Serve's controller and replicas read it from the local Ray's env
+        os.environ.update(DIRECT_INGRESS_ENV)
     for attempt in range(3):  # Ray gives a raylet 30 s to register; an overloaded box may not
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -185,6 +193,7 @@ def _median(xs: list[float]) -> float:
 
 
 DIRECT, MODEL_FIELD, STRATEGY_ROUTE = "direct", "model_field", "strategy_route"
+DIRECT_INGRESS = "direct_ingress"   # the strategy route on the replica's own listener
 
 
 def summarize(runs: dict[tuple[int, str], list[dict]], concs: list[int],
@@ -246,6 +255,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-serve-tuning", action="store_true",
                     help="Serve's defaults instead of configs/serve.yaml's env_vars and "
                          "cluster up's proxy environment (configs.serve_config.PROXY_ENV)")
+    ap.add_argument("--no-direct-ingress", action="store_true",
+                    help="leave out the direct_ingress way (Serve's direct ingress off)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no torch.compile of the engine's forward (the engine's default "
                          "when not set here: this bench compiles, as vLLM does)")
@@ -286,10 +297,13 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], list[
 
 
 def _run_way(way: str, eng, base: str, own: str, a: argparse.Namespace, prompts: list[str],
-             tag: str) -> dict:
-    """One measurement of one way (direct engine, strategy route at an interval, model field)."""
+             tag: str, listener: str = "") -> dict:
+    """One measurement of one way (direct engine, strategy route at an interval, model field,
+    the strategy route on the replica's own ``listener``)."""
     if way == DIRECT:
         return asyncio.run(run_direct(eng, prompts, a.max_tokens, tag))
+    if way == DIRECT_INGRESS:
+        return asyncio.run(run_http(listener, a.strategy, prompts, a.max_tokens, own))
     if way == MODEL_FIELD:
         return asyncio.run(run_http(base, a.strategy, prompts, a.max_tokens))
     si = int(way.rsplit("_si", 1)[1]) if "_si" in way else None
@@ -316,8 +330,17 @@ def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
     eng = make_direct_engine(engine_cfg)
     engine_process = {"auto": "auto", "true": True, "false": False}[a.engine_process]
     base, ray = serve_app(engine_cfg, a.strategy, a.num_cpus, not a.no_serve_tuning,
-                          engine_process)
+                          engine_process, DIRECT_INGRESS in ways)
+    listener = ""
     try:
+        if DIRECT_INGRESS in ways:
+            from actors.serve.openai_api import direct_ingress_urls
+
+            urls = asyncio.run(direct_ingress_urls({a.strategy: strategy_route(a.strategy)}))
+            if len(urls.get(a.strategy, [])) != 1:
+                raise SystemExit(f"bench_serve: Serve's direct ingress listed {urls or 'nothing'} "
+                                 f"for {a.strategy}; run with --no-direct-ingress")
+            listener = urls[a.strategy][0]
         for rep in range(a.reps):
             for c in concs:
                 prompts = load_prompts(c)
@@ -327,7 +350,7 @@ def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
                     for way in ways[k:] + ways[:k]:           # no way always first
                         time.sleep(a.settle_s)   # each wave from an idle service
                         waves[way].append(_run_way(way, eng, base, own, a, prompts,
-                                                   f"r{rep}c{c}w{w}"))
+                                                   f"r{rep}c{c}w{w}", listener))
                 for way in ways:
                     res = _timed([r for wave in waves[way] for r in wave["requests"]],
                                  sum(wave["wall_s"] for wave in waves[way]))
@@ -356,11 +379,16 @@ def _result(a: argparse.Namespace, concs: list[int], per_c: dict) -> dict:
         "ratio_model_field": min(per_c[str(c)][MODEL_FIELD]["ratio"] for c in concs),
         "ttft_added_ms_p50_model_field": max(per_c[str(c)][MODEL_FIELD]["ttft_added_ms_p50"]
                                              for c in concs),
+        **({"ratio_direct_ingress": min(per_c[str(c)][DIRECT_INGRESS]["ratio"] for c in concs),
+            "ttft_added_ms_p50_direct_ingress": max(
+                per_c[str(c)][DIRECT_INGRESS]["ttft_added_ms_p50"] for c in concs)}
+           if DIRECT_INGRESS in per_c[str(concs[0])] else {}),
         "by_concurrency": per_c,
         "note": "medians of interleaved repetitions; ratio / ttft_added_ms_p50: the worst "
                 "concurrency, strategy route (the load generator's default) with the deployment's "
                 "default chunking (configs.serve_config.DEFAULT_STREAM_INTERVAL_MS); "
-                "strategy_route_si1: one chunk per engine step",
+                "strategy_route_si1: one chunk per engine step; direct_ingress: the strategy "
+                "route on the replica's own listener (Serve's direct ingress, no proxy)",
     }
 
 
@@ -376,9 +404,12 @@ def _print_outcome(result: dict, per_c: dict, concs: list[int], ways: list[str])
                   f"{w['e2e_added_ms_p50']:.1f} ms  chunks/request {w['chunks_per_request']:.0f}")
     print(f"ratio served/direct, worst concurrency: strategy route {result['ratio']:.3f}, "
           f"model-field route {result['ratio_model_field']:.3f}; TTFT added p50 (strategy "
-          f"route) {result['ttft_added_ms_p50']:.1f} ms")
+          f"route) {result['ttft_added_ms_p50']:.1f} ms"
+          + (f"; direct ingress {result['ratio_direct_ingress']:.3f}"
+             if "ratio_direct_ingress" in result else ""))
     print(json.dumps({k: result[k] for k in ("ratio", "ttft_added_ms_p50", "ratio_model_field",
-                                             "ttft_added_ms_p50_model_field")}))
+                                             "ttft_added_ms_p50_model_field",
+                                             "ratio_direct_ingress") if k in result}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                   "torch_threads": a.torch_threads, "enforce_eager": a.enforce_eager,
                   "num_speculative_tokens": 0 if a.strategy == "autoregressive"
                   else a.num_speculative_tokens}
-    ways = ([DIRECT, STRATEGY_ROUTE, MODEL_FIELD]
+    ways = ([DIRECT, STRATEGY_ROUTE, MODEL_FIELD] + ([] if a.no_direct_ingress else [DIRECT_INGRESS])
             + [f"{STRATEGY_ROUTE}_si{i}" for i in sorted(set(intervals))]
             + [f"{STRATEGY_ROUTE}_ms{w:g}" for w in sorted(set(windows))])
     runs = _measure(a, concs, ways, engine_cfg)

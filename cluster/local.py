@@ -44,7 +44,7 @@ from pathlib import Path
 from configs.jsonio import write_json
 from configs.net import free_ports, listener_on, loopback_head, port_in_use  # noqa: F401  (free_ports: tests)
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
-from configs.serve_config import PROXY_ENV
+from configs.serve_config import DIRECT_INGRESS_ENV, PROXY_ENV
 
 DEFAULT_CONFIG = CONFIGS_DIR / "serve.yaml"
 DEFAULT_PORT = 8000
@@ -142,8 +142,10 @@ def one_hop_config(cfg: dict) -> dict:
     return dict(cfg, applications=apps)
 
 
-def start_head(num_cpus: int | None) -> dict:
+def start_head(num_cpus: int | None, direct_ingress: bool = False) -> dict:
     """Start ``ray start --head --block`` in its own session; return its facts.
+    ``direct_ingress``: with Ray Serve's direct ingress (``DIRECT_INGRESS_ENV``: each
+    strategy replica also answers HTTP on a port of its own, on the HTTP options' host).
 
     Every listener of the head binds 127.0.0.1 (``configs.net.loopback_head``: the flags and
     environment, in one place; ``tests/test_loopback.py`` audits it). The environment set
@@ -155,6 +157,8 @@ def start_head(num_cpus: int | None) -> dict:
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
     env = {**PROXY_ENV, **os.environ, **head.env}   # the Serve proxy's settings, unless set already
+    if direct_ingress:   # Serve's controller and replicas read it from the head's environment
+        env.update(DIRECT_INGRESS_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH"))
                                         if p)
     logf = state_dir() / f"ray-head-{head.ports['port']}.log"
@@ -298,8 +302,10 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
 
 def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | None = None,
        dashboard: str | None = None, num_cpus: int | None = None,
-       timeout_s: float = 600) -> str:
-    """Bring the service up (or reuse it); returns the base URL."""
+       timeout_s: float = 600, direct_ingress: bool = False) -> str:
+    """Bring the service up (or reuse it); returns the base URL. ``direct_ingress``: the head
+    this starts runs Serve's direct ingress (``start_head``; on a cluster given by
+    ``address`` set ``DIRECT_INGRESS_ENV`` where ``ray start`` runs)."""
     base_url = f"http://{HOST}:{port}"
     health = service_health(base_url)
     if health is not None:
@@ -322,7 +328,7 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
         log(f"using the Ray cluster at {address} (dashboard {dashboard})")
         wait_dashboard(dashboard, None, 60)
     else:
-        head = start_head(num_cpus)
+        head = start_head(num_cpus, direct_ingress)
         state.update(head, started_ray=True)
         write_json(state_file(port), state)   # so `down` can clean up
         try:

@@ -189,7 +189,7 @@ def test_open_loop_stall_shows_in_latency(tmp_path):
 def test_route_choice(tmp_path):
     """--route: auto takes a listed one-hop route, model-field never does, a --model override
     needs the model field; --route strategy without a listed route exits 2 naming the flag."""
-    from loadgen.cli.target import choose_routes
+    from loadgen.cli.target import choose_routes, route_name, route_url
     from loadgen.run.service import ServiceError
 
     listed = {"autoregressive": "/strategies/autoregressive"}
@@ -200,11 +200,31 @@ def test_route_choice(tmp_path):
     assert choose_routes("strategy", ["autoregressive"], listed) == listed
     with pytest.raises(ServiceError, match="--route strategy"):
         choose_routes("strategy", ["autoregressive", "ngram"], listed)
+    # direct: the replica's own listener + the strategy route, one listener per strategy
+    one = {"autoregressive": ["http://127.0.0.1:30001"]}
+    chosen = choose_routes("direct", ["autoregressive"], listed, direct=one)
+    assert chosen == {"autoregressive": "http://127.0.0.1:30001/strategies/autoregressive"}
+    assert route_url("http://127.0.0.1:8000", chosen["autoregressive"]) == chosen["autoregressive"]
+    assert route_url("http://h:1", "/strategies/x") == "http://h:1/strategies/x"
+    assert route_url("http://h:1", None) == "http://h:1"
+    assert [route_name(p) for p in (chosen["autoregressive"], "/strategies/x", None)] == [
+        "direct", "strategy", "model-field"]
+    for direct, strategies, model in (
+            ({}, ["autoregressive"], ""),                                   # none listed
+            ({"autoregressive": one["autoregressive"] * 2}, ["autoregressive"], ""),  # 2 replicas
+            (one, ["autoregressive", "ngram"], ""),                         # ngram has none
+            (one, ["autoregressive"], "served-name")):                      # --model override
+        with pytest.raises(ServiceError, match="--route direct"):
+            choose_routes("direct", strategies, listed, model, direct)
     with fake_server.running() as url:
         tiers = _tiers(tmp_path, {})
         p = subprocess.run(_cmd(url, tiers, tmp_path / "res", "--route", "strategy"),
                            capture_output=True, text=True, timeout=90, cwd=REPO, check=False)
+        d = subprocess.run(_cmd(url, tiers, tmp_path / "res_d", "--route", "direct"),
+                           capture_output=True, text=True, timeout=90, cwd=REPO, check=False)
     assert p.returncode == 2 and "--route strategy" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert d.returncode == 2 and "--route direct" in d.stdout, d.stdout[-2000:] + d.stderr[-2000:]
+    assert "--direct-ingress" in d.stdout
 
 
 @pytest.mark.parametrize("sig, name", [(signal.SIGINT, "ctrl-c"), (signal.SIGTERM, "timeout")])

@@ -122,6 +122,24 @@ def _small_strategies() -> list[dict]:
              "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2}}]
 
 
+def _get(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:  # noqa: S310 (loopback, this test's service)
+        return json.loads(r.read())
+
+
+def _completion(url: str) -> dict:
+    """A greedy 4-token, non-streamed completion at ``url``."""
+    import urllib.request
+
+    body = json.dumps({"model": "autoregressive", "prompt": "def add(a, b):", "max_tokens": 4,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310 (loopback, this test's service)
+        return json.loads(r.read())
+
+
 def _plain_bind_fails(port: int) -> bool:
     """True when a bind without ``SO_REUSEADDR`` (the old port check) fails on ``port``."""
     import socket
@@ -141,10 +159,16 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     export, client server, autoscaler monitor, Serve controller, proxy and each replica
     (gRPC included).
 
+    The first start is ``cluster up --direct-ingress`` (Ray Serve's direct ingress): the
+    replica's own HTTP listener is on 127.0.0.1 too, ``GET /specload/routes`` lists it,
+    it answers a completion with no Serve proxy in the path, and ``python -m loadgen
+    --route direct`` measures it (rows, step rows, the route in the manifest).
+
     Then ``cluster down`` and at once ``cluster up`` again on the same port (issue 23): the
     old port check bound without ``SO_REUSEADDR``, so the previous service's connections in
     TIME-WAIT made it refuse ``up`` ("in use by another server") for up to a minute,
-    although nothing listened. One service start serves both checks."""
+    although nothing listened. That second start has the default layout: no direct
+    listener listed. One service start serves the checks of each."""
     pytest.importorskip("ray")
     pytest.importorskip("psutil")
     import http.client
@@ -162,13 +186,23 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     up = [sys.executable, "-m", "cluster", "up", "--config", str(path), "--port", str(port),
           "--timeout", "300"]
     down = [sys.executable, "-m", "cluster", "down", "--port", str(port)]
+    base = f"http://{LOOPBACK}:{port}"
     try:
-        first = subprocess.run(up, cwd=REPO, capture_output=True, text=True, timeout=420)
+        first = subprocess.run(up + ["--direct-ingress"], cwd=REPO, capture_output=True,
+                               text=True, timeout=420)
         assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-        assert first.stdout.strip().splitlines()[-1] == f"http://{LOOPBACK}:{port}"
+        assert first.stdout.strip().splitlines()[-1] == base
         state = json.loads(state_file(port).read_text())
         assert state["started_ray"], state
         found = listeners(service_pids(state["ray_pid"]))
+        direct = _get(base + "/specload/routes")["direct"]
+        direct_answer = _completion(direct["autoregressive"][0]
+                                    + "/strategies/autoregressive/v1/completions")
+        run = subprocess.run(
+            [sys.executable, "-m", "loadgen", "--target", base, "--route", "direct",
+             "--strategies", "autoregressive", "--tier", "low", "--output", "short",
+             "--duration", "2", "--results", str(tmp_path / "results")],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
         # a client holding a keep-alive connection, as a load generator does: the server
         # closes it first at shutdown, leaving TIME-WAIT on the service's own port
         keep = http.client.HTTPConnection(LOOPBACK, port, timeout=30)
@@ -181,6 +215,8 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
         time_wait = _plain_bind_fails(port)   # the case the old check refused
         second = subprocess.run(up, cwd=REPO, capture_output=True, text=True, timeout=420)
         elapsed = time.monotonic() - t_down
+        second_direct = (_get(base + "/specload/routes")["direct"]
+                         if second.returncode == 0 else None)
     finally:
         subprocess.run(down, cwd=REPO, capture_output=True, text=True, timeout=180)
 
@@ -202,9 +238,28 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     replicas = {x.pid for x in kinds["ServeReplica"]}
     assert all(sum(x.pid == pid for x in found) >= 2 for pid in replicas), kinds["ServeReplica"]
 
+    # direct ingress: one listener for the one strategy, a replica's, on loopback, answering
+    assert list(direct) == ["autoregressive"] and len(direct["autoregressive"]) == 1, direct
+    d_port = int(direct["autoregressive"][0].rsplit(":", 1)[1])
+    assert direct["autoregressive"][0] == f"http://{LOOPBACK}:{d_port}"
+    assert any(x.port == d_port and "ServeReplica" in x.name for x in found), found
+    assert direct_answer["usage"]["completion_tokens"] == 4, direct_answer
+    assert direct_answer["model"] == "autoregressive"
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [run_dir] = list((tmp_path / "results").iterdir())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["routes"] == {"autoregressive": {
+        "route": "direct", "base_url": direct["autoregressive"][0] + "/strategies/autoregressive"}}
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(run_dir / "requests.parquet").to_pylist()
+    assert rows and all(r["status"] == "ok" for r in rows), rows[:3]
+    assert pq.read_table(run_dir / "steps.parquet").num_rows > 0
+
     # up again at once after down
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert "in use" not in second.stderr
+    assert second_direct == {}, second_direct   # direct ingress is opt-in
     assert second.stdout.strip().splitlines()[-1] == f"http://{LOOPBACK}:{port}"
     print(f"up again {elapsed:.1f} s after down returned (a plain bind "
           f"{'failed: TIME-WAIT present' if time_wait else 'succeeded'} at that moment)")

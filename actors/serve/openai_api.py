@@ -12,9 +12,11 @@ Routes:
   answer, so an operator or a load balancer sees it at once (the replica's own
   Serve health check fails too, and Serve replaces it).
 - ``GET /specload/info``: per strategy max_model_len (tokens), waiting, running.
-- ``GET /specload/routes``: ``{"routes": {strategy: "/strategies/<name>" | null}}``,
-  each strategy's own one-hop route relative to this ingress (null: the strategy
-  is reachable only through the ``model`` field). In the one-hop layout
+- ``GET /specload/routes``: ``{"routes": {strategy: "/strategies/<name>" | null},
+  "direct": {strategy: [base URL]}}``, each strategy's own one-hop route relative to
+  this ingress (null: the strategy is reachable only through the ``model`` field), and
+  under Ray Serve's direct ingress (``python -m cluster up --direct-ingress``) its
+  replicas' own HTTP listeners, the same route under each (``direct_ingress_urls``). In the one-hop layout
   (``actors.serve.app.split_application``; ``python -m cluster up``) each strategy
   is its own Serve application whose replica answers ``POST .../v1/completions``,
   ``POST .../v1/chat/completions``, ``GET .../v1/models`` and ``GET .../health``
@@ -110,6 +112,45 @@ def strategy_handle(ref: Any) -> Any:
     return serve.get_deployment_handle(deployment, app_name, _check_exists=False)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+async def direct_ingress_urls(routes: dict[str, str | None]) -> dict[str, list[str]]:
+    """{strategy: [base URL of each of its replicas' own HTTP listeners]} under Ray Serve's
+    direct ingress (``configs.serve_config.DIRECT_INGRESS_ENV``; ``python -m cluster up
+    --direct-ingress``), for the strategies with a one-hop route in ``routes`` ({name:
+    route prefix}). A listener's URL is ``http://host:port``: the HTTP options' host when it
+    is a loopback address (the listener binds it), else the replica's node address; the
+    strategy's own route (``/strategies/<name>/v1/...``) is under it. {} without direct
+    ingress, on a Ray without it, or when Serve's controller does not answer within
+    ``HEALTH_TIMEOUT_S`` (it reads the controller's target groups, as Serve's own HAProxy
+    manager does: not a public Ray API)."""
+    by_prefix = {prefix: name for name, prefix in routes.items() if prefix}
+    if not by_prefix or os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        return {}
+    try:
+        from ray.serve.context import _get_global_client
+
+        controller = _get_global_client()._controller
+        groups, http = await asyncio.wait_for(asyncio.gather(
+            controller.get_target_groups.remote(), controller.get_http_config.remote()),
+            HEALTH_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - an older Ray, or a controller not answering
+        logger.warning("direct ingress listeners not listed: %r", exc)
+        return {}
+    host = getattr(http, "host", None)
+    out: dict[str, list[str]] = {}
+    for group in groups or []:
+        name = by_prefix.get(getattr(group, "route_prefix", None))
+        protocol = getattr(group, "protocol", None)
+        if name is None or getattr(protocol, "value", protocol) != "HTTP":
+            continue
+        for t in getattr(group, "targets", []):
+            where = host if host in LOOPBACK_HOSTS else t.ip
+            out.setdefault(name, []).append(f"http://{where}:{t.port}")
+    return {name: sorted(urls) for name, urls in sorted(out.items())}
+
+
 # Everything the routes call is defined above the ingress class: serve.ingress
 # serializes the FastAPI app (and the globals its routes see) when the class is
 # decorated, so a helper defined below it would be missing in the replica.
@@ -161,13 +202,16 @@ class OpenAIIngress:
 
     @api.get("/specload/routes")
     async def routes(self, request: Request):
-        """``{"routes": {strategy: path | null}}``: each strategy's own one-hop route,
-        relative to this ingress's base URL (``/strategies/<name>``: its replica answers
-        ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health``
-        there itself), or null when it is reachable only through the model field."""
+        """``{"routes": {strategy: path | null}, "direct": {strategy: [base URL]}}``: each
+        strategy's own one-hop route, relative to this ingress's base URL
+        (``/strategies/<name>``: its replica answers ``/v1/completions``,
+        ``/v1/chat/completions``, ``/v1/models`` and ``/health`` there itself), or null when
+        it is reachable only through the model field; and under Serve's direct ingress, the
+        base URLs of its replicas' own HTTP listeners (the same route under each; no Serve
+        proxy in the path; ``direct_ingress_urls``), {} without it."""
         if denied := api_key_error(request.headers.get("authorization"), self._api_key):
             return denied
-        return {"routes": self._routes}
+        return {"routes": self._routes, "direct": await direct_ingress_urls(self._routes)}
 
     @api.get("/specload/info")
     async def info(self, request: Request):

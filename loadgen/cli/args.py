@@ -16,7 +16,8 @@ from loadgen.cli.consistency import DEFAULT_SAMPLES
 from loadgen.run.datasets import DEFAULT_DATASET
 from loadgen.run.server_metrics import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, MIN_INTERVAL_S, server_metrics_arg
 from loadgen.run.sweep import sweep_levels
-from loadgen.cli.target import ROUTE_AUTO, ROUTE_MODEL_FIELD, ROUTE_STRATEGY, parse_header
+from loadgen.cli.target import (ROUTE_AUTO, ROUTE_DIRECT, ROUTE_MODEL_FIELD, ROUTE_STRATEGY,
+                                parse_header)
 
 
 BUDGET_AUTO = "auto"
@@ -92,13 +93,16 @@ def _add_target_flags(ap: argparse.ArgumentParser) -> None:
                     help="without --target: Serve config the local service deploys "
                          "(default: the packaged configs/serve.yaml)")
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
-    ap.add_argument("--route", default=ROUTE_AUTO, choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD),
+    ap.add_argument("--route", default=ROUTE_AUTO,
+                    choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD, ROUTE_DIRECT),
                     help="HTTP route of the load: strategy = each strategy's own one-hop route "
                          "(<target>/strategies/<name>/v1/...; the strategy replica answers it without "
                          "a second Ray hop); model-field = <target>/v1/... with the model field "
                          "(through the ingress); auto (default) = strategy when the target lists the "
-                         "route (GET /specload/routes), else model-field. manifest.json routes "
-                         "records the choice per strategy")
+                         "route (GET /specload/routes), else model-field; direct = the strategy "
+                         "route on its replica's own listener, no Serve proxy in the path (Ray "
+                         "Serve's direct ingress: `python -m cluster up --direct-ingress`, started "
+                         "so without --target). manifest.json routes records the choice per strategy")
     ap.add_argument("--duration", type=number(gt=0), default=None, help="override every cell's duration_s, seconds")
     ap.add_argument("--workers", type=number(int, ge=0), default=0, help="Locust workers as Ray actors; 0 = in-process")
     ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),

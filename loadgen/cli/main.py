@@ -39,11 +39,12 @@ from loadgen.results.progress import Progress
 from loadgen.results.summary import SUMMARY_CSV, clock
 from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
 from loadgen.cli.target import (
+    ROUTE_DIRECT,
     ROUTE_MODEL_FIELD,
-    ROUTE_STRATEGY,
     Auth,
     choose_routes,
     connect,
+    route_name,
     route_names,
     route_url,
 )
@@ -263,7 +264,18 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
         target, strategies, auth = connect(args, console, local)
         prefixes = choose_routes(args.route, strategies, {} if args.route == ROUTE_MODEL_FIELD else
                                  service.strategy_routes(target, headers=auth.headers,
-                                                         insecure=auth.insecure), args.model)
+                                                         insecure=auth.insecure), args.model,
+                                 service.direct_listeners(target, headers=auth.headers,
+                                                          insecure=auth.insecure)
+                                 if args.route == ROUTE_DIRECT else None)
+        if args.route == ROUTE_DIRECT:   # a listener on another node's loopback cannot be reached
+            dead = [s for s, p in prefixes.items()
+                    if not service.answers(f"{p}/health", headers=auth.headers,
+                                           insecure=auth.insecure)]
+            if dead:
+                raise service.ServiceError(
+                    f"--route direct: the replica listener of {dead} does not answer from here "
+                    f"({', '.join(prefixes[s] + '/health' for s in dead)}); use --route strategy")
     except service.ServiceError as err:
         hint = ""
         if variants and "not served" in str(err):
@@ -374,7 +386,7 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
         "target": st.target, "strategies": st.strategies, "tiers": tiers, "outputs": outputs,
         # the HTTP route each strategy was measured on: its own (one hop) or the model field
-        "routes": {s: {"route": ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD,
+        "routes": {s: {"route": route_name(p),
                        "base_url": route_url(st.target, p)} for s, p in st.prefixes.items()},
         "args": manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
         "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],

@@ -13,6 +13,7 @@ from configs import metric_names as M
 from loadgen.run import service
 
 ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "auto", "strategy", "model-field"
+ROUTE_DIRECT = "direct"   # the strategy route on its replica's own listener (Serve's direct ingress)
 
 
 def parse_header(text: str) -> tuple[str, str]:
@@ -79,12 +80,29 @@ def discover_strategies(args: argparse.Namespace, target: str, auth: Auth, conso
 
 
 def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
-                  model_override: str = "") -> dict[str, str | None]:
-    """Strategy -> path of the one-hop route its load takes (relative to the target), or
-    None for the model-field route. ``route``: the ``--route`` value; ``routes``: what the
-    target lists (``service.strategy_routes``). A ``--model`` override always takes the
-    model-field route (its name need not be a strategy's). Raises ServiceError naming
-    ``--route`` when ``strategy`` is asked for and a strategy has no such route."""
+                  model_override: str = "",
+                  direct: dict[str, list[str]] | None = None) -> dict[str, str | None]:
+    """Strategy -> path of the one-hop route its load takes (relative to the target; with
+    ``--route direct`` an absolute URL: the replica's own listener + that path), or None
+    for the model-field route. ``route``: the ``--route`` value; ``routes``: what the
+    target lists (``service.strategy_routes``), ``direct``: its replicas' own listeners
+    (``service.direct_listeners``). A ``--model`` override always takes the model-field
+    route (its name need not be a strategy's). Raises ServiceError naming ``--route``
+    when ``strategy`` or ``direct`` is asked for and a strategy has no such route, or
+    (``direct``) not exactly one listener: Serve's router spreads a strategy's load
+    over its replicas only on the proxy's routes."""
+    if route == ROUTE_DIRECT:
+        direct = direct or {}
+        bad = {s: direct.get(s, []) for s in strategies
+               if model_override or s not in routes or len(direct.get(s, [])) != 1}
+        if bad:
+            raise service.ServiceError(
+                f"--route direct: each strategy needs its one-hop route and one replica "
+                f"listener (GET /specload/routes direct: {direct or 'none'}; not so for "
+                f"{sorted(bad)}{'; --model is set' if model_override else ''}); start the "
+                "service with `python -m cluster up --direct-ingress`, one replica per "
+                "strategy, or use --route strategy")
+        return {s: direct[s][0] + routes[s] for s in strategies}
     if route == ROUTE_STRATEGY:
         missing = [s for s in strategies if s not in routes or model_override]
         if missing:
@@ -97,12 +115,22 @@ def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
     return {s: routes.get(s) for s in strategies}
 
 
+def route_name(prefix: str | None) -> str:
+    """The ``--route`` kind of one ``choose_routes`` value."""
+    if not prefix:
+        return ROUTE_MODEL_FIELD
+    return ROUTE_DIRECT if prefix.startswith(("http://", "https://")) else ROUTE_STRATEGY
+
+
 def route_names(prefixes: dict[str, str | None]) -> str:
-    return ", ".join(sorted({ROUTE_STRATEGY if p else ROUTE_MODEL_FIELD for p in prefixes.values()}))
+    return ", ".join(sorted({route_name(p) for p in prefixes.values()}))
 
 
 def route_url(target: str, path: str | None) -> str:
-    """Base URL of a strategy's load: ``target`` + its one-hop route path, or ``target``."""
+    """Base URL of a strategy's load: ``target`` + its one-hop route path, the replica
+    listener's URL itself (``--route direct``), or ``target``."""
+    if path and path.startswith(("http://", "https://")):
+        return path
     return target + path if path else target
 
 
@@ -116,6 +144,7 @@ def connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tu
         console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
         target = service.start_local_service(
             port=args.local_port, config=args.local_config or None,
+            direct_ingress=args.route == ROUTE_DIRECT,
             on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
         local["url"] = target
     try:

@@ -28,11 +28,12 @@ class DiscoveryUnavailable(ServiceError):
 
 
 def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None,
-                        port: int | None = None, config: str | None = None) -> str:
+                        port: int | None = None, config: str | None = None,
+                        direct_ingress: bool = False) -> str:
     """Start or reuse the embedded local service (``python -m cluster up``); returns its base URL.
 
-    ``port`` / ``config``: ``cluster up --port`` / ``--config`` (default 8000 and
-    the packaged ``configs/serve.yaml``).
+    ``port`` / ``config`` / ``direct_ingress``: ``cluster up --port`` / ``--config`` /
+    ``--direct-ingress`` (default 8000, the packaged ``configs/serve.yaml``, off).
 
     ``cluster up`` prints the base URL on its last stdout line and returns while
     the service keeps running (it reuses a running one). Its progress lines
@@ -45,6 +46,8 @@ def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None]
         cmd += ["--port", str(port)]
     if config:
         cmd += ["--config", str(config)]
+    if direct_ingress:
+        cmd.append("--direct-ingress")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
@@ -151,6 +154,33 @@ def strategy_routes(base_url: str, timeout_s: float = 10.0, headers: dict[str, s
     if not isinstance(routes, dict):
         return {}
     return {str(k): v for k, v in routes.items() if isinstance(v, str) and v.startswith("/")}
+
+
+def direct_listeners(base_url: str, timeout_s: float = 10.0,
+                     headers: dict[str, str] | None = None,
+                     insecure: bool = False) -> dict[str, list[str]]:
+    """Strategy -> base URLs of its replicas' own HTTP listeners (``GET /specload/routes``'s
+    ``direct``: Ray Serve's direct ingress, ``python -m cluster up --direct-ingress``; the
+    strategy's one-hop route is under each). {} when the target lists none."""
+    try:
+        data = _get_json(f"{base_url}/specload/routes", timeout_s, headers, insecure)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    listed = data.get("direct") if isinstance(data, dict) else None
+    if not isinstance(listed, dict):
+        return {}
+    return {str(k): [u for u in v if isinstance(u, str) and u.startswith(("http://", "https://"))]
+            for k, v in listed.items() if isinstance(v, list)}
+
+
+def answers(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = None,
+            insecure: bool = False) -> bool:
+    """``GET url`` answers HTTP 200 within ``timeout_s``."""
+    try:
+        _get_json(url, timeout_s, headers, insecure)
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def fetch_step_log(base_url: str, strategy: str, since_ts: float, timeout_s: float = 30.0,
