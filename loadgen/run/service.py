@@ -140,19 +140,25 @@ def list_models(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] 
     return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
 
 
+def _listed_routes(base_url: str, key: str, timeout_s: float, headers: dict[str, str] | None,
+                   insecure: bool) -> dict:
+    """``GET /specload/routes``'s ``key`` mapping; {} when the target has none or does not
+    answer (another OpenAI-compatible server)."""
+    try:
+        data = _get_json(f"{base_url}/specload/routes", timeout_s, headers, insecure)
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    listed = data.get(key) if isinstance(data, dict) else None
+    return listed if isinstance(listed, dict) else {}
+
+
 def strategy_routes(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
                     insecure: bool = False) -> dict[str, str]:
     """Strategy -> path of its own one-hop route relative to ``base_url``
     (``GET /specload/routes``: ``/strategies/<name>``, whose ``/v1/completions`` the
     strategy replica serves itself). {} when the target lists none (another
     OpenAI-compatible server, or a specload service deployed as one application)."""
-    try:
-        data = _get_json(f"{base_url}/specload/routes", timeout_s, headers, insecure)
-    except (urllib.error.URLError, OSError, ValueError):
-        return {}
-    routes = data.get("routes") if isinstance(data, dict) else None
-    if not isinstance(routes, dict):
-        return {}
+    routes = _listed_routes(base_url, "routes", timeout_s, headers, insecure)
     return {str(k): v for k, v in routes.items() if isinstance(v, str) and v.startswith("/")}
 
 
@@ -162,13 +168,7 @@ def direct_listeners(base_url: str, timeout_s: float = 10.0,
     """Strategy -> base URLs of its replicas' own HTTP listeners (``GET /specload/routes``'s
     ``direct``: Ray Serve's direct ingress, ``python -m cluster up --direct-ingress``; the
     strategy's one-hop route is under each). {} when the target lists none."""
-    try:
-        data = _get_json(f"{base_url}/specload/routes", timeout_s, headers, insecure)
-    except (urllib.error.URLError, OSError, ValueError):
-        return {}
-    listed = data.get("direct") if isinstance(data, dict) else None
-    if not isinstance(listed, dict):
-        return {}
+    listed = _listed_routes(base_url, "direct", timeout_s, headers, insecure)
     return {str(k): [u for u in v if isinstance(u, str) and u.startswith(("http://", "https://"))]
             for k, v in listed.items() if isinstance(v, list)}
 
