@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,30 @@ def test_stream_interval_ms_defaults_to_the_window_and_is_checked():
     for bad in (0, -5, 60_001):
         with pytest.raises(ValueError, match="stream_interval_ms"):
             sc.StrategyEntry(engine={"strategy": "ngram"}, stream_interval_ms=bad)
+
+
+def test_direct_ingress_env_turns_it_on_by_serve_s_own_rule():
+    """``DIRECT_INGRESS_ENV`` (cluster up --direct-ingress) turns Serve's direct ingress on,
+    and ``direct_ingress_enabled`` reads the environment as Ray Serve does (its constants
+    module, checked against it here in a fresh interpreter per case)."""
+    import subprocess
+    import sys
+
+    from actors.serve.openai_api import direct_ingress_enabled
+    from configs.serve_config import DIRECT_INGRESS_ENV
+
+    cases = [{}, dict(DIRECT_INGRESS_ENV), {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
+             {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+             {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"},
+             {"RAY_SERVE_ENABLE_HA_PROXY": "1"}]
+    keys = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_THROUGHPUT_OPTIMIZED",
+            "RAY_SERVE_ENABLE_HA_PROXY")
+    base = {k: v for k, v in os.environ.items() if k not in keys}
+    ours = [direct_ingress_enabled(c) for c in cases]
+    assert ours == [False, True, False, True, False, True]
+    code = ("from ray.serve._private import constants as c; "
+            "print(int(c.RAY_SERVE_ENABLE_DIRECT_INGRESS))")
+    rays = [subprocess.run([sys.executable, "-c", code], env={**base, **c}, capture_output=True,
+                           text=True, timeout=120, check=True).stdout.strip() == "1"
+            for c in cases]
+    assert rays == ours

@@ -115,6 +115,19 @@ def strategy_handle(ref: Any) -> Any:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def direct_ingress_enabled(env: dict[str, str] | None = None) -> bool:
+    """Serve's direct ingress is on in this process's Ray (Serve's own rule,
+    ``ray/serve/_private/constants.py``): ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``, or
+    ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` unless the former is set to something else, or
+    ``RAY_SERVE_ENABLE_HA_PROXY=1``."""
+    env = os.environ if env is None else env
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        return True
+    if env.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1":
+        return env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1") == "1"
+    return env.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+
+
 async def direct_ingress_urls(routes: dict[str, str | None]) -> dict[str, list[str]]:
     """{strategy: [base URL of each of its replicas' own HTTP listeners]} under Ray Serve's
     direct ingress (``configs.serve_config.DIRECT_INGRESS_ENV``; ``python -m cluster up
@@ -126,7 +139,7 @@ async def direct_ingress_urls(routes: dict[str, str | None]) -> dict[str, list[s
     ``HEALTH_TIMEOUT_S`` (it reads the controller's target groups, as Serve's own HAProxy
     manager does: not a public Ray API)."""
     by_prefix = {prefix: name for name, prefix in routes.items() if prefix}
-    if not by_prefix or os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+    if not by_prefix or not direct_ingress_enabled():
         return {}
     try:
         from ray.serve.context import _get_global_client
