@@ -160,6 +160,7 @@ async def direct_ingress_urls(routes: dict[str, str | None]) -> dict[str, list[s
             continue
         for t in getattr(group, "targets", []):
             where = host if host in LOOPBACK_HOSTS else t.ip
+            where = f"[{where}]" if ":" in where else where   # an IPv6 address
             out.setdefault(name, []).append(f"http://{where}:{t.port}")
     return {name: sorted(urls) for name, urls in sorted(out.items())}
 
