@@ -210,3 +210,63 @@ def test_direct_ingress_env_turns_it_on_by_serve_s_own_rule():
                            text=True, timeout=120, check=True).stdout.strip() == "1"
             for c in cases]
     assert rays == ours
+
+
+def test_direct_ingress_urls_from_serve_s_target_groups(monkeypatch):
+    """``direct_ingress_urls``: per strategy the HTTP targets of the target group at its
+    route prefix, on the HTTP options' host when that is loopback (the listener binds it),
+    else the node's address (IPv6 bracketed); gRPC groups and other prefixes left out; {}
+    with direct ingress off or a controller that fails."""
+    import asyncio
+    import types
+
+    import ray.serve.context as serve_context
+
+    from actors.serve import openai_api
+
+    def group(prefix, protocol, *targets):
+        return types.SimpleNamespace(route_prefix=prefix, protocol=types.SimpleNamespace(
+            value=protocol), targets=[types.SimpleNamespace(ip=ip, port=port)
+                                      for ip, port in targets])
+
+    groups = [group("/strategies/ngram", "HTTP", ("10.0.0.2", 30002), ("fd00::5", 30001)),
+              group("/strategies/ngram", "gRPC", ("10.0.0.2", 40000)),
+              group("/strategies/autoregressive", "HTTP", ("10.0.0.3", 30000)),
+              group("/", "HTTP", ("10.0.0.2", 30003))]
+    http = {"host": "0.0.0.0"}
+
+    async def ready(value):
+        return value
+
+    def remote(get):
+        return types.SimpleNamespace(remote=lambda: ready(get()))
+
+    controller = types.SimpleNamespace(get_target_groups=remote(lambda: groups),
+                                       get_http_config=remote(
+                                           lambda: types.SimpleNamespace(**http)))
+    monkeypatch.setattr(serve_context, "_get_global_client",
+                        lambda: types.SimpleNamespace(_controller=controller))
+    routes = {"ngram": "/strategies/ngram", "autoregressive": "/strategies/autoregressive",
+              "dflash": None}
+    for k in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    assert asyncio.run(openai_api.direct_ingress_urls(routes)) == {
+        "autoregressive": ["http://10.0.0.3:30000"],
+        "ngram": ["http://10.0.0.2:30002", "http://[fd00::5]:30001"]}
+    http["host"] = "127.0.0.1"
+    assert asyncio.run(openai_api.direct_ingress_urls(routes)) == {
+        "autoregressive": ["http://127.0.0.1:30000"],
+        "ngram": ["http://127.0.0.1:30001", "http://127.0.0.1:30002"]}
+    groups.append(None)   # an entry that is not a target group is skipped
+    assert len(asyncio.run(openai_api.direct_ingress_urls(routes))["ngram"]) == 2
+    groups.pop()
+
+    def fails():
+        raise RuntimeError("controller gone")
+
+    controller.get_target_groups = remote(fails)   # a failing controller: nothing listed
+    assert asyncio.run(openai_api.direct_ingress_urls(routes)) == {}
+    controller.get_target_groups = remote(lambda: groups)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
+    assert asyncio.run(openai_api.direct_ingress_urls(routes)) == {}
