@@ -9,7 +9,7 @@
 Same prompts (held-out, ``data/prompts/heldout_eval.jsonl``), same engine
 config, greedy, ``ignore_eos`` so every request emits ``max_tokens`` tokens,
 ``concurrency`` streaming requests at once (a wave), ``--waves`` waves per measurement
-(tokens/s over all of them), each way's waves interleaved with the others'. Three ways, side by side and
+(tokens/s over all of them), each way's waves interleaved with the others'. Four ways, side by side and
 interleaved (each repetition runs every way at every concurrency, in an order
 rotated per repetition, before the next repetition starts), medians of ``--reps``:
 
@@ -51,7 +51,7 @@ import time
 from configs.cli_args import number, output_file
 from configs.jsonio import write_json
 from configs.metric_names import STRATEGIES
-from configs.net import free_port
+from configs.net import free_port, use_loopback_env
 from configs.paths import PROMPTS_DIR
 
 PROMPTS = PROMPTS_DIR / "heldout_eval.jsonl"
@@ -414,6 +414,7 @@ def _print_outcome(result: dict, per_c: dict, concs: list[int], ways: list[str])
 
 def main(argv: list[str] | None = None) -> int:
     a, concs, intervals, windows = _parse(argv)
+    use_loopback_env()   # its private Ray on 127.0.0.1 only (before anything imports Ray)
     engine_cfg = {"strategy": a.strategy, "max_num_seqs": max(concs),
                   "torch_threads": a.torch_threads, "enforce_eager": a.enforce_eager,
                   "num_speculative_tokens": 0 if a.strategy == "autoregressive"

@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     prompts = load_prompts()
     modes = ["engine", "served"] if a.mode == "both" else [a.mode]
+    from configs.net import use_loopback_env
+
+    use_loopback_env()   # the served mode's private Ray on 127.0.0.1 only (before Ray is imported)
     result: dict = {"reps": a.reps, "duration_s": a.duration_s, "max_tokens": a.max_tokens,
                     "concurrency": a.concs, "load_avg_start": os.getloadavg(),
                     "specload_chunks": "per engine step" if a.per_step_chunks

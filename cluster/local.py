@@ -329,6 +329,9 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
         wait_dashboard(dashboard, None, 60)
     else:
         head = start_head(num_cpus, direct_ingress)
+        if direct_ingress:
+            log("Serve's direct ingress is on: each strategy replica also answers HTTP on a "
+                "port of its own (GET /specload/routes lists them as `direct`)")
         state.update(head, started_ray=True)
         write_json(state_file(port), state)   # so `down` can clean up
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
@@ -119,6 +120,16 @@ def loopback_env() -> dict[str, str]:
     wildcard gRPC servers bound to it (``GRPC_BIND_PRELOAD``). The importable module must be
     on the workers' ``PYTHONPATH`` (``cluster.local.start_head`` puts the checkout there)."""
     return {**RAY_SINGLE_NODE_LOOPBACK_ENV, RAY_PRELOAD_ENV: GRPC_BIND_PRELOAD}
+
+
+def use_loopback_env() -> None:
+    """Put ``loopback_env()`` into this process's environment (a variable already set
+    stays), so that the private single-node Ray it starts (``ray.init(address="local")``)
+    and its workers listen on 127.0.0.1 only. Call it before ``import ray``: Ray reads
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported (set later, Ray's node address
+    is the host's own and its GCS, raylet and agents bind it or every interface)."""
+    for k, v in loopback_env().items():
+        os.environ.setdefault(k, v)
 
 
 def loopback_head(ports: dict[str, int] | None = None) -> RayHead:

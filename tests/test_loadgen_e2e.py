@@ -46,13 +46,18 @@ def _run(cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
 
 def _run_audited(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, set]:
     """``_run``, sampling every 0.5 s the listening sockets of the command's process tree
-    (tests.socket_audit): returns the result and every listener seen."""
+    (tests.socket_audit): returns the result and every listener seen. The command runs
+    without the loopback switch tests/conftest.py sets for the whole suite
+    (``RAY_SINGLE_NODE_LOOPBACK_ENV``), as a user's shell would: what it starts must set it."""
     import psutil
 
+    from configs.net import RAY_SINGLE_NODE_LOOPBACK_ENV
     from tests.socket_audit import listeners
 
     heard: set = set()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    env = {k: v for k, v in os.environ.items() if k not in RAY_SINGLE_NODE_LOOPBACK_ENV}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=env)
     deadline = time.time() + timeout
     try:
         while proc.poll() is None and time.time() < deadline:

@@ -112,7 +112,9 @@ def _runs_table(a: Analysis) -> tuple[str, str, list[dict]]:
             for r in a.results.runs]
     return ("Runs", "Run directories read. routes: the HTTP route each strategy was measured "
             "on (strategy: its own one-hop route, <target>/strategies/<name>/v1/...; "
-            "model-field: <target>/v1/... with the model field, through the ingress).", runs)
+            "model-field: <target>/v1/... with the model field, through the ingress; "
+            "direct: the one-hop route on the strategy replica's own listener, Ray Serve's "
+            "direct ingress, no Serve proxy in the path).", runs)
 
 
 def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:

@@ -278,6 +278,9 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
                     f"({', '.join(prefixes[s] + '/health' for s in dead)}); use --route strategy")
     except service.ServiceError as err:
         hint = ""
+        if args.route == ROUTE_DIRECT and not args.target and "--route direct" in str(err):
+            hint = ("; a running local service was reused: stop it with `python -m cluster down` "
+                    "or pick another --local-port")
         if variants and "not served" in str(err):
             hint = ("; --k/--top-k-candidates: the variants are not deployed there" +
                     ("" if args.target else " (a running local service was reused: stop it with "

@@ -91,24 +91,28 @@ def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
     when ``strategy`` or ``direct`` is asked for and a strategy has no such route, or
     (``direct``) not exactly one listener: Serve's router spreads a strategy's load
     over its replicas only on the proxy's routes."""
+    if model_override and route in (ROUTE_DIRECT, ROUTE_STRATEGY):
+        raise service.ServiceError(
+            f"--route {route} and --model do not combine: a --model override names the model "
+            "on the model-field route (<target>/v1/...); drop --model or use --route auto")
     if route == ROUTE_DIRECT:
         direct = direct or {}
         bad = {s: direct.get(s, []) for s in strategies
-               if model_override or s not in routes or len(direct.get(s, [])) != 1}
+               if s not in routes or len(direct.get(s, [])) != 1}
         if bad:
             raise service.ServiceError(
                 f"--route direct: each strategy needs its one-hop route and one replica "
                 f"listener (GET /specload/routes direct: {direct or 'none'}; not so for "
-                f"{sorted(bad)}{'; --model is set' if model_override else ''}); start the "
+                f"{sorted(bad)}); start the "
                 "service with `python -m cluster up --direct-ingress`, one replica per "
                 "strategy, or use --route strategy")
         return {s: direct[s][0] + routes[s] for s in strategies}
     if route == ROUTE_STRATEGY:
-        missing = [s for s in strategies if s not in routes or model_override]
+        missing = [s for s in strategies if s not in routes]
         if missing:
             raise service.ServiceError(
                 f"--route strategy: the target lists no one-hop route for {missing} "
-                f"(GET /specload/routes: {routes or 'none'}{'; --model is set' if model_override else ''}); "
+                f"(GET /specload/routes: {routes or 'none'}); "
                 "use --route auto or model-field")
     if route == ROUTE_MODEL_FIELD or model_override:
         return {s: None for s in strategies}

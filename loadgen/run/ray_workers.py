@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from configs.net import LOOPBACK, loopback_env
+from configs.net import LOOPBACK, use_loopback_env
 from configs.paths import PACKAGE_ROOT
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -203,13 +203,12 @@ def _wait_and_stop(ray, actors: list) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
+    if not a.address:   # a private single-node Ray: every listener on 127.0.0.1 (docs/network.md)
+        use_loopback_env()   # before Ray is imported: it reads the switch at import
+        a.master_host = a.master_host or LOOPBACK
 
     import ray  # only here: never in a process that imported locust
 
-    if not a.address:   # a private single-node Ray: every listener on 127.0.0.1 (docs/network.md)
-        for k, v in loopback_env().items():
-            os.environ.setdefault(k, v)
-        a.master_host = a.master_host or LOOPBACK
     started = not ray.is_initialized()
     # "local" rather than None: None silently joins whatever cluster /tmp/ray last recorded,
     # which may be stale (seen here: a dead GCS from another process made ray.init hang).
