@@ -106,6 +106,40 @@ def not_loopback(found: list[Listener], allowed: str = LOOPBACK) -> list[Listene
     return [x for x in found if x.ip != allowed]
 
 
+def run_audited(cmd: list[str], timeout: float, cwd=None) -> tuple["subprocess.CompletedProcess", set]:
+    """Run ``cmd`` (exit 0 asserted), sampling every 0.5 s the listening sockets of its
+    process tree: returns the result and every listener seen. The command runs without
+    the loopback switch tests/conftest.py sets for the whole suite
+    (``configs.net.RAY_SINGLE_NODE_LOOPBACK_ENV``), as a user's shell would: whatever it
+    starts must set it itself."""
+    import os
+    import subprocess
+    import time
+
+    from configs.net import RAY_SINGLE_NODE_LOOPBACK_ENV
+
+    heard: set = set()
+    env = {k: v for k, v in os.environ.items() if k not in RAY_SINGLE_NODE_LOOPBACK_ENV}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd, env=env)
+    deadline = time.time() + timeout
+    try:
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                tree = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                break
+            heard |= set(listeners(tree))
+            time.sleep(0.5)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.time()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    return p, heard
+
+
 def main(argv: list[str]) -> int:
     """``python -m tests.socket_audit PID ...``: print the listeners of those pids (and
     their descendants) as JSON lines, in the caller's network namespace."""

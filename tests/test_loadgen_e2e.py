@@ -21,6 +21,7 @@ import pytest
 
 from configs import metric_names as M
 from loadgen.tools import fake_server
+from tests.socket_audit import run_audited
 from tests.tiers_file import write_tiers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,38 +43,6 @@ def _run(cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
-
-
-def _run_audited(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, set]:
-    """``_run``, sampling every 0.5 s the listening sockets of the command's process tree
-    (tests.socket_audit): returns the result and every listener seen. The command runs
-    without the loopback switch tests/conftest.py sets for the whole suite
-    (``RAY_SINGLE_NODE_LOOPBACK_ENV``), as a user's shell would: what it starts must set it."""
-    import psutil
-
-    from configs.net import RAY_SINGLE_NODE_LOOPBACK_ENV
-    from tests.socket_audit import listeners
-
-    heard: set = set()
-    env = {k: v for k, v in os.environ.items() if k not in RAY_SINGLE_NODE_LOOPBACK_ENV}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=env)
-    deadline = time.time() + timeout
-    try:
-        while proc.poll() is None and time.time() < deadline:
-            try:
-                tree = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                break
-            heard |= set(listeners(tree))
-            time.sleep(0.5)
-        out, err = proc.communicate(timeout=max(1.0, deadline - time.time()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    assert p.returncode == 0, out[-3000:] + err[-3000:]
-    return p, heard
 
 
 def _run_dir(results: Path) -> Path:
@@ -256,8 +225,8 @@ def test_ray_distributed_workers(tmp_path):
     """--workers 2: Locust workers as Ray actors (subprocesses), rows streamed to the master."""
     with fake_server.running("--ttft-ms", "50", "--gap-ms", "20") as url:
         tiers = _tiers(tmp_path, {"users": 4, "duration_s": 4, "max_tokens": 8})
-        p, heard = _run_audited(_cmd(url, tiers, tmp_path / "res", "--output", "short",
-                                     "--workers", "2"), timeout=300)
+        p, heard = run_audited(_cmd(url, tiers, tmp_path / "res", "--output", "short",
+                                     "--workers", "2"), timeout=300, cwd=REPO)
         truth = _truth(url)
     # the Locust master and the private Ray behind the workers listen on 127.0.0.1 only
     assert heard and [x for x in heard if x.ip != "127.0.0.1"] == [], heard

@@ -12,6 +12,7 @@ inside a network namespace the test makes, never on this machine's interfaces.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from configs.net import (GRPC_BIND_PRELOAD, LOOPBACK, RAY_HEAD_PORT_ENV, RAY_HEAD_PORT_OPTIONS,
-                         RAY_PRELOAD_ENV, loopback_head)
+                         RAY_PRELOAD_ENV, RAY_SINGLE_NODE_LOOPBACK_ENV, loopback_head)
 from tests.socket_audit import listeners, not_loopback, plain_ip, service_pids
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,3 +264,53 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     assert second.stdout.strip().splitlines()[-1] == f"http://{LOOPBACK}:{port}"
     print(f"up again {elapsed:.1f} s after down returned (a plain bind "
           f"{'failed: TIME-WAIT present' if time_wait else 'succeeded'} at that moment)")
+
+
+def test_every_private_ray_sets_the_loopback_switch_before_importing_ray():
+    """The kind of the bug ``--workers`` and bench_serve had: a module that starts a
+    private Ray (``ray.init``), or calls one that does (``serve_app``), puts the loopback
+    switch into its environment (``configs.net.use_loopback_env``) in its entry point, and
+    nothing it imports at module level imports Ray first (Ray reads the switch then)."""
+    import ast
+
+    def starts_ray(call: ast.Call) -> bool:
+        f = call.func
+        return ((isinstance(f, ast.Attribute) and f.attr == "init"
+                 and isinstance(f.value, ast.Name) and f.value.id == "ray")
+                or (isinstance(f, ast.Name) and f.id == "serve_app"))
+
+    sources = {path: path.read_text() for d in ("actors", "loadgen", "analysis", "cluster",
+                                                "configs")
+               for path in (REPO / d).rglob("*.py")}
+    starters = [path for path, text in sources.items()
+                if any(isinstance(n, ast.Call) and starts_ray(n)
+                       for n in ast.walk(ast.parse(text)))]
+    names = sorted(str(p.relative_to(REPO)) for p in starters)
+    assert names == ["actors/bench_serve.py", "actors/bench_vs_vllm.py",
+                     "loadgen/run/ray_workers.py"], names   # a new one: give it the switch too
+    for path in starters:
+        assert "use_loopback_env()" in sources[path], path
+    code = ("import sys, actors.bench_serve, actors.bench_vs_vllm, loadgen.run.ray_workers; "
+            "print('ray' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in RAY_SINGLE_NODE_LOOPBACK_ENV}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_bench_serve_private_ray_listens_on_loopback_only():
+    """``python -m actors.bench_serve`` (its own Ray, Serve, proxy, replica with direct
+    ingress), run without the suite's loopback switch: every listener of its process tree
+    is on 127.0.0.1 (before the fix: GCS, raylet and agents on every interface and on the
+    host's address)."""
+    pytest.importorskip("ray")
+    from tests.socket_audit import run_audited
+
+    p, heard = run_audited([sys.executable, "-m", "actors.bench_serve", "--concurrency", "1",
+                            "--max-tokens", "4", "--reps", "1", "--waves", "1",
+                            "--stream-intervals", "", "--enforce-eager"], timeout=400, cwd=REPO)
+    kinds = {x.name.split()[0] for x in heard}
+    print(f"bench_serve listeners: {len(heard)} ({sorted(kinds)})")
+    assert [x for x in heard if x.ip != LOOPBACK] == [], sorted(map(str, heard))
+    assert any("gcs_server" in x.name for x in heard), heard   # it audited the Ray itself
+    assert "direct_ingress" in p.stdout, p.stdout[-2000:]
