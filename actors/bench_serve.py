@@ -21,7 +21,7 @@ rotated per repetition, before the next repetition starts), medians of ``--reps`
    ingress (a second Ray hop per chunk), to the same replica.
 4. ``direct_ingress``: the strategy route on the replica's own HTTP listener (Ray Serve's
    direct ingress, ``configs.serve_config.DIRECT_INGRESS_ENV``: no Serve proxy in the
-   path; ``python -m cluster up --direct-ingress``, ``python -m loadgen --route direct``);
+   path; on in ``python -m cluster up`` by default, the route ``python -m loadgen`` takes);
    off with ``--no-direct-ingress``.
 
 The strategy route runs with the deployment's default chunking (a chunk per
@@ -30,9 +30,12 @@ The strategy route runs with the deployment's default chunking (a chunk per
 and ``--stream-intervals-ms 20`` also measure those request fields on it. Per
 repetition, a served run's ratio is its tokens/s over the direct run's of the same
 repetition; the TTFT the service adds is served - direct, matched by prompt. Prints
-and writes (``--json``): ``ratio`` (served / direct on the default route, the
-strategy route with the deployment's defaults; the lowest over the concurrencies),
-``ratio_model_field`` (same, model-field route), ``ratio_direct_ingress`` (same, direct ingress),
+and writes (``--json``): ``route`` and ``ratio`` (served / direct on the load
+generator's default route, ``python -m loadgen --route auto``: the replica's own listener
+when direct ingress is measured, as ``cluster up`` serves by default, else the strategy
+route; the deployment's default chunking; the lowest over the concurrencies),
+``ratio_strategy_route`` (same, through the Serve proxy), ``ratio_model_field`` (same,
+model-field route), ``ratio_direct_ingress`` (same, direct ingress),
 ``ttft_added_ms_p50`` (default route, the highest over the concurrencies) and, per
 concurrency and way, tokens/s, ratio, TTFT and e2e added (p50, ms) and chunks per
 request.
@@ -367,29 +370,33 @@ def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
 
 
 def _result(a: argparse.Namespace, concs: list[int], per_c: dict) -> dict:
-    """The result document: the worst concurrency's ratios and TTFT added (ms), per concurrency."""
-    return {
+    """The result document: per way, the worst concurrency's ratio and TTFT added (ms); the
+    headline (``ratio``, ``ttft_added_ms_p50``, ``route``) is the load generator's default
+    route: the replica's own listener (direct ingress, on in ``cluster up`` by default)
+    when measured, else the strategy route through the Serve proxy."""
+    ways = {"": STRATEGY_ROUTE, "_strategy_route": STRATEGY_ROUTE, "_model_field": MODEL_FIELD,
+            "_direct_ingress": DIRECT_INGRESS}
+    if DIRECT_INGRESS in per_c[str(concs[0])]:
+        ways[""] = DIRECT_INGRESS
+    else:
+        del ways["_direct_ingress"]
+    out: dict = {
         "strategy": a.strategy, "max_tokens": a.max_tokens, "reps": a.reps, "waves": a.waves,
-        "settle_s": a.settle_s,
-        "engine_process": a.engine_process,
-        "concurrency": concs, "route": STRATEGY_ROUTE,
-        "ratio": min(per_c[str(c)][STRATEGY_ROUTE]["ratio"] for c in concs),
-        "ttft_added_ms_p50": max(per_c[str(c)][STRATEGY_ROUTE]["ttft_added_ms_p50"]
-                                 for c in concs),
-        "ratio_model_field": min(per_c[str(c)][MODEL_FIELD]["ratio"] for c in concs),
-        "ttft_added_ms_p50_model_field": max(per_c[str(c)][MODEL_FIELD]["ttft_added_ms_p50"]
-                                             for c in concs),
-        **({"ratio_direct_ingress": min(per_c[str(c)][DIRECT_INGRESS]["ratio"] for c in concs),
-            "ttft_added_ms_p50_direct_ingress": max(
-                per_c[str(c)][DIRECT_INGRESS]["ttft_added_ms_p50"] for c in concs)}
-           if DIRECT_INGRESS in per_c[str(concs[0])] else {}),
-        "by_concurrency": per_c,
-        "note": "medians of interleaved repetitions; ratio / ttft_added_ms_p50: the worst "
-                "concurrency, strategy route (the load generator's default) with the deployment's "
-                "default chunking (configs.serve_config.DEFAULT_STREAM_INTERVAL_MS); "
-                "strategy_route_si1: one chunk per engine step; direct_ingress: the strategy "
-                "route on the replica's own listener (Serve's direct ingress, no proxy)",
-    }
+        "settle_s": a.settle_s, "engine_process": a.engine_process, "concurrency": concs,
+        "route": "direct" if ways[""] == DIRECT_INGRESS else "strategy"}
+    for suffix, way in ways.items():
+        out[f"ratio{suffix}"] = min(per_c[str(c)][way]["ratio"] for c in concs)
+        out[f"ttft_added_ms_p50{suffix}"] = max(per_c[str(c)][way]["ttft_added_ms_p50"]
+                                                for c in concs)
+    out["by_concurrency"] = per_c
+    out["note"] = ("medians of interleaved repetitions; ratio / ttft_added_ms_p50: the worst "
+                   "concurrency on the load generator's default route (route: direct = the "
+                   "replica's own listener, Serve's direct ingress, no proxy; strategy = the "
+                   "strategy route through the Serve proxy) with the deployment's default "
+                   "chunking (configs.serve_config.DEFAULT_STREAM_INTERVAL_MS); "
+                   "*_strategy_route / *_model_field / *_direct_ingress: each way's own; "
+                   "strategy_route_si1: one chunk per engine step")
+    return out
 
 
 def _print_outcome(result: dict, per_c: dict, concs: list[int], ways: list[str]) -> None:
@@ -402,13 +409,13 @@ def _print_outcome(result: dict, per_c: dict, concs: list[int], ways: list[str])
             print(f"  {way:<20} {w['tokens_per_s']:8.1f} tok/s  ratio {w['ratio']:.3f}  "
                   f"TTFT added p50 {w['ttft_added_ms_p50']:.1f} ms  e2e added p50 "
                   f"{w['e2e_added_ms_p50']:.1f} ms  chunks/request {w['chunks_per_request']:.0f}")
-    print(f"ratio served/direct, worst concurrency: strategy route {result['ratio']:.3f}, "
-          f"model-field route {result['ratio_model_field']:.3f}; TTFT added p50 (strategy "
-          f"route) {result['ttft_added_ms_p50']:.1f} ms"
-          + (f"; direct ingress {result['ratio_direct_ingress']:.3f}"
-             if "ratio_direct_ingress" in result else ""))
-    print(json.dumps({k: result[k] for k in ("ratio", "ttft_added_ms_p50", "ratio_model_field",
-                                             "ttft_added_ms_p50_model_field",
+    print(f"ratio served/direct, worst concurrency, the load generator's default route "
+          f"({result['route']}): {result['ratio']:.3f}, TTFT added p50 "
+          f"{result['ttft_added_ms_p50']:.1f} ms; strategy route through the Serve proxy "
+          f"{result['ratio_strategy_route']:.3f}, model-field route "
+          f"{result['ratio_model_field']:.3f}")
+    print(json.dumps({k: result[k] for k in ("route", "ratio", "ttft_added_ms_p50",
+                                             "ratio_strategy_route", "ratio_model_field",
                                              "ratio_direct_ingress") if k in result}))
 
 

@@ -19,7 +19,9 @@ same fp32 target (``models/target``), ngram (k 4, n-gram 2..4) and draft_model (
   tells engine losses from serving losses.
 - ``served``: the whole stack over HTTP with this module's client (streamed
   ``/v1/completions``, ``actors.bench_serve.stream_one``): specload's Ray Serve
-  strategy route (``python -m cluster up``'s layout) and vLLM's OpenAI server.
+  (``python -m cluster up``'s layout) on the load generator's default route, the
+  strategy route on its replica's own listener (Serve's direct ingress; ``--route
+  strategy``: through the Serve proxy), and vLLM's OpenAI server.
 
 Per strategy x concurrency: output tokens/s, TTFT p50 and TPOT p50 (ms; TPOT = (e2e
 - TTFT) / (tokens - 1)) of each side and the ratios specload / vLLM (tokens/s:
@@ -273,11 +275,20 @@ def served_mode(a: argparse.Namespace, strategy: str, prompts: list[str], log_di
     if strategy == "draft_model":
         engine_cfg["draft_model"] = "models/draft"
     print(f"[served] {strategy}: starting Ray Serve (and vLLM)", flush=True)
-    base, ray = serve_app(engine_cfg, strategy, 2)
+    base, ray = serve_app(engine_cfg, strategy, 2, direct_ingress=a.route == "direct")
     try:
+        own = strategy_route(strategy)
+        if a.route == "direct":   # the load generator's default: the replica's own listener
+            from actors.serve.openai_api import direct_ingress_urls
+
+            urls = asyncio.run(direct_ingress_urls({strategy: own}))
+            if len(urls.get(strategy, [])) != 1:
+                raise SystemExit(f"bench_vs_vllm: Serve's direct ingress listed {urls or 'nothing'}"
+                                 f" for {strategy}; run with --route strategy")
+            base = urls[strategy][0]
         extra = {"stream_interval": 1} if a.per_step_chunks else None
         sides = {"specload": lambda users, tag: asyncio.run(closed_loop_http(
-            base, strategy_route(strategy) + "/v1/completions", strategy, prompts, users,
+            base, own + "/v1/completions", strategy, prompts, users,
             a.duration_s, a.max_tokens, extra_body=extra))}
         if srv is not None:
             srv.wait_ready()
@@ -359,6 +370,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="both engines without torch.compile (vLLM's enforce_eager; the "
                          "default, vLLM's, is compiled: ~1 min of compiling per engine)")
     ap.add_argument("--no-vllm", action="store_true", help="specload only (no vLLM venv needed)")
+    ap.add_argument("--route", choices=("direct", "strategy"), default="direct",
+                    help="served mode: specload's strategy route on its replica's own listener "
+                         "(Serve's direct ingress; python -m loadgen's default route) or "
+                         "through the Serve proxy")
     ap.add_argument("--per-step-chunks", action="store_true",
                     help="served: specload streams one chunk per engine step, as vLLM does "
                          "(request field stream_interval: 1), instead of its default 50 ms "
@@ -394,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     use_loopback_env()   # the served mode's private Ray on 127.0.0.1 only (before Ray is imported)
     result: dict = {"reps": a.reps, "duration_s": a.duration_s, "max_tokens": a.max_tokens,
                     "concurrency": a.concs, "load_avg_start": os.getloadavg(),
+                    "specload_route": a.route,
                     "specload_chunks": "per engine step" if a.per_step_chunks
                     else "the deployment's default (50 ms window)", "results": {}}
     with tempfile.TemporaryDirectory(prefix="bench_vs_vllm-") as tmp:

@@ -26,11 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--num-cpus", type=number(int, ge=1), default=None,
                    help="CPUs the local head advertises (default: all)")
     u.add_argument("--timeout", type=number(gt=0), default=600, help="seconds to wait for readiness")
-    u.add_argument("--direct-ingress", action="store_true",
-                   help="Ray Serve's direct ingress on the head this starts: each strategy replica "
-                        "also answers HTTP on a port of its own (from 30000 up, on the config's "
-                        "http_options host), listed by GET /specload/routes; python -m loadgen "
-                        "--route direct loads them (no Serve proxy in the path)")
+    u.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=True,
+                   help="Ray Serve's direct ingress on the head this starts (on by default): each "
+                        "strategy replica also answers HTTP on a port of its own (from 30000 up, "
+                        "on the config's http_options host), listed by GET /specload/routes; "
+                        "python -m loadgen's default route loads them (no Serve proxy in the "
+                        "path) and falls back to the proxy's route when one refuses")
     d = sub.add_parser("down", help="stop what `up` started on this port")
     d.add_argument("--port", type=port(), default=local.DEFAULT_PORT)
     a = p.parse_args(argv)

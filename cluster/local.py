@@ -302,10 +302,11 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
 
 def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | None = None,
        dashboard: str | None = None, num_cpus: int | None = None,
-       timeout_s: float = 600, direct_ingress: bool = False) -> str:
-    """Bring the service up (or reuse it); returns the base URL. ``direct_ingress``: the head
-    this starts runs Serve's direct ingress (``start_head``; on a cluster given by
-    ``address`` set ``DIRECT_INGRESS_ENV`` where ``ray start`` runs)."""
+       timeout_s: float = 600, direct_ingress: bool = True) -> str:
+    """Bring the service up (or reuse it); returns the base URL. ``direct_ingress`` (default
+    on; ``cluster up --no-direct-ingress``): the head this starts runs Serve's direct ingress
+    (``start_head``; on a cluster given by ``address`` set ``DIRECT_INGRESS_ENV`` where
+    ``ray start`` runs)."""
     base_url = f"http://{HOST}:{port}"
     health = service_health(base_url)
     if health is not None:
@@ -331,7 +332,8 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
         head = start_head(num_cpus, direct_ingress)
         if direct_ingress:
             log("Serve's direct ingress is on: each strategy replica also answers HTTP on a "
-                "port of its own (GET /specload/routes lists them as `direct`)")
+                "port of its own (GET /specload/routes lists them as `direct`; off with "
+                "--no-direct-ingress)")
         state.update(head, started_ray=True)
         write_json(state_file(port), state)   # so `down` can clean up
         try:

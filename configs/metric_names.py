@@ -142,6 +142,10 @@ REQ_SAMPLING = "sampling"                      # the cell's sampling label ("gre
 REQ_TEMPERATURE = "temperature"                # temperature sent with the request
 REQ_IGNORE_EOS = "ignore_eos"                  # ignore_eos sent (output class fixes lengths)
 REQ_MIN_TOKENS = "min_tokens"                  # min_tokens sent (null: not sent)
+REQ_ROUTE = "route"                            # route the request was answered on (direct | strategy | model-field)
+# its values (python -m loadgen --route): a replica's own listener (Serve's direct ingress), the
+# strategy's one-hop route through the Serve proxy, the model field on the target's /v1
+ROUTE_DIRECT, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "direct", "strategy", "model-field"
 
 # The one cell key (without the run id): every groupby over cells, in the load generator
 # (summary speedups, step labels) and in the analysis (cell table, stability, faults,

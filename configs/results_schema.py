@@ -30,6 +30,9 @@ Versions (``SCHEMA_VERSION``):
      ``min_tokens`` (the output-length settings sent); step rows carry
      ``sampling`` too. Older runs load with the label of their profile's one
      sampling setting (``analysis.data.load``).
+  7: request column ``route`` (the HTTP route each request was sent on: the
+     load generator's default route is the replica's own listener, with the
+     Serve proxy's route as the fallback of a refused connection).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -117,6 +120,10 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_TEMPERATURE, "float64", doc="temperature sent"),
     _c(M.REQ_IGNORE_EOS, "int32", doc="1 when ignore_eos was sent (lengths fixed by max_tokens)"),
     _c(M.REQ_MIN_TOKENS, "int32", "tokens", "min_tokens sent; null when not sent"),
+    _c(M.REQ_ROUTE, "string", doc="HTTP route the request was sent on: direct (its replica's own "
+       "listener, Serve's direct ingress), strategy (its one-hop route through the Serve proxy; "
+       "also a request a direct listener refused, resent there) or model-field; null: runs "
+       "before schema 7"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------

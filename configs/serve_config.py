@@ -59,17 +59,19 @@ PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_
 # ingress and strategy replicas, user code and the request router on the replica's own loop
 # (three of Serve's throughput-mode settings; not RAY_SERVE_THROUGHPUT_OPTIMIZED as a
 # whole, which also turns on direct ingress and its replica ports from 30000 up).
-# Ray Serve's direct ingress (one of its throughput-mode settings), opt-in: ``python -m
-# cluster up --direct-ingress`` starts its Ray head with it. Every strategy replica also
-# answers HTTP on a port of its own (Serve allocates them from 30000 up, on the HTTP
-# options' host: 127.0.0.1 in configs/serve.yaml), with no Serve proxy in the path: no
-# proxy CPU per streamed chunk, no call back to the proxy for the request body. The
-# proxy's routes stay. ``GET /specload/routes`` lists those listeners (``direct``) and
-# ``python -m loadgen --route direct`` loads them. bench_serve, 64 tokens, medians of 3,
-# quiet 2-core box, 2026-12-03: served / direct 0.976 (4 streams) and 0.980 (16) against
-# 0.861 / 0.899 through the proxy in the same run. A replica's graceful stop waits
-# Serve's direct-ingress draining period (for external load balancers, 30 s by default);
-# here it is 1 s, as the proxy's routes (Serve's router) need none.
+# Ray Serve's direct ingress (one of its throughput-mode settings), on by default: ``python
+# -m cluster up`` starts its Ray head with it (``--no-direct-ingress``: without). Every
+# strategy replica also answers HTTP on a port of its own (Serve allocates them from 30000
+# up, on the HTTP options' host: 127.0.0.1 in configs/serve.yaml), with no Serve proxy in
+# the path: no proxy CPU per streamed chunk, no call back to the proxy for the request
+# body. The proxy's routes stay. ``GET /specload/routes`` lists those listeners
+# (``direct``) and ``python -m loadgen``'s default route loads them, falling back to the
+# proxy's route for a request a listener refuses (a replaced replica's new port).
+# bench_serve, 64 tokens, medians of 3, quiet 2-core box, 2026-12-03: served / direct
+# 0.976 (4 streams) and 0.980 (16) against 0.861 / 0.899 through the proxy in the same
+# run. A replica's graceful stop waits Serve's direct-ingress draining period (for
+# external load balancers, 30 s by default); here it is 1 s, as the proxy's routes
+# (Serve's router) and the load generator's fallback need none.
 DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
                       "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 REPLICA_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",

@@ -305,6 +305,13 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
     assert failed[M.REQ_ERROR].notna().all()
     back = ng[ng[M.REQ_STATUS].eq(M.STATUS_OK) & (ng[M.REQ_FIRST_TOKEN_TS] > t_kill)]
     assert len(back) >= 1, "no ngram request served by the new replica within the cell"
+    # the default route: the replica's own listener (Serve's direct ingress) until the kill;
+    # the killed replica's port refuses, so the users resend on the proxy's route, whose
+    # router holds them until the replacement is up (unless it came back on the same port)
+    before = ng[ng[M.REQ_STATUS].eq(M.STATUS_OK) & (ng[M.REQ_END_TS] < t_kill)]
+    assert len(before) >= 4 and before[M.REQ_ROUTE].eq("direct").all(), before[M.REQ_ROUTE].value_counts()
+    assert set(ng[M.REQ_ROUTE]) <= {"direct", "strategy"}
+    assert len(failed) <= 4, failed[[M.REQ_STATUS, M.REQ_ERROR]]   # at most the 4 users' in flight
     ar = df[df[M.REQ_STRATEGY].eq("autoregressive")]
     assert ar[M.REQ_STATUS].eq(M.STATUS_OK).all()             # the other strategy never noticed
     rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
@@ -318,7 +325,8 @@ def test_replica_killed_mid_run_is_replaced_and_shown(service, tmp_path):
     assert 'id="fig-timeline"' in html
     print(f"\nFIGURES replica kill: pid {old_pid} -> {new_pid}; {len(failed)} request(s) lost "
           f"({failed[M.REQ_STATUS].value_counts().to_dict()}), outage {outage_s:.1f} s, "
-          f"{len(back)} ok after the replacement, {len(ng)} ngram rows")
+          f"{len(back)} ok after the replacement ({back[M.REQ_ROUTE].value_counts().to_dict()}), "
+          f"{len(ng)} ngram rows")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ the service it started whatever happens.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -119,12 +120,16 @@ def test_pip_install_runs_loadgen_report_from_any_directory(tmp_path):
     assert (ok["ttft_ms"] > 0).all() and (ok["e2e_ms"] >= ok["ttft_ms"]).all()
     # the server's speculative stats reached the client rows
     assert ok[ok["strategy"] == "ngram"]["num_draft_tokens"].sum() > 0
-    # the local service deploys the one-hop layout and --route auto measured each strategy on it
-    service = f"http://127.0.0.1:{port}"
+    # the local service deploys the one-hop layout with Serve's direct ingress, and --route
+    # auto measured each strategy on its replica's own listener (127.0.0.1, no Serve proxy)
     routes = json.loads((run_dir / "manifest.json").read_text())["routes"]
-    assert routes == {s: {"route": "strategy", "base_url": f"{service}/strategies/{s}"}
-                      for s in ("autoregressive", "ngram")}
-    assert "autoregressive: strategy" in (run_dir / "report" / "report.md").read_text()
+    assert set(routes) == {"autoregressive", "ngram"}
+    for s, r in routes.items():
+        assert r["route"] == "direct", routes
+        assert re.fullmatch(rf"http://127\.0\.0\.1:\d+/strategies/{s}", r["base_url"]), routes
+        assert not r["base_url"].startswith(f"http://127.0.0.1:{port}/"), routes   # not the proxy
+    assert set(rows["route"]) == {"direct"}
+    assert "autoregressive: direct" in (run_dir / "report" / "report.md").read_text()
     steps = pd.read_parquet(run_dir / "steps.parquet")
     assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
     rec = json.loads((run_dir / "report" / "recommendation.json").read_text())

@@ -199,6 +199,79 @@ def test_route_choice(tmp_path):
     assert p.returncode == 2 and "--route strategy" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     assert d.returncode == 2 and "--route direct" in d.stdout, d.stdout[-2000:] + d.stderr[-2000:]
     assert "--direct-ingress" in d.stdout
+    # auto: per strategy its one listener (direct), else its proxy route, else the model field;
+    # two replicas keep the proxy's route (Serve's router spreads them only there)
+    both = {"autoregressive": "/strategies/autoregressive", "ngram": "/strategies/ngram"}
+    assert choose_routes("auto", ["autoregressive", "ngram", "dflash"], both, direct=one) == {
+        "autoregressive": "http://127.0.0.1:30001/strategies/autoregressive",
+        "ngram": "/strategies/ngram", "dflash": None}
+    assert choose_routes("auto", ["autoregressive"], listed,
+                         direct={"autoregressive": one["autoregressive"] * 2}) == listed
+    assert choose_routes("auto", ["autoregressive"], listed, "served-name", one) == {
+        "autoregressive": None}
+
+
+def _fake_listener(*args: str) -> tuple[subprocess.Popen, str]:
+    """A fake server this test starts (and later kills by its pid): (process, base URL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "loadgen.tools.fake_server", *args],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + 30
+    line = ""
+    while time.time() < deadline and not line.startswith("http") and proc.poll() is None:
+        line = (proc.stdout.readline() if proc.stdout else "").strip()
+    assert line.startswith("http"), f"fake listener did not start (rc {proc.poll()})"
+    return proc, line
+
+
+def test_direct_route_falls_back_to_the_proxy_route_when_the_listener_is_gone(tmp_path):
+    """--route auto against a target listing a replica listener (``direct``) loads the
+    listener; when it dies mid-cell (SIGKILL of its process: the replica's port closes),
+    each user's next request is refused there and resent at once on the strategy's route
+    through the target, where the rest of the cell runs; rows say which route served them.
+    Only requests in flight at the kill are lost."""
+    listener, direct_url = _fake_listener("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10")
+    try:
+        with fake_server.running("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10",
+                                 "--direct-listener", direct_url) as url:
+            tiers = _tiers(tmp_path, {"users": 3, "duration_s": 5, "max_tokens": 12})
+            proc = subprocess.Popen(_cmd(url, tiers, tmp_path / "res", "--output", "short",
+                                         "--consistency", "0"), cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                deadline = time.time() + 60
+                while len(_truth(direct_url)) < 6 and time.time() < deadline:
+                    time.sleep(0.05)
+                on_listener = len(_truth(direct_url))
+                t_kill = time.time()
+                listener.kill()
+                out, _ = proc.communicate(timeout=90)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            assert proc.returncode == 0, out[-3000:]
+            truth = _truth(url)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+    assert on_listener >= 6
+    run_dir = _run_dir(tmp_path / "res")
+    man = json.loads((run_dir / "manifest.json").read_text())
+    assert man["routes"] == {"autoregressive": {
+        "route": "direct", "base_url": direct_url + "/strategies/autoregressive"}}
+    df = pd.read_parquet(run_dir / "requests.parquet")
+    ok = df[df[M.REQ_STATUS].eq(M.STATUS_OK)]
+    direct, proxied = ok[ok[M.REQ_ROUTE].eq("direct")], ok[ok[M.REQ_ROUTE].eq("strategy")]
+    assert len(direct) >= on_listener - 3 and (direct[M.REQ_END_TS] <= t_kill + 0.5).all()
+    assert len(proxied) >= 10 and (proxied[M.REQ_SENT_TS] >= t_kill - 0.5).all()
+    # what the target served came on the strategy's own route, one per proxied row
+    assert {t["path"] for t in truth.values()} == {"/strategies/autoregressive/v1/completions"}
+    assert len(truth) == len(proxied)
+    lost = df[~df[M.REQ_STATUS].eq(M.STATUS_OK)]
+    assert len(lost) <= 3, lost[[M.REQ_STATUS, M.REQ_ERROR]]   # at most the users' requests in flight
+    assert not lost[M.REQ_ERROR].str.contains("refused").any()
+    assert set(df[M.REQ_ROUTE]) <= {"direct", "strategy"}
+    print(f"\nFIGURES direct fallback: {len(direct)} ok on the listener, {len(lost)} lost at the "
+          f"kill ({lost[M.REQ_STATUS].value_counts().to_dict()}), {len(proxied)} ok on the proxy route")
 
 
 @pytest.mark.parametrize("sig, name", [(signal.SIGINT, "ctrl-c"), (signal.SIGTERM, "timeout")])

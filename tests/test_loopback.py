@@ -160,15 +160,16 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     export, client server, autoscaler monitor, Serve controller, proxy and each replica
     (gRPC included).
 
-    The first start is ``cluster up --direct-ingress`` (Ray Serve's direct ingress): the
-    replica's own HTTP listener is on 127.0.0.1 too, ``GET /specload/routes`` lists it,
-    it answers a completion with no Serve proxy in the path, and ``python -m loadgen
-    --route direct`` measures it (rows, step rows, the route in the manifest).
+    The first start is a plain ``cluster up`` (Ray Serve's direct ingress is on by
+    default): the replica's own HTTP listener is on 127.0.0.1 too, ``GET /specload/routes``
+    lists it, it answers a completion with no Serve proxy in the path, and ``python -m
+    loadgen`` (its default route) measures it (rows, step rows, the route in the manifest
+    and in every row).
 
     Then ``cluster down`` and at once ``cluster up`` again on the same port (issue 23): the
     old port check bound without ``SO_REUSEADDR``, so the previous service's connections in
     TIME-WAIT made it refuse ``up`` ("in use by another server") for up to a minute,
-    although nothing listened. That second start has the default layout: no direct
+    although nothing listened. That second start is ``--no-direct-ingress``: no direct
     listener listed. One service start serves the checks of each."""
     pytest.importorskip("ray")
     pytest.importorskip("psutil")
@@ -189,7 +190,7 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     down = [sys.executable, "-m", "cluster", "down", "--port", str(port)]
     base = f"http://{LOOPBACK}:{port}"
     try:
-        first = subprocess.run(up + ["--direct-ingress"], cwd=REPO, capture_output=True,
+        first = subprocess.run(up, cwd=REPO, capture_output=True,
                                text=True, timeout=420)
         assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
         assert first.stdout.strip().splitlines()[-1] == base
@@ -200,7 +201,7 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
         direct_answer = _completion(direct["autoregressive"][0]
                                     + "/strategies/autoregressive/v1/completions")
         run = subprocess.run(
-            [sys.executable, "-m", "loadgen", "--target", base, "--route", "direct",
+            [sys.executable, "-m", "loadgen", "--target", base,
              "--strategies", "autoregressive", "--tier", "low", "--output", "short",
              "--duration", "2", "--results", str(tmp_path / "results")],
             cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -214,7 +215,8 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
         assert d.returncode == 0, d.stderr[-2000:]
         t_down = time.monotonic()
         time_wait = _plain_bind_fails(port)   # the case the old check refused
-        second = subprocess.run(up, cwd=REPO, capture_output=True, text=True, timeout=420)
+        second = subprocess.run(up + ["--no-direct-ingress"], cwd=REPO, capture_output=True,
+                                text=True, timeout=420)
         elapsed = time.monotonic() - t_down
         second_direct = (_get(base + "/specload/routes")["direct"]
                          if second.returncode == 0 else None)
@@ -254,13 +256,13 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
     import pyarrow.parquet as pq
 
     rows = pq.read_table(run_dir / "requests.parquet").to_pylist()
-    assert rows and all(r["status"] == "ok" for r in rows), rows[:3]
+    assert rows and all(r["status"] == "ok" and r["route"] == "direct" for r in rows), rows[:3]
     assert pq.read_table(run_dir / "steps.parquet").num_rows > 0
 
     # up again at once after down
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert "in use" not in second.stderr
-    assert second_direct == {}, second_direct   # direct ingress is opt-in
+    assert second_direct == {}, second_direct   # --no-direct-ingress
     assert second.stdout.strip().splitlines()[-1] == f"http://{LOOPBACK}:{port}"
     print(f"up again {elapsed:.1f} s after down returned (a plain bind "
           f"{'failed: TIME-WAIT present' if time_wait else 'succeeded'} at that moment)")

@@ -95,14 +95,18 @@ def _add_target_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
     ap.add_argument("--route", default=ROUTE_AUTO,
                     choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD, ROUTE_DIRECT),
-                    help="HTTP route of the load: strategy = each strategy's own one-hop route "
+                    help="HTTP route of the load: direct = the strategy's one-hop route on its "
+                         "replica's own listener, no Serve proxy in the path (Ray Serve's direct "
+                         "ingress, on in `python -m cluster up` by default); strategy = each "
+                         "strategy's own one-hop route through the Serve proxy "
                          "(<target>/strategies/<name>/v1/...; the strategy replica answers it without "
                          "a second Ray hop); model-field = <target>/v1/... with the model field "
-                         "(through the ingress); auto (default) = strategy when the target lists the "
-                         "route (GET /specload/routes), else model-field; direct = the strategy "
-                         "route on its replica's own listener, no Serve proxy in the path (Ray "
-                         "Serve's direct ingress: `python -m cluster up --direct-ingress`, started "
-                         "so without --target). manifest.json routes records the choice per strategy")
+                         "(through the ingress); auto (default) = per strategy direct when the target "
+                         "lists one replica listener for it that answers from here (GET "
+                         "/specload/routes), falling back to its proxy route for a request the "
+                         "listener refuses (a replaced replica), else strategy when listed, else "
+                         "model-field. manifest.json routes records the choice per strategy, the "
+                         "request rows' route column the route each request was answered on")
     ap.add_argument("--duration", type=number(gt=0), default=None, help="override every cell's duration_s, seconds")
     ap.add_argument("--workers", type=number(int, ge=0), default=0, help="Locust workers as Ray actors; 0 = in-process")
     ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),

@@ -39,6 +39,7 @@ from loadgen.results.progress import Progress
 from loadgen.results.summary import SUMMARY_CSV, clock
 from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
 from loadgen.cli.target import (
+    ROUTE_AUTO,
     ROUTE_DIRECT,
     ROUTE_MODEL_FIELD,
     Auth,
@@ -233,6 +234,7 @@ class _RunState:
     strategies: list[str]
     auth: Auth
     prefixes: dict[str, str | None]   # strategy -> one-hop route path (None: the model field)
+    fallbacks: dict[str, str]   # strategy on the direct route -> its proxy route path (a refused listener)
     tiers: list[str]
     outputs: list[str]
     levels: list[int]
@@ -262,20 +264,23 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
     """Phases: connect -> open the run directory -> drive every cell -> close -> print."""
     try:
         target, strategies, auth = connect(args, console, local)
-        prefixes = choose_routes(args.route, strategies, {} if args.route == ROUTE_MODEL_FIELD else
-                                 service.strategy_routes(target, headers=auth.headers,
-                                                         insecure=auth.insecure), args.model,
-                                 service.direct_listeners(target, headers=auth.headers,
-                                                          insecure=auth.insecure)
-                                 if args.route == ROUTE_DIRECT else None)
-        if args.route == ROUTE_DIRECT:   # a listener on another node's loopback cannot be reached
-            dead = [s for s, p in prefixes.items()
-                    if not service.answers(f"{p}/health", headers=auth.headers,
-                                           insecure=auth.insecure)]
-            if dead:
-                raise service.ServiceError(
-                    f"--route direct: the replica listener of {dead} does not answer from here "
-                    f"({', '.join(prefixes[s] + '/health' for s in dead)}); use --route strategy")
+        routes = ({} if args.route == ROUTE_MODEL_FIELD else
+                  service.strategy_routes(target, headers=auth.headers, insecure=auth.insecure))
+        direct = (service.direct_listeners(target, headers=auth.headers, insecure=auth.insecure)
+                  if args.route == ROUTE_DIRECT or (args.route == ROUTE_AUTO and routes
+                                                    and not args.model) else None)
+        prefixes = choose_routes(args.route, strategies, routes, args.model, direct)
+        # a listener on another node's loopback (or behind a firewall) cannot be reached from here
+        dead = [s for s, p in prefixes.items() if route_name(p) == ROUTE_DIRECT
+                and not service.answers(f"{p}/health", headers=auth.headers, insecure=auth.insecure)]
+        if dead and args.route == ROUTE_DIRECT:
+            raise service.ServiceError(
+                f"--route direct: the replica listener of {dead} does not answer from here "
+                f"({', '.join(prefixes[s] + '/health' for s in dead)}); use --route strategy")
+        if dead:
+            console.print(f"the replica listeners of {dead} do not answer from here: their load "
+                          "takes the Serve proxy's route", highlight=False)
+            prefixes.update({s: routes[s] for s in dead})
     except service.ServiceError as err:
         hint = ""
         if args.route == ROUTE_DIRECT and not args.target and "--route direct" in str(err):
@@ -288,6 +293,8 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
         console.print(f"[red]target error:[/] {err}{hint}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     st = _RunState(args, console, profile, prompts, target, strategies, auth, prefixes,
+                   fallbacks={s: routes[s] for s, p in prefixes.items()
+                              if route_name(p) == ROUTE_DIRECT},
                    tiers=tier_list(args.tier),
                    outputs=list(OUTPUT_CLASSES) if args.output == "all" else [args.output],
                    levels=sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
@@ -547,6 +554,8 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     plan = CellPlan(
         run_id=st.run_id, strategy=strategy, model=args.model or strategy, tier=tier,
         output_class=oc, dataset=args.dataset, base_url=route_url(st.target, st.prefixes.get(strategy)),
+        route=route_name(st.prefixes.get(strategy)),
+        fallback_url=route_url(st.target, st.fallbacks[strategy]) if strategy in st.fallbacks else "",
         arrival=cell.arrival,
         users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
         prompts=[[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],

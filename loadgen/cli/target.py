@@ -12,8 +12,9 @@ from typing import Any
 from configs import metric_names as M
 from loadgen.run import service
 
-ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "auto", "strategy", "model-field"
-ROUTE_DIRECT = "direct"   # the strategy route on its replica's own listener (Serve's direct ingress)
+ROUTE_AUTO = "auto"
+ROUTE_STRATEGY, ROUTE_MODEL_FIELD = M.ROUTE_STRATEGY, M.ROUTE_MODEL_FIELD
+ROUTE_DIRECT = M.ROUTE_DIRECT   # the strategy route on its replica's own listener (Serve's direct ingress)
 
 
 def parse_header(text: str) -> tuple[str, str]:
@@ -82,15 +83,20 @@ def discover_strategies(args: argparse.Namespace, target: str, auth: Auth, conso
 def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
                   model_override: str = "",
                   direct: dict[str, list[str]] | None = None) -> dict[str, str | None]:
-    """Strategy -> path of the one-hop route its load takes (relative to the target; with
-    ``--route direct`` an absolute URL: the replica's own listener + that path), or None
-    for the model-field route. ``route``: the ``--route`` value; ``routes``: what the
-    target lists (``service.strategy_routes``), ``direct``: its replicas' own listeners
-    (``service.direct_listeners``). A ``--model`` override always takes the model-field
-    route (its name need not be a strategy's). Raises ServiceError naming ``--route``
-    when ``strategy`` or ``direct`` is asked for and a strategy has no such route, or
-    (``direct``) not exactly one listener: Serve's router spreads a strategy's load
-    over its replicas only on the proxy's routes."""
+    """Strategy -> path of the one-hop route its load takes (relative to the target; on the
+    direct route an absolute URL: the replica's own listener + that path), or None for the
+    model-field route. ``route``: the ``--route`` value; ``routes``: what the target lists
+    (``service.strategy_routes``), ``direct``: its replicas' own listeners
+    (``service.direct_listeners``).
+
+    ``auto`` (the default) takes, per strategy, the direct route when the strategy has
+    its one-hop route and exactly one replica listener (Ray Serve's direct ingress, on in
+    ``cluster up`` by default), else its one-hop route through the Serve proxy, else the
+    model field. A strategy with several replicas keeps the proxy's route: Serve's router
+    spreads a strategy's load over its replicas only there. A ``--model`` override always
+    takes the model-field route (its name need not be a strategy's). Raises ServiceError
+    naming ``--route`` when ``strategy`` or ``direct`` is asked for and a strategy has no
+    such route, or (``direct``) not exactly one listener."""
     if model_override and route in (ROUTE_DIRECT, ROUTE_STRATEGY):
         raise service.ServiceError(
             f"--route {route} and --model do not combine: a --model override names the model "
@@ -116,6 +122,10 @@ def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
                 "use --route auto or model-field")
     if route == ROUTE_MODEL_FIELD or model_override:
         return {s: None for s in strategies}
+    if route == ROUTE_AUTO:   # a strategy's one replica listener, else its proxy route, else the model field
+        direct = direct or {}
+        return {s: direct[s][0] + routes[s] if s in routes and len(direct.get(s, [])) == 1
+                else routes.get(s) for s in strategies}
     return {s: routes.get(s) for s in strategies}
 
 
@@ -148,7 +158,7 @@ def connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tu
         console.print("starting or reusing the local service (python -m cluster up) ...", highlight=False)
         target = service.start_local_service(
             port=args.local_port, config=args.local_config or None,
-            direct_ingress=args.route == ROUTE_DIRECT,
+            direct_ingress=args.route in (ROUTE_AUTO, ROUTE_DIRECT),
             on_line=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
         local["url"] = target
     try:

@@ -29,11 +29,11 @@ class DiscoveryUnavailable(ServiceError):
 
 def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None,
                         port: int | None = None, config: str | None = None,
-                        direct_ingress: bool = False) -> str:
+                        direct_ingress: bool = True) -> str:
     """Start or reuse the embedded local service (``python -m cluster up``); returns its base URL.
 
     ``port`` / ``config`` / ``direct_ingress``: ``cluster up --port`` / ``--config`` /
-    ``--direct-ingress`` (default 8000, the packaged ``configs/serve.yaml``, off).
+    ``--[no-]direct-ingress`` (default 8000, the packaged ``configs/serve.yaml``, on).
 
     ``cluster up`` prints the base URL on its last stdout line and returns while
     the service keeps running (it reuses a running one). Its progress lines
@@ -46,8 +46,7 @@ def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None]
         cmd += ["--port", str(port)]
     if config:
         cmd += ["--config", str(config)]
-    if direct_ingress:
-        cmd.append("--direct-ingress")
+    cmd.append("--direct-ingress" if direct_ingress else "--no-direct-ingress")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s

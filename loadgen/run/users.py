@@ -22,7 +22,8 @@ from locust import User, constant, task
 
 from configs import metric_names as M
 from loadgen.run.cells import CellPlan, Dispenser, Job, retry_delay_s
-from loadgen.run.client import COMPLETIONS_PATH, RETRY_AFTER_KEY, make_http_client, path_prefix, stream_completion
+from loadgen.run.client import (COMPLETIONS_PATH, REFUSED_KEY, RETRY_AFTER_KEY, make_http_client, path_prefix,
+                                stream_completion)
 
 ROWS_MESSAGE = "specload_rows"   # worker -> master: {"cell_id", "rows", "in_flight", "worker", "ts", "node"}
 CELL_MESSAGE = "specload_cell"   # master -> workers: {"plan": CellPlan dict, "n_workers": N, "ranks": {index: rank}}
@@ -85,18 +86,24 @@ class CompletionUser(User):
     def on_start(self) -> None:
         self._http = None
         self._http_base: tuple | None = None
+        self._fallback_cell: str | None = None   # the cell in which this user left the direct route
 
     def on_stop(self) -> None:
         if self._http is not None:
             self._http.close()
             self._http = None
 
-    def _client(self, plan: CellPlan):
-        key = (plan.base_url, tuple(sorted(plan.headers.items())), plan.insecure)
+    def _base_url(self, plan: CellPlan) -> str:
+        """Where this user sends in this cell: the plan's URL, or its fallback once the
+        plan's direct listener refused a connection in this cell."""
+        return plan.fallback_url if self._fallback_cell == plan.cell_id else plan.base_url
+
+    def _client(self, plan: CellPlan, base_url: str):
+        key = (base_url, tuple(sorted(plan.headers.items())), plan.insecure)
         if self._http is None or self._http_base != key:
             if self._http is not None:
                 self._http.close()
-            self._http = make_http_client(plan.base_url, plan.request_timeout_s, plan.headers, plan.insecure)
+            self._http = make_http_client(base_url, plan.request_timeout_s, plan.headers, plan.insecure)
             self._http_base = key
         return self._http
 
@@ -121,14 +128,24 @@ class CompletionUser(User):
         first_ts = job.scheduled_ts if job.scheduled_ts is not None else time.time()
         try:
             while True:
-                http = self._client(plan)
+                base = self._base_url(plan)
+                route = plan.route if base == plan.base_url else M.ROUTE_STRATEGY
+                http = self._client(plan, base)
                 fields, conn_ok = stream_completion(
-                    http, path_prefix(plan.base_url) + COMPLETIONS_PATH, job.body, first_ts,
+                    http, path_prefix(base) + COMPLETIONS_PATH, job.body, first_ts,
                     plan.request_timeout_s,
-                    on_cancel=lambda r: ctx.emit(job, dict(r, **{M.REQ_RETRIES: retries})))
+                    on_cancel=lambda r: ctx.emit(job, dict(r, **{M.REQ_RETRIES: retries,
+                                                                 M.REQ_ROUTE: route or None})))
+                fields[M.REQ_ROUTE] = route or None
                 if not conn_ok:
                     http.close()
                     self._http = None
+                if fields.pop(REFUSED_KEY, False) and plan.fallback_url and base != plan.fallback_url:
+                    # the replica's own listener refused (nothing was sent: the replica was
+                    # replaced and listens elsewhere, or is gone): resend at once on the Serve
+                    # proxy's route, which finds the live replica; latency counts from the first send
+                    self._fallback_cell = plan.cell_id
+                    continue
                 retry_after = fields.pop(RETRY_AFTER_KEY, None)
                 if fields[M.REQ_STATUS] != M.STATUS_REJECTED or retries >= plan.max_retries:
                     break

@@ -20,7 +20,10 @@ receive, first-content-write and end times (unix s). ``/v1/models`` and
 ``--strategy-routes`` also serves specload's one-hop routes: ``GET
 /specload/routes`` lists ``/strategies/<model>`` per model and ``POST
 /strategies/<model>/v1/completions`` streams as above; the truth records the
-path each request came on (``path``).
+path each request came on (``path``). ``--direct-listener URL`` adds that URL as every
+model's one replica listener (``direct``, as a specload service with Serve's direct
+ingress lists it); ``GET /strategies/<model>/health`` answers on a server with one-hop
+routes, so a second fake server can stand in for that listener.
 
 ``--model-gap-ms a=5,b=40`` gives those models their own chunk gap (a faster or slower
 "strategy"; the racing tests need two that differ); ``--jitter-ms J`` adds to every gap a
@@ -58,7 +61,7 @@ class FakeServer:
                  fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
                  prompt_tokens: int = 17, api_key: str | None = None,
                  strategy_routes: bool = False, model_gap_ms: dict[str, float] | None = None,
-                 jitter_ms: float = 0.0) -> None:
+                 jitter_ms: float = 0.0, direct_listener: str = "") -> None:
         self.ttft_s = ttft_ms / 1000.0
         self.gap_s = gap_ms / 1000.0
         self.model_gap_s = {m: g / 1000.0 for m, g in (model_gap_ms or {}).items()}
@@ -77,6 +80,7 @@ class FakeServer:
         self.steps: list[dict] = []
         self.api_key = api_key
         self.strategy_routes = strategy_routes
+        self.direct_listener = direct_listener
         self.auth = {"accepted": 0, "rejected": 0, "x_headers": {}}
 
     @web.middleware
@@ -182,7 +186,13 @@ class FakeServer:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def routes(self, request: web.Request) -> web.Response:
-        return web.json_response({"routes": {m: f"/strategies/{m}" for m in self.models}})
+        listed: dict = {"routes": {m: f"/strategies/{m}" for m in self.models}}
+        if self.direct_listener:
+            listed["direct"] = {m: [self.direct_listener] for m in self.models}
+        return web.json_response(listed)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def step_log(self, request: web.Request) -> web.Response:
         strategy = request.query.get("strategy")
@@ -205,6 +215,7 @@ class FakeServer:
         if self.strategy_routes:
             app.router.add_get("/specload/routes", self.routes)
             app.router.add_post("/strategies/{model}/v1/completions", self.completions)
+            app.router.add_get("/strategies/{model}/health", self.health)
         app.router.add_post("/fake/stall", self.stall)
         app.router.add_get("/fake/timings", self.timings)
         app.router.add_get("/fake/auth", self.auth_counts)
@@ -275,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /specload")
     ap.add_argument("--strategy-routes", action="store_true",
                     help="also serve /specload/routes and /strategies/<model>/v1/completions")
+    ap.add_argument("--direct-listener", default="",
+                    help="with --strategy-routes: list this URL as every model's replica "
+                         "listener (GET /specload/routes direct)")
     ap.add_argument("--model-gap-ms", default="", help="per-model chunk gap, 'model=ms,model=ms' "
                     "(others: --gap-ms)")
     ap.add_argument("--jitter-ms", type=float, default=0.0,
@@ -287,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                      strategy_routes=a.strategy_routes,
                      model_gap_ms={k.strip(): float(v) for k, v in
                                    (p.split("=", 1) for p in a.model_gap_ms.split(",") if p.strip())},
-                     jitter_ms=a.jitter_ms)
+                     jitter_ms=a.jitter_ms, direct_listener=a.direct_listener)
     try:
         asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
     except KeyboardInterrupt:
