@@ -90,6 +90,16 @@ def test_discovery_failure_names_the_url(bare_server):
 def test_strategies_skip_discovery(bare_server, models_server):
     base, paths = bare_server
     assert _strategies(_args("a, b"), base, NO_AUTH) == ["a", "b"]
+    # the note names the failure without telling the user to pass the --strategies just passed
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    assert _strategies(_args("a"), base, NO_AUTH, console) == ["a"]
+    note = console.export_text()
+    assert f"GET {base}/v1/models -> HTTP 404; using ['a'] as given" in note, note
+    assert "pass --strategies" not in note
+    with pytest.raises(service.ServiceError, match="pass --strategies a,b to skip discovery"):
+        _strategies(_args(), base, NO_AUTH)                 # without them: the hint
     good, _ = models_server
     with pytest.raises(service.ServiceError, match="--strategies: 'ngarm' not served"):
         _strategies(_args("ngarm"), good, NO_AUTH)   # a misspelt name is still caught when it can be

@@ -61,7 +61,7 @@ def discover_strategies(args: argparse.Namespace, target: str, auth: Auth, conso
             models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)
         except service.DiscoveryUnavailable as err:   # unreachable still fails
             if console is not None:
-                console.print(f"[yellow]{err}; using {asked} as given[/]", highlight=False)
+                console.print(f"[yellow]{err.reason}; using {asked} as given[/]", highlight=False)
             return asked
     else:
         models = service.list_models(target, headers=auth.headers, insecure=auth.insecure)

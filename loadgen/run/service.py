@@ -24,7 +24,12 @@ class ServiceError(RuntimeError):
 
 
 class DiscoveryUnavailable(ServiceError):
-    """The target answered but has no usable ``/v1/models`` (``--strategies`` skips it)."""
+    """The target answered but has no usable ``/v1/models`` (``--strategies`` skips it).
+    ``reason``: what was wrong, without the hint to pass ``--strategies``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}; pass --strategies a,b to skip discovery")
+        self.reason = reason
 
 
 def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None,
@@ -125,17 +130,15 @@ def list_models(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] 
         if err.code in (401, 403):
             raise ServiceError(f"GET {url} answered HTTP {err.code}; pass --api-key KEY (or "
                                "set OPENAI_API_KEY) or --header 'Authorization: ...'") from None
-        raise DiscoveryUnavailable(f"model discovery failed: GET {url} -> HTTP {err.code}; "
-                                   "pass --strategies a,b to skip discovery") from None
+        raise DiscoveryUnavailable(f"model discovery failed: GET {url} -> HTTP {err.code}") from None
     except (urllib.error.URLError, OSError) as err:
         raise ServiceError(f"model discovery failed: GET {url} -> {err}; is the server up "
                            "at that URL?") from None
     except ValueError as err:
-        raise DiscoveryUnavailable(f"model discovery failed: GET {url} is not JSON ({err}); "
-                                   "pass --strategies a,b to skip discovery") from None
+        raise DiscoveryUnavailable(f"model discovery failed: GET {url} is not JSON ({err})") from None
     if not isinstance(data, dict):
         raise DiscoveryUnavailable(f"model discovery failed: GET {url} did not return an "
-                                   "OpenAI model list; pass --strategies a,b to skip discovery")
+                                   "OpenAI model list")
     return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
 
 
