@@ -198,7 +198,7 @@ def test_route_choice(tmp_path):
                            capture_output=True, text=True, timeout=90, cwd=REPO, check=False)
     assert p.returncode == 2 and "--route strategy" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     assert d.returncode == 2 and "--route direct" in d.stdout, d.stdout[-2000:] + d.stderr[-2000:]
-    assert "--direct-ingress" in d.stdout
+    assert "python -m cluster up" in d.stdout and "autoscaling_config" in d.stdout
     # auto: per strategy its one listener (direct), else its proxy route, else the model field;
     # two replicas keep the proxy's route (Serve's router spreads them only there)
     both = {"autoregressive": "/strategies/autoregressive", "ngram": "/strategies/ngram"}

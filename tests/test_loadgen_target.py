@@ -103,3 +103,40 @@ def test_strategies_skip_discovery(bare_server, models_server):
     good, _ = models_server
     with pytest.raises(service.ServiceError, match="--strategies: 'ngarm' not served"):
         _strategies(_args("ngarm"), good, NO_AUTH)   # a misspelt name is still caught when it can be
+
+
+def test_direct_listeners_leave_out_autoscaling_strategies():
+    """``GET /specload/routes``: a strategy marked ``autoscaling`` gets no listener for the
+    load (Serve's router alone spreads load over the replicas it adds); a target that lists
+    none, or no such page, gives {}."""
+    listed = {"routes": {"a": "/strategies/a", "b": "/strategies/b"},
+              "direct": {"a": ["http://127.0.0.1:30001"], "b": ["http://127.0.0.1:30002"],
+                         "c": "not a list"},
+              "autoscaling": {"a": False, "b": True}}
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(listed).encode())
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_port}"
+        assert service.direct_listeners(base) == {"a": ["http://127.0.0.1:30001"]}
+        listed.pop("autoscaling")                        # an older service: no marks
+        assert set(service.direct_listeners(base)) == {"a", "b"}
+        listed["direct"] = {}
+        assert service.direct_listeners(base) == {}
+    finally:
+        srv.shutdown()
+
+
+def test_direct_listeners_of_a_server_without_the_page(bare_server):
+    base, _ = bare_server
+    assert service.direct_listeners(base) == {}

@@ -110,6 +110,23 @@ def test_build_app_skips_missing_models(caplog, tmp_path):
         build_app({"strategies": args["strategies"][1:]})
 
 
+def test_routes_mark_the_autoscaling_strategies():
+    """The ingress is told which strategies Serve may scale (``autoscaling_config``): GET
+    /specload/routes marks them, and the load generator keeps their load on the proxy's
+    route (a load pinned to one replica's listener would never reach the replicas added)."""
+    pytest.importorskip("ray.serve")
+    from actors.serve.app import build_app
+
+    app = build_app({"strategies": [
+        {"engine": {"strategy": "ngram", "max_num_seqs": 4}},
+        {"engine": {"strategy": "autoregressive", "max_num_seqs": 4},
+         "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}],
+        "strategy_apps": {"ngram": "a1", "autoregressive": "a2"}})
+    routes, autoscaling = app._bound_deployment.init_args[-2:]
+    assert routes == {"ngram": "/strategies/ngram", "autoregressive": "/strategies/autoregressive"}
+    assert autoscaling == ["autoregressive"]
+
+
 def test_actor_options_for_serve_drop_unset_and_empty_resources():
     from configs.serve_config import RayActorOptions
 

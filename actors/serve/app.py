@@ -271,4 +271,5 @@ def build_app(args: dict[str, Any]):
         max_ongoing_requests=max(1, max_ongoing // ing.num_replicas + 1),
         ray_actor_options=ing.ray_actor_options.serve_options(),
     ).bind(handles, store, ing.retry_after_s, ing.api_key,
-           {n: strategy_route(n) for n in cfg.strategy_apps if n in handles})
+           {n: strategy_route(n) for n in cfg.strategy_apps if n in handles},
+           sorted(e.name for e in cfg.strategies if e.name in handles and e.autoscaling_config))

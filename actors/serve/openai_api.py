@@ -182,10 +182,12 @@ class OpenAIIngress:
     """
 
     def __init__(self, strategies: dict, step_store: Any = None, retry_after_s: int = 1,
-                 api_key: str | None = None, routes: dict[str, str] | None = None):
+                 api_key: str | None = None, routes: dict[str, str] | None = None,
+                 autoscaling: list[str] | None = None):
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._handles = {name: strategy_handle(ref) for name, ref in strategies.items()}
         self._routes = {name: (routes or {}).get(name) for name in sorted(strategies)}
+        self._autoscaling = {name: name in (autoscaling or []) for name in sorted(strategies)}
         self._store = step_store
         self._retry_after_s = retry_after_s
         self._max_model_len: dict[str, int] = {}
@@ -216,16 +218,19 @@ class OpenAIIngress:
 
     @api.get("/specload/routes")
     async def routes(self, request: Request):
-        """``{"routes": {strategy: path | null}, "direct": {strategy: [base URL]}}``: each
-        strategy's own one-hop route, relative to this ingress's base URL
-        (``/strategies/<name>``: its replica answers ``/v1/completions``,
-        ``/v1/chat/completions``, ``/v1/models`` and ``/health`` there itself), or null when
-        it is reachable only through the model field; and under Serve's direct ingress, the
-        base URLs of its replicas' own HTTP listeners (the same route under each; no Serve
-        proxy in the path; ``direct_ingress_urls``), {} without it."""
+        """``{"routes": {strategy: path | null}, "direct": {strategy: [base URL]},
+        "autoscaling": {strategy: bool}}``: each strategy's own one-hop route, relative to
+        this ingress's base URL (``/strategies/<name>``: its replica answers
+        ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` there
+        itself), or null when it is reachable only through the model field; under Serve's
+        direct ingress, the base URLs of its replicas' own HTTP listeners (the same route
+        under each; no Serve proxy in the path; ``direct_ingress_urls``), {} without it;
+        and whether Serve may change its replica count (``autoscaling_config``): a load
+        pinned to one replica's listener would never reach the replicas added."""
         if denied := api_key_error(request.headers.get("authorization"), self._api_key):
             return denied
-        return {"routes": self._routes, "direct": await direct_ingress_urls(self._routes)}
+        return {"routes": self._routes, "direct": await direct_ingress_urls(self._routes),
+                "autoscaling": self._autoscaling}
 
     @api.get("/specload/info")
     async def info(self, request: Request):

@@ -110,8 +110,8 @@ def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
                 f"--route direct: each strategy needs its one-hop route and one replica "
                 f"listener (GET /specload/routes direct: {direct or 'none'}; not so for "
                 f"{sorted(bad)}); start the "
-                "service with `python -m cluster up --direct-ingress`, one replica per "
-                "strategy, or use --route strategy")
+                "service with `python -m cluster up` (direct ingress on), one replica per "
+                "strategy and no autoscaling_config, or use --route strategy")
         return {s: direct[s][0] + routes[s] for s in strategies}
     if route == ROUTE_STRATEGY:
         missing = [s for s in strategies if s not in routes]

@@ -168,11 +168,14 @@ def direct_listeners(base_url: str, timeout_s: float = 10.0,
                      headers: dict[str, str] | None = None,
                      insecure: bool = False) -> dict[str, list[str]]:
     """Strategy -> base URLs of its replicas' own HTTP listeners (``GET /specload/routes``'s
-    ``direct``: Ray Serve's direct ingress, ``python -m cluster up --direct-ingress``; the
-    strategy's one-hop route is under each). {} when the target lists none."""
+    ``direct``: Ray Serve's direct ingress, on in ``python -m cluster up`` by default; the
+    strategy's one-hop route is under each). A strategy the target marks ``autoscaling``
+    is left out: Serve may add replicas, and only its router (the proxy's routes) spreads
+    load over them. {} when the target lists none."""
     listed = _listed_routes(base_url, "direct", timeout_s, headers, insecure)
+    scaled = _listed_routes(base_url, "autoscaling", timeout_s, headers, insecure) if listed else {}
     return {str(k): [u for u in v if isinstance(u, str) and u.startswith(("http://", "https://"))]
-            for k, v in listed.items() if isinstance(v, list)}
+            for k, v in listed.items() if isinstance(v, list) and scaled.get(k) is not True}
 
 
 def answers(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = None,
