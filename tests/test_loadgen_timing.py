@@ -266,8 +266,10 @@ def test_local_service_bring_up_is_stubbable(monkeypatch):
 
     monkeypatch.setattr(svc.subprocess, "Popen", fake_popen("starting...\nhttp://127.0.0.1:8000/\n"))
     assert svc.start_local_service() == "http://127.0.0.1:8000"
-    svc.start_local_service(port=8123, config="my.yaml")
-    assert calls[0][-2:] == ["cluster", "up"] and calls[1][-4:] == ["--port", "8123", "--config", "my.yaml"]
+    svc.start_local_service(port=8123, config="my.yaml", direct_ingress=False)
+    # direct ingress on unless asked off (the load generator's default route loads it)
+    assert calls[0][-3:] == ["cluster", "up", "--direct-ingress"]
+    assert calls[1][-5:] == ["--port", "8123", "--config", "my.yaml", "--no-direct-ingress"]
     monkeypatch.setattr(svc.subprocess, "Popen", fake_popen("", rc=1))
     with pytest.raises(svc.ServiceError, match="--target"):
         svc.start_local_service()
