@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("down", help="stop what `up` started on this port")
     d.add_argument("--port", type=port(), default=local.DEFAULT_PORT)
     a = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    if a.cmd == "up" and "--direct-ingress" in given and "--no-direct-ingress" in given:
+        u.error("argument --direct-ingress/--no-direct-ingress: give one of them, not both")
     if a.cmd == "up":
         try:   # both are checked before Ray starts
             url = local.up(Path(a.config), a.port, a.address, a.dashboard, a.num_cpus, a.timeout,

@@ -310,7 +310,15 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
     base_url = f"http://{HOST}:{port}"
     health = service_health(base_url)
     if health is not None:
-        log(f"reusing the service at {base_url} (strategies {health['strategies']})")
+        try:
+            running = bool(_get(base_url + "/specload/routes").json().get("direct"))
+        except Exception:  # noqa: BLE001 - a service without the page: no listeners
+            running = False
+        log(f"reusing the service at {base_url} (strategies {health['strategies']}; direct "
+            f"ingress {'on' if running else 'off'})"
+            + ("" if running == direct_ingress else
+               f"; --{'' if direct_ingress else 'no-'}direct-ingress applies to a Ray head "
+               "`cluster up` starts: `python -m cluster down` first to change it"))
         return base_url
     cfg = load_config(Path(config), port)
     if port_in_use(port, HOST):   # nothing specload answers there, yet the port is taken

@@ -53,7 +53,13 @@ _ENGINE_DEFAULT_MAX_WAITING = 1024
 # same), not a loop on a second thread: no cross-thread hand-off per request and per chunk.
 # bench_serve, 4 streams x 64 tokens, 12 waves each, the time from a wave's first send to
 # its first engine step: 21-22.5 -> 16-18 ms (strategy route, 2-core box).
-PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# Over gRPC, a response the proxy receives from a replica is capped at
+# RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH (Ray's default 4 MiB): GET /specload/step_log for
+# one 30 s cell of a busy strategy is ~29 MB, and was answered HTTP 500 RESOURCE_EXHAUSTED
+# (the load generator then recorded no steps). 256 MiB holds the step-log store's whole ring
+# buffer (``step_log_store_capacity``, 100k rows of ~0.7 kB).
+PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 * 1024 * 1024)}
 # The replicas' environment (an application's runtime_env; configs/serve.yaml and
 # serve-vllm.yaml carry the same, tests/test_serve_config.py checks): gRPC handles between
 # ingress and strategy replicas, user code and the request router on the replica's own loop

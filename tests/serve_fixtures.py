@@ -123,15 +123,19 @@ def cluster_up(tmp: Path, strategies: list[dict] | None = None, timeout_s: int =
 def local_service(args: dict):
     """A fresh local Ray (``address="local"``: never one a ``cluster up`` left running, 2
     CPUs, metrics exported every second) and ``args`` deployed as the one application
-    ``specload`` at ``/`` on a free 127.0.0.1 port. Yields (base_url, metrics_url); shuts
+    ``specload`` at ``/`` on a free 127.0.0.1 port, its Serve proxy with ``cluster up``'s
+    environment (``PROXY_ENV``: gRPC to the replicas). Yields (base_url, metrics_url); shuts
     Serve and Ray down after."""
     import ray
     from ray import serve
 
     from actors.serve.app import run_applications
     from configs.net import free_port
+    from configs.serve_config import PROXY_ENV
 
     metrics_port = free_port()
+    saved = {k: os.environ.get(k) for k in PROXY_ENV}
+    os.environ.update(PROXY_ENV)   # the local Ray's processes (its proxy) inherit it at start
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
@@ -143,3 +147,8 @@ def local_service(args: dict):
     finally:
         serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

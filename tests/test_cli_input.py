@@ -69,6 +69,8 @@ def _run(*cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--strategies", "ngram,autoregressive,ngram"], "--strategies", "ngram named twice"),
     (["--consistency-dtype", "fp8"], "--consistency-dtype", "invalid choice"),
     (["--consistency-tie-tolerance", "-1"], "--consistency-tie-tolerance", ">= 0"),
+    (["--route", "direct", "--model", "x"], "--route direct", "do not combine"),   # before any start
+    (["--route", "strategy", "--model", "x"], "--route strategy", "do not combine"),
 ])
 def test_loadgen_bad_flag(capsys, extra, flag, text):
     from loadgen.cli.args import parse_args
@@ -176,6 +178,8 @@ def test_cluster_bad_flags(capsys, tmp_path):
     _exit2(capsys, _cluster, ["up", "--port", "70000"], "--port")
     _exit2(capsys, _cluster, ["down", "--port", "0"], "--port")
     _exit2(capsys, _cluster, ["up", "--timeout", "inf"], "--timeout")
+    _exit2(capsys, _cluster, ["up", "--direct-ingress", "--no-direct-ingress", "--port", port],
+           "--direct-ingress/--no-direct-ingress")
     _exit2(capsys, _cluster, ["up", "--config", "/nonexistent.yaml", "--port", port], "--config")
     _exit2(capsys, _cluster, ["up", "--config", str(tmp_path), "--port", port], "--config")
     bad = tmp_path / "bad.yaml"

@@ -227,7 +227,8 @@ def test_direct_route_falls_back_to_the_proxy_route_when_the_listener_is_gone(tm
     """--route auto against a target listing a replica listener (``direct``) loads the
     listener; when it dies mid-cell (SIGKILL of its process: the replica's port closes),
     each user's next request is refused there and resent at once on the strategy's route
-    through the target, where the rest of the cell runs; rows say which route served them.
+    through the target, where the rest of the cell runs; rows say which route served them,
+    the cell's warning and the manifest say that it happened and where later cells go.
     Only requests in flight at the kill are lost."""
     listener, direct_url = _fake_listener("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10")
     try:
@@ -255,10 +256,15 @@ def test_direct_route_falls_back_to_the_proxy_route_when_the_listener_is_gone(tm
             listener.kill()
     assert on_listener >= 6
     run_dir = _run_dir(tmp_path / "res")
+    df = pd.read_parquet(run_dir / "requests.parquet")
+    # the cell says so; the listener, still listed but dead, is left for the proxy's route
+    flat = " ".join(out.split())
+    assert "resent on the Serve proxy's route" in flat and "the next cells take the proxy's route" in flat, out
     man = json.loads((run_dir / "manifest.json").read_text())
     assert man["routes"] == {"autoregressive": {
-        "route": "direct", "base_url": direct_url + "/strategies/autoregressive"}}
-    df = pd.read_parquet(run_dir / "requests.parquet")
+        "route": "strategy", "base_url": url + "/strategies/autoregressive",
+        "replaced_base_urls": [direct_url + "/strategies/autoregressive"],
+        "fallback_requests": int(df[M.REQ_ROUTE].eq("strategy").sum())}}
     ok = df[df[M.REQ_STATUS].eq(M.STATUS_OK)]
     direct, proxied = ok[ok[M.REQ_ROUTE].eq("direct")], ok[ok[M.REQ_ROUTE].eq("strategy")]
     assert len(direct) >= on_listener - 3 and (direct[M.REQ_END_TS] <= t_kill + 0.5).all()

@@ -140,3 +140,43 @@ def test_direct_listeners_leave_out_autoscaling_strategies():
 def test_direct_listeners_of_a_server_without_the_page(bare_server):
     base, _ = bare_server
     assert service.direct_listeners(base) == {}
+
+
+def test_a_failing_step_log_is_an_error_not_an_empty_log(bare_server):
+    """``fetch_step_log``: a target without the route (404) has no step log ([]), but one that
+    answers it with an error (a specload service's HTTP 500) raises StepLogError, and the load
+    generator says so on the console and in the manifest instead of recording "steps: 0"."""
+    import types
+
+    from rich.console import Console
+
+    from loadgen.cli.main import _fetch_steps
+
+    base, _ = bare_server
+    assert service.fetch_step_log(base, "ngram", 0.0) == []
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(500)
+            self.send_header("content-type", "text/plain")
+            self.end_headers()
+            self.wfile.write(b"RESOURCE_EXHAUSTED: Received message larger than max")
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}"
+        with pytest.raises(service.StepLogError, match="HTTP 500: RESOURCE_EXHAUSTED"):
+            service.fetch_step_log(url, "ngram", 0.0)
+        console = Console(record=True, width=300)
+        st = types.SimpleNamespace(target=url, auth=NO_AUTH, console=console, manifest={},
+                                   fetched={}, steps=[])
+        _fetch_steps(st, "ngram", 12.5)
+    finally:
+        srv.shutdown()
+    assert st.steps == [] and st.manifest["step_log_errors"][0]["strategy"] == "ngram"
+    assert "RESOURCE_EXHAUSTED" in st.manifest["step_log_errors"][0]["error"]
+    assert "step rows of ngram since 12.500 are missing" in console.export_text()

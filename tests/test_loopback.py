@@ -196,6 +196,11 @@ def test_cluster_up_listens_on_loopback_only_and_comes_up_again_at_once(tmp_path
         assert first.stdout.strip().splitlines()[-1] == base
         state = json.loads(state_file(port).read_text())
         assert state["started_ray"], state
+        # up again with the other setting: reused as it is, and it says so
+        again = subprocess.run(up + ["--no-direct-ingress"], cwd=REPO, capture_output=True,
+                               text=True, timeout=120)
+        assert again.returncode == 0 and "reusing the service" in again.stderr, again.stderr[-2000:]
+        assert "direct ingress on" in again.stderr and "cluster down` first" in again.stderr
         found = listeners(service_pids(state["ray_pid"]))
         direct = _get(base + "/specload/routes")["direct"]
         direct_answer = _completion(direct["autoregressive"][0]

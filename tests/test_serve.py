@@ -491,6 +491,42 @@ def test_api_key_on_the_service(service, tmp_path):
         serve.delete("keyed")
 
 
+def test_a_long_step_log_passes_the_handle_calls(service):
+    """The Serve proxy receives the ingress's answer over gRPC (``PROXY_ENV``, as ``cluster up``
+    starts it): a cell's step rows far over Ray's 4 MiB default message size (a 30 s cell of a
+    busy strategy is ~29 MB) reach the client whole, not as an HTTP 500 RESOURCE_EXHAUSTED
+    (without PROXY_ENV's RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH this test reads 500)."""
+    import httpx
+    from ray import serve
+
+    from actors.serve.app import STORE_DEPLOYMENT, run_applications
+    from configs.serve_config import REPLICA_ENV
+
+    rt = {"env_vars": dict(REPLICA_ENV)}
+    args = {"strategies": [{"name": "steps", "engine": {"strategy": "autoregressive",
+                                                        "num_speculative_tokens": 0, "max_num_seqs": 2,
+                                                        "max_model_len": 4096, "step_ms": 2},
+                            "ray_actor_options": {"num_cpus": 0.05, "runtime_env": rt}}],
+            "ingress": {"ray_actor_options": {"num_cpus": 0.05, "runtime_env": rt}},
+            "engine_factory": "tests.fake_engine:make_fake_engine"}
+    run_applications(args, name="steps", route_prefix="/steps")
+    try:
+        store = serve.get_deployment_handle(STORE_DEPLOYMENT, "steps")
+        t0 = 2_000_000_000.0
+        pad = "x" * 1000
+        rows = [{mn.STEP_MODEL: "steps", mn.STEP_TS: t0 + i * 1e-3, "pad": pad} for i in range(12_000)]
+        for i in range(0, len(rows), 2000):
+            store.append.remote(rows[i:i + 2000]).result()
+        r = httpx.get(service[0] + "/steps/specload/step_log",
+                      params={"strategy": "steps", "since": t0 - 1}, timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        assert len(r.content) > 2 * 4 * 1024 * 1024
+        got = r.json()["rows"]
+        assert len(got) == 12_000 and got[-1][mn.STEP_TS] == rows[-1][mn.STEP_TS]
+    finally:
+        serve.delete("steps")
+
+
 def test_body_over_the_limit_is_a_413_on_both_routes(client, route):
     """A body over 4 MiB failed between the ingress and the replica (one gRPC message) with
     a plain-text 500; both fronts now answer 413 in OpenAI's shape before any hop."""

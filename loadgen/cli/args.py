@@ -198,6 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line; a bad value exits 2 with a message naming its flag."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model and args.route in (ROUTE_DIRECT, ROUTE_STRATEGY):   # before any service starts
+        parser.error(f"--route {args.route} and --model do not combine: a --model override names "
+                     "the model on the model-field route (<target>/v1/...); drop --model or use "
+                     "--route auto")
     if args.tier is None and not args.sweep:
         parser.error("--tier is required (low, mid, high or all), unless --sweep is given")
     if args.tier is not None:

@@ -2,7 +2,7 @@
 
     python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b] [--repeats K]
     python -m loadgen --sweep [--tier TEMPLATE] [--sweep-max-users N] [--sweep-factor F] ...
-        [--target URL] [--route auto|strategy|model-field] [--model NAME] [--duration SECONDS]
+        [--target URL] [--route auto|direct|strategy|model-field] [--model NAME] [--duration SECONDS]
         [--workers N] [--profile cpu|gpu]
         [--dataset NAME|FILE.jsonl] [--results DIR] [--tiers-file FILE]
 
@@ -616,12 +616,50 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
                               f"in-flight request(s) have no row ({loss['rows_delivered']} rows it sent are "
                               "kept); the cell finished on the other workers")
     s.workers = cell_run.workers   # per Locust worker: node, CPU %, achieved users, rows
+    if plan.route == M.ROUTE_DIRECT:
+        resent = sum(1 for r in cell_run.rows if r.get(M.REQ_ROUTE) == M.ROUTE_STRATEGY)
+        if resent:
+            s.warnings.append(f"{resent} request(s) resent on the Serve proxy's route: the replica's "
+                              f"own listener refused them (replaced or gone){_relisten(st, strategy, resent)}")
     st.summaries.append(s)
     add_speedups(st.summaries)
     progress.done(s)
     for w in s.warnings:
         st.console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}{samp}: {w}", highlight=False)
     return s, cell_t0
+
+
+def _relisten(st: _RunState, strategy: str, resent: int) -> str:
+    """After a cell in which ``strategy``'s listener refused requests: read the target's
+    listeners again and send the next cells to the strategy's new listener (a replaced
+    replica listens on a new port), or to the proxy's route when it has none that answers
+    from here. The manifest's route entry follows (``fallback_requests``: requests resent
+    so far, ``replaced_base_urls``: the listeners left). Returns the clause for the warning."""
+    from loadgen.results.writer import write_manifest
+
+    old = st.prefixes[strategy]
+    proxy = st.fallbacks[strategy]
+    listed = service.direct_listeners(st.target, headers=st.auth.headers, insecure=st.auth.insecure)
+    urls = listed.get(strategy, [])
+    new = urls[0] + proxy if len(urls) == 1 else None
+    if new is None or not service.answers(f"{new}/health", headers=st.auth.headers,
+                                          insecure=st.auth.insecure):
+        new = proxy
+    entry = st.manifest.setdefault("routes", {}).setdefault(strategy, {})
+    if new != old:
+        entry.setdefault("replaced_base_urls", []).append(route_url(st.target, old))
+    st.prefixes[strategy] = new
+    if route_name(new) != M.ROUTE_DIRECT:
+        st.fallbacks.pop(strategy, None)
+    entry.update(route=route_name(new), base_url=route_url(st.target, new),
+                 fallback_requests=entry.get("fallback_requests", 0) + resent)
+    if st.run_dir != Path():
+        write_manifest(st.run_dir / "manifest.json", st.manifest)
+    if new == old:
+        return "; its listener answers again, the next cells keep it"
+    if route_name(new) == M.ROUTE_DIRECT:
+        return f"; the next cells take its new listener {urls[0]}"
+    return "; it lists no listener that answers from here: the next cells take the proxy's route"
 
 
 def _cell_samplings(st: _RunState, tier: str, oc: str) -> list:
@@ -653,9 +691,18 @@ def _record_losses(st: _RunState, runner: Any) -> None:
 
 
 def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
-    """Append the target's step rows of ``strategy`` (served name) newer than ``since``."""
-    rows = service.fetch_step_log(st.target, strategy, since, headers=st.auth.headers,
-                                  insecure=st.auth.insecure)
+    """Append the target's step rows of ``strategy`` (served name) newer than ``since``. A
+    step log that fails to answer is a warning and a manifest entry (``step_log_errors``),
+    never a lost run."""
+    try:
+        rows = service.fetch_step_log(st.target, strategy, since, headers=st.auth.headers,
+                                      insecure=st.auth.insecure)
+    except service.StepLogError as err:
+        st.console.print(f"[yellow]warning[/] step rows of {strategy} since {since:.3f} are "
+                         f"missing: {err}", highlight=False, soft_wrap=True)
+        st.manifest.setdefault("step_log_errors", []).append(
+            {"strategy": strategy, "since": since, "error": str(err)[:500]})
+        return
     if rows:
         st.fetched[strategy] = max(st.fetched.get(strategy, 0.0),
                                    max(r.get(M.STEP_TS, 0.0) for r in rows))

@@ -188,16 +188,28 @@ def answers(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = N
         return False
 
 
+class StepLogError(ServiceError):
+    """A target with a step log answered its query with an error (the rows are lost)."""
+
+
 def fetch_step_log(base_url: str, strategy: str, since_ts: float, timeout_s: float = 30.0,
                    headers: dict[str, str] | None = None, insecure: bool = False) -> list[dict]:
     """Engine step rows (metric_names STEP_*) since ``since_ts`` (unix s); [] when the target has none.
 
-    Only specload's server has ``/specload/step_log``; a 404, a connection error
-    or an unexpected body gives [] (other OpenAI-compatible servers).
+    Only specload's server has ``/specload/step_log``; a 404 or 405, a connection error
+    or an unexpected body gives [] (other OpenAI-compatible servers). Any other HTTP
+    error (a specload service that failed to answer: 5xx, 401) raises StepLogError with
+    the status and the start of the body, so a caller can say that step rows are missing.
     """
     q = urllib.parse.urlencode({"strategy": strategy, "since": f"{since_ts:.6f}"})
+    url = f"{base_url}/specload/step_log?{q}"
     try:
-        data = _get_json(f"{base_url}/specload/step_log?{q}", timeout_s, headers, insecure)
+        data = _get_json(url, timeout_s, headers, insecure)
+    except urllib.error.HTTPError as err:
+        if err.code in (404, 405):
+            return []
+        body = err.read()[:300].decode("utf-8", errors="replace") if err.fp else ""
+        raise StepLogError(f"GET {url} answered HTTP {err.code}: {body}") from None
     except (urllib.error.URLError, OSError, ValueError):
         return []
     rows = data.get("rows") if isinstance(data, dict) else None
