@@ -105,6 +105,25 @@ def test_strategies_skip_discovery(bare_server, models_server):
         _strategies(_args("ngarm"), good, NO_AUTH)   # a misspelt name is still caught when it can be
 
 
+def _answering(answer) -> ThreadingHTTPServer:
+    """A 127.0.0.1 server answering every GET with ``answer()``: (status, content type, body)."""
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            status, ctype, body = answer()
+            self.send_response(status)
+            self.send_header("content-type", ctype)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
 def test_direct_listeners_leave_out_autoscaling_strategies():
     """``GET /specload/routes``: a strategy marked ``autoscaling`` gets no listener for the
     load (Serve's router alone spreads load over the replicas it adds); a target that lists
@@ -114,18 +133,7 @@ def test_direct_listeners_leave_out_autoscaling_strategies():
                          "c": "not a list"},
               "autoscaling": {"a": False, "b": True}}
 
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps(listed).encode())
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = _answering(lambda: (200, "application/json", json.dumps(listed).encode()))
     try:
         base = f"http://127.0.0.1:{srv.server_port}"
         assert service.direct_listeners(base) == {"a": ["http://127.0.0.1:30001"]}
@@ -155,18 +163,8 @@ def test_a_failing_step_log_is_an_error_not_an_empty_log(bare_server):
     base, _ = bare_server
     assert service.fetch_step_log(base, "ngram", 0.0) == []
 
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(500)
-            self.send_header("content-type", "text/plain")
-            self.end_headers()
-            self.wfile.write(b"RESOURCE_EXHAUSTED: Received message larger than max")
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = _answering(lambda: (500, "text/plain",
+                              b"RESOURCE_EXHAUSTED: Received message larger than max"))
     try:
         url = f"http://127.0.0.1:{srv.server_port}"
         with pytest.raises(service.StepLogError, match="HTTP 500: RESOURCE_EXHAUSTED"):
