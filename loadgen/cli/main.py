@@ -270,9 +270,7 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
                   if args.route == ROUTE_DIRECT or (args.route == ROUTE_AUTO and routes
                                                     and not args.model) else None)
         prefixes = choose_routes(args.route, strategies, routes, args.model, direct)
-        # a listener on another node's loopback (or behind a firewall) cannot be reached from here
-        dead = [s for s, p in prefixes.items() if route_name(p) == ROUTE_DIRECT
-                and not service.answers(f"{p}/health", headers=auth.headers, insecure=auth.insecure)]
+        dead = [s for s, p in prefixes.items() if not _reachable(p, auth)]
         if dead and args.route == ROUTE_DIRECT:
             raise service.ServiceError(
                 f"--route direct: the replica listener of {dead} does not answer from here "
@@ -634,16 +632,12 @@ def _relisten(st: _RunState, strategy: str, resent: int) -> str:
     listeners again and send the next cells to the strategy's new listener (a replaced
     replica listens on a new port), or to the proxy's route when it has none that answers
     from here. The manifest's route entry follows (``fallback_requests``: requests resent
-    so far, ``replaced_base_urls``: the listeners left). Returns the clause for the warning."""
-    from loadgen.results.writer import write_manifest
-
-    old = st.prefixes[strategy]
-    proxy = st.fallbacks[strategy]
+    so far, ``replaced_base_urls``: the listeners left; on disk with the cell's record).
+    Returns the clause for the warning."""
+    old, proxy = st.prefixes[strategy], st.fallbacks[strategy]
     listed = service.direct_listeners(st.target, headers=st.auth.headers, insecure=st.auth.insecure)
-    urls = listed.get(strategy, [])
-    new = urls[0] + proxy if len(urls) == 1 else None
-    if new is None or not service.answers(f"{new}/health", headers=st.auth.headers,
-                                          insecure=st.auth.insecure):
+    new = choose_routes(ROUTE_AUTO, [strategy], {strategy: proxy}, direct=listed)[strategy]
+    if not _reachable(new, st.auth):
         new = proxy
     entry = st.manifest.setdefault("routes", {}).setdefault(strategy, {})
     if new != old:
@@ -653,13 +647,18 @@ def _relisten(st: _RunState, strategy: str, resent: int) -> str:
         st.fallbacks.pop(strategy, None)
     entry.update(route=route_name(new), base_url=route_url(st.target, new),
                  fallback_requests=entry.get("fallback_requests", 0) + resent)
-    if st.run_dir != Path():
-        write_manifest(st.run_dir / "manifest.json", st.manifest)
     if new == old:
         return "; its listener answers again, the next cells keep it"
     if route_name(new) == M.ROUTE_DIRECT:
-        return f"; the next cells take its new listener {urls[0]}"
+        return f"; the next cells take its new listener {route_url(st.target, new)}"
     return "; it lists no listener that answers from here: the next cells take the proxy's route"
+
+
+def _reachable(prefix: str | None, auth: Auth) -> bool:
+    """A route prefix the load can take from here: any but a replica listener that does not
+    answer ``/health`` (one on another node's loopback, or behind a firewall)."""
+    return route_name(prefix) != ROUTE_DIRECT or service.answers(
+        f"{prefix}/health", headers=auth.headers, insecure=auth.insecure)
 
 
 def _cell_samplings(st: _RunState, tier: str, oc: str) -> list:

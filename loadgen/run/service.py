@@ -142,15 +142,20 @@ def list_models(base_url: str, timeout_s: float = 10.0, headers: dict[str, str] 
     return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
 
 
-def _listed_routes(base_url: str, key: str, timeout_s: float, headers: dict[str, str] | None,
-                   insecure: bool) -> dict:
-    """``GET /specload/routes``'s ``key`` mapping; {} when the target has none or does not
-    answer (another OpenAI-compatible server)."""
+def _routes_page(base_url: str, timeout_s: float, headers: dict[str, str] | None,
+                 insecure: bool) -> dict:
+    """``GET /specload/routes``; {} when the target has none or does not answer (another
+    OpenAI-compatible server)."""
     try:
         data = _get_json(f"{base_url}/specload/routes", timeout_s, headers, insecure)
     except (urllib.error.URLError, OSError, ValueError):
         return {}
-    listed = data.get(key) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def _listed(page: dict, key: str) -> dict:
+    """One mapping of the routes page ({} when absent or not a mapping)."""
+    listed = page.get(key)
     return listed if isinstance(listed, dict) else {}
 
 
@@ -160,7 +165,7 @@ def strategy_routes(base_url: str, timeout_s: float = 10.0, headers: dict[str, s
     (``GET /specload/routes``: ``/strategies/<name>``, whose ``/v1/completions`` the
     strategy replica serves itself). {} when the target lists none (another
     OpenAI-compatible server, or a specload service deployed as one application)."""
-    routes = _listed_routes(base_url, "routes", timeout_s, headers, insecure)
+    routes = _listed(_routes_page(base_url, timeout_s, headers, insecure), "routes")
     return {str(k): v for k, v in routes.items() if isinstance(v, str) and v.startswith("/")}
 
 
@@ -172,8 +177,8 @@ def direct_listeners(base_url: str, timeout_s: float = 10.0,
     strategy's one-hop route is under each). A strategy the target marks ``autoscaling``
     is left out: Serve may add replicas, and only its router (the proxy's routes) spreads
     load over them. {} when the target lists none."""
-    listed = _listed_routes(base_url, "direct", timeout_s, headers, insecure)
-    scaled = _listed_routes(base_url, "autoscaling", timeout_s, headers, insecure) if listed else {}
+    page = _routes_page(base_url, timeout_s, headers, insecure)
+    listed, scaled = _listed(page, "direct"), _listed(page, "autoscaling")
     return {str(k): [u for u in v if isinstance(u, str) and u.startswith(("http://", "https://"))]
             for k, v in listed.items() if isinstance(v, list) and scaled.get(k) is not True}
 
