@@ -226,10 +226,11 @@ def _fake_listener(*args: str) -> tuple[subprocess.Popen, str]:
 def test_direct_route_falls_back_to_the_proxy_route_when_the_listener_is_gone(tmp_path):
     """--route auto against a target listing a replica listener (``direct``) loads the
     listener; when it dies mid-cell (SIGKILL of its process: the replica's port closes),
-    each user's next request is refused there and resent at once on the strategy's route
-    through the target, where the rest of the cell runs; rows say which route served them,
-    the cell's warning and the manifest say that it happened and where later cells go.
-    Only requests in flight at the kill are lost."""
+    each user whose connection fails there takes the strategy's route through the target
+    for the rest of the cell; rows say which route served them, the cell's warning and the
+    manifest say that it happened and where later cells go. Only requests in flight at the
+    kill are lost: at most one per user (a dying process may still accept a connection it
+    never answers, so a user that failed once never tries the listener again in the cell)."""
     listener, direct_url = _fake_listener("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10")
     try:
         with fake_server.running("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10",
@@ -259,7 +260,7 @@ def test_direct_route_falls_back_to_the_proxy_route_when_the_listener_is_gone(tm
     df = pd.read_parquet(run_dir / "requests.parquet")
     # the cell says so; the listener, still listed but dead, is left for the proxy's route
     flat = " ".join(out.split())
-    assert "resent on the Serve proxy's route" in flat and "the next cells take the proxy's route" in flat, out
+    assert "went by the Serve proxy's route" in flat and "the next cells take the proxy's route" in flat, out
     man = json.loads((run_dir / "manifest.json").read_text())
     assert man["routes"] == {"autoregressive": {
         "route": "strategy", "base_url": url + "/strategies/autoregressive",
@@ -278,6 +279,33 @@ def test_direct_route_falls_back_to_the_proxy_route_when_the_listener_is_gone(tm
     assert set(df[M.REQ_ROUTE]) <= {"direct", "strategy"}
     print(f"\nFIGURES direct fallback: {len(direct)} ok on the listener, {len(lost)} lost at the "
           f"kill ({lost[M.REQ_STATUS].value_counts().to_dict()}), {len(proxied)} ok on the proxy route")
+
+
+def test_direct_route_resends_refused_requests_on_the_proxy_route(tmp_path):
+    """A listener that drains (stops listening at its 6th request and closes each connection
+    after its response, as a replica shutting down does) loses nothing: every user's next
+    request meets a refused connection, nothing was sent, so it is resent at once on the
+    strategy's route through the target; its latency counts from the first send."""
+    listener, direct_url = _fake_listener("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10",
+                                          "--drain-after", "6")
+    try:
+        with fake_server.running("--strategy-routes", "--ttft-ms", "20", "--gap-ms", "10",
+                                 "--direct-listener", direct_url) as url:
+            tiers = _tiers(tmp_path, {"users": 3, "duration_s": 4, "max_tokens": 12})
+            p = subprocess.run(_cmd(url, tiers, tmp_path / "res", "--output", "short", "--consistency", "0"),
+                               capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+            truth = _truth(url)
+    finally:
+        listener.kill()
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
+    assert df[M.REQ_STATUS].eq(M.STATUS_OK).all(), df[M.REQ_STATUS].value_counts()
+    direct, proxied = df[df[M.REQ_ROUTE].eq("direct")], df[df[M.REQ_ROUTE].eq("strategy")]
+    # the 6th request and those in flight with it finish on the listener, one per user at most after it
+    assert 6 <= len(direct) <= 6 + 2 * 3 and len(proxied) >= 10
+    # no row failed, so every user that left the listener did so by a refused (resent) request
+    assert len(truth) == len(proxied)
+    assert "went by the Serve proxy's route" in " ".join(p.stdout.split())
 
 
 @pytest.mark.parametrize("sig, name", [(signal.SIGINT, "ctrl-c"), (signal.SIGTERM, "timeout")])

@@ -615,10 +615,11 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
                               "kept); the cell finished on the other workers")
     s.workers = cell_run.workers   # per Locust worker: node, CPU %, achieved users, rows
     if plan.route == M.ROUTE_DIRECT:
-        resent = sum(1 for r in cell_run.rows if r.get(M.REQ_ROUTE) == M.ROUTE_STRATEGY)
-        if resent:
-            s.warnings.append(f"{resent} request(s) resent on the Serve proxy's route: the replica's "
-                              f"own listener refused them (replaced or gone){_relisten(st, strategy, resent)}")
+        moved = sum(1 for r in cell_run.rows if r.get(M.REQ_ROUTE) == M.ROUTE_STRATEGY)
+        if moved:
+            s.warnings.append(f"{moved} request(s) went by the Serve proxy's route: the replica's own listener "
+                              "refused or dropped connections (replaced or gone)"
+                              f"{_relisten(st, strategy, moved)}")
     st.summaries.append(s)
     add_speedups(st.summaries)
     progress.done(s)
@@ -627,12 +628,13 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     return s, cell_t0
 
 
-def _relisten(st: _RunState, strategy: str, resent: int) -> str:
-    """After a cell in which ``strategy``'s listener refused requests: read the target's
+def _relisten(st: _RunState, strategy: str, moved: int) -> str:
+    """After a cell in which ``strategy``'s listener failed (its users moved to the proxy's
+    route, ``moved`` requests went there): read the target's
     listeners again and send the next cells to the strategy's new listener (a replaced
     replica listens on a new port), or to the proxy's route when it has none that answers
-    from here. The manifest's route entry follows (``fallback_requests``: requests resent
-    so far, ``replaced_base_urls``: the listeners left; on disk with the cell's record).
+    from here. The manifest's route entry follows (``fallback_requests``: requests that went
+    by the proxy's route so far, ``replaced_base_urls``: the listeners left; on disk with the cell's record).
     Returns the clause for the warning."""
     old, proxy = st.prefixes[strategy], st.fallbacks[strategy]
     listed = service.direct_listeners(st.target, headers=st.auth.headers, insecure=st.auth.insecure)
@@ -646,7 +648,7 @@ def _relisten(st: _RunState, strategy: str, resent: int) -> str:
     if route_name(new) != M.ROUTE_DIRECT:
         st.fallbacks.pop(strategy, None)
     entry.update(route=route_name(new), base_url=route_url(st.target, new),
-                 fallback_requests=entry.get("fallback_requests", 0) + resent)
+                 fallback_requests=entry.get("fallback_requests", 0) + moved)
     if new == old:
         return "; its listener answers again, the next cells keep it"
     if route_name(new) == M.ROUTE_DIRECT:

@@ -6,7 +6,8 @@ arrives); the response time never stops at the headers. Every outcome is a
 row: ``ok``, ``error`` (HTTP status or an error object in the stream), ``replica_lost``
 (the error code says the replica serving it died),
 ``timeout`` (whole-request client timeout; a refused connection is an ``error`` row
-marked under ``REFUSED_KEY``), ``disconnected`` (stream closed
+marked under ``REFUSED_KEY``; every failure of the connection itself, refused or
+not, under ``CONNECTION_LOST_KEY``), ``disconnected`` (stream closed
 before ``[DONE]``/finish), ``rejected`` (HTTP 429: the server shed the request;
 its ``Retry-After`` is returned under ``RETRY_AFTER_KEY`` for the retry policy)
 or ``cancelled`` (the cell was stopped mid-request).
@@ -30,6 +31,8 @@ from loadgen.run.timing import SSEParser, StreamRecorder
 COMPLETIONS_PATH = "/v1/completions"
 RETRY_AFTER_KEY = "_retry_after_s"   # in a rejected row's fields: the server's Retry-After, seconds (None: absent)
 REFUSED_KEY = "_refused"   # in an error row's fields: True when the connection was refused (nothing sent)
+CONNECTION_LOST_KEY = "_connection_lost"   # in a row's fields: True when the connection failed (refused,
+#   reset, closed before or during the response): the server behind it may be gone
 
 
 def make_http_client(base_url: str, timeout_s: float, headers: dict[str, str] | None = None,
@@ -114,6 +117,7 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
     except Exception as err:  # connection refused/reset, closed mid-stream, ...
         status = M.STATUS_DISCONNECTED if rec.chunk_ts else M.STATUS_ERROR
         row = rec.row(time.time(), status, f"{type(err).__name__}: {err}"[:500])
+        row[CONNECTION_LOST_KEY] = True
         if isinstance(err, ConnectionRefusedError) and resp is None:
             row[REFUSED_KEY] = True   # no server took the request: safe to send it elsewhere
         return row, False

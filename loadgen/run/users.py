@@ -22,7 +22,7 @@ from locust import User, constant, task
 
 from configs import metric_names as M
 from loadgen.run.cells import CellPlan, Dispenser, Job, retry_delay_s
-from loadgen.run.client import (COMPLETIONS_PATH, REFUSED_KEY, RETRY_AFTER_KEY, make_http_client, path_prefix,
+from loadgen.run.client import (COMPLETIONS_PATH, CONNECTION_LOST_KEY, REFUSED_KEY, RETRY_AFTER_KEY, make_http_client, path_prefix,
                                 stream_completion)
 
 ROWS_MESSAGE = "specload_rows"   # worker -> master: {"cell_id", "rows", "in_flight", "worker", "ts", "node"}
@@ -140,12 +140,16 @@ class CompletionUser(User):
                 if not conn_ok:
                     http.close()
                     self._http = None
-                if fields.pop(REFUSED_KEY, False) and plan.fallback_url and base != plan.fallback_url:
-                    # the replica's own listener refused (nothing was sent: the replica was
-                    # replaced and listens elsewhere, or is gone): resend at once on the Serve
-                    # proxy's route, which finds the live replica; latency counts from the first send
+                refused = fields.pop(REFUSED_KEY, False)
+                if fields.pop(CONNECTION_LOST_KEY, False) and plan.fallback_url and base != plan.fallback_url:
+                    # the replica's own listener failed at the connection level (refused, reset, or
+                    # closed: the replica is gone or going, and a dying process may still accept a
+                    # connection it never answers): this user's next requests take the Serve proxy's
+                    # route, whose router finds the live replica
                     self._fallback_cell = plan.cell_id
-                    continue
+                    if refused:
+                        # nothing was sent: resend at once; latency counts from the first send
+                        continue
                 retry_after = fields.pop(RETRY_AFTER_KEY, None)
                 if fields[M.REQ_STATUS] != M.STATUS_REJECTED or retries >= plan.max_retries:
                     break

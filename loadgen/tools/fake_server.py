@@ -12,6 +12,10 @@ re-tokenising it would give a different count than ``usage`` (on purpose).
 
 Test hooks: ``--fail-every K`` answers every K-th request with HTTP 500;
 ``--disconnect-every K`` drops every K-th stream after two chunks;
+``--drain-after N`` drains like a replica being shut down: when the N-th completion
+arrives the server stops listening (new connections are refused) and every response
+from then on closes its connection when it ends, so a keep-alive client's next request
+meets a refused connection;
 ``POST /fake/stall?s=S`` holds every write for S seconds; ``GET /fake/timings``
 returns the server-side truth per request keyed by ``"<model>:<seed>"``:
 receive, first-content-write and end times (unix s). ``/v1/models`` and
@@ -61,7 +65,7 @@ class FakeServer:
                  fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
                  prompt_tokens: int = 17, api_key: str | None = None,
                  strategy_routes: bool = False, model_gap_ms: dict[str, float] | None = None,
-                 jitter_ms: float = 0.0, direct_listener: str = "") -> None:
+                 jitter_ms: float = 0.0, direct_listener: str = "", drain_after: int = 0) -> None:
         self.ttft_s = ttft_ms / 1000.0
         self.gap_s = gap_ms / 1000.0
         self.model_gap_s = {m: g / 1000.0 for m, g in (model_gap_ms or {}).items()}
@@ -81,6 +85,8 @@ class FakeServer:
         self.api_key = api_key
         self.strategy_routes = strategy_routes
         self.direct_listener = direct_listener
+        self.drain_after = drain_after
+        self.listening: asyncio.AbstractServer | None = None   # set by _serve; closed on drain
         self.auth = {"accepted": 0, "rejected": 0, "x_headers": {}}
 
     @web.middleware
@@ -123,6 +129,10 @@ class FakeServer:
             self.truth[key] = {"recv_ts": recv, "status": "error"}
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if self.drain_after and k >= self.drain_after:
+            if self.listening is not None and self.listening.is_serving():
+                self.listening.close()   # stop accepting; open connections finish their request
+            resp.force_close()           # Connection: close
         await resp.prepare(request)
         self.in_flight += 1
         try:
@@ -233,6 +243,7 @@ async def _serve(server: FakeServer, host: str, port: int, tls: tuple[str, str] 
         ctx.load_cert_chain(*tls)
     site = web.TCPSite(runner, host, port, backlog=1024, ssl_context=ctx)
     await site.start()
+    server.listening = site._server  # type: ignore[assignment]
     actual = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     print(f"{'https' if tls else 'http'}://{host}:{actual}", flush=True)
     await asyncio.Event().wait()
@@ -289,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--direct-listener", default="",
                     help="with --strategy-routes: list this URL as every model's replica "
                          "listener (GET /specload/routes direct)")
+    ap.add_argument("--drain-after", type=int, default=0,
+                    help="at the N-th completion stop listening and close each connection after its "
+                         "response (a replica shutting down)")
     ap.add_argument("--model-gap-ms", default="", help="per-model chunk gap, 'model=ms,model=ms' "
                     "(others: --gap-ms)")
     ap.add_argument("--jitter-ms", type=float, default=0.0,
@@ -301,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                      strategy_routes=a.strategy_routes,
                      model_gap_ms={k.strip(): float(v) for k, v in
                                    (p.split("=", 1) for p in a.model_gap_ms.split(",") if p.strip())},
-                     jitter_ms=a.jitter_ms, direct_listener=a.direct_listener)
+                     jitter_ms=a.jitter_ms, direct_listener=a.direct_listener,
+                     drain_after=a.drain_after)
     try:
         asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
     except KeyboardInterrupt:
