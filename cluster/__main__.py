@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                         "strategy replica also answers HTTP on a port of its own (from 30000 up, "
                         "on the config's http_options host), listed by GET /specload/routes; "
                         "python -m loadgen's default route loads them (no Serve proxy in the "
-                        "path) and falls back to the proxy's route when one refuses")
+                        "path) and falls back to the proxy's route when one refuses or drops a "
+                        "connection")
     d = sub.add_parser("down", help="stop what `up` started on this port")
     d.add_argument("--port", type=port(), default=local.DEFAULT_PORT)
     a = p.parse_args(argv)

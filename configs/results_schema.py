@@ -32,7 +32,7 @@ Versions (``SCHEMA_VERSION``):
      sampling setting (``analysis.data.load``).
   7: request column ``route`` (the HTTP route each request was sent on: the
      load generator's default route is the replica's own listener, with the
-     Serve proxy's route as the fallback of a refused connection).
+     Serve proxy's route as the fallback when a listener refuses or drops a connection).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_MIN_TOKENS, "int32", "tokens", "min_tokens sent; null when not sent"),
     _c(M.REQ_ROUTE, "string", doc="HTTP route the request was sent on: direct (its replica's own "
        "listener, Serve's direct ingress), strategy (its one-hop route through the Serve proxy; "
-       "also a request a direct listener refused, resent there) or model-field; null: runs "
+       "also a user's requests after its direct listener refused or dropped its connection, "
+       "a refused one resent there) or model-field; null: runs "
        "before schema 7"),
 )
 

@@ -72,7 +72,8 @@ PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_
 # the path: no proxy CPU per streamed chunk, no call back to the proxy for the request
 # body. The proxy's routes stay. ``GET /specload/routes`` lists those listeners
 # (``direct``) and ``python -m loadgen``'s default route loads them, falling back to the
-# proxy's route for a request a listener refuses (a replaced replica's new port).
+# proxy's route for a user whose listener refuses or drops its connection (a replaced
+# replica's new port).
 # bench_serve, 64 tokens, medians of 3, quiet 2-core box, 2026-12-03: served / direct
 # 0.976 (4 streams) and 0.980 (16) against 0.861 / 0.899 through the proxy in the same
 # run. A replica's graceful stop waits Serve's direct-ingress draining period (for

@@ -103,8 +103,8 @@ def _add_target_flags(ap: argparse.ArgumentParser) -> None:
                          "a second Ray hop); model-field = <target>/v1/... with the model field "
                          "(through the ingress); auto (default) = per strategy direct when the target "
                          "lists one replica listener for it that answers from here (GET "
-                         "/specload/routes), falling back to its proxy route for a request the "
-                         "listener refuses (a replaced replica), else strategy when listed, else "
+                         "/specload/routes), a user moving to its proxy route when the listener "
+                         "refuses or drops its connection (a replaced replica), else strategy when listed, else "
                          "model-field. manifest.json routes records the choice per strategy, the "
                          "request rows' route column the route each request was answered on")
     ap.add_argument("--duration", type=number(gt=0), default=None, help="override every cell's duration_s, seconds")

@@ -234,7 +234,7 @@ class _RunState:
     strategies: list[str]
     auth: Auth
     prefixes: dict[str, str | None]   # strategy -> one-hop route path (None: the model field)
-    fallbacks: dict[str, str]   # strategy on the direct route -> its proxy route path (a refused listener)
+    fallbacks: dict[str, str]   # strategy on the direct route -> its proxy route path (its listener failed)
     tiers: list[str]
     outputs: list[str]
     levels: list[int]

@@ -53,9 +53,9 @@ class CellPlan:
     ignore_eos: bool = False       # output class fixes lengths: sent as ignore_eos (vLLM's field)
     min_tokens: int | None = None  # sent as min_tokens (capped at the request's max_tokens); None: not sent
     route: str = ""                # base_url's route kind (direct | strategy | model-field; column `route`)
-    # direct route: the strategy's route through the Serve proxy. A connection the replica's
-    # listener refuses (nothing was sent: the replica was replaced and listens elsewhere, or
-    # is gone) resends the request there, and that user stays on it for the rest of the cell
+    # direct route: the strategy's route through the Serve proxy. A user whose connection the
+    # replica's listener refuses or drops (the replica was replaced and listens elsewhere, or is
+    # gone) stays on it for the rest of the cell; a refused request (nothing sent) is resent there
     fallback_url: str = ""
 
     def __repr__(self) -> str:  # headers may hold credentials: never in a log line or traceback

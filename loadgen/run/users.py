@@ -95,7 +95,7 @@ class CompletionUser(User):
 
     def _base_url(self, plan: CellPlan) -> str:
         """Where this user sends in this cell: the plan's URL, or its fallback once the
-        plan's direct listener refused a connection in this cell."""
+        plan's direct listener failed this user's connection in this cell."""
         return plan.fallback_url if self._fallback_cell == plan.cell_id else plan.base_url
 
     def _client(self, plan: CellPlan, base_url: str):
