@@ -340,8 +340,10 @@ def test_node_loss_mid_run(cluster, tmp_path):
     assert (ok[mn.REQ_END_TS] < kill_ts).sum() > 0
     _wait_ready(url, [strategy], 180)
     assert _replica_nodes(c).get(strategy) == [survivor.node_id]
-    # requests lost to the node: their own status, all ending after the kill
-    assert len(lost_replica) > 0, by
+    # requests lost to the node: their own status, all ending after the kill. Most runs lose
+    # the 2-4 requests in flight when the replica's process goes (~2.5 s after its raylet);
+    # none is lost when the replica finished them first (seen once, in a suite run beside
+    # another test worker), and then the outage table and the report have no row to check
     assert (lost_replica[mn.REQ_END_TS] >= kill_ts - 0.5).all()
     # requests sent while no replica was up wait in Serve's queue for the new one, or time out
     assert set(by) <= {mn.STATUS_OK, mn.STATUS_REPLICA_LOST, mn.STATUS_TIMEOUT, mn.STATUS_CANCELLED}, by
@@ -354,15 +356,20 @@ def test_node_loss_mid_run(cluster, tmp_path):
     assert by_index[lost["worker_index"]]["ray_node_id"] == victim_id and by_index[lost["worker_index"]]["lost"]
     alive = [w for w in cell["workers"] if not w["lost"]]
     assert len(alive) == 2 and all(w["ray_node_id"] != victim_id for w in alive)
-    # the report shows the window of lost requests
-    section = _report_section(run, tmp_path / "report")
-    assert strategy in section, section
-    out = _outage(df, strategy)
     after_ok = ok[ok[mn.REQ_SENT_TS] > kill_ts]
+    assert len(after_ok) > 0   # the load went on, on the replica Serve started on the survivor
+    outage = "none lost"
+    if len(lost_replica):
+        out = _outage(df, strategy)
+        assert out["n_failed"] >= len(lost_replica) and out["recovered"], out
+        # the report shows the window of lost requests
+        section = _report_section(run, tmp_path / "report")
+        assert strategy in section, section
+        outage = (f"failed {out['n_failed']}, outage {out['outage_s']:.1f} s "
+                  f"(+{out['outage_start_ts'] - kill_ts:.1f}..+{out['outage_end_ts'] - kill_ts:.1f} s "
+                  f"after the kill, recovered {out['recovered']})")
     print(f"node loss: killed {victim} raylet at +{kill_ts - t_start:.1f} s; replica ALIVE on "
-          f"{survivor.name} after {moved_ts - kill_ts:.1f} s; statuses {by}; failed {out['n_failed']}, "
-          f"outage {out['outage_s']:.1f} s (+{out['outage_start_ts'] - kill_ts:.1f}.."
-          f"+{out['outage_end_ts'] - kill_ts:.1f} s after the kill, recovered {out['recovered']}); "
+          f"{survivor.name} after {moved_ts - kill_ts:.1f} s; statuses {by}; {outage}; "
           f"load worker lost with {lost['in_flight_at_last_report']} in flight, detected "
           f"{lost['lost_ts'] - kill_ts:.1f} s after the kill; ok sent after the kill: {len(after_ok)}")
 
