@@ -1,4 +1,4 @@
-"""``python -m analysis {report,plan,backtest,policy}``.
+"""``python -m analysis {report,plan,backtest,policy,surface}``.
 
 Exit codes: 0 ok; 2 usage error or missing / empty results directory (the
 message names the flag or the directory); 3 (``EXIT_DEGRADED``) when
@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gpu-memory-utilization", default="0.9", help="share of GPU memory weights + KV cache may use (default 0.9)")
     q.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE", type=output_file(),
                    help="print the plan as JSON; with --validate, write the validation JSON to FILE")
+    q.add_argument("--acceptance-length", default=None, metavar="A",
+                   help="plan for a drafter of this acceptance length (tokens per verify step, the "
+                        "target's own counted; 1..k+1) with the measured step costs: goodput and "
+                        "replicas per speculative strategy as if it accepted A; with --validate the "
+                        "forced deployment (rejection_sample_method: synthetic) is run at A and "
+                        "predicted vs measured printed")
     q.add_argument("--validate", action="store_true",
                    help="deploy the planned replicas of the chosen strategy, drive Poisson arrivals at "
                         "--qps, report SLO attainment with N and N-1 replicas (analysis/decide/validate.py)")
@@ -82,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cluster-yaml", default=None, type=existing_file(),
                    help="cluster launcher YAML whose min/max_workers the plan is checked against "
                         "(default cluster/cluster.yaml)")
+    s = sub.add_parser("surface", help="speedup over forced acceptance length, k and users; the "
+                       "break-even acceptance length (a run with loadgen --acceptance-length)")
+    s.add_argument("results_dir", help="a run directory with synthetic deployments (<strategy>[-k<K>]-al<A>)")
+    s.add_argument("--out", type=output_dir(), default=None,
+                   help="where surface.csv, break_even.csv, best_k.csv and surface.png go "
+                        "(default RESULTS_DIR)")
+    s.add_argument("--drafters", type=existing_path(), default=None, metavar="RUN",
+                   help="another run whose real deployments (and prompt categories) are marked "
+                        "against the break-even (default: this run's own)")
+    s.add_argument("--confidence", type=number(gt=0.5, le=0.999), default=0.9,
+                   help="central interval of the speedup and the acceptance lengths (default 0.9)")
+    s.add_argument("--seed", type=number(int, ge=0), default=0, help="bootstrap seed (default 0)")
     b = sub.add_parser("backtest", help="fit on the lower users levels, predict the highest")
     b.add_argument("results_dir", help="a run directory (or a parent of several)")
     b.add_argument("--json", dest="json_file", type=output_file(parent_must_exist=False), help="write the backtest as JSON to this file")
@@ -184,6 +202,10 @@ def _plan_errors(args) -> list[str]:
     _number(errors, args, "overhead_ms", positive=False)
     _number(errors, args, "validate_warmup", positive=False)
     _number(errors, args, "max_batch", kind=int)
+    _number(errors, args, "acceptance_length")
+    if isinstance(args.acceptance_length, float) and args.acceptance_length < 1:
+        errors.append(f"--acceptance-length must be >= 1 (the target's own token counts), got "
+                      f"{args.acceptance_length:g}")
     if args.gpu and args.model_params is None and args.cost_curve is None and args.model_shape is None:
         errors.append("--gpu needs --model-params (target parameters, e.g. 8e9), --model-shape "
                       "or --cost-curve")
@@ -232,7 +254,8 @@ def _plan(args, parser) -> int:
                    gpu=args.gpu, model_params=args.model_params, cost_curve=args.cost_curve,
                    attainment=args.attainment, overhead_ms=args.overhead_ms,
                    max_batch=args.max_batch, model_shape=args.model_shape,
-                   gpu_memory_utilization=args.gpu_memory_utilization, slo_source=args.slo_source)
+                   gpu_memory_utilization=args.gpu_memory_utilization, slo_source=args.slo_source,
+                   acceptance_length=args.acceptance_length)
     except ValueError as exc:
         if isinstance(exc, ResultsError):
             raise
@@ -252,9 +275,11 @@ def _plan(args, parser) -> int:
         print(f"  - {a}")
     _print_table(f"plan (step cost model + queue): {args.qps:g} req/s, tier {args.tier}",
                  out["model"],
-                 ["strategy", "output_class", "capacity_rps", "saturation_rps", "replicas",
-                  "predicted_attainment", "predicted_attainment_minus_one", "mean_in_system",
-                  "measured_users_max", "tpot_ms", "ttft_ms_p50", "note"])
+                 ["strategy", "output_class"]
+                 + (["acceptance_length", "measured_acceptance_length"] if args.acceptance_length else [])
+                 + ["capacity_rps", "saturation_rps", "replicas", "goodput_tok_s",
+                    "predicted_attainment", "predicted_attainment_minus_one", "mean_in_system",
+                    "measured_users_max", "tpot_ms", "ttft_ms_p50", "note"])
     if out.get("memory"):
         _print_table("KV-cache memory per replica", out["memory"],
                      ["strategy", "output_class", "context_tokens", "weight_bytes",
@@ -287,12 +312,15 @@ def _validate(args, out: dict, parser) -> int:
                                          source=args.slo_source),
         args.attainment, va.run_max_tokens(manifest, args.tier, choice.output_class),
         Path(args.validate_results or Path(args.results_dir) / "validate"),
-        duration_s=args.validate_duration, warmup_s=args.validate_warmup)
+        duration_s=args.validate_duration, warmup_s=args.validate_warmup,
+        acceptance_length=args.acceptance_length)
     row = next(r for r in out["model"] if r["strategy"] == choice.strategy
                and r["output_class"] == choice.output_class)
     res["predicted"] = {"attainment": row["predicted_attainment"],
                         "attainment_minus_one": row["predicted_attainment_minus_one"],
-                        "capacity_rps": row["capacity_rps"], "extrapolated": row["extrapolated"]}
+                        "capacity_rps": row["capacity_rps"], "extrapolated": row["extrapolated"],
+                        "goodput_tok_s": row.get("goodput_tok_s"),
+                        "acceptance_length": row.get("acceptance_length")}
     def pct(v):
         return "not measured (deploy failed)" if v is None else f"{v:.1%}"
     verdict = {True: "HOLDS", False: "FAILS", None: "UNKNOWN"}[res["holds"]]
@@ -301,12 +329,24 @@ def _validate(args, out: dict, parser) -> int:
     print(f"plan {verdict}: {res['strategy']} x {res['replicas']} at {res['qps']:g} req/s: SLO "
           f"attainment {pct(res['attainment'])} (target {res['slo_target']:.0%}); with "
           f"{res['replicas'] - 1}: {pct(res['attainment_minus_one'])} ({tight})")
+    got = (res.get("goodput_tok_s") or {}).get(str(res["replicas"]))
+    al = (res.get("measured_acceptance_length") or {}).get(str(res["replicas"]))
+    pred = res["predicted"]
+    print(f"predicted vs measured at {res['replicas']} replica(s): goodput "
+          f"{_fmt(pred.get('goodput_tok_s'))} vs {_fmt(got)} tok/s; SLO attainment "
+          f"{pct(pred['attainment'])} vs {pct(res['attainment'])}"
+          + (f"; acceptance length set {args.acceptance_length:g}, measured {_fmt(al)}"
+             if args.acceptance_length else ""))
     if args.json and args.json != "-":
         write_json(args.json, res)
         print(f"json: {args.json}")
     elif args.json == "-":
         print(dumps(res, indent=2))
     return 0
+
+
+def _fmt(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3g}"
 
 
 def _emit(args, out: dict, parser) -> dict:
@@ -329,6 +369,57 @@ def _emit(args, out: dict, parser) -> dict:
     return {"path": str(path), "replicas": sp.planned_replicas(out), "cluster_fit": fit}
 
 
+def _surface(args, parser) -> int:
+    """``python -m analysis surface RUN``: print the surface, break-even and best k; write
+    them as CSV and the plot as PNG."""
+    from pathlib import Path
+
+    from analysis.data.load import load_results
+    from analysis.decide import surface as sf
+    from analysis.report.render import records
+    from analysis.report.surface_section import surface_figure
+
+    results = load_results(args.results_dir)
+    drafters = load_results(args.drafters) if args.drafters else None
+    t = sf.analyse_surface(results, confidence=args.confidence, seed=args.seed, drafters=drafters)
+    if t["surface"].empty:
+        parser.error(f"{args.results_dir}: no synthetic deployments (<strategy>[-k<K>]-al<A>); "
+                     "measure them with python -m loadgen ... --acceptance-length A[,A...]")
+    out = Path(args.out or args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"surface": out / sf.SURFACE_FILE, "break_even": out / sf.BREAK_EVEN_FILE,
+             "best_k": out / sf.BEST_K_FILE}
+    for name, path in paths.items():
+        t[name].to_csv(path, index=False)
+    over = ", ".join(sorted(t["surface"]["interval_over"].unique()))
+    _print_table(f"speedup vs autoregressive ({args.confidence:.0%} interval over {over})",
+                 records(t["surface"]), ["base_strategy", "output_class", "sampling", "users", "k",
+                                         sf.A, sf.A_MEASURED, "speedup", "speedup_lo", "speedup_hi",
+                                         "interval_over", "n_requests"])
+    _print_table("break-even acceptance length (speedup 1.0, linear interpolation)",
+                 records(t["break_even"]), ["base_strategy", "output_class", "sampling", "users",
+                                            "k", "break_even_acceptance_length", "break_even_lo",
+                                            "break_even_hi", "verdict"])
+    _print_table("best k per users and acceptance length", records(t["best_k"]),
+                 ["base_strategy", "output_class", "sampling", "users", sf.A, "best_k", "speedup",
+                  "ks_measured"])
+    if not t["stand"].empty:
+        _print_table("where each drafter stands (gap = measured - break-even)", records(t["stand"]),
+                     ["strategy", "output_class", "sampling", "users", "k", "acceptance_length",
+                      "speedup", "break_even_acceptance_length", "gap"])
+    if not t["categories"].empty:
+        _print_table(f"acceptance length per category ({args.confidence:.0%} interval over requests)",
+                     records(t["categories"]), ["strategy", "k", "sampling", "category",
+                                                "n_requests", "acceptance_length",
+                                                "acceptance_length_lo", "acceptance_length_hi"])
+    png = surface_figure(t)
+    if png:
+        (out / "surface.png").write_bytes(png)
+        paths["plot"] = out / "surface.png"
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     """The subcommand's own parser (its errors then read ``python -m analysis NAME: error``)."""
     for action in parser._subparsers._group_actions:   # noqa: SLF001  (argparse keeps them here)
@@ -346,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "backtest":
             from analysis.backtest_cli import run_backtest
             return run_backtest(args, parser, _print_table)
+        if args.command == "surface":
+            return _surface(args, _subparser(parser, "surface"))
         if args.command == "policy":
             from analysis.policy_cli import run_policy
             return run_policy(args, _subparser(parser, "policy"), _print_table)

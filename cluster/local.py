@@ -249,6 +249,90 @@ def app_errors(dashboard: str) -> str | None:
     return None
 
 
+def replica_resources(cfg: dict) -> dict[str, dict[str, float]]:
+    """What one replica of each deployment asks of a node: {deployment: {resource: amount}}
+    (Ray's names: CPU, GPU, memory, custom), from every ``build_app`` application's
+    strategies and ingress, and any other application's ``deployments``."""
+    from configs.serve_config import ServeAppConfig
+
+    def need(opts: dict, default_cpus: float) -> dict[str, float]:
+        out = {"CPU": float(opts.get("num_cpus", default_cpus) or 0.0),
+               "GPU": float(opts.get("num_gpus", 0.0) or 0.0),
+               "memory": float(opts.get("memory") or 0.0),
+               **{k: float(v) for k, v in (opts.get("resources") or {}).items()}}
+        return {k: v for k, v in out.items() if v > 0}
+
+    out: dict[str, dict[str, float]] = {}
+    for app in cfg.get("applications") or []:
+        if app.get("import_path") == "actors.serve.app:build_app":
+            args = ServeAppConfig.model_validate(app.get("args") or {})
+            for e in args.strategies:
+                out[f"strategy-{e.name}"] = need(e.ray_actor_options.serve_options(), 0.3)
+            out["ingress"] = need(args.ingress.ray_actor_options.serve_options(), 0.1)
+        for d in app.get("deployments") or []:
+            if d.get("ray_actor_options"):
+                out[f"{app.get('name', 'app')}/{d.get('name')}"] = need(d["ray_actor_options"], 1.0)
+    return out
+
+
+def unschedulable(needs: dict[str, dict[str, float]], nodes: list[dict[str, float]]) -> str | None:
+    """Why some deployment can never be placed: no alive node's total resources hold what
+    one of its replicas asks (None: every deployment fits some node). ``nodes``: each
+    alive node's ``resources_total``."""
+    lines = []
+    for name, need in needs.items():
+        if any(all(node.get(r, 0.0) >= v for r, v in need.items()) for node in nodes):
+            continue
+        missing = sorted({r for r, v in need.items()
+                          if not any(node.get(r, 0.0) >= v for node in nodes)})
+        flags = {"GPU": "num_gpus", "CPU": "num_cpus", "memory": "memory"}
+        what = ", ".join(f"{flags.get(r, 'resources.' + r)}: {need[r]:g} ({r}: most on a node "
+                         f"{max((n.get(r, 0.0) for n in nodes), default=0.0):g})"
+                         for r in missing) or f"{need} together on one node"
+        lines.append(f"deployment {name} asks {what} per replica")
+    if not lines:
+        return None
+    have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(n.items())
+                               if k in ("CPU", "GPU") or not k.startswith(("node:", "memory",
+                                                                           "object_store")))
+                     for n in nodes)
+    return ("no node of this Ray cluster has the resources: " + "; ".join(lines)
+            + f". Nodes: [{have}]. Change ray_actor_options in the config (num_gpus: 0 on a "
+            "CPU-only cluster) or add a node that has them")
+
+
+def cluster_nodes(dashboard: str) -> list[dict[str, float]] | None:
+    """Each alive node's total resources (Ray's state API through the dashboard); None
+    when the API does not answer (the check is then left to Serve)."""
+    try:
+        from ray.util.state import list_nodes
+
+        nodes = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], detail=True,
+                           timeout=30)
+    except Exception as exc:  # noqa: BLE001 - a cluster without the state API: skip the check
+        log(f"could not list the cluster's nodes ({exc!r}); not checking resources")
+        return None
+    return [dict(getattr(n, "resources_total", None) or {}) for n in nodes]
+
+
+def check_resources(dashboard: str, cfg: dict) -> None:
+    """Fail at once (SystemExit naming the resource) when a deployment asks for what no
+    node has: Serve would wait for it forever ("ready 1/2"). Nodes join a starting head a
+    moment after its dashboard: an empty list is polled for up to 30 s."""
+    needs = replica_resources(cfg)
+    t0 = time.monotonic()
+    while True:
+        nodes = cluster_nodes(dashboard)
+        if nodes is None:
+            return
+        if nodes or time.monotonic() - t0 > 30:
+            break
+        time.sleep(1)
+    why = unschedulable(needs, nodes)
+    if why:
+        raise SystemExit(f"cannot deploy: {why}")
+
+
 def ingress_api_key(cfg: dict) -> str | None:
     """The key the ingress will require: ``ingress.api_key`` of the config, else
     ``$SPECLOAD_API_KEY`` (the Ray head started here passes its environment on)."""
@@ -353,6 +437,7 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
     write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
     try:
+        check_resources(state["dashboard"], cfg)
         deploy(state["dashboard"], one_hop_config(cfg))
         wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
     except BaseException:   # a failed `up` leaves nothing running: stop the head it started

@@ -98,12 +98,15 @@ STEP_NUM_SPEC_TOKENS = "num_speculative_tokens"  # k of the step (batch-size sch
 # step although the strategy speculates; "" when none
 STEP_SPECULATION_OFF = "speculation_off"
 STEP_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter was dropped this step
+# the batch size the step's k was looked up with (num_speculative_tokens_per_batch_size):
+# running + admitted requests when the step was scheduled; null when k is fixed
+STEP_K_BATCH_SIZE = "k_batch_size"
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
                     STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS,
                     STEP_CPU_MS, STEP_VERIFY_CPU_MS, STEP_NUM_SPEC_TOKENS, STEP_SPECULATION_OFF,
-                    STEP_DEGRADED_REQUESTS)
+                    STEP_DEGRADED_REQUESTS, STEP_K_BATCH_SIZE)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"
@@ -121,6 +124,19 @@ REQ_TTFT_MS = "ttft_ms"
 REQ_TPOT_MS = "tpot_ms"
 REQ_ITL_P50_MS = "itl_ms_p50"
 REQ_ITL_P99_MS = "itl_ms_p99"
+REQ_ITL_P90_MS = "itl_ms_p90"
+REQ_ITL_MEAN_MS = "itl_ms_mean"                # per-token mean ITL (token-weighted), ms
+# where the row's ITL comes from (timing.StreamRecorder.itl_source): per-token counts per chunk
+# (spec_decode.num_tokens, token_ids, continuous usage), the engine's per-token emit times
+# (token_ts), or only chunk arrivals: then itl_ms_* are null and chunk_gap_ms_* hold the gaps
+REQ_ITL_SOURCE = "itl_source"
+ITL_SOURCE_TOKENS = "per_chunk_tokens"         # each chunk's token count known: per-token ITL
+ITL_SOURCE_STEPS = "engine_steps"              # per-token engine emit times (token_ts): per-token ITL
+ITL_SOURCE_CHUNKS = "chunks_only"              # no per-chunk count: chunk gaps only, never per-token
+ITL_SOURCES = (ITL_SOURCE_TOKENS, ITL_SOURCE_STEPS, ITL_SOURCE_CHUNKS)
+REQ_TOKENS_PER_CHUNK = "tokens_per_chunk"      # (output tokens - 1) / (content chunks - 1): mean tokens per later chunk
+REQ_MULTI_TOKEN_CHUNKS = "multi_token_chunks"  # later content chunks that carried > 1 token (known counts only)
+REQ_CHUNK_GAP_P50_MS = "chunk_gap_ms_p50"      # median gap between content chunks, ms (per chunk, not per token)
 REQ_E2E_MS = "e2e_ms"
 REQ_OUTPUT_TOKENS = "output_tokens"
 REQ_PROMPT_TOKENS = "prompt_tokens"
@@ -138,10 +154,15 @@ REQ_RETRIES = "retries"                        # times this request was re-sent 
 REQ_SPEC_SOURCE = "spec_source"                # who reported the row's spec stats: specload | vllm | sglang
 REQ_NUM_SPEC_TOKENS = "num_spec_tokens"        # k: draft tokens the server proposes per step (vLLM)
 REQ_ACCEPTANCE_HISTOGRAM = "acceptance_histogram"  # list[int]: steps by accepted count 0..k (vLLM)
+REQ_ENGINE_ACCEPT_LENGTH = "engine_accept_length"  # the engine's own accept length (SGLang: completion tokens / verify count)
 REQ_SAMPLING = "sampling"                      # the cell's sampling label ("greedy", "t0.7", ...)
 REQ_TEMPERATURE = "temperature"                # temperature sent with the request
 REQ_IGNORE_EOS = "ignore_eos"                  # ignore_eos sent (output class fixes lengths)
 REQ_MIN_TOKENS = "min_tokens"                  # min_tokens sent (null: not sent)
+REQ_CATEGORY = "category"                      # the prompt's traffic class (code, prose, ...): prompts JSONL `category`
+# the built-in prompt sets' categories (data/prompts/*.jsonl carry them per line; the analysis
+# falls back on these for rows written before the column, by the prompt id's prefix)
+PROMPT_SET_CATEGORY = {"humaneval": "code", "stdlib": "code", "docs": "prose"}
 REQ_ROUTE = "route"                            # route the request was answered on (direct | strategy | model-field)
 # its values (python -m loadgen --route): a replica's own listener (Serve's direct ingress), the
 # strategy's one-hop route through the Serve proxy, the model field on the target's /v1
@@ -187,29 +208,65 @@ CELL_TTFT_MS_P50 = "ttft_ms_p50"
 CELL_TTFT_MS_P99 = "ttft_ms_p99"
 CELL_TPOT_MS_P50 = "tpot_ms_p50"
 CELL_TPOT_MS_P99 = "tpot_ms_p99"
-CELL_ITL_MS_P50 = "itl_ms_p50"                 # median over requests of their median ITL
+CELL_ITL_MS_P50 = "itl_ms_p50"                 # median over requests of their median per-token ITL
+CELL_ITL_MS_P90 = "itl_ms_p90"                 # median over requests of their per-token ITL p90
+CELL_ITL_MS_P99 = "itl_ms_p99"                 # median over requests of their per-token ITL p99
+CELL_ITL_MS_MEAN = "itl_ms_mean"               # per-token mean over the cell (token-weighted)
+CELL_TTFT_MS_MEAN = "ttft_ms_mean"
+CELL_TTFT_MS_P90 = "ttft_ms_p90"
+CELL_TPOT_MS_MEAN = "tpot_ms_mean"
+CELL_TPOT_MS_P90 = "tpot_ms_p90"
+CELL_ITL_KIND = "itl_kind"                     # per_token | chunk (no per-chunk token count: chunk gaps)
+CELL_TOKENS_PER_CHUNK = "tokens_per_chunk"     # mean tokens per later content chunk over the cell
+CELL_CHUNK_GAP_MS_P50 = "chunk_gap_ms_p50"     # median over requests of their median chunk gap, ms
+CELL_TPOT_BIMODALITY = "tpot_bimodality"       # Sarle's bimodality coefficient of per-request TPOT
 CELL_SEND_LAG_MS_P99 = "send_lag_ms_p99"       # open loop: actual - scheduled send time, ms
 CELL_CPU_MEAN_PERCENT = "cpu_mean_percent"     # the load generator's own CPU, % of one core
 CELL_CPU_MAX_PERCENT = "cpu_max_percent"
 CELL_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter failed (degraded, not failed)
 
 
-def variant_name(strategy: str, k: int | None = None, candidates: int | None = None) -> str:
+def acceptance_label(acceptance_length: float) -> str:
+    """``-al<A>`` suffix text of a forced acceptance length: 2.0 -> ``2``, 1.5 -> ``1.5``."""
+    return f"{float(acceptance_length):g}"
+
+
+def variant_name(strategy: str, k: int | None = None, candidates: int | None = None,
+                 acceptance_length: float | None = None) -> str:
     """Served name of one variant of a strategy: ``dflash2-k4``, ``dflash2-k4-c16``,
-    ``dflash2-c4`` (k: ``num_speculative_tokens``; c: ``strategy_options.top_k``)."""
-    return strategy + (f"-k{k}" if k is not None else "") + (f"-c{candidates}" if candidates is not None else "")
+    ``dflash2-c4``, ``draft_model-k4-al2.5`` (k: ``num_speculative_tokens``; c:
+    ``strategy_options.top_k``; al: a forced ``synthetic_acceptance_length``, the
+    deployment's text is then not the target's)."""
+    return (strategy + (f"-k{k}" if k is not None else "")
+            + (f"-c{candidates}" if candidates is not None else "")
+            + (f"-al{acceptance_label(acceptance_length)}" if acceptance_length is not None else ""))
+
+
+_VARIANT_RE = r"([a-z0-9_]+?)(?:-k(\d+))?(?:-c(\d+))?(?:-al(\d+(?:\.\d+)?))?"
 
 
 def parse_variant_name(name: str) -> tuple[str, int | None, int | None] | None:
     """``variant_name``'s inverse: ``"dflash2-k4-c16"`` -> ``("dflash2", 4, 16)``; a plain
-    strategy id -> ``(id, None, None)``; None for any other name."""
+    strategy id -> ``(id, None, None)``; None for any other name. A forced-acceptance
+    suffix (``-al2.5``) is accepted and left out here: ``parse_acceptance_length``."""
     import re
 
-    m = re.fullmatch(r"([a-z0-9_]+?)(?:-k(\d+))?(?:-c(\d+))?", name or "")
+    m = re.fullmatch(_VARIANT_RE, name or "")
     if not m or m.group(1) not in STRATEGIES:
         return None
     return (m.group(1), int(m.group(2)) if m.group(2) else None,
             int(m.group(3)) if m.group(3) else None)
+
+
+def parse_acceptance_length(name: str) -> float | None:
+    """The forced acceptance length of a variant's served name (``draft_model-k4-al2.5`` ->
+    2.5); None for a name without ``-al<A>`` (a real deployment)."""
+    import re
+
+    m = re.fullmatch(_VARIANT_RE, name or "")
+    if not m or m.group(1) not in STRATEGIES or not m.group(4):
+        return None
+    return float(m.group(4))
 
 
 def percentile_name(metric_ms: str, p: int) -> str:

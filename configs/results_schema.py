@@ -33,6 +33,14 @@ Versions (``SCHEMA_VERSION``):
   7: request column ``route`` (the HTTP route each request was sent on: the
      load generator's default route is the replica's own listener, with the
      Serve proxy's route as the fallback when a listener refuses or drops a connection).
+  8: request column ``category`` (the prompt's traffic class, from the prompts file);
+     older runs load with it null.
+  9: request columns ``itl_ms_p90``, ``itl_ms_mean``, ``itl_source``, ``tokens_per_chunk``,
+     ``multi_token_chunks``, ``chunk_gap_ms_p50``, ``engine_accept_length`` (SGLang's own);
+     per-token ITL only where the server gave
+     per-chunk token counts; otherwise the chunk gaps, labelled (docs/metrics.md).
+  10: step column ``k_batch_size`` (the batch size the step's k was looked up with);
+     older runs load with it null.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 10
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -89,6 +97,17 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_TPOT_MS, "float64", "ms", "(e2e - TTFT) / (output tokens - 1)"),
     _c(M.REQ_ITL_P50_MS, "float64", "ms", "median inter-token latency"),
     _c(M.REQ_ITL_P99_MS, "float64", "ms", "p99 inter-token latency"),
+    _c(M.REQ_ITL_P90_MS, "float64", "ms", "p90 inter-token latency, per token; null before schema 9"),
+    _c(M.REQ_ITL_MEAN_MS, "float64", "ms", "mean inter-token latency, per token (token-weighted); "
+       "null before schema 9"),
+    _c(M.REQ_ITL_SOURCE, "string", doc="per_chunk_tokens | engine_steps | chunks_only (no per-chunk "
+       "token count: itl_ms_* null, chunk_gap_ms_p50 holds the chunk gaps); null before schema 9"),
+    _c(M.REQ_TOKENS_PER_CHUNK, "float64", "tokens", "(output tokens - 1) / (content chunks - 1)"),
+    _c(M.REQ_MULTI_TOKEN_CHUNKS, "int32", "chunks", "later content chunks carrying more than one "
+       "token (null: counts unknown)"),
+    _c(M.REQ_CHUNK_GAP_P50_MS, "float64", "ms", "median gap between content chunks (per chunk)"),
+    _c(M.REQ_ENGINE_ACCEPT_LENGTH, "float64", "tokens", "the engine's own accept length as it defines it "
+       "(SGLang: completion tokens / spec_verify_ct, the prefill token included); beside tau"),
     _c(M.REQ_E2E_MS, "float64", "ms", "scheduled send -> end"),
     _c(M.REQ_OUTPUT_TOKENS, "int64", "tokens", "output tokens received", required=True),
     _c(M.REQ_PROMPT_TOKENS, "int64", "tokens", "prompt tokens (server's usage)"),
@@ -125,6 +144,9 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
        "also a user's requests after its direct listener refused or dropped its connection, "
        "a refused one resent there) or model-field; null: runs "
        "before schema 7"),
+    _c(M.REQ_CATEGORY, "string", doc="the prompt's category (traffic class: code, prose, ...; the "
+       "prompts JSONL line's `category`); null when the prompt has none or before schema 8 (the "
+       "analysis then takes code / prose from the built-in prompt sets' ids)"),
 )
 
 # --- step rows: steps.parquet, one row per engine step -----------------------
@@ -157,6 +179,9 @@ ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
        "\"\" or ','-joined " + " | ".join(M.SPEC_OFF_REASONS), default=""),
     _c(M.STEP_DEGRADED_REQUESTS, "int64", "requests",
        "requests whose drafter was dropped this step (autoregressive from then on)", default=0),
+    _c(M.STEP_K_BATCH_SIZE, "int64", "requests",
+       "batch size the step's k was looked up with (num_speculative_tokens_per_batch_size: "
+       "running + admitted requests when scheduled); null when k is fixed, and in older runs"),
 )
 STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_RUN_ID, "string", doc="run id"),

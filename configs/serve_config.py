@@ -408,7 +408,8 @@ def drafter_max_k(engine: dict) -> tuple[int, str] | None:
 
 
 def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None,
-                   candidates: list[int] | None) -> tuple[dict, dict[str, dict]]:
+                   candidates: list[int] | None,
+                   acceptance_lengths: list[float] | None = None) -> tuple[dict, dict[str, dict]]:
     """A Serve config deploying variants of ``cfg``'s strategies; returns (config, variants).
 
     ``strategies``: served names to keep (None or []: every entry); the ``autoregressive``
@@ -418,17 +419,34 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
     ``metric_names.CANDIDATE_STRATEGIES``, per count in ``candidates``
     (``strategy_options.top_k``), named ``variant_name(name, k, c)``, its replica's
     ``num_cpus`` divided among the variants (the box's CPUs stay enough for all of them).
+    With ``acceptance_lengths`` every speculative variant is further split per forced
+    acceptance length A (``engine.rejection_sample_method: synthetic``,
+    ``synthetic_acceptance_length: A``; vLLM's names), named ``variant_name(name, k, c, A)``
+    (``draft_model-k4-al2.5``): its drafter and verify forward run for real, only the accept
+    decision is set, so its text is not the target's (``synthetic`` in ``variants``).
     ``variants``: served name -> {"base_strategy" (the entry's name), "strategy" (engine id),
-    "k", "top_k_candidates", "engine"} for every deployment of the new config.
+    "k", "top_k_candidates", "synthetic_acceptance_length" (None: a real deployment),
+    "synthetic", "engine"} for every deployment of the new config.
 
     Raises VariantError naming ``--strategies`` (a name the config does not deploy),
     ``--k`` (k < 1, above ``MAX_K``, or above a block drafter's
     ``block_size - 1``: ``drafter_max_k``) or ``--top-k-candidates`` (out of 1..MAX_CANDIDATES,
-    or no kept strategy has candidates).
+    or no kept strategy has candidates) or ``--acceptance-length`` (A < 1, A > k + 1 for a
+    deployment's k, or no kept strategy speculates).
     """
     import copy
 
     ks = list(ks or [])
+    als = [float(a) for a in (acceptance_lengths or [])]
+    bad = [a for a in als if not a >= 1.0]
+    if bad:
+        raise VariantError(f"--acceptance-length: {bad} below 1; an acceptance length counts the "
+                           "target's own token, so it lies in [1, k + 1]")
+    bad = [k for k in ks if als and max(als) > k + 1]
+    if bad:
+        raise VariantError(f"--acceptance-length: {max(als):g} above k + 1 for k = {bad}; a step "
+                           f"of k drafts emits at most k + 1 tokens (use values <= {min(bad) + 1} "
+                           "or larger --k)")
     candidates = list(candidates or [])
     bad = [k for k in ks if not 1 <= k <= MAX_K]
     if bad:
@@ -440,6 +458,7 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
     out = copy.deepcopy(cfg)
     variants: dict[str, dict] = {}
     used_candidates = False
+    speculating = False
     for app in out.get("applications") or []:
         if app.get("import_path") != "actors.serve.app:build_app":
             continue
@@ -461,8 +480,16 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
             if strategy == mn.AUTOREGRESSIVE:
                 entries.append(raw)
                 variants[str(e.name)] = {"base_strategy": e.name, "strategy": strategy, "k": 0,
-                                         "top_k_candidates": None, "engine": raw["engine"]}
+                                         "top_k_candidates": None, "synthetic_acceptance_length": None,
+                                         "synthetic": False, "engine": raw["engine"]}
                 continue
+            kk = [k if k is not None else e.engine.get("num_speculative_tokens") for k in (ks or [None])]
+            over = [k for k in kk if als and isinstance(k, int) and max(als) > k + 1]
+            if over:
+                raise VariantError(f"--acceptance-length: {max(als):g} above k + 1 for {e.name} "
+                                   f"(num_speculative_tokens {over[0]}): a step of k drafts emits at "
+                                   f"most k + 1 tokens; use values <= {over[0] + 1} or set --k")
+            speculating = True
             limit = drafter_max_k(e.engine)
             over = [k for k in ks if limit and k > limit[0]]
             if over:
@@ -471,23 +498,31 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
                                    f"(or leave {e.name} out of --strategies)")
             cands = candidates if (candidates and strategy in mn.CANDIDATE_STRATEGIES) else [None]
             used_candidates |= cands != [None]
-            combos = [(k, c) for k in (ks or [None]) for c in cands]
+            combos = [(k, c, a) for k in (ks or [None]) for c in cands for a in (als or [None])]
             cpus = e.ray_actor_options.num_cpus / len(combos)
-            for k, c in combos:
+            for k, c, a in combos:
                 v = copy.deepcopy(raw)
-                v["name"] = mn.variant_name(str(e.name), k, c)
+                v["name"] = mn.variant_name(str(e.name), k, c, a)
                 if k is not None:   # a k variant fixes k: no per-batch-size schedule
                     v["engine"]["num_speculative_tokens"] = k
                     v["engine"].pop("num_speculative_tokens_per_batch_size", None)
                 if c is not None:
                     v["engine"]["strategy_options"] = {**v["engine"].get("strategy_options", {}), "top_k": c}
+                if a is not None:   # forced acceptance (vLLM's speculative_config names)
+                    v["engine"]["rejection_sample_method"] = "synthetic"
+                    v["engine"]["synthetic_acceptance_length"] = a
+                    v["engine"].pop("synthetic_acceptance_rates", None)
                 v["ray_actor_options"] = {**raw.get("ray_actor_options", {}), "num_cpus": round(cpus, 4)}
                 entries.append(v)
                 variants[v["name"]] = {"base_strategy": e.name, "strategy": strategy,
                                        "k": k if k is not None else e.engine.get("num_speculative_tokens"),
-                                       "top_k_candidates": c, "engine": v["engine"]}
+                                       "top_k_candidates": c, "synthetic_acceptance_length": a,
+                                       "synthetic": a is not None, "engine": v["engine"]}
         app["args"] = {**(app.get("args") or {}), "strategies": entries}
         ServeAppConfig.model_validate(app["args"])   # names unique, entries valid
+    if als and not speculating:
+        raise VariantError("--acceptance-length: no selected strategy speculates (autoregressive "
+                           "has no accept decision to force); add a speculative one to --strategies")
     if candidates and not used_candidates:
         raise VariantError(f"--top-k-candidates: no selected strategy picks among candidates "
                            f"(only {', '.join(mn.CANDIDATE_STRATEGIES)} does); add one to --strategies")

@@ -25,6 +25,8 @@ COMMANDS: list[tuple[list[str], str]] = [
     (["analysis", "report"], "the capacity-planning report of a run"),
     (["analysis", "plan"], "replicas per strategy for a target load under SLOs; a Serve config"),
     (["analysis", "backtest"], "fit the capacity model on part of a run, predict the rest"),
+    (["analysis", "surface"], "speedup over forced acceptance length, k and users; the break-even "
+                              "acceptance length per users level and k"),
     (["analysis", "policy"], "a load-adaptive policy (k per batch-size band) from a run; its Serve "
                              "config; validated against the best fixed strategy per tier"),
     (["cluster", "up"], "start (or reuse) the local service on a Ray head"),

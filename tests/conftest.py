@@ -79,6 +79,7 @@ SERIAL = [  # "module" (all its tests) or "module::test" (that test, all its par
     "test_serve_cluster.py",
     "test_cluster_down.py",
     "test_cli_input.py::test_cluster_up_failure_after_ray_started_stops_its_head",
+    "test_cluster_resources.py",
     "test_analysis_policy.py::test_validation_on_the_local_service_switches_k_by_batch",
 ]
 POOL_FIRST = ["test_vllm_target.py", "test_vllm_backend.py"]

@@ -69,7 +69,7 @@ def test_outputs_written(report):
     html = (root / "out" / "report.html").read_text()
     assert 'id="recommendation"' in html and "http://" not in html and "https://" not in html
     # 7 + step residuals + 2 backtest + throughput over time + acceptance by prompt source
-    assert html.count("data:image/png;base64,") == 12
+    assert html.count("data:image/png;base64,") == 13   # the latency distribution (ECDF) figure included
     assert "cond = accepted at i / accepted at i-1" in md and "uncond = accepted at i / drafts" in md
 
 
@@ -139,7 +139,7 @@ def test_missing_spec_columns_and_steps(tmp_path):
     assert all(r["predicted_crossover_users"] is None for r in out["crossover"])
     html = (tmp_path / "out" / "report.html").read_text()
     # goodput, speedup, throughput-latency, throughput over time (needs no server stats)
-    assert html.count("data:image/png;base64,") == 4
+    assert html.count("data:image/png;base64,") == 5   # the latency distribution (ECDF) figure included
 
 
 def test_several_runs_pooled(tmp_path):

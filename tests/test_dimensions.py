@@ -113,7 +113,8 @@ def test_variant_config_names_and_engine_settings(tmp_path):
     assert entries["ngram-k2"]["ray_actor_options"]["num_cpus"] == 0.1
     assert entries["dflash2-k2-c4"]["ray_actor_options"]["num_cpus"] == 0.05
     assert variants["dflash2-k7-c4"] | {"engine": None} == {
-        "base_strategy": "dflash2", "strategy": "dflash2", "k": 7, "top_k_candidates": 4, "engine": None}
+        "base_strategy": "dflash2", "strategy": "dflash2", "k": 7, "top_k_candidates": 4, "engine": None,
+        "synthetic_acceptance_length": None, "synthetic": False}
     # the whole config validates the way `cluster up` does (EngineConfig + strategy_options)
     from loadgen.run.service import check_serve_config
 

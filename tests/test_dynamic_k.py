@@ -185,3 +185,47 @@ def test_sampling_lossless_while_k_switches(make_engine):
     finally:
         eng.on_step = None
     assert {r[M.STEP_NUM_SPEC_TOKENS] for r in rows} == {1, 2}
+
+
+def test_every_step_logs_the_batch_size_its_k_was_looked_up_with(make_engine, prompts):
+    """Issue 42: with [[1,2,4],[3,8,2],[9,64,0]], 98.6% of steps had k = table[batch_size];
+    steps that also prefill looked k up by running + admitted requests, which the log did
+    not record. ``k_batch_size`` is that size: 100% of steps have k = table[k_batch_size],
+    including the steps that admit and prefill while others decode (there k_batch_size
+    differs from the decode batch_size)."""
+    table = [[1, 2, 4], [3, 8, 2], [9, 64, 0]]
+    sched = parse_spec_schedule(table, max_k=4)
+    eng = make_engine("ngram", max_num_seqs=12, num_speculative_tokens=4,
+                      num_speculative_tokens_per_batch_size=table,
+                      strategy_options={"prompt_lookup_min": 1})
+    rows: list[dict] = []
+    eng.on_step = rows.append
+    try:
+        arrivals = [0, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23]
+        run_requests(eng, [(p["id"], p["prompt"], SamplingParams(max_tokens=MAX_TOKENS))
+                           for p in prompts], batch_size=12, arrival_steps=arrivals)
+    finally:
+        eng.on_step = None
+    assert rows and all(r[M.STEP_K_BATCH_SIZE] is not None for r in rows)
+    match = [r[M.STEP_NUM_SPEC_TOKENS] == spec_schedule_k(sched, r[M.STEP_K_BATCH_SIZE])
+             for r in rows]
+    assert sum(match) == len(rows), [r for r, ok in zip(rows, match) if not ok][:3]
+    mixed = [r for r in rows if r[M.STEP_PREFILL_TOKENS] and r[M.STEP_BATCH_SIZE]]
+    assert mixed, "no step both prefilled and decoded"
+    assert any(r[M.STEP_K_BATCH_SIZE] != r[M.STEP_BATCH_SIZE] for r in mixed)
+    by_batch = [r[M.STEP_NUM_SPEC_TOKENS] == spec_schedule_k(sched, r[M.STEP_BATCH_SIZE])
+                for r in rows if r[M.STEP_BATCH_SIZE]]
+    print(f"k = table[batch_size]: {sum(by_batch)}/{len(by_batch)} decode steps; "
+          f"k = table[k_batch_size]: {sum(match)}/{len(rows)} steps ({len(mixed)} mixed)")
+    assert {r[M.STEP_NUM_SPEC_TOKENS] for r in rows} >= {4, 2}
+    # a fixed-k engine logs no lookup size; an older run's rows load with it null
+    fixed = make_engine("ngram", max_num_seqs=8, num_speculative_tokens=4)
+    frows: list[dict] = []
+    fixed.on_step = frows.append
+    try:
+        run_requests(fixed, [("f", prompts[0]["prompt"], SamplingParams(max_tokens=4))])
+    finally:
+        fixed.on_step = None
+    assert frows and all(r[M.STEP_K_BATCH_SIZE] is None for r in frows)
+    old = S.coerce_row(S.ENGINE_STEP_COLUMNS, {M.STEP_TS: 1.0, M.STEP_STRATEGY: "ngram"})
+    assert old[M.STEP_K_BATCH_SIZE] is None

@@ -64,9 +64,51 @@ def test_ttft_skips_empty_role_chunk_and_tpot_uses_usage():
     assert row[M.REQ_TTFT_MS] == pytest.approx(200.0)
     assert row[M.REQ_OUTPUT_TOKENS] == 7             # not a count of words/chunks in the text
     assert row[M.REQ_TPOT_MS] == pytest.approx((322.0 - 200.0) / 6)
-    # fallback ITL: (7 - 1) tokens after the first chunk over 2 gaps -> 3 tokens per gap of 60 ms
-    assert row[M.REQ_ITL_P50_MS] == pytest.approx(20.0)
+    # no per-chunk token count: no per-token ITL (a chunk gap is never passed off as one);
+    # the chunk gaps and the mean tokens per later chunk ((7 - 1) / 2) are reported instead
+    assert row[M.REQ_ITL_P50_MS] is None and row[M.REQ_ITL_MEAN_MS] is None
+    assert row[M.REQ_ITL_SOURCE] == M.ITL_SOURCE_CHUNKS
+    assert row[M.REQ_CHUNK_GAP_P50_MS] == pytest.approx(60.0)
+    assert row[M.REQ_TOKENS_PER_CHUNK] == pytest.approx(3.0)
     assert row[M.REQ_NUM_CHUNKS] == 3
+
+
+def _synthetic_spec_stream(continuous: bool) -> StreamRecorder:
+    """The issue's stream: first token at 1.000 s, then engine steps every 40 ms alternating
+    1 and 5 tokens (10 steps, 30 tokens), one chunk per step; usage on every chunk
+    (vLLM continuous_usage_stats) or only at the end."""
+    rec = StreamRecorder(scheduled_ts=0.0, sent_ts=0.0)
+    t, total = 1.0, 1
+    rec.on_data(_chunk("a", **({"usage": {"completion_tokens": 1}} if continuous else {})), t)
+    for i in range(10):
+        n = 1 if i % 2 == 0 else 5
+        t += 0.040
+        total += n
+        rec.on_data(_chunk("x" * n, **({"usage": {"completion_tokens": total}} if continuous else {})), t)
+    rec.on_data(_usage(total), t + 0.0005)
+    rec.on_data("[DONE]", t + 0.0005)
+    return rec
+
+
+def test_itl_per_token_on_a_speculative_stream_needs_per_chunk_counts():
+    """Steps of 40 ms alternating 1 and 5 tokens: per token, 5 of 6 tokens arrive 8 ms
+    apart and 1 of 6 after 40 ms, so p50 / p99 = 8.0 / 40.0 ms. The old fallback spread
+    the 30 later tokens evenly over the 10 gaps and printed 13.3 / 13.3 ms as per-token."""
+    cont = _synthetic_spec_stream(continuous=True).row(1.4005, M.STATUS_OK)
+    assert cont[M.REQ_ITL_SOURCE] == M.ITL_SOURCE_TOKENS
+    assert cont[M.REQ_ITL_P50_MS] == pytest.approx(8.0)
+    assert cont[M.REQ_ITL_P90_MS] == pytest.approx(40.0)   # 5 + 25 tokens: the 40 ms ones are the top 1/6
+    assert cont[M.REQ_ITL_P99_MS] == pytest.approx(40.0)
+    assert cont[M.REQ_ITL_MEAN_MS] == pytest.approx(400.0 / 30)   # token-weighted mean = gaps / tokens
+    assert cont[M.REQ_MULTI_TOKEN_CHUNKS] == 5
+    end_only = _synthetic_spec_stream(continuous=False).row(1.4005, M.STATUS_OK)
+    assert end_only[M.REQ_ITL_SOURCE] == M.ITL_SOURCE_CHUNKS
+    assert end_only[M.REQ_ITL_P50_MS] is None and end_only[M.REQ_ITL_P99_MS] is None
+    assert end_only[M.REQ_CHUNK_GAP_P50_MS] == pytest.approx(40.0)
+    assert end_only[M.REQ_TOKENS_PER_CHUNK] == pytest.approx(3.0)
+    assert end_only[M.REQ_MULTI_TOKEN_CHUNKS] is None
+    for row in (cont, end_only):   # TPOT does not depend on the chunk counts
+        assert row[M.REQ_TPOT_MS] == pytest.approx((1400.5 - 1000.0) / 30)
 
 
 def test_itl_spreads_gap_over_exact_per_chunk_tokens():
@@ -188,7 +230,7 @@ def test_plan_is_identical_for_every_strategy_and_split_across_workers():
     assert [(j.prompt_id, j.body["max_tokens"], j.body["seed"]) for j in ja] == \
            [(j.prompt_id, j.body["max_tokens"], j.body["seed"]) for j in jb]
     assert a[0].prompt_id == "p0" and ja[1].body["max_tokens"] == 7       # dataset max_tokens wins
-    assert ja[0].body["stream_options"] == {"include_usage": True}
+    assert ja[0].body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     w0, w1 = Dispenser(_plan(), 0, 2), Dispenser(_plan(), 1, 2)
     assert [w0.next(0.0).index for _ in range(3)] == [0, 2, 4]
     assert [w1.next(0.0).index for _ in range(3)] == [1, 3, 5]

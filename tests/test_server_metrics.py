@@ -46,7 +46,9 @@ def test_vllm_capture_parses_to_the_counters_vllm_printed():
 
 def test_prefilter_keeps_only_the_named_families():
     kept = sm.prefilter(VLLM, sm._wanted_families(M.ENGINE_VLLM))
-    assert "python_gc" not in kept and "_bucket" not in kept and "_created" not in kept
+    assert "python_gc" not in kept and "_bucket" not in kept
+    # a counter's creation time and the process start stay: they reveal restarts (counter_delta)
+    assert "vllm:spec_decode_num_drafts_created" in kept and "process_start_time_seconds" in kept
     assert "vllm:spec_decode_num_drafts_total" in kept
     assert "vllm:prompt_tokens_by_source" not in kept        # a longer name, not the family
 

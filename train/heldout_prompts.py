@@ -2,7 +2,8 @@
 
     python -m train.heldout_prompts --out data/prompts/heldout_eval.jsonl
 
-Rows ``{"id", "domain": "code"|"prose", "prompt"}`` cut from the held-out split
+Rows ``{"id", "domain": "code"|"prose", "prompt", "category"}`` (category = domain, the
+load generator's traffic class) cut from the held-out split
 only (``corpus.sources.is_heldout``): code prompts start at a ``def`` line and
 stop mid-body; prose prompts are the start of a documentation paragraph.
 """
@@ -28,7 +29,8 @@ def build(n_per_domain: int = 24, seed: int = 0, max_chars: int = 360) -> list[d
         for m in re.finditer(r"^(    )?def \w+\(.*$", text, flags=re.M):
             cands.append(text[m.start():m.start() + max_chars])
     for i, c in enumerate(rng.sample(cands, n_per_domain)):
-        rows.append({"id": f"code-{i}", "domain": "code", "prompt": c[:rng.randint(120, max_chars)]})
+        rows.append({"id": f"code-{i}", "domain": "code", "prompt": c[:rng.randint(120, max_chars)],
+                     "category": "code"})
     paras = []
     for rel, p in prose_files():
         if is_heldout(rel):
@@ -37,7 +39,8 @@ def build(n_per_domain: int = 24, seed: int = 0, max_chars: int = 360) -> list[d
                 if len(para) > 200 and para[0].isalpha():
                     paras.append(para)
     for i, c in enumerate(rng.sample(paras, n_per_domain)):
-        rows.append({"id": f"prose-{i}", "domain": "prose", "prompt": c[:rng.randint(120, max_chars)]})
+        rows.append({"id": f"prose-{i}", "domain": "prose", "prompt": c[:rng.randint(120, max_chars)],
+                     "category": "prose"})
     return rows
 
 

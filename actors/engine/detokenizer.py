@@ -5,6 +5,11 @@ The engine appends each step's emitted tokens here (``append``: EOS,
 cuts the ids back to the shortest prefix whose text reaches it) and asks for
 what to stream (``delta``). Pure bookkeeping on ``Request``; no tensors.
 
+``stop_token_ids`` (vLLM's) end a request like EOS: the stop token counts as an output
+token and is kept in the ids, tokens after it in the same step are dropped, and its text
+is left out unless ``include_stop_str_in_output`` (which also keeps a matched stop
+string in the text); ``stop_reason`` names the token id or the stop string.
+
 Per request: ``skip_special_tokens`` (default True) leaves special tokens (EOS
 emitted under ``ignore_eos``) out of the text and its deltas; ``min_tokens``
 lets EOS end the request only after that many tokens (the engine masks it
@@ -73,6 +78,10 @@ class Detokenizer:
                     and len(r.output_ids) > r.params.min_tokens:
                 r.finish_reason = "stop"
                 break
+            if t in r.params.stop_token_ids and len(r.output_ids) > r.params.min_tokens:
+                # vLLM's stop_token_ids: the tokens after it in this step are dropped
+                r.finish_reason, r.stop_reason = "stop", t
+                break
             if len(r.output_ids) >= r.params.max_tokens:
                 r.finish_reason = "length"
                 break
@@ -80,8 +89,11 @@ class Detokenizer:
                 r.finish_reason = "length"
                 break
         ids = r.output_ids
-        if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop":
+        if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop" \
+                and r.stop_reason is None:
             ids = ids[:-1]  # EOS is not part of the text
+        elif r.stop_reason is not None and not r.params.include_stop_str_in_output:
+            ids = ids[:-1]  # nor a stop token (vLLM's), unless include_stop_str_in_output
         text = self._text(r, ids)
         m = r.params.min_tokens
         if r.params.stop and len(r.output_ids) > m:
@@ -93,8 +105,10 @@ class Detokenizer:
             # min_tokens: a match must end after the text of the first m tokens
             floor = len(self._text(r, r.output_ids[:m]).rstrip("\ufffd")) if m else 0
             hit = self.find_stop(text, r.params.stop, frm, floor)
-            if hit is not None:
-                text = text[:hit]
+            if hit is not None:   # (wins over a stop token that ended this step, as vLLM)
+                matched = next(s for s in r.params.stop if text.startswith(s, hit))
+                text = text[:hit + (len(matched) if r.params.include_stop_str_in_output else 0)]
+                r.stop_reason = matched
                 # keep the shortest id prefix whose text reaches the stop string
                 for j in range(max(len(r.output_ids) - kept + 1, m + 1), len(r.output_ids) + 1):
                     if self.find_stop(self._text(r, r.output_ids[:j]), r.params.stop,
@@ -154,4 +168,5 @@ class Detokenizer:
             r.sent_tokens = len(r.output_ids)
         return RequestOutput(r.request_id, new_ids, new_text, finished, r.finish_reason,
                              len(r.prompt_ids), r.sent_tokens, r.stats, error=r.error,
-                             token_ts=new_ts, logprobs=lps)
+                             token_ts=new_ts, logprobs=lps,
+                             stop_reason=r.stop_reason if finished else None)

@@ -62,6 +62,7 @@ class _StepCounters:
     verify_ms: float = 0.0
     verify_cpu_ms: float = 0.0      # this thread's CPU time in the verify phase (no time-sharing waits)
     num_speculative_tokens: int = 0  # k of the step
+    k_batch_size: int | None = None  # the batch size k was looked up with (None: fixed k)
     speculation_off: set[str] = field(default_factory=set)  # M.SPEC_OFF_REASONS seen this step
     degraded_requests: int = 0      # requests whose drafter was dropped this step
 
@@ -501,7 +502,8 @@ class LLMEngine:
         t0, c0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule(self.kv.num_free)
         touched: dict[str, Request] = {}
-        stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens)
+        stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens,
+                              k_batch_size=sched.k_batch_size)
         self._admit(sched.admitted, t0, touched, stats)
         if self.prefix_cache is not None and sched.admitted:
             # an admitted prompt's prefix found in the prefix cache is not computed again:
@@ -746,7 +748,8 @@ class LLMEngine:
             M.STEP_NUM_SPEC_TOKENS: stats.num_speculative_tokens,
             M.STEP_SPECULATION_OFF: ",".join(x for x in M.SPEC_OFF_REASONS
                                              if x in stats.speculation_off),
-            M.STEP_DEGRADED_REQUESTS: stats.degraded_requests}
+            M.STEP_DEGRADED_REQUESTS: stats.degraded_requests,
+            M.STEP_K_BATCH_SIZE: stats.k_batch_size}
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],
@@ -757,7 +760,7 @@ def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], S
     At most ``batch_size`` requests are in the engine at once; with
     ``arrival_steps`` request i is not added before engine step
     ``arrival_steps[i]`` (staggered arrivals). Returns id -> {token_ids, text,
-    finish_reason, stats (SpecStats), logprobs ([TokenLogprob], empty unless the
+    finish_reason, stop_reason, stats (SpecStats), logprobs ([TokenLogprob], empty unless the
     request asked)}.
     """
     pending = list(range(len(requests)))
@@ -777,6 +780,7 @@ def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], S
             res["logprobs"].extend(out.logprobs or [])
             if out.finished:
                 res["finish_reason"] = out.finish_reason
+                res["stop_reason"] = out.stop_reason
                 res["stats"] = out.stats
         step += 1
     return results

@@ -67,14 +67,16 @@ def mask_min_tokens(logits: torch.Tensor, num_output: int, params: SamplingParam
 
     logits: [n, V] target logits of positions that pick output tokens number
     ``num_output .. num_output + n - 1`` (0-based); rows with index <
-    ``min_tokens`` get EOS at -inf. No-op when min_tokens is 0, with
-    ``ignore_eos`` (EOS does not end the request then) or without an EOS id.
+    ``min_tokens`` get EOS and every ``stop_token_ids`` entry at -inf. EOS is left
+    alone with ``ignore_eos`` (it does not end the request then) or without an EOS id.
     """
-    if eos_token_id is None or params.ignore_eos:
-        return
+    ids = list(params.stop_token_ids)   # vLLM masks every stop token id, ignore_eos or not
+    if eos_token_id is not None and not params.ignore_eos:
+        ids.append(eos_token_id)
+    ids = [i for i in ids if i < logits.shape[-1]]
     rows = min(params.min_tokens - num_output, logits.shape[0])
-    if rows > 0:
-        logits[:rows, eos_token_id] = float("-inf")
+    if rows > 0 and ids:
+        logits[:rows, ids] = float("-inf")
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -44,6 +44,7 @@ class Request:
     sent_chars: int = 0     # how much of ``text`` was streamed
     sent_tokens: int = 0    # how many output ids were streamed
     finish_reason: str | None = None  # "stop" | "length" | "error" once finished
+    stop_reason: int | str | None = None  # stop token id / stop string (vLLM's stop_reason)
     error: str | None = None          # what failed, when finish_reason is "error"
     degraded: str = ""  # why its drafter was dropped ("" = speculating): decodes alone from then on
 
@@ -74,6 +75,7 @@ class SchedulerOutput:
     prefills: list[ScheduledPrefill]
     admitted: list[Request]
     num_speculative_tokens: int = 0   # k of this step (the batch-size schedule's, else the engine's)
+    k_batch_size: int | None = None   # the batch size k was looked up with (None: fixed k)
 
 
 class Scheduler:
@@ -118,15 +120,20 @@ class Scheduler:
         """k of the next step: ``k_for_batch_size`` of the step's batch size, the
         requests running once this step's admissions are in (vLLM counts the
         requests a step schedules), else the engine's k."""
+        return self.step_k_lookup(free_slots)[0]
+
+    def step_k_lookup(self, free_slots: int) -> tuple[int, int | None]:
+        """(k of the next step, the batch size it was looked up with; None: fixed k)."""
         if self.k_for_batch_size is None:
-            return self.k
+            return self.k, None
         admit = max(0, min(len(self.waiting), free_slots, self.max_num_seqs - len(self.running)))
-        return self.k_for_batch_size(len(self.running) + admit)
+        n = len(self.running) + admit
+        return self.k_for_batch_size(n), n
 
     def schedule(self, free_slots: int) -> SchedulerOutput:
         budget = self.budget
         decodes, prefills, admitted = [], [], []
-        k = self.step_k(free_slots)
+        k, k_batch = self.step_k_lookup(free_slots)
         for r in self.running:
             if not r.in_prefill and budget > 0:
                 d = min(self.max_draft(r, k), budget - 1)
@@ -146,4 +153,4 @@ class Scheduler:
             n = min(len(r.prompt_ids), budget)
             prefills.append(ScheduledPrefill(r, r.prompt_ids[:n]))
             budget -= n
-        return SchedulerOutput(decodes, prefills, admitted, k)
+        return SchedulerOutput(decodes, prefills, admitted, k, k_batch)

@@ -67,12 +67,21 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: a token in stop_token_ids ends the request ("stop", stop_reason = the id);
+    # it counts as an output token, its text is left out unless include_stop_str_in_output
+    # (which also keeps a matched stop string in the text); masked before min_tokens like EOS
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        elif self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
         self.validate()
 
     def validate(self) -> None:
@@ -108,7 +117,12 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                  f"({self.max_tokens})", param="min_tokens")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if not isinstance(self.stop_token_ids, tuple) or any(
+                not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be a list of token ids (integers >= 0), "
+                                 f"got {self.stop_token_ids!r}", param="stop_token_ids")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean, got {getattr(self, name)!r}",
                                      param=name)
@@ -260,6 +274,8 @@ class RequestOutput:
     while a multi-byte character is incomplete); stats: the request's
     cumulative SpecStats, final when ``finished``.
     finish_reason: None, "stop" (EOS or stop string), "length", or "abort".
+    stop_reason: with finish_reason "stop", what stopped it (vLLM's): the token id of a
+    ``stop_token_ids`` entry, the matched stop string, None for EOS.
     token_ts: [len(new_token_ids)] unix seconds at which the engine emitted
     each new token (tokens of one speculative step share their step's time);
     the server forwards them so a client's ITL stays per token whatever the
@@ -278,3 +294,4 @@ class RequestOutput:
     token_ts: list[float] = field(default_factory=list)
     # [len(new_token_ids)] when the request asked for logprobs, else None
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None

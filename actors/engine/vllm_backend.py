@@ -239,7 +239,8 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
         M.STEP_QUEUE_DEPTH: int(num_waiting), M.STEP_PADDED_TOKENS: gen,
         M.STEP_CONTEXT_TOKENS: int(context_before) + drafts if batch_size else 0,
         M.STEP_CPU_MS: float(cpu_ms), M.STEP_VERIFY_CPU_MS: 0.0, M.STEP_NUM_SPEC_TOKENS: int(k),
-        M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0}
+        M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0,
+        M.STEP_K_BATCH_SIZE: None}   # vLLM does not say which batch size its k lookup used
 
 
 def checkpoint_bytes(model_dir: str | None, element_size: int) -> int:

@@ -108,6 +108,8 @@ class AsyncLLMEngine:
         self._stop = False
         self._error: BaseException | None = None
         self._step_log: collections.deque[dict] = collections.deque(maxlen=step_log_capacity)
+        # the engine (or reader) thread appends while HTTP routes read: both hold it
+        self._step_lock = threading.Lock()
         self._step_seq = 0
         self._step_sink = step_sink
 
@@ -221,7 +223,8 @@ class AsyncLLMEngine:
                  limit: int | None = None) -> list[dict]:
         """Rows of the ring buffer with ``seq > since_seq`` and ``ts > since_ts``
         (unix seconds), oldest first, at most ``limit`` (the newest ones)."""
-        rows = list(self._step_log)   # deque copy is atomic enough under the GIL
+        with self._step_lock:   # a copy under the writer's lock, filtered outside it
+            rows = list(self._step_log)
         rows = [r for r in rows if r["seq"] > since_seq
                 and (since_ts is None or r.get(mn.STEP_TS, 0.0) > since_ts)]
         if limit is not None:
@@ -247,7 +250,8 @@ class AsyncLLMEngine:
     def _on_step(self, row: dict) -> None:
         self._step_seq += 1
         row = dict(row, seq=self._step_seq)
-        self._step_log.append(row)
+        with self._step_lock:
+            self._step_log.append(row)
         if self._step_sink is not None:
             try:
                 self._step_sink(row)

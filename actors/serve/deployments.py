@@ -23,6 +23,7 @@ import asyncio
 import collections
 import logging
 import os
+import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -114,18 +115,26 @@ class StepLogStore:
 
     def __init__(self, capacity: int = 100_000):
         self._rows: collections.deque[dict] = collections.deque(maxlen=max(capacity, 1))
+        # Serve runs these sync methods on a thread pool: a query iterating the deque
+        # while a replica's push extends it raised "deque mutated during iteration"
+        # (an HTTP 500, a cell's step rows lost). Both hold the lock; a query copies
+        # under it and filters outside.
+        self._lock = threading.Lock()
 
     def append(self, rows: list[dict]) -> int:
         """Add rows (each carries strategy, replica, ts); returns rows held."""
-        self._rows.extend(rows)
-        return len(self._rows)
+        with self._lock:
+            self._rows.extend(rows)
+            return len(self._rows)
 
     def query(self, strategy: str | None = None, since: float | None = None,
               limit: int | None = None) -> list[dict]:
         """Rows with ``ts > since`` (unix seconds) of the deployment served as
         ``strategy`` (its served model name, ``STEP_MODEL``; all when None),
         oldest first; with ``limit``, the newest ``limit`` of them."""
-        rows = [r for r in self._rows
+        with self._lock:
+            snapshot = list(self._rows)
+        rows = [r for r in snapshot
                 if (strategy is None or r.get(mn.STEP_MODEL) == strategy)
                 and (since is None or r.get(mn.STEP_TS, 0.0) > since)]
         return rows[-limit:] if limit else rows
@@ -401,7 +410,8 @@ class StrategyReplica:
                         msg = Finished(ids, "".join(text), ts, lps if want_lps else None,
                                        finish_reason=out.finish_reason,
                                        num_output_tokens=out.num_output_tokens,
-                                       spec_decode=stats)
+                                       spec_decode=stats,
+                                       stop_reason=getattr(out, "stop_reason", None))
                         break
                 finished = msg is not None
                 if finished:

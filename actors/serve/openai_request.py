@@ -49,10 +49,12 @@ logger = logging.getLogger("ray.serve")
 #   min_tokens         0                  0 (vLLM; <= max_tokens) yes
 #   skip_special_tokens, spaces_between_special_tokens: true, true (vLLM) yes
 #   return_tokens_as_token_ids  false (vLLM: logprobs tokens as "token_id:<id>") yes
-#   presence_penalty, frequency_penalty, repetition_penalty, logit_bias, best_of,
-#   suffix, tools, tool_choice, response_format: accepted only at null or their
-#   neutral value (``_UNSUPPORTED``); anything else is a 400 naming the field.
-# Unknown fields (user, metadata, store, ...) are ignored, as vLLM does.
+#   stop_token_ids, include_stop_str_in_output  [], false (vLLM's)   yes
+#   stream_options.continuous_usage_stats  false (vLLM's: usage on every chunk) yes
+# Every other field of OpenAI's two requests and of vLLM 0.32's (``CompletionRequest``,
+# ``ChatCompletionRequest``) is in ``_UNSUPPORTED`` (accepted only at null or its
+# neutral value: a 400 naming it otherwise) or ``_LABELS`` (no effect on the output:
+# accepted). A field in none of these tables is a 400 naming it: nothing is ignored.
 
 
 MAX_ECHO_CHARS = 200   # at most this much of a client's value is quoted back in an error
@@ -74,18 +76,63 @@ Number = Annotated[float, BeforeValidator(_number)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None   # vLLM's: cumulative usage per chunk
+    # vLLM's: usage on every chunk. Accepted; specload's chunks carry their token count
+    # (spec_decode.num_tokens, token_ids) whatever its value
+    continuous_usage_stats: StrictBool | None = None
 
 
 # Fields that change the output and that the engine does not implement: rejected
 # unless they hold a neutral value (so stock clients sending defaults still work).
+# Both endpoints unless named in _CHAT_ONLY / _COMPLETIONS_ONLY; the first value is the
+# one the error suggests.
 _UNSUPPORTED: dict[str, tuple] = {
+    # OpenAI's
     "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None), "logit_bias": (None, {}), "best_of": (1, None),
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "best_of": (1, None), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "store": (False, None), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    # vLLM's extra sampling / request parameters
+    "repetition_penalty": (1, 1.0, None), "use_beam_search": (False, None),
+    "min_p": (0, 0.0, None), "watermarking": (None, False), "length_penalty": (1, 1.0, None),
+    "truncate_prompt_tokens": (None,), "truncation_side": (None,),
+    "allowed_token_ids": (None,), "prompt_logprobs": (None,), "logprob_token_ids": (None,),
+    "bad_words": (None, []), "prompt_embeds": (None,), "structured_outputs": (None,),
+    "priority": (0, None), "cache_salt": (None,), "return_token_offsets": (False, None),
+    "routed_experts_prompt_start": (0, None), "mm_payload": (None, "tensors"),
+    "return_mm_kwargs": (None, False), "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,), "vllm_xargs": (None, {}), "repetition_detection": (None,),
+    "thinking_token_budget": (None,), "include_reasoning": (True, None),
+    "add_generation_prompt": (True, None), "continue_final_message": (False, None),
+    "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "media_io_kwargs": (None,), "mm_processor_kwargs": (None,),
+    "return_prompt_text": (False, None),
 }
+# add_special_tokens: vLLM's default differs by endpoint; only that default (or null)
+_ADD_SPECIAL_TOKENS_DEFAULT = {False: True, True: False}   # chat? -> default
+# Fields that do not change what is generated nor what is returned: accepted, any value.
+# user / safety_identifier / metadata / prompt_cache_key: OpenAI's labels; request_id,
+# session_id: vLLM's labels; parallel_tool_calls acts only with tools (refused above);
+# return_token_ids: vLLM's, the ids are always returned (choices[].token_ids).
+_LABELS = frozenset({"user", "safety_identifier", "metadata", "prompt_cache_key",
+                     "request_id", "session_id", "parallel_tool_calls", "return_token_ids"})
+_CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
+                        "tool_choice", "functions", "function_call",
+                        "store", "modalities", "audio", "prediction", "reasoning_effort",
+                        "verbosity", "web_search_options", "include_reasoning",
+                        "parallel_tool_calls", "add_generation_prompt",
+                        "continue_final_message", "documents", "chat_template",
+                        "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs",
+                        "return_prompt_text", "metadata", "service_tier",
+                        "safety_identifier", "prompt_cache_key"})
+_COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
+# vLLM's chat request has its own echo (repeat the last message): not implemented
+_CHAT_NEUTRAL: dict[str, tuple] = {"echo": (False, None)}
 
 
 class _Common(BaseModel):
@@ -114,6 +161,8 @@ class _Common(BaseModel):
     # chunk, and / or a chunk per window of this many ms; both None = the strategy's
     stream_interval: StrictInt | None = Field(None, ge=1, le=4096)
     stream_interval_ms: Number | None = Field(None, gt=0, le=60_000)
+    stop_token_ids: list[StrictInt] | None = None         # vLLM's
+    include_stop_str_in_output: StrictBool | None = None  # vLLM's
 
     def num_logprobs(self) -> int | None:
         """Top logprobs per position asked for (0..20), or None: no logprobs."""
@@ -130,7 +179,9 @@ class _Common(BaseModel):
                 "ignore_eos": bool(self.ignore_eos), "logprobs": self.num_logprobs(),
                 "min_tokens": self.min_tokens or 0,
                 "skip_special_tokens": self.skip_special_tokens is not False,
-                "spaces_between_special_tokens": self.spaces_between_special_tokens is not False}
+                "spaces_between_special_tokens": self.spaces_between_special_tokens is not False,
+                "stop_token_ids": tuple(self.stop_token_ids or ()),
+                "include_stop_str_in_output": bool(self.include_stop_str_in_output)}
 
 
 def _false_is_null(v: Any) -> Any:
@@ -179,6 +230,7 @@ class ParsedRequest:
     stream_interval: int | None = None       # tokens per chunk (None: the strategy's)
     stream_interval_ms: float | None = None  # or a chunk per window of this many ms
     tokens_as_ids: bool = False   # vLLM's return_tokens_as_token_ids: "token_id:<id>"
+    continuous_usage: bool = False   # vLLM's stream_options.continuous_usage_stats
 
 
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
@@ -191,12 +243,11 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     """
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    for name, neutral in _UNSUPPORTED.items():
-        if name in body and body[name] not in neutral:
-            raise InvalidRequest(f"{name} is not supported by specload (it would change the "
-                                 f"output); drop it or send {neutral[0]!r}", param=name)
+    _check_fields(body, chat)
     try:
-        req = (ChatRequest if chat else CompletionRequest).model_validate(body)
+        implemented = _implemented(chat)
+        req = (ChatRequest if chat else CompletionRequest).model_validate(
+            {k: v for k, v in body.items() if k in implemented})
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)
@@ -233,10 +284,53 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise InvalidRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
                              f"({max_tokens}{', the default' if req.max_tokens is None else ''})",
                              param="min_tokens")
+    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be token ids >= 0, got "
+                             f"{_short(req.stop_token_ids)}", param="stop_token_ids")
     return ParsedRequest(req.model, prompt, req.sampling(max_tokens), bool(req.stream),
                          bool(req.stream_options and req.stream_options.include_usage),
                          req.stream_interval, req.stream_interval_ms,
-                         bool(req.return_tokens_as_token_ids))
+                         bool(req.return_tokens_as_token_ids),
+                         bool(req.stream_options and req.stream_options.continuous_usage_stats))
+
+
+def _implemented(chat: bool) -> set[str]:
+    return set((ChatRequest if chat else CompletionRequest).model_fields)
+
+
+def request_fields(chat: bool) -> dict[str, str]:
+    """Every request field this endpoint knows -> "implemented", "label" (accepted,
+    no effect on the output) or "neutral only" (a 400 unless null or its neutral
+    value). Any other field is a 400."""
+    other = _COMPLETIONS_ONLY if chat else _CHAT_ONLY
+    out = {f: "implemented" for f in _implemented(chat)}
+    out.update({f: "label" for f in _LABELS if f not in other})
+    out.update({f: "neutral only" for f in (*_UNSUPPORTED, "add_special_tokens")
+                if f not in other})
+    if chat:
+        out.update({f: "neutral only" for f in _CHAT_NEUTRAL})
+    return out
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    """A 400 naming the first field the endpoint does not implement: unknown, of the
+    other endpoint, or a not-implemented field at a value other than null / neutral."""
+    known = request_fields(chat)
+    for name, value in body.items():
+        kind = known.get(name)
+        if kind is None:
+            where = "chat completions" if chat else "completions"
+            raise InvalidRequest(f"{name} is not a field specload implements for {where} "
+                                 "(it would be ignored); drop it", param=str(name))
+        if kind != "neutral only" or value is None:
+            continue
+        neutral = ((_ADD_SPECIAL_TOKENS_DEFAULT[chat],) if name == "add_special_tokens"
+                   else _CHAT_NEUTRAL[name] if chat and name in _CHAT_NEUTRAL
+                   else _UNSUPPORTED[name])
+        if not any(isinstance(value, bool) == isinstance(v, bool) and value == v
+                   for v in neutral if v is not None):
+            raise InvalidRequest(f"{name} is not supported by specload (it would change the "
+                                 f"output); drop it or send {neutral[0]!r}", param=name)
 
 
 def _check_logprobs(req: "_Common", chat: bool) -> None:

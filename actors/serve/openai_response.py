@@ -49,6 +49,7 @@ class ResponseContext:
     chat: bool
     n_prompt: int
     tokens_as_ids: bool = False   # logprobs tokens as "token_id:<id>" (vLLM's option)
+    continuous_usage: bool = False   # vLLM's continuous_usage_stats: usage on every chunk
 
 
 def _cancel(gen) -> None:
@@ -137,11 +138,13 @@ async def collect_body(messages, ctx: ResponseContext) -> dict | ErrorMessage:
     if ctx.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": body},
                   "logprobs": choice_logprobs(lps, True, ctx.tokens_as_ids),
-                  "finish_reason": last.finish_reason, "token_ids": ids}
+                  "finish_reason": last.finish_reason, "stop_reason": last.stop_reason,
+                  "token_ids": ids}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": body, "logprobs": choice_logprobs(lps, False, ctx.tokens_as_ids),
-                  "finish_reason": last.finish_reason, "token_ids": ids}
+                  "finish_reason": last.finish_reason, "stop_reason": last.stop_reason,
+                  "token_ids": ids}
         obj = "text_completion"
     return {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
             "choices": [choice], "usage": _usage(ctx.n_prompt, last.num_output_tokens),
@@ -154,6 +157,7 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
     obj = "chat.completion.chunk" if ctx.chat else "text_completion"
     head = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model}
     done = False
+    n_out = 0   # completion tokens streamed so far (continuous_usage_stats)
     try:
         if ctx.chat:   # OpenAI sends the role first, without content
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -175,9 +179,15 @@ async def sse_events(messages, ctx: ResponseContext, include_usage: bool):
             else:
                 choice = {"index": 0, "text": msg.text, "logprobs": lps,
                           "finish_reason": finish, "token_ids": msg.token_ids}
+            if finish is not None:   # vLLM's: the stop token id / stop string, or null
+                choice["stop_reason"] = msg.stop_reason
             if msg.token_ts and len(msg.token_ts) == len(msg.token_ids):
                 choice[mn.TOKEN_TS_FIELD] = msg.token_ts
             out = {**head, "choices": [choice]}
+            n_out += len(msg.token_ids)
+            if ctx.continuous_usage and include_usage:   # vLLM's: cumulative, every chunk
+                out["usage"] = _usage(ctx.n_prompt, msg.num_output_tokens
+                                      if finish is not None else n_out)
             if finish is not None:
                 done = True
                 out[mn.SPEC_DECODE_FIELD] = msg.spec_decode
@@ -225,7 +235,7 @@ async def respond(start, req: ParsedRequest, rid: str, chat: bool, retry_after_s
     if isinstance(first, ErrorMessage):
         return message_error(first, retry_after_s)
     ctx = ResponseContext(rid, req.model, int(time.time()), chat, first.num_prompt_tokens,
-                          req.tokens_as_ids)
+                          req.tokens_as_ids, req.continuous_usage)
     messages = guard_replica(gen, req.model)
     if req.stream:
         return StreamingResponse(sse_events(messages, ctx, req.include_usage),

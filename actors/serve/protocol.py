@@ -53,6 +53,8 @@ class Finished(Delta):
     finish_reason: str = "stop"
     num_output_tokens: int = 0
     spec_decode: dict = field(default_factory=dict)
+    # vLLM's stop_reason: the stop token id or stop string that ended it (None: EOS, length)
+    stop_reason: int | str | None = None
 
 
 MAX_ERROR_MESSAGE_CHARS = 1000   # an error body quotes at most this much (a client's 2 MB

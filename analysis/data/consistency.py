@@ -38,6 +38,8 @@ from typing import Sequence
 
 import pandas as pd
 
+from configs import metric_names as mn
+
 CONSISTENCY_FILE = "consistency.json"
 DEFAULT_ALPHA = 0.01          # family-wise level of the sampled check (Bonferroni over positions)
 MIN_EXPECTED = 5              # chi-square rule of thumb: categories expected below 5 are pooled
@@ -195,9 +197,14 @@ def sampled_verdict(tests: list[dict], alpha: float = DEFAULT_ALPHA) -> dict:
             "diverges": bool(ps) and min_p < level}
 
 
+SYNTHETIC_SKIP = ("synthetic acceptance (rejection_sample_method: synthetic): the accept "
+                  "decision is forced, so its text is not the target's and is not compared")
+
+
 def diverges(entry: dict) -> bool:
-    """True when a strategy's consistency entry shows a divergence (greedy or sampled)."""
-    if entry.get("baseline_self"):
+    """True when a strategy's consistency entry shows a divergence (greedy or sampled); never
+    for a synthetic-acceptance deployment (its text is not the target's by design)."""
+    if entry.get("baseline_self") or entry.get("synthetic"):
         return False
     if "violations" in entry:   # classified: only violations (and unclassified) count
         if entry["violations"] or entry.get("unclassified", 0):
@@ -219,6 +226,8 @@ def load_consistency(run_paths: list[Path]) -> dict[str, dict]:
         for strategy, entry in data.items():
             if not isinstance(entry, dict):
                 continue
+            if mn.parse_acceptance_length(strategy) is not None:   # forced acceptance: never compared
+                entry = {**entry, "synthetic": True, "skipped": entry.get("skipped") or SYNTHETIC_SKIP}
             cur = merged.setdefault(strategy, {"compared": 0, "identical": 0, "errors": 0,
                                                "first_divergence": []})
             for k in ("compared", "identical", "errors"):
@@ -229,7 +238,7 @@ def load_consistency(run_paths: list[Path]) -> dict[str, dict]:
             if entry.get("tolerance") is not None:
                 cur["tolerance"] = max(cur.get("tolerance", 0.0), float(entry["tolerance"]))
             cur["first_divergence"] += list(entry.get("first_divergence") or [])
-            for k in ("mode", "baseline", "baseline_self", "skipped"):
+            for k in ("mode", "baseline", "baseline_self", "skipped", "synthetic"):
                 if entry.get(k) is not None:
                     cur[k] = entry[k]
             if entry.get("sampled"):

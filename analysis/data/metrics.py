@@ -25,11 +25,13 @@ import pandas as pd
 from analysis.data.dimensions import with_sampling
 from configs import metric_names as mn
 from configs.tiers import Slo
+from analysis.data.distribution import bimodality
 
 CELL_KEYS = [mn.REQ_RUN_ID, *mn.CELL_KEY]   # configs/metric_names.py CELL_KEY: sampling label included
 # per-deployment attributes carried into the cell table (analysis.data.load adds them)
 BASE_STRATEGY, K, CANDIDATES = "base_strategy", "k", "top_k_candidates"
-CELL_ATTRS = (BASE_STRATEGY, K, CANDIDATES, mn.REQ_TEMPERATURE)
+SYNTHETIC_AL = "synthetic_acceptance_length"   # --acceptance-length (NaN: a real deployment)
+CELL_ATTRS = (BASE_STRATEGY, K, CANDIDATES, SYNTHETIC_AL, mn.REQ_TEMPERATURE)
 PERCENTILES = (50, 90, 99)
 # Derived column names: the one per-cell scheme of configs/metric_names.py (CELL_*),
 # shared with the load generator's live summary and summary.csv.
@@ -68,6 +70,10 @@ def pooled_tau(requests: pd.DataFrame) -> float:
     """Token-weighted tau over requests: 1 + sum(accepted) / sum(drafts); NaN if unknown."""
     drafts = requests[mn.NUM_DRAFTS].sum(min_count=1)
     if pd.isna(drafts):
+        return float("nan")
+    # drafts reported without an accepted count (an engine key spelling not read): not
+    # reported, never 1.0 (loadgen.results.summary says so in the cell's warnings)
+    if (requests[mn.NUM_DRAFTS].fillna(0).gt(0) & requests[mn.NUM_ACCEPTED_TOKENS].isna()).any():
         return float("nan")
     return mn.acceptance_length(int(drafts), int(requests[mn.NUM_ACCEPTED_TOKENS].sum()))
 
@@ -117,17 +123,58 @@ def _cell_row(g: pd.DataFrame) -> dict:
         vals = ok[col].dropna().to_numpy(dtype=float)
         for p in PERCENTILES:
             row[mn.percentile_name(name, p)] = float(np.percentile(vals, p)) if vals.size else np.nan
-    # Raw inter-token gaps are not stored, only each request's ITL p50 / p99:
-    # cell p50 and p90 are taken over requests' median ITL, p99 over their p99.
-    itl50 = ok[mn.REQ_ITL_P50_MS].dropna().to_numpy(dtype=float)
-    itl99 = ok[mn.REQ_ITL_P99_MS].dropna().to_numpy(dtype=float)
-    row[mn.CELL_ITL_MS_P50] = float(np.percentile(itl50, 50)) if itl50.size else np.nan
-    row["itl_ms_p90"] = float(np.percentile(itl50, 90)) if itl50.size else np.nan
-    row["itl_ms_p99"] = float(np.percentile(itl99, 99)) if itl99.size else np.nan
+    for name, col in (("ttft_ms", mn.REQ_TTFT_MS), ("tpot_ms", mn.REQ_TPOT_MS)):
+        row[f"{name}_mean"] = float(ok[col].mean()) if ok[col].notna().any() else np.nan
+    row.update(_itl_figures(ok))
+    bi = bimodality(ok[mn.REQ_TPOT_MS].dropna().astype(float).tolist())
+    row[mn.CELL_TPOT_BIMODALITY] = bi["bc"]
+    row["tpot_mode_low_ms"] = bi["low_mode"] if bi["bimodal"] else np.nan
+    row["tpot_mode_high_ms"] = bi["high_mode"] if bi["bimodal"] else np.nan
     taus = ok[mn.ACCEPTANCE_LENGTH].dropna().to_numpy(dtype=float)
     for p in (10, 50, 90):
         row[f"tau_p{p}"] = float(np.percentile(taus, p)) if taus.size else np.nan
     return row
+
+
+def _itl_figures(ok: pd.DataFrame) -> dict:
+    """The cell's ITL as loadgen.results.summary gives it (docs/metrics.md): per token only
+    when every ok request with gaps had per-chunk token counts (``itl_source``); then the
+    token-weighted mean and the median over requests of each request's p50 / p90 / p99.
+    Otherwise ``itl_kind`` "chunk", no per-token figure, and the chunk gaps. Runs before
+    schema 9 (no ``itl_source``) keep the old reading: p50 / p90 over requests' median ITL,
+    p99 over their p99."""
+    col = lambda c: ok[c] if c in ok else pd.Series(np.nan, index=ok.index)   # noqa: E731
+    src = col(mn.REQ_ITL_SOURCE)
+    out = {mn.CELL_ITL_MS_MEAN: np.nan, mn.CELL_ITL_MS_P50: np.nan, mn.CELL_ITL_MS_P90: np.nan,
+           mn.CELL_ITL_MS_P99: np.nan, mn.CELL_ITL_KIND: None, mn.CELL_TOKENS_PER_CHUNK: np.nan,
+           mn.CELL_CHUNK_GAP_MS_P50: np.nan}
+    if src.isna().all():   # before schema 9
+        itl50 = col(mn.REQ_ITL_P50_MS).dropna().to_numpy(dtype=float)
+        itl99 = col(mn.REQ_ITL_P99_MS).dropna().to_numpy(dtype=float)
+        out[mn.CELL_ITL_MS_P50] = float(np.percentile(itl50, 50)) if itl50.size else np.nan
+        out[mn.CELL_ITL_MS_P90] = float(np.percentile(itl50, 90)) if itl50.size else np.nan
+        out[mn.CELL_ITL_MS_P99] = float(np.percentile(itl99, 99)) if itl99.size else np.nan
+        return out
+    g = ok[src.notna()]
+    later = (g[mn.REQ_NUM_CHUNKS].astype(float) - 1).clip(lower=0)
+    tpc = g[mn.REQ_TOKENS_PER_CHUNK].astype(float)
+    if later[tpc.notna()].sum() > 0:
+        out[mn.CELL_TOKENS_PER_CHUNK] = float((tpc * later)[tpc.notna()].sum() / later[tpc.notna()].sum())
+    gaps = g[mn.REQ_CHUNK_GAP_P50_MS].dropna().to_numpy(dtype=float)
+    out[mn.CELL_CHUNK_GAP_MS_P50] = float(np.percentile(gaps, 50)) if gaps.size else np.nan
+    if g[mn.REQ_ITL_SOURCE].eq(mn.ITL_SOURCE_CHUNKS).any():
+        out[mn.CELL_ITL_KIND] = "chunk"
+        return out
+    out[mn.CELL_ITL_KIND] = "per_token"
+    for name, c in ((mn.CELL_ITL_MS_P50, mn.REQ_ITL_P50_MS), (mn.CELL_ITL_MS_P90, mn.REQ_ITL_P90_MS),
+                    (mn.CELL_ITL_MS_P99, mn.REQ_ITL_P99_MS)):
+        v = g[c].dropna().to_numpy(dtype=float)
+        out[name] = float(np.percentile(v, 50)) if v.size else np.nan
+    w = (g[mn.REQ_OUTPUT_TOKENS].astype(float) - 1).clip(lower=0)
+    m = g[mn.REQ_ITL_MEAN_MS].astype(float)
+    if w[m.notna()].sum() > 0:
+        out[mn.CELL_ITL_MS_MEAN] = float((m * w)[m.notna()].sum() / w[m.notna()].sum())
+    return out
 
 
 def cell_table(flagged: pd.DataFrame) -> pd.DataFrame:

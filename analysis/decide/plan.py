@@ -252,10 +252,41 @@ def _flagged(results, tier: str, slo_ttft_ms: float, slo_tpot_ms: float,
     return slo, flagged, cells, classes
 
 
+def at_acceptance_length(models: dict, acceptance_length: float) -> tuple[dict, list[str]]:
+    """The fitted replica models (``fit_replica_models``) of every real speculative strategy
+    with its acceptance length set to ``acceptance_length`` (what a drafter of that
+    acceptance would do with the same measured step costs: the step cost model depends on
+    the batch's verification tokens, k + 1 per row, not on how many are accepted; each step
+    then emits A tokens per request instead of the measured tau), autoregressive kept as
+    it is. Strategies with k + 1 < A (verification tokens per row ``v``), synthetic
+    deployments and autoregressive's are left out of the change; returns (models, notes)."""
+    import dataclasses
+
+    out, notes = {}, []
+    for (strategy, oc), m in models.items():
+        if strategy == mn.AUTOREGRESSIVE:
+            out[(strategy, oc)] = m
+            continue
+        if mn.parse_acceptance_length(strategy) is not None:
+            continue
+        w = m.cell.workload
+        if acceptance_length > w.v + 1e-9:
+            notes.append(f"{strategy}/{oc}: A = {acceptance_length:g} above its k + 1 "
+                         f"(~{w.v:.2f} verification tokens per row): left out")
+            continue
+        cell = dataclasses.replace(m.cell, workload=dataclasses.replace(w, tau=float(acceptance_length)))
+        out[(strategy, oc)] = dataclasses.replace(m, cell=cell)
+        notes.append(f"{strategy}/{oc}: measured acceptance length {w.tau:.2f} -> {acceptance_length:g}")
+    return out, notes
+
+
 def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, tier: str,
                 classes: list[str], slo: Slo, slo_ttft_ms: float, slo_tpot_ms: float,
-                attainment: float) -> tuple[list[dict], list[str]]:
-    """The model plan's rows (``model_plan``) and the assumptions list it starts."""
+                attainment: float, acceptance_length: float | None = None
+                ) -> tuple[list[dict], list[str]]:
+    """The model plan's rows (``model_plan``) and the assumptions list it starts;
+    ``acceptance_length``: every speculative strategy's tau set to it (``at_acceptance_length``),
+    each row then carries ``acceptance_length`` (the set A) and ``measured_acceptance_length``."""
     req = results.requests
     assumptions = [
         f"target load {qps:g} requests/s of tier {tier!r} ({', '.join(classes)} outputs); "
@@ -268,7 +299,21 @@ def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float,
     ]
     from analysis.model.replica_model import fit_replica_models
     models = fit_replica_models(results, flagged, cells, notes=assumptions)
+    measured_tau = {key: m.cell.workload.tau for key, m in models.items()}
+    if acceptance_length is not None:
+        models, notes = at_acceptance_length(models, acceptance_length)
+        assumptions.append(f"HYPOTHETICAL drafter: acceptance length {acceptance_length:g} per "
+                           "verify step with the measured step costs (draft and verify of k + 1 "
+                           "tokens per row as measured); " + "; ".join(notes))
     rows = model_plan(models, qps, classes, slo, attainment)
+    for r in rows:
+        key = (r["strategy"], r["output_class"])
+        m = models[key]
+        r["acceptance_length"] = m.cell.workload.tau
+        r["measured_acceptance_length"] = measured_tau.get(key)
+        # predicted goodput at the planned load over the N replicas: tokens/s of requests meeting the SLOs
+        r["goodput_tok_s"] = (qps * r["predicted_attainment"] * m.out_tokens
+                              if r.get("replicas") and r.get("predicted_attainment") is not None else None)
     missing = sorted(set(req[mn.REQ_STRATEGY]) - {r["strategy"] for r in rows})
     if missing:
         assumptions.append(f"no step log (or < 3 decode steps) for {', '.join(missing)}: no "
@@ -339,11 +384,13 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
          overhead_ms: float = DEFAULT_OVERHEAD_MS, max_batch: int = DEFAULT_MAX_BATCH,
          model_shape: str | None = None,
          gpu_memory_utilization: float = memory.DEFAULT_GPU_MEMORY_UTILIZATION,
-         slo_source: str = "flags") -> dict:
+         slo_source: str = "flags", acceptance_length: float | None = None) -> dict:
     """Plan replicas for ``qps`` requests/s of ``tier`` traffic under the SLOs.
 
     ``slo_source`` says where the SLO came from (``flags``, ``manifest``, ...; see
     ``analysis.data.slo.resolve_slos``); it is recorded in the returned ``slo``.
+    ``acceptance_length``: plan for a drafter of that acceptance length instead of the
+    measured one (``at_acceptance_length``; the model plan only).
 
     Returns {"qps", "tier", "slo", "model": [rows], "gpu_plan": [rows] or None,
     "assumptions": [str], "memory": [rows] or None}. ``model_shape`` (a name in
@@ -355,7 +402,7 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     results, labels = _one_sampling(load_results(results_dir))
     slo, flagged, cells, classes = _flagged(results, tier, slo_ttft_ms, slo_tpot_ms, slo_source)
     rows, assumptions = _model_rows(results, flagged, cells, qps, tier, classes, slo,
-                                    slo_ttft_ms, slo_tpot_ms, attainment)
+                                    slo_ttft_ms, slo_tpot_ms, attainment, acceptance_length)
     if len(labels) > 1:
         assumptions.append(f"sampling: the {labels[0]!r} cells only (the run also measured "
                            f"{', '.join(labels[1:])}; acceptance, hence capacity, differs by setting)")

@@ -222,12 +222,43 @@ def _degraded(flagged: pd.DataFrame, out: dict) -> None:
                           "requests).", _clean(table)))
 
 
+def _step_log_loss(results: Results, out: dict) -> None:
+    """A flag and a table naming every cell whose step log was lost or partial (the
+    manifest's ``step_log_loss``, ``loadgen.results.step_loss``; a run older than it
+    that recorded only ``step_log_errors`` is named by strategy and time)."""
+    rows: list[dict] = []
+    for run in results.runs:
+        m = run.manifest
+        for e in m.get("step_log_loss") or []:
+            rows.append({"run_id": run.run_id, **{k: e.get(k) for k in (
+                "strategy", "tier", "output_class", "users", "repeat", "sampling", "rows",
+                "missing_rows")}, "reason": "; ".join(e.get("reasons") or [])})
+        if "step_log_loss" not in m:
+            for e in m.get("step_log_errors") or []:
+                rows.append({"run_id": run.run_id, "strategy": e.get("strategy"),
+                             "reason": f"step_log fetch failed (rows since {e.get('since')}): "
+                                       f"{str(e.get('error', ''))[:200]}"})
+    if not rows:
+        return
+    cells = sorted({"/".join(str(r.get(k)) for k in ("strategy", "tier", "output_class", "users",
+                                                      "repeat") if r.get(k) is not None)
+                    for r in rows})
+    out["flags"].append(f"STEP LOG LOST OR PARTIAL in {len(cells)} cell(s): {', '.join(cells)}. "
+                        "Their step-log figures (acceptance from steps, batch capacity, step "
+                        "cost) rest on the rows kept; see Step log losses.")
+    out["tables"].append(("Step log losses", "Cells whose engine step rows were not all "
+                          "received: rows = step rows kept for the cell, missing_rows = replica "
+                          "step numbers skipped inside it (empty: unknown, the fetch failed).",
+                          rows))
+
+
 def questions_section(results: Results, flagged: pd.DataFrame, warmup_s: float = 0.0,
                       warmup_dropped: int = 0) -> dict:
     """{"tables": [(title, text, rows)], "flags": [str] (top-of-report warnings),
     "figures": {key: png or None}, "consistency": {strategy: entry},
     "diverging": [strategy], "stability": DataFrame}."""
     out: dict = {"tables": [], "flags": [], "figures": {}}
+    _step_log_loss(results, out)
     _consistency(results, out)
     _degraded(flagged, out)
     _memory(results, out)

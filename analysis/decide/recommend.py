@@ -156,7 +156,12 @@ def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
 
     Runs, users levels and repeats inside one tier x output class are its replicates
     (``analysis.decide.race``); ``first_pass_repeats`` replays a raced run's rounds.
+    Forced-acceptance deployments (``--acceptance-length``) never compete: their text is not
+    the target's (``analysis.data.dimensions.real_only``).
     """
+    from analysis.data.dimensions import real_only
+
+    flagged, cells = real_only(flagged), real_only(cells)
     out: dict = {}
     keys = flagged[[mn.REQ_TIER, mn.REQ_OUTPUT_CLASS]].drop_duplicates()
     for tier, oc in sorted(keys.itertuples(index=False, name=None), key=cell_order):

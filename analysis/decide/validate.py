@@ -99,6 +99,18 @@ def attainment(requests: pd.DataFrame, slo: Slo, warmup_s: float = DEFAULT_WARMU
     return float(good.mean()), int(len(sel))
 
 
+def goodput(requests: pd.DataFrame, slo: Slo, warmup_s: float = DEFAULT_WARMUP_S,
+            duration_s: float = DEFAULT_DURATION_S) -> float:
+    """Output tokens/s of the requests meeting both SLOs, over the offered time after the
+    warm-up (requests scheduled in the warm-up left out, as ``attainment``)."""
+    if requests.empty or not duration_s > warmup_s:
+        return float("nan")
+    t0 = requests[mn.REQ_SCHEDULED_TS].min()
+    sel = requests[requests[mn.REQ_SCHEDULED_TS] >= t0 + warmup_s]
+    good = metrics.meets_slo(sel, {t: slo for t in sel[mn.REQ_TIER].unique()})
+    return float(sel.loc[good, mn.REQ_OUTPUT_TOKENS].fillna(0).sum()) / (duration_s - warmup_s)
+
+
 def arrivals_check(scheduled: int, qps: float, duration_s: float,
                    sigmas: float = ARRIVALS_SIGMAS) -> dict:
     """Is ``scheduled`` a plausible count of Poisson arrivals at ``qps`` over ``duration_s``?
@@ -155,10 +167,13 @@ def run_id_for(strategy: str, replicas: int) -> str:
             f"{uuid.uuid4().hex[:6]}")
 
 
-def serve_config(strategy: str, replicas: int, base: Path = SERVE_YAML) -> dict:
-    """configs/serve.yaml with only ``strategy``, at ``replicas`` replicas (1 torch thread each).
+def serve_config(strategy: str, replicas: int, base: Path = SERVE_YAML,
+                 acceptance_length: float | None = None) -> dict:
+    """configs/serve.yaml with only ``strategy``, at ``replicas`` replicas (1 torch thread each);
+    ``acceptance_length``: its accept decision forced to that length (``rejection_sample_method:
+    synthetic``, vLLM's names; ``plan --acceptance-length --validate``).
 
-    Raises ValueError when the base config has no such strategy."""
+    Raises ValueError when the base config has no such strategy, or A > k + 1."""
     cfg = yaml.safe_load(Path(base).read_text())
     app = cfg["applications"][0]
     entries = [copy.deepcopy(e) for e in app["args"]["strategies"]
@@ -168,6 +183,14 @@ def serve_config(strategy: str, replicas: int, base: Path = SERVE_YAML) -> dict:
     entries[0]["num_replicas"] = int(replicas)
     entries[0].pop("autoscaling_config", None)
     entries[0]["engine"]["torch_threads"] = 1
+    if acceptance_length is not None:
+        k = entries[0]["engine"].get("num_speculative_tokens")
+        if isinstance(k, int) and acceptance_length > k + 1:
+            raise ValueError(f"--acceptance-length {acceptance_length:g} above k + 1 = {k + 1} of "
+                             f"{strategy} in {base}")
+        entries[0]["engine"]["rejection_sample_method"] = "synthetic"
+        entries[0]["engine"]["synthetic_acceptance_length"] = float(acceptance_length)
+        entries[0]["engine"].pop("synthetic_acceptance_rates", None)
     app["args"]["strategies"] = entries[:1]
     return cfg
 
@@ -254,7 +277,7 @@ def _loadgen(url: str, strategy: str, tier: str, output_class: str, tiers_path: 
 def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float,
                   max_tokens, out_dir: Path, duration_s: float = DEFAULT_DURATION_S,
                   warmup_s: float = DEFAULT_WARMUP_S, deploy=None, drive=None,
-                  log=print) -> dict:
+                  log=print, acceptance_length: float | None = None) -> dict:
     """Run the plan with N and N - 1 replicas; returns the ``--validate --json`` dict:
     {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target",
     "output_class", "tier", "holds", "tight", "requests", "requests_minus_one",
@@ -273,7 +296,8 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
     work = Path(tempfile.mkdtemp(prefix="specload-validate-"))
     if deploy is None:
         def deploy(strategy, replicas):
-            return _cluster_up(serve_config(strategy, replicas), work)
+            return _cluster_up(serve_config(strategy, replicas,
+                                            acceptance_length=acceptance_length), work)
     if drive is None:
         def drive(url, run_id):
             return _loadgen(url, choice.strategy, load_tier(tier), choice.output_class,
@@ -282,7 +306,8 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
               "replicas": choice.replicas, "qps": qps, "slo_target": target,
               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
               "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}, "arrivals": {},
-              "cpu_share": {}}
+              "cpu_share": {}, "goodput_tok_s": {}, "acceptance_length": acceptance_length,
+              "measured_acceptance_length": {}}
     for n, key in ((choice.replicas, "attainment"), (choice.replicas - 1, "attainment_minus_one")):
         count_key = "requests" if key == "attainment" else "requests_minus_one"
         if n < 1:
@@ -305,6 +330,10 @@ def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float
             continue
         att, count = attainment(req, slo, warmup_s)
         result[key], result[count_key] = att, count
+        result["goodput_tok_s"][str(n)] = goodput(req, slo, warmup_s, duration_s)
+        if mn.NUM_DRAFTS in req and req[mn.NUM_DRAFTS].fillna(0).sum() > 0:
+            ok = req[req[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+            result["measured_acceptance_length"][str(n)] = metrics.pooled_tau(ok)
         result["runs"][str(n)] = str(run_dir)
         share = cpu_share(Path(run_dir))
         result["cpu_share"][str(n)] = share

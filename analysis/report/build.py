@@ -34,6 +34,7 @@ from analysis.data.consistency import annotate_recommendation
 from analysis.data.load import Results, ResultsError, load_results
 from analysis.decide.questions import questions_section
 from analysis.report.dimensions import dimensions_section
+from analysis.report.surface_section import surface_section
 from analysis.decide import race as race_mod
 from analysis.decide.claims import claims_check
 from analysis.decide.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION,
@@ -131,6 +132,16 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     dims = dimensions_section(cells)   # speedup / tau vs k and vs temperature (when varied)
     answers.setdefault("tables", []).extend(dims["tables"])
     answers.setdefault("figures", {}).update({k: v for k, v in dims["figures"].items() if v})
+    surf = surface_section(results)   # --acceptance-length: the verification-cost surface
+    answers["tables"].extend(surf["tables"])
+    answers["figures"].update(surf["figures"])
+    synthetic = sorted(surf["data"]["surface"]["strategy"].unique()) if not surf["data"]["surface"].empty else []
+    if synthetic:
+        answers.setdefault("flags", []).append(
+            f"SYNTHETIC deployments ({len(synthetic)}: {', '.join(synthetic[:6])}"
+            f"{', ...' if len(synthetic) > 6 else ''}): forced acceptance (--acceptance-length), "
+            "their text is not the target's; they measure the verification-cost surface and are "
+            "never recommended or consistency-checked.")
     annotate_recommendation(rec, answers["diverging"])
     degradation = None
     if baseline is not None:
@@ -160,6 +171,7 @@ def make_figures(a: Analysis) -> dict[str, bytes | None]:
         "goodput": plots.goodput_bars(recommendation_rows(a.recommendation), a.recommendation),
         "speedup": plots.speedup_vs_users(a.cells, a.crossover),
         "throughput_latency": plots.throughput_latency(a.cells, a.knees),
+        "latency_ecdf": plots.latency_ecdf(a.flagged),
         "acceptance": plots.acceptance_hist(a.flagged),
         "per_position": plots.per_position_plot(a.positions),
         "verification": plots.verification_vs_batch(a.results.steps),

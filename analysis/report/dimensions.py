@@ -45,6 +45,9 @@ def k_table(cells: pd.DataFrame) -> pd.DataFrame:
     need = {BASE_STRATEGY, K, mn.REQ_SAMPLING}
     if cells.empty or not need <= set(cells.columns):
         return pd.DataFrame(columns=cols)
+    from analysis.data.dimensions import real_only
+
+    cells = real_only(cells)   # forced acceptance (--acceptance-length): the surface's own section
     spec = cells[~cells[BASE_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[K].notna()].copy()
     spec[CANDIDATES] = spec[CANDIDATES] if CANDIDATES in spec else np.nan
     varied = spec.groupby(BASE_STRATEGY)[[K, CANDIDATES]].nunique(dropna=True)

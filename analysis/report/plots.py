@@ -97,6 +97,35 @@ def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None
     return _png(fig)
 
 
+def latency_ecdf(flagged: pd.DataFrame) -> bytes | None:
+    """The distribution of per-request TTFT and TPOT per strategy (empirical CDFs over the ok
+    requests of the primary sampling setting, every cell pooled), one row per output class:
+    a bimodal TPOT shows as two steps, which one percentile hides (docs/metrics.md)."""
+    import numpy as np
+
+    ok = primary_sampling(flagged) if mn.REQ_SAMPLING in flagged else flagged
+    ok = ok[ok[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+    if ok.empty or ok[mn.REQ_TPOT_MS].notna().sum() == 0:
+        return None
+    classes = sorted(ok[mn.REQ_OUTPUT_CLASS].unique())
+    fig = Figure(figsize=(10.0, 3.4 * len(classes)), layout="constrained")
+    axes = fig.subplots(len(classes), 2, squeeze=False)
+    for row, oc in zip(axes, classes):
+        sub = ok[ok[mn.REQ_OUTPUT_CLASS].eq(oc)]
+        for ax, col, label in ((row[0], mn.REQ_TTFT_MS, "TTFT (ms)"), (row[1], mn.REQ_TPOT_MS, "TPOT (ms)")):
+            for strategy, g in sub.groupby(mn.REQ_STRATEGY):
+                v = np.sort(g[col].dropna().to_numpy(dtype=float))
+                if v.size:
+                    ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=strategy,
+                            color=strategy_color(strategy))
+            ax.set(title=f"{label.split()[0]} distribution ({oc} outputs)", xlabel=label,
+                   ylabel="share of requests <= x")
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    return _png(fig)
+
+
 def goodput_bars(rec_rows: list[dict], rec: dict) -> bytes | None:
     """Goodput (tokens/s meeting the SLOs) per strategy for every tier x output class."""
     if not rec_rows:

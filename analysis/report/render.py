@@ -25,14 +25,20 @@ if TYPE_CHECKING:
 
 CELL_COLUMNS = ["run_id", "strategy", "tier", "output_class", "sampling", "users", "k",
                 "n_requests", "n_ok",
-                "output_tokens_per_s", "speedup", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
-                "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p90",
-                "itl_ms_p99", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
+                "output_tokens_per_s", "speedup", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
+                "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "tpot_mode_low_ms",
+                "tpot_mode_high_ms", "itl_kind", "itl_ms_mean", "itl_ms_p50", "itl_ms_p90",
+                "itl_ms_p99", "tokens_per_chunk", "goodput_tokens_per_s", "goodput_rps", "slo_attainment",
                 mn.ACCEPTANCE_LENGTH, "acceptance_source", "tau_p10", "tau_p50", "tau_p90"]
 FIGURE_TITLES = {
+    "surface": ("Verification-cost surface: speedup over forced acceptance length and users, one "
+                "panel per k (black: speedup 1.0; stars: real deployments at their measured "
+                "acceptance length; top ticks: acceptance per prompt category)"),
     "goodput": "Goodput per strategy (black outline = recommended; one colour per strategy in every figure)",
     "speedup": "Speedup vs concurrency (dotted: measured crossover)",
     "throughput_latency": "Throughput-latency curve and knee",
+    "latency_ecdf": ("Latency distributions: TTFT and TPOT per request, per strategy (empirical "
+                     "CDF; two steps = bimodal, where one percentile misleads)"),
     "acceptance": "Acceptance length distribution",
     "per_position": "Per-position acceptance (unconditional and conditional, labelled)",
     "verification": "Verification tokens per step vs batch size",

@@ -80,6 +80,14 @@ def _add_target_flags(ap: argparse.ArgumentParser) -> None:
                     metavar="C[,C...]",
                     help="dflash2's candidates per position (strategy_options.top_k) to measure: one "
                          "deployment per count, <strategy>[-k<K>]-c<C>")
+    ap.add_argument("--acceptance-length", type=number_list(float, ge=1, le=65), default=None,
+                    metavar="A[,A...]",
+                    help="forced acceptance lengths (tokens per verify step, the target's own token "
+                         "counted; vLLM's synthetic_acceptance_length, in [1, k+1]): every speculative "
+                         "strategy runs once per (k, A) as its own deployment <strategy>[-k<K>]-al<A> "
+                         "beside autoregressive, drafter and verify real, only the accept decision set. "
+                         "Synthetic: its text is not the target's, never recommended, no consistency "
+                         "check; `python -m analysis surface RUN` reads the speedup surface")
     ap.add_argument("--temperature", type=number_list(float, ge=0, le=2), default=None,
                     metavar="T[,T...]",
                     help="sampling settings to run, overriding the tier file's (0 = greedy): each "

@@ -266,8 +266,10 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     tolerance / baseline_url: as in ``greedy_check`` (the sampled check needs the
     baseline at ``target``).
     """
-    from analysis.data.consistency import diverges
+    from analysis.data.consistency import SYNTHETIC_SKIP, diverges
 
+    synthetic = [s for s in strategies if M.parse_acceptance_length(s) is not None]
+    strategies = [s for s in strategies if s not in synthetic]   # forced acceptance: not the target's text
     if samples <= 0 and sampled <= 0:
         return {"skipped": "disabled (--consistency 0)"}
     if baseline not in strategies and not baseline_url:
@@ -291,10 +293,15 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
         for s, t in tests.items():
             result.setdefault(s, {"compared": 0, "identical": 0, "errors": 0,
                                   "first_divergence": [], "baseline": baseline})["sampled"] = t
+    for s in synthetic:
+        result[s] = {"compared": 0, "identical": 0, "errors": 0, "first_divergence": [],
+                     "baseline": baseline, "synthetic": True, "skipped": SYNTHETIC_SKIP}
+    if synthetic:
+        say(f"consistency: {len(synthetic)} synthetic deployment(s) skipped ({SYNTHETIC_SKIP})")
     write_consistency(run_dir, result)
     bad = sorted(s for s, e in result.items() if diverges(e))
     for s, e in result.items():
-        if s != baseline:
+        if s != baseline and not e.get("synthetic"):
             ties = (f" ({e['ties']} ties, {e['violations']} violations at tolerance "
                     f"{e['tolerance']:g})" if "violations" in e else "")
             say(f"consistency {s}: {e['identical']}/{e['compared']} identical to {baseline}{ties}"
@@ -302,5 +309,6 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     if bad:
         say(f"WARNING: output of {', '.join(bad)} diverges from {baseline} (consistency.json)")
     return {s: {"compared": e["compared"], "identical": e["identical"],
+                **({"synthetic": True} if e.get("synthetic") else {}),
                 **({k: e[k] for k in ("ties", "violations", "tolerance") if k in e}),
                 "diverges": diverges(e)} for s, e in result.items()}

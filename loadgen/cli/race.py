@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from analysis.decide import race
+from configs import metric_names as M
 from analysis.decide.recommend import cell_order
 
 MAX_ROUNDS = 50   # a bound on the loop whatever the budget
@@ -95,6 +96,8 @@ class Racer:
         """``race.race_status`` over the rows so far, normalised and flagged as the report does."""
         from analysis.data.load import requests_frame
 
+        rows = [r for r in rows   # forced acceptance (--acceptance-length) never races
+                if M.parse_acceptance_length(str(r.get(M.REQ_STRATEGY))) is None]
         if not rows:
             return {}
         flagged = race.flag_requests(requests_frame(rows, self.run_id), self.manifest_config,

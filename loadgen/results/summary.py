@@ -21,6 +21,7 @@ from configs import metric_names as M
 from configs.tiers import Slo
 
 CONCURRENCY_WARN_FRACTION = 0.9   # warn when achieved < 90% of requested users
+STREAM_BATCHING_SHARE = 0.05     # speculation off and >= 5% multi-token chunks: the server batches its stream
 CPU_WARN_PERCENT = 90.0           # warn when the generator's process CPU passes this
 SUMMARY_CSV = "summary.csv"       # the full per-cell table, beside manifest.json
 
@@ -78,6 +79,22 @@ class CellSummary:
     tpot_ms_p50: float = math.nan
     tpot_ms_p99: float = math.nan
     itl_ms_p50: float = math.nan
+    # distributions, not one point (docs/metrics.md, "Distributions"): mean and p90 beside p50 / p99
+    ttft_ms_mean: float = math.nan
+    ttft_ms_p90: float = math.nan
+    tpot_ms_mean: float = math.nan
+    tpot_ms_p90: float = math.nan
+    itl_ms_mean: float = math.nan           # per token, token-weighted over the cell
+    itl_ms_p90: float = math.nan            # median over requests of their per-token p90
+    itl_ms_p99: float = math.nan            # median over requests of their per-token p99
+    # per_token: every ok request's chunks carried a token count; chunk: some did not, so no
+    # per-token ITL is given for the cell (itl_ms_* NaN) and chunk_gap_ms_p50 holds the chunk gaps
+    itl_kind: str = ""
+    tokens_per_chunk: float = math.nan      # mean tokens per later content chunk
+    chunk_gap_ms_p50: float = math.nan      # median over requests of their median chunk gap
+    tpot_bimodality: float = math.nan       # Sarle's bimodality coefficient of per-request TPOT
+    tpot_mode_low_ms: float = math.nan      # the two modes when TPOT is flagged bimodal (else NaN)
+    tpot_mode_high_ms: float = math.nan
     send_lag_ms_p99: float = math.nan       # open loop: actual - scheduled send time
     acceptance_length: float = math.nan     # 1.0 when nothing was drafted; NaN without stats
     cpu_mean_percent: float = math.nan
@@ -87,6 +104,9 @@ class CellSummary:
     sampling: str = M.GREEDY                # sampling label (configs.tiers.Sampling.name): part of the cell
     duration_s: float = math.nan            # first scheduled send -> last end of any row, s
     degraded_requests: int = 0              # requests whose drafter failed: went on autoregressively
+    # --acceptance-length: the forced acceptance length of a synthetic deployment (its text is not
+    # the target's; never a recommendation); NaN for a real one
+    synthetic_acceptance_length: float = math.nan
     warnings: list[str] = field(default_factory=list)
     # --workers N: per Locust worker {worker_index, client_id, ray_node_id, cpu_percent_mean/max,
     # users_max/last, rows, lost} (loadgen.run.locust_runner.CellRun.workers)
@@ -137,15 +157,23 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
     s.tpot_ms_p50 = _pct([r.get(M.REQ_TPOT_MS) for r in ok], 50)
     s.tpot_ms_p99 = _pct([r.get(M.REQ_TPOT_MS) for r in ok], 99)
     s.itl_ms_p50 = _pct([r.get(M.REQ_ITL_P50_MS) for r in ok], 50)
+    _distributions(s, ok, rows)
     lags = [(r[M.REQ_SENT_TS] - r[M.REQ_SCHEDULED_TS]) * 1000 for r in rows
             if r.get(M.REQ_SENT_TS) is not None and r.get(M.REQ_SCHEDULED_TS) is not None]
     s.send_lag_ms_p99 = _pct(lags, 99)
     # tau: one definition everywhere (metric_names.acceptance_length): 1.0 when the server
     # reports zero drafts (autoregressive), undefined (NaN -> null) when it reports no stats
+    # a row with drafts but no accepted count (an engine key spelling not read) makes the pooled
+    # tau "not reported", never 1.0: the warning says why
     with_stats = [r for r in ok if r.get(M.NUM_DRAFTS) is not None]
-    if with_stats:
+    no_accepted = [r for r in with_stats if r[M.NUM_DRAFTS] and r.get(M.NUM_ACCEPTED_TOKENS) is None]
+    if with_stats and not no_accepted:
         s.acceptance_length = M.acceptance_length(sum(r[M.NUM_DRAFTS] for r in with_stats),
                                                   sum(r.get(M.NUM_ACCEPTED_TOKENS) or 0 for r in with_stats))
+    elif no_accepted:
+        src = sorted({str(r.get(M.REQ_SPEC_SOURCE)) for r in no_accepted})
+        s.warnings.append(f"tau not reported: {len(no_accepted)} request(s) report drafts but no accepted "
+                          f"count (source {', '.join(src)})")
     if cpu_samples:
         s.cpu_mean_percent = sum(cpu_samples) / len(cpu_samples)
         s.cpu_max_percent = max(cpu_samples)
@@ -160,6 +188,69 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
         s.warnings.append(f"load generator CPU {s.cpu_mean_percent:.0f}% > {CPU_WARN_PERCENT:.0f}%: timings may be "
                           "inflated; use --workers N to spread the load")
     return s
+
+
+def _speculation_off(strategy: str, ok: list[dict[str, Any]]) -> bool:
+    """The cell decodes one token per step: the autoregressive strategy, or every ok row's
+    server stats say zero drafts."""
+    parsed = M.parse_variant_name(strategy)
+    if parsed is not None and parsed[0] == M.AUTOREGRESSIVE:
+        return True
+    drafts = [r.get(M.NUM_DRAFTS) for r in ok]
+    return bool(drafts) and all(d == 0 for d in drafts)
+
+
+def _distributions(s: CellSummary, ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """Mean / p90 / p99 of TTFT, TPOT and ITL; ITL per token only where every ok request had
+    per-chunk token counts (else "chunk ITL", labelled); the TPOT bimodality flag; the stream
+    batching flag (multi-token chunks with speculation off)."""
+    from analysis.data.distribution import bimodality, describe
+
+    ttft = describe(r.get(M.REQ_TTFT_MS) for r in ok)
+    tpot = describe(r.get(M.REQ_TPOT_MS) for r in ok)
+    s.ttft_ms_mean, s.ttft_ms_p90 = ttft["mean"], ttft["p90"]
+    s.tpot_ms_mean, s.tpot_ms_p90 = tpot["mean"], tpot["p90"]
+    with_gaps = [r for r in ok if r.get(M.REQ_ITL_SOURCE) is not None]
+    per_token = [r for r in with_gaps if r[M.REQ_ITL_SOURCE] != M.ITL_SOURCE_CHUNKS]
+    tpc = [(r[M.REQ_TOKENS_PER_CHUNK], (r.get(M.REQ_NUM_CHUNKS) or 0) - 1) for r in with_gaps
+           if r.get(M.REQ_TOKENS_PER_CHUNK) is not None]
+    if tpc and sum(w for _, w in tpc) > 0:
+        s.tokens_per_chunk = sum(v * w for v, w in tpc) / sum(w for _, w in tpc)
+    s.chunk_gap_ms_p50 = _pct([r.get(M.REQ_CHUNK_GAP_P50_MS) for r in with_gaps], 50)
+    if with_gaps and len(per_token) == len(with_gaps):
+        s.itl_kind = "per_token"
+        s.itl_ms_p90 = _pct([r.get(M.REQ_ITL_P90_MS) for r in per_token], 50)
+        s.itl_ms_p99 = _pct([r.get(M.REQ_ITL_P99_MS) for r in per_token], 50)
+        means = [(r[M.REQ_ITL_MEAN_MS], (r.get(M.REQ_OUTPUT_TOKENS) or 0) - 1) for r in per_token
+                 if r.get(M.REQ_ITL_MEAN_MS) is not None]
+        if means and sum(w for _, w in means) > 0:
+            s.itl_ms_mean = sum(v * w for v, w in means) / sum(w for _, w in means)
+    elif with_gaps:
+        s.itl_kind = "chunk"
+        s.itl_ms_p50 = math.nan   # never a chunk gap as per-token ITL
+        s.warnings.append(f"chunk ITL, {_num(s.tokens_per_chunk, '.1f')} tokens per chunk on average: "
+                          f"{len(with_gaps) - len(per_token)} of {len(with_gaps)} requests came without a "
+                          f"per-chunk token count, so no per-token ITL is given (median chunk gap "
+                          f"{_num(s.chunk_gap_ms_p50, '.1f')} ms)")
+    # a stray 2-token chunk (a detokeniser holding back half a UTF-8 character) is not batching:
+    # flagged when at least STREAM_BATCHING_SHARE of the later chunks carry several tokens
+    multi = sum(r.get(M.REQ_MULTI_TOKEN_CHUNKS) or 0 for r in ok)
+    later = sum(max((r.get(M.REQ_NUM_CHUNKS) or 0) - 1, 0) for r in ok if r.get(M.REQ_MULTI_TOKEN_CHUNKS) is not None)
+    batched = (multi >= STREAM_BATCHING_SHARE * later > 0 if s.itl_kind == "per_token"
+               else s.itl_kind == "chunk" and s.tokens_per_chunk > 1 + STREAM_BATCHING_SHARE)
+    if _speculation_off(s.strategy, ok) and batched:
+        what = (f"{multi} chunks of several tokens" if multi else "per-chunk counts unknown")
+        s.warnings.append("multi-token chunks with speculation off "
+                          f"({what}, {_num(s.tokens_per_chunk, '.2f')} tokens per chunk on average): the server "
+                          "batches its stream (stream_interval, Ray Serve LLM's stream batching); a "
+                          "server artefact, chunk gaps are not engine steps")
+    bi = bimodality(r.get(M.REQ_TPOT_MS) for r in ok)
+    s.tpot_bimodality = bi["bc"]
+    if bi["bimodal"]:
+        s.tpot_mode_low_ms, s.tpot_mode_high_ms = bi["low_mode"], bi["high_mode"]
+        s.warnings.append(f"TPOT is bimodal: modes {bi['low_mode']:.1f} ms ({100 * bi['low_share']:.0f}% of "
+                          f"requests) and {bi['high_mode']:.1f} ms (bimodality coefficient {bi['bc']:.2f}, "
+                          f"Ashman's D {bi['ashman_d']:.1f}): read the mean and both modes, not p50")
 
 
 def add_speedups(summaries: list[CellSummary], baseline: str = M.AUTOREGRESSIVE) -> None:
@@ -206,13 +297,15 @@ CONSOLE_COLUMNS: tuple[tuple[str, Any, str], ...] = (
      "tok/s / autoregressive's tok/s in the same tier and output class"),
     ("TTFT", lambda s: _num(s.ttft_ms_p50, ".0f"), "time to first token, p50, ms"),
     ("TPOT", lambda s: _num(s.tpot_ms_p50, ".1f"), "time per output token after the first, p50, ms"),
+    ("TPOT avg", lambda s: _num(s.tpot_ms_mean, ".1f") + ("*" if not math.isnan(s.tpot_mode_low_ms) else ""),
+     "TPOT mean, ms (* = bimodal: the two modes are in summary.csv and the warnings)"),
     ("SLO", lambda s: _pct_str(s.slo_attainment), "share of requests meeting both the TTFT and TPOT SLOs"),
     ("tau", lambda s: _num(s.acceptance_length, ".2f"),
      "acceptance length: tokens per verification step (1.00 = no speculation, - = not reported)"),
     ("CPU%", lambda s: _num(s.cpu_mean_percent, ".0f"),
      "the load generator's own CPU, mean % of one core (> 90 inflates latencies: use --workers)"),
 )
-DROP_ORDER = ("conc", "users", "CPU%", "TPOT", "SLO", "tau", "ok/total", "TTFT", "speedup")  # first dropped first
+DROP_ORDER = ("conc", "users", "CPU%", "TPOT avg", "TPOT", "SLO", "tau", "ok/total", "TTFT", "speedup")  # first dropped first
 
 
 def _table(summaries: list[CellSummary], headers: list[str]):

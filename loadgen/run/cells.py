@@ -57,6 +57,7 @@ class CellPlan:
     # replica's listener refuses or drops (the replica was replaced and listens elsewhere, or is
     # gone) stays on it for the rest of the cell; a refused request (nothing sent) is resent there
     fallback_url: str = ""
+    categories: dict[str, str] = field(default_factory=dict)   # prompt_id -> category (column `category`)
 
     def __repr__(self) -> str:  # headers may hold credentials: never in a log line or traceback
         return f"CellPlan(cell_id={self.cell_id!r}, base_url={self.base_url!r}, headers=<redacted>)"
@@ -155,7 +156,10 @@ class Dispenser:
             "model": model, "prompt": text, "max_tokens": int(max_tokens),
             "temperature": p.sampling.get("temperature", 0.0),
             "top_p": p.sampling.get("top_p", 1.0), "top_k": p.sampling.get("top_k", 0),
-            "stream": True, "stream_options": {"include_usage": True},
+            # continuous_usage_stats (vLLM, SGLang): cumulative usage on every chunk, so each chunk's
+            # token count is known and ITL is per token (docs/metrics.md); specload's service sends
+            # spec_decode.num_tokens per chunk anyway and accepts the field
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if p.sampling.get("seed") is not None:
             body["seed"] = int(p.sampling["seed"]) + index

@@ -9,7 +9,9 @@ Datasets (``--dataset NAME`` or ``--dataset FILE.jsonl``):
 - ``mixed`` (default): the three above, interleaved.
 - a user file: JSON lines ``{"prompt": "...", "max_tokens": 64}`` (max_tokens
   optional; when present it overrides the tier's max_tokens draw); an optional
-  ``prompt_id`` names the row. ``-`` reads the same lines from standard input, and a
+  ``prompt_id`` names the row and an optional ``category`` (``code``, ``prose``, any
+  label) its traffic class: request column ``category``, acceptance per category in the
+  report. The named datasets label theirs (``DATASET_CATEGORY``). ``-`` reads the same lines from standard input, and a
   pipe or ``/dev/stdin`` works as a path (``configs.jsonio.read_text_source``).
 
 "Held out" is ``corpus.sources.is_heldout(rel_path)``, the split the embedded
@@ -28,10 +30,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from configs import metric_names as M
 from configs.jsonio import STDIN, SourceError, read_text_source
 from configs.paths import PROMPTS_DIR
 
 NAMED_DATASETS = ("humaneval", "docs", "stdlib")
+DATASET_CATEGORY = M.PROMPT_SET_CATEGORY   # each named dataset line's `category`
 DEFAULT_DATASET = "mixed"
 MAX_PER_DATASET = 200      # prompts kept per extracted dataset
 MAX_FILE_CHARS = 1500      # extracted prompts are stored at most this long
@@ -44,6 +48,7 @@ class Prompt:
     prompt_id: str
     text: str
     max_tokens: int | None = None
+    category: str | None = None    # traffic class (code, prose, ...): request column `category`
 
 
 PROMPTS_FILE = "prompts.jsonl"   # a run's copy of prompts read from stdin or a pipe
@@ -52,7 +57,8 @@ PROMPTS_FILE = "prompts.jsonl"   # a run's copy of prompts read from stdin or a 
 def write_prompts(path: Path, prompts: list[Prompt]) -> None:
     """Write ``prompts`` as the JSON lines ``load_dataset`` reads back (same ids)."""
     lines = [json.dumps({"prompt_id": p.prompt_id, "prompt": p.text,
-                         **({"max_tokens": p.max_tokens} if p.max_tokens else {})})
+                         **({"max_tokens": p.max_tokens} if p.max_tokens else {}),
+                         **({"category": p.category} if p.category else {})})
              for p in prompts]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -94,7 +100,12 @@ def _read_jsonl(path: Path | str, name: str, text: str | None = None) -> list[Pr
         mt = obj.get("max_tokens")
         if mt is not None and (not isinstance(mt, int) or mt < 1):
             raise DatasetError(f"{path}:{i + 1}: max_tokens must be a positive integer, got {mt!r}")
-        out.append(Prompt(str(obj.get("prompt_id", f"{name}/{i}")), obj["prompt"], mt))
+        cat = obj.get("category")
+        if cat is not None and not (isinstance(cat, str) and cat.strip()):
+            raise DatasetError(f"{path}:{i + 1}: category must be a non-empty string (a traffic "
+                               f"class such as code or prose), got {cat!r}")
+        out.append(Prompt(str(obj.get("prompt_id", f"{name}/{i}")), obj["prompt"], mt,
+                          cat.strip() if cat else None))
     if not out:
         raise DatasetError(f"{path}: no prompts")
     return out
@@ -129,7 +140,8 @@ def load_dataset(name: str = DEFAULT_DATASET, max_chars: int = 1200,
         raise DatasetError(f"unknown dataset {name!r}: use one of "
                            f"{NAMED_DATASETS + ('mixed',)}, a path to a .jsonl file, or - "
                            "(standard input)")
-    return [Prompt(p.prompt_id, truncate(p.text, max_chars), p.max_tokens) for p in rows]
+    return [Prompt(p.prompt_id, truncate(p.text, max_chars), p.max_tokens, p.category)
+            for p in rows]
 
 
 # --- extraction (run once, output committed) ---------------------------------
@@ -223,7 +235,7 @@ def write_datasets(out_dir: Path = PROMPTS_DIR) -> dict[str, int]:
         tmp = dest.with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for r in fn():
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                f.write(json.dumps({**r, "category": DATASET_CATEGORY[name]}, ensure_ascii=False) + "\n")
         os.replace(tmp, dest)
         sizes[dest.name] = dest.stat().st_size
     return sizes

@@ -47,6 +47,8 @@ SETTLE_MAX_S = 2.0                            # end of a cell: wait at most this
 SETTLE_GAP_S = 0.25
 METRICS_PATH = "/metrics"
 NO_POSITION = -1                              # position of a series that has none
+CREATED_SUFFIX = "@created"                   # canonical metric + this: the series' ``_created`` time (unix s)
+PROCESS_START = "process_start_time_seconds"  # the process collector's start time (unix s): newer = restarted
 
 Key = tuple[str, str, int]                    # (model label value, canonical metric, position)
 
@@ -92,14 +94,18 @@ def prefilter(text: str, families) -> str:
 
     Not a parser: it cuts the page to what will be parsed, so the parse costs less than
     1 ms instead of ~6 ms for vLLM's whole page. A name matches a family when it is the
-    family or the family plus ``_total`` / ``_count`` / ``_sum`` / ``_created``."""
+    family or the family plus ``_total`` / ``_count`` / ``_sum`` / ``_created``; the process
+    collector's ``process_start_time_seconds`` is kept too (counter resets)."""
     keep = []
     fams = set(families)
     for line in text.splitlines():
         name = _line_family(line)
-        if not name or name.endswith("_bucket") or name.endswith("_created"):
+        if not name or name.endswith("_bucket"):
             continue
-        for suffix in ("", "_total", "_count", "_sum"):
+        if name == PROCESS_START:
+            keep.append(line)
+            continue
+        for suffix in ("", "_total", "_count", "_sum", "_created"):
             if suffix and not name.endswith(suffix):
                 continue
             stem = name[:len(name) - len(suffix)] if suffix else name
@@ -136,7 +142,26 @@ def parse_page(text: str, engine: str, model_label: str | None = None) -> tuple[
     wanted = _wanted_families(engine)
     values: dict[Key, float] = {}
     models: set[str] = set()
+    start: float | None = None
     for fam in text_string_to_metric_families(prefilter(text, wanted)):
+        if fam.name == PROCESS_START:
+            starts = [float(x.value) for x in fam.samples if x.name == PROCESS_START]
+            start = max(starts) if starts else None   # several processes: the newest restart
+            continue
+        # a counter's creation time (``_created``: newer = it restarted), in the counter's family
+        # (OpenMetrics) or a gauge family of its own (vLLM's text page)
+        stem = fam.name[:-len("_created")] if fam.name.endswith("_created") else _base(fam.name)
+        for canon, sel in wanted.get(stem, ()):
+            if sel != "counter":
+                continue
+            for smp in fam.samples:
+                if smp.name == stem + "_created" and not math.isnan(float(smp.value)):
+                    pos = smp.labels.get(M.SRV_POSITION_LABEL)
+                    key = (smp.labels.get(label, ""), canon + CREATED_SUFFIX,
+                           int(pos) if pos is not None and pos.isdigit() else NO_POSITION)
+                    values[key] = max(values.get(key, 0.0), float(smp.value))
+        if fam.name.endswith("_created"):
+            continue
         for canon, sel in wanted.get(_base(fam.name), ()):
             if sel == "counter" and fam.type not in ("counter", "unknown"):
                 continue   # Ray also exports a counter as a deprecated gauge of the same name
@@ -153,6 +178,9 @@ def parse_page(text: str, engine: str, model_label: str | None = None) -> tuple[
                 pos = s.labels.get(M.SRV_POSITION_LABEL)
                 key = (model, canon, int(pos) if pos is not None and pos.isdigit() else NO_POSITION)
                 values[key] = values.get(key, 0.0) + v
+    if start is not None:
+        for m in models:
+            values[(m, PROCESS_START, NO_POSITION)] = start
     return values, models
 
 
@@ -185,23 +213,34 @@ def resolve_model(requested: str, seen: set[str]) -> tuple[str | None, str | Non
     return None, f"no series labelled {requested!r} on the page (models there: {named})"
 
 
-def counter_delta(values: list[float]) -> tuple[float, int]:
+def counter_delta(values: list[float], created: list[float | None] | None = None,
+                  starts: list[float | None] | None = None) -> tuple[float, int]:
     """(sum of the increments, resets) over one counter's samples in time order.
 
-    A sample below its predecessor is a reset (the server restarted): the counter
-    counts from 0 again, so the new value itself is the increment. ``None`` samples
-    (a failed scrape) are skipped."""
-    total, resets, prev = 0.0, 0, None
-    for v in values:
+    A reset (the server restarted; the counter counts from 0 again, so the new value
+    itself is the increment) is seen three ways: the sample is below its predecessor
+    (Prometheus' own rule, ``rate()`` / ``increase()``); or its ``_created`` time
+    (``created[i]``) is newer than the predecessor's; or the process start time
+    (``process_start_time_seconds``, ``starts[i]``) is. The last two catch a counter that
+    restarted and passed its old value between two scrapes (1000 -> 1200 with a newer
+    ``_created`` is an increment of 1200, not 200). ``None`` samples (a failed scrape) are
+    skipped; a missing creation / start time never signals a reset."""
+    total, resets, prev, prev_i = 0.0, 0, None, None
+    for i, v in enumerate(values):
         if v is None:
             continue
         if prev is not None:
-            if v >= prev:
-                total += v - prev
-            else:
+            restarted = v < prev
+            for marks in (created, starts):
+                if marks is not None and marks[i] is not None and marks[prev_i] is not None \
+                        and marks[i] > marks[prev_i]:
+                    restarted = True
+            if restarted:
                 resets += 1
                 total += v
-        prev = v
+            else:
+                total += v - prev
+        prev, prev_i = v, i
     return total, resets
 
 
@@ -230,7 +269,9 @@ def cell_figures(snapshots: list[Snapshot], model: str, k_max: int | None = None
                         key in p.values for p in ok[:i]):
                     v = 0.0   # not yet created at this scrape: it starts from 0
                 series.append(v)
-            delta, resets = counter_delta(series)
+            created = [s.values.get((key[0], canon + CREATED_SUFFIX, pos)) for s in ok]
+            starts = [s.values.get((key[0], PROCESS_START, NO_POSITION)) for s in ok]
+            delta, resets = counter_delta(series, created, starts)
             out["counter_resets"] += resets
             if canon == M.SRV_NUM_ACCEPTED_PER_POS:
                 per_pos[pos] = delta
@@ -425,14 +466,26 @@ def attribution(figures: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
     Returns {"requests_num_drafts", "requests_num_accepted_tokens", "requests_without_stats",
     "unattributed_drafts", "unattributed_accepted_tokens"}: the server's counts minus the
     requests' (nonzero means other traffic reached the engine during the cell, or requests
-    that ended without stats, cancelled at the cell's end or failed, had drafted);
-    {} when the rows carry no per-request stats or the server no drafts counter."""
+    that ended without stats, cancelled at the cell's end or failed, had drafted); those
+    keys are absent when the rows carry no per-request stats or the server no drafts
+    counter. With the server's finished-request counter: {"client_requests_ok",
+    "unattributed_requests", "unattributed_generation_tokens"} (server minus the ok rows)."""
+    out: dict[str, Any] = {}
+    if figures.get(M.SRV_REQUESTS_FINISHED) is not None:
+        # requests the server saw finish vs the cell's rows (other traffic, or requests the
+        # client gave up on that the server still finished, make the difference)
+        ok = [r for r in rows if r.get(M.REQ_STATUS) == M.STATUS_OK]
+        out["client_requests_ok"] = len(ok)
+        out["unattributed_requests"] = int(figures[M.SRV_REQUESTS_FINISHED]) - len(ok)
+        if figures.get(M.SRV_GENERATION_TOKENS) is not None:
+            out["unattributed_generation_tokens"] = int(figures[M.SRV_GENERATION_TOKENS]) - sum(
+                int(r.get(M.REQ_OUTPUT_TOKENS) or 0) for r in ok)
     with_stats = [r for r in rows if r.get(M.NUM_DRAFTS) is not None]
     if not with_stats or figures.get(M.SRV_NUM_DRAFTS) is None:
-        return {}
+        return out
     d = sum(int(r[M.NUM_DRAFTS]) for r in with_stats)
     a = sum(int(r.get(M.NUM_ACCEPTED_TOKENS) or 0) for r in with_stats)
-    out = {"requests_num_drafts": d, "requests_num_accepted_tokens": a,
+    out |= {"requests_num_drafts": d, "requests_num_accepted_tokens": a,
            # cancelled / failed requests drafted on the server but report no stats
            "requests_without_stats": len(rows) - len(with_stats),
            "unattributed_drafts": int(figures[M.SRV_NUM_DRAFTS]) - d}
@@ -537,7 +590,9 @@ class RunServerMetrics:
             cell = next((c for c in cells if c["t0"] <= snap.ts <= c["t1"]), None)
             for (model, metric, pos), value in snap.values.items():
                 out.append({M.REQ_RUN_ID: run_id, "ts": snap.ts, "engine": self.poller.engine,
-                            "model": model, "metric": metric, "kind": kind.get(metric),
+                            "model": model, "metric": metric,
+                            "kind": kind.get(metric) or ("created" if metric.endswith(CREATED_SUFFIX)
+                                                         else "start" if metric == PROCESS_START else None),
                             "position": None if pos == NO_POSITION else pos, "value": value,
                             M.REQ_STRATEGY: cell and cell["strategy"], M.REQ_TIER: cell and cell["tier"],
                             M.REQ_OUTPUT_CLASS: cell and cell["output_class"],

@@ -45,7 +45,7 @@ SPEC_FLOAT_FIELDS = (M.ACCEPTANCE_LENGTH, M.DRAFT_MS, M.VERIFY_MS, M.QUEUE_MS)
 SPEC_LIST_FIELDS = (M.NUM_ACCEPTED_TOKENS_PER_POS,)
 PER_CHUNK_TOKENS_FIELD = "num_tokens"  # optional per-chunk extension: spec_decode.num_tokens
 # what other engines report per request, under specload's names (engine_spec_stats)
-ENGINE_SPEC_FIELDS = (M.REQ_SPEC_SOURCE, M.REQ_NUM_SPEC_TOKENS, M.DEGRADED_REASON)
+ENGINE_SPEC_FIELDS = (M.REQ_SPEC_SOURCE, M.REQ_NUM_SPEC_TOKENS, M.DEGRADED_REASON, M.REQ_ENGINE_ACCEPT_LENGTH)
 ENGINE_LIST_FIELDS = (M.REQ_ACCEPTANCE_HISTOGRAM,)
 
 
@@ -62,8 +62,10 @@ def engine_spec_stats(obj: dict[str, Any]) -> dict[str, Any]:
       follow from the histogram, since a draft is accepted as a prefix: accepted at
       position i (0-based) = steps that accepted more than i = sum(histogram[i+1:]).
     - SGLang: ``meta_info`` (top level, or on the choice) ``spec_verify_ct`` -> num_drafts,
-      ``spec_accept_token_num`` -> num_accepted_tokens, ``spec_draft_token_num`` ->
-      num_draft_tokens (SGLang's own counts; no per-position split).
+      accepted draft tokens -> num_accepted_tokens, drafted tokens -> num_draft_tokens, in
+      every spelling it has shipped (``SGLANG_SPEC_KEYS``; no per-position split); its own
+      accept length (completion_tokens / spec_verify_ct) -> engine_accept_length, kept
+      apart from tau = 1 + accepted / drafts.
     """
     spec = obj.get(M.SPEC_DECODE_FIELD)
     if isinstance(spec, dict) and spec:
@@ -93,14 +95,30 @@ def engine_spec_stats(obj: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(meta, dict):
         choices = obj.get("choices") or []
         meta = choices[0].get("meta_info") if choices and isinstance(choices[0], dict) else None
-    if isinstance(meta, dict) and "spec_verify_ct" in meta:
+    if isinstance(meta, dict) and any(k in meta for keys in SGLANG_SPEC_KEYS.values() for k in keys):
         out = {M.REQ_SPEC_SOURCE: M.ENGINE_SGLANG}
-        for ours, theirs in ((M.NUM_DRAFTS, "spec_verify_ct"), (M.NUM_ACCEPTED_TOKENS, "spec_accept_token_num"),
-                             (M.NUM_DRAFT_TOKENS, "spec_draft_token_num")):
-            if isinstance(meta.get(theirs), int):
-                out[ours] = meta[theirs]
+        for ours, spellings in SGLANG_SPEC_KEYS.items():
+            for theirs in spellings:
+                if isinstance(meta.get(theirs), int) and not isinstance(meta.get(theirs), bool):
+                    out[ours] = meta[theirs]
+                    break
+        # SGLang's own accept length: completion tokens / verify count (prefill token included)
+        ct = meta.get("completion_tokens")
+        if isinstance(ct, int) and out.get(M.NUM_DRAFTS):
+            out[M.REQ_ENGINE_ACCEPT_LENGTH] = ct / out[M.NUM_DRAFTS]
         return out
     return {}
+
+
+# every spelling SGLang has shipped in ``meta_info``, per specload name, oldest first: the
+# verify count; accepted draft tokens (``spec_accept_token_num``; 0.5.11 ``spec_accepted_drafts``;
+# later ``spec_num_correct_drafts``); drafted tokens (``spec_draft_token_num``; 0.5.11
+# ``spec_proposed_drafts``; later ``spec_num_proposed_drafts``)
+SGLANG_SPEC_KEYS: dict[str, tuple[str, ...]] = {
+    M.NUM_DRAFTS: ("spec_verify_ct",),
+    M.NUM_ACCEPTED_TOKENS: ("spec_accept_token_num", "spec_accepted_drafts", "spec_num_correct_drafts"),
+    M.NUM_DRAFT_TOKENS: ("spec_draft_token_num", "spec_proposed_drafts", "spec_num_proposed_drafts"),
+}
 
 
 class SSEParser:
@@ -151,6 +169,15 @@ def weighted_percentile(values: Iterable[float], weights: Iterable[float], q: fl
         if acc >= target - 1e-12:
             return v
     return pairs[-1][0]
+
+
+def _median(vals: list[float]) -> float | None:
+    """Median (midpoint of the two middle values for an even count); None for no data."""
+    if not vals:
+        return None
+    v = sorted(vals)
+    m = len(v) // 2
+    return v[m] if len(v) % 2 else (v[m - 1] + v[m]) / 2.0
 
 
 @dataclass
@@ -218,7 +245,9 @@ class StreamRecorder:
             n = spec[PER_CHUNK_TOKENS_FIELD]
         elif isinstance(token_ids, list):
             n = len(token_ids)
-        elif text and isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        elif (obj.get("choices") and isinstance(usage, dict)
+              and isinstance(usage.get("completion_tokens"), int)):
+            # vLLM / SGLang continuous usage: cumulative completion_tokens on every chunk
             n = usage["completion_tokens"] - self._usage_completion_seen
         ts_ok = (isinstance(token_ids, list) and isinstance(token_ts, list)
                  and len(token_ts) == len(token_ids)
@@ -265,26 +294,38 @@ class StreamRecorder:
                     counts.append(1)
         return times, counts
 
-    def itl_samples(self, output_tokens: int | None) -> tuple[list[float], list[float]]:
-        """(per-token ITL values in ms, token weights) over content chunks after the
-        first; per engine step instead when every chunk carried ``token_ts``."""
+    def chunk_gaps_ms(self) -> list[float]:
+        """Gaps between consecutive content chunks, ms (per chunk, not per token)."""
+        return [(b - a) * 1000.0 for a, b in zip(self.chunk_ts, self.chunk_ts[1:])]
+
+    def itl_source(self) -> str | None:
+        """Where a per-token ITL can come from (``metric_names.ITL_SOURCES``); None with
+        fewer than two content chunks (no gap at all)."""
+        if len(self.chunk_ts) < 2:
+            return None
+        if self.step_times() is not None:
+            return M.ITL_SOURCE_STEPS
+        if all(isinstance(n, int) and n > 0 for n in self.chunk_tokens[1:]):
+            return M.ITL_SOURCE_TOKENS
+        return M.ITL_SOURCE_CHUNKS
+
+    def itl_samples(self, output_tokens: int | None = None) -> tuple[list[float], list[float]]:
+        """(per-token ITL values in ms, token weights): a chunk of n tokens arriving g ms
+        after the previous content chunk contributes n intervals of g / n ms; per engine
+        step instead when every chunk carried ``token_ts``. ([], []) when the server gave
+        no per-chunk token count: a chunk gap is never passed off as a per-token ITL
+        (``chunk_gaps_ms`` has the gaps). ``output_tokens`` is unused (kept for callers)."""
         steps = self.step_times()
         if steps is not None:
             times, counts = steps
             gaps = [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
             later = [float(c) for c in counts[1:]]
             return [g / c for g, c in zip(gaps, later)], later
-        gaps = [(b - a) * 1000.0 for a, b in zip(self.chunk_ts, self.chunk_ts[1:])]
-        if not gaps:
-            return [], []
+        gaps = self.chunk_gaps_ms()
         later = self.chunk_tokens[1:]
-        if all(isinstance(n, int) and n > 0 for n in later):
-            tokens = [float(n) for n in later]  # exact per-chunk counts
-        elif output_tokens is not None and output_tokens > 1:
-            per_chunk = (output_tokens - 1) / len(gaps)
-            tokens = [per_chunk] * len(gaps)
-        else:
-            tokens = [1.0] * len(gaps)
+        if not gaps or not all(isinstance(n, int) and n > 0 for n in later):
+            return [], []
+        tokens = [float(n) for n in later]  # exact per-chunk counts
         return [g / n for g, n in zip(gaps, tokens)], tokens
 
     def row(self, end_ts: float, status: str, error: str | None = None) -> dict[str, Any]:
@@ -306,7 +347,16 @@ class StreamRecorder:
             M.REQ_TTFT_MS: ttft,
             M.REQ_TPOT_MS: tpot,
             M.REQ_ITL_P50_MS: weighted_percentile(vals, wts, 50) if vals else None,
+            M.REQ_ITL_P90_MS: weighted_percentile(vals, wts, 90) if vals else None,
             M.REQ_ITL_P99_MS: weighted_percentile(vals, wts, 99) if vals else None,
+            M.REQ_ITL_MEAN_MS: (sum(v * w for v, w in zip(vals, wts)) / sum(wts)) if vals else None,
+            M.REQ_ITL_SOURCE: self.itl_source(),
+            M.REQ_TOKENS_PER_CHUNK: ((out_tokens - 1) / (len(self.chunk_ts) - 1)
+                                     if isinstance(out_tokens, int) and len(self.chunk_ts) > 1 else None),
+            M.REQ_MULTI_TOKEN_CHUNKS: (sum(1 for n in self.chunk_tokens[1:] if n > 1)
+                                       if all(isinstance(n, int) for n in self.chunk_tokens[1:])
+                                       and len(self.chunk_ts) > 1 else None),
+            M.REQ_CHUNK_GAP_P50_MS: _median(self.chunk_gaps_ms()),
             M.REQ_E2E_MS: e2e,
             M.REQ_OUTPUT_TOKENS: out_tokens,
             M.REQ_PROMPT_TOKENS: prompt_tokens,
@@ -317,4 +367,7 @@ class StreamRecorder:
         }
         for k in SPEC_INT_FIELDS + SPEC_FLOAT_FIELDS + SPEC_LIST_FIELDS + ENGINE_SPEC_FIELDS + ENGINE_LIST_FIELDS:
             row[k] = self.spec.get(k)
+        if (row[M.REQ_SPEC_SOURCE] == M.ENGINE_SGLANG and row[M.REQ_ENGINE_ACCEPT_LENGTH] is None
+                and row[M.NUM_DRAFTS] and isinstance(out_tokens, int)):
+            row[M.REQ_ENGINE_ACCEPT_LENGTH] = out_tokens / row[M.NUM_DRAFTS]   # SGLang's definition
         return row

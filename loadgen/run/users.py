@@ -50,7 +50,8 @@ class CellContext:
                 M.REQ_REPEAT: p.repeat, M.REQ_SAMPLING: p.sampling_label,
                 M.REQ_TEMPERATURE: job.body.get("temperature"),
                 M.REQ_IGNORE_EOS: int(bool(job.body.get("ignore_eos"))),
-                M.REQ_MIN_TOKENS: job.body.get("min_tokens")}
+                M.REQ_MIN_TOKENS: job.body.get("min_tokens"),
+                M.REQ_CATEGORY: p.categories.get(job.prompt_id) if p.categories else None}
 
     def emit(self, job: Job, fields: dict[str, Any]) -> dict[str, Any]:
         row = self.base_row(job)

@@ -29,6 +29,13 @@ model's one replica listener (``direct``, as a specload service with Serve's dir
 ingress lists it); ``GET /strategies/<model>/health`` answers on a server with one-hop
 routes, so a second fake server can stand in for that listener.
 
+``stream_options.continuous_usage_stats`` (vLLM's) puts the cumulative ``usage`` on every
+content chunk; ``--no-continuous-usage`` ignores it (usage only at the end).
+
+``--batch-interval-ms 50`` holds the engine's steps (one per ``--gap-ms``) and flushes them as
+one chunk per 50 ms, as Ray Serve LLM's stream batching does (ray #59681); the per-step truth is
+in ``/fake/timings`` (``step_ts``).
+
 ``--model-gap-ms a=5,b=40`` gives those models their own chunk gap (a faster or slower
 "strategy"; the racing tests need two that differ); ``--jitter-ms J`` adds to every gap a
 random delay (exponential, mean J ms, seeded), so request times vary as a real engine's do.
@@ -65,7 +72,10 @@ class FakeServer:
                  fail_every: int = 0, disconnect_every: int = 0, per_chunk_tokens: bool = False,
                  prompt_tokens: int = 17, api_key: str | None = None,
                  strategy_routes: bool = False, model_gap_ms: dict[str, float] | None = None,
-                 jitter_ms: float = 0.0, direct_listener: str = "", drain_after: int = 0) -> None:
+                 jitter_ms: float = 0.0, direct_listener: str = "", drain_after: int = 0,
+                 batch_interval_ms: float = 0.0, continuous_usage: bool = True) -> None:
+        self.batch_s = batch_interval_ms / 1000.0
+        self.continuous_usage = continuous_usage
         self.ttft_s = ttft_ms / 1000.0
         self.gap_s = gap_ms / 1000.0
         self.model_gap_s = {m: g / 1000.0 for m, g in (model_gap_ms or {}).items()}
@@ -108,12 +118,16 @@ class FakeServer:
         while (left := self.stall_until - time.time()) > 0:
             await asyncio.sleep(left)
 
-    def _chunk(self, model: str, text: str, n: int | None = None, finish: str | None = None) -> bytes:
+    def _chunk(self, model: str, text: str, n: int | None = None, finish: str | None = None,
+               usage_so_far: int | None = None) -> bytes:
         choice: dict = {"index": 0, "text": text, "finish_reason": finish}
         obj: dict = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
                      "model": model, "choices": [choice]}
         if n is not None and self.per_chunk_tokens:
             obj[M.SPEC_DECODE_FIELD] = {"num_tokens": n}
+        if usage_so_far is not None:   # vLLM's continuous_usage_stats: cumulative usage per chunk
+            obj["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": usage_so_far,
+                            "total_tokens": self.prompt_tokens + usage_so_far}
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -124,6 +138,8 @@ class FakeServer:
         model = body.get("model", "fake")
         gap_s = self.model_gap_s.get(model, self.gap_s)
         n_total = int(body.get("max_tokens", 16))
+        opts = body.get("stream_options") or {}
+        continuous = bool(self.continuous_usage and isinstance(opts, dict) and opts.get("continuous_usage_stats"))
         key = f"{model}:{body.get('seed')}"
         if self.fail_every and k % self.fail_every == 0:
             self.truth[key] = {"recv_ts": recv, "status": "error"}
@@ -139,9 +155,11 @@ class FakeServer:
             await resp.write(self._chunk(model, ""))          # empty role chunk, immediately
             await asyncio.sleep(self.ttft_s)
             await self._hold()
-            await resp.write(self._chunk(model, "t ", 1))
+            await resp.write(self._chunk(model, "t ", 1, usage_so_far=1 if continuous else None))
             first = time.time()
             sent, chunks = 1, 1
+            buffered, next_flush = 0, first + self.batch_s   # --batch-interval-ms: steps held back
+            step_ts: list[float] = []
             while sent < n_total:
                 await asyncio.sleep(gap_s + (self.rng.expovariate(1.0 / self.jitter_s) if self.jitter_s else 0.0))
                 await self._hold()
@@ -150,8 +168,19 @@ class FakeServer:
                     self.truth[key] = {"recv_ts": recv, "status": "disconnected"}
                     request.transport.close()
                     return resp
-                await resp.write(self._chunk(model, "t " * n, n))
                 sent += n
+                step_ts.append(time.time())
+                if self.batch_s:
+                    # Ray Serve LLM-style stream batching: the engine's steps are coalesced and
+                    # flushed as one chunk per interval (and at the end)
+                    buffered += n
+                    now = time.time()
+                    if now < next_flush and sent < n_total:
+                        continue
+                    while next_flush <= now:
+                        next_flush += self.batch_s
+                    n, buffered = buffered, 0
+                await resp.write(self._chunk(model, "t " * n, n, usage_so_far=sent if continuous else None))
                 chunks += 1
                 self.steps.append({M.STEP_TS: time.time(), M.STEP_STRATEGY: model, M.STEP_MODEL: model,
                                    M.STEP_REPLICA: "fake-0",
@@ -163,7 +192,7 @@ class FakeServer:
                                    M.STEP_VERIFY_MS: gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
                                    M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent,
                                    M.STEP_CPU_MS: 0.1, M.STEP_VERIFY_CPU_MS: 0.05})
-            drafts = max(chunks - 1, 0)
+            drafts = len(step_ts)   # one verification per engine step after the first token
             accepted = sent - 1 - drafts
             final = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
                      "model": model, "choices": [],
@@ -182,6 +211,7 @@ class FakeServer:
             end = time.time()
             self.truth[key] = {"recv_ts": recv, "first_content_ts": first, "end_ts": end,
                                "completion_tokens": sent, "status": "ok", "path": request.path,
+                               "step_ts": step_ts,   # engine steps after the first token (unix s)
                                # the sampling / output-length fields the client sent
                                "sent": {f: body.get(f) for f in ("temperature", "top_p", "seed",
                                                                   "ignore_eos", "min_tokens")}}
@@ -307,6 +337,12 @@ def main(argv: list[str] | None = None) -> None:
                     "(others: --gap-ms)")
     ap.add_argument("--jitter-ms", type=float, default=0.0,
                     help="mean of a random (exponential, seeded) delay added to every chunk gap, ms")
+    ap.add_argument("--batch-interval-ms", type=float, default=0.0,
+                    help="coalesce the engine's steps into one chunk per this many ms (Ray Serve LLM's "
+                         "stream batching, 50 ms there); 0 = a chunk per step")
+    ap.add_argument("--no-continuous-usage", dest="continuous_usage", action="store_false",
+                    help="ignore stream_options.continuous_usage_stats (usage only at the end, as a "
+                         "server without vLLM's extension); by default it is honoured as vLLM does")
     ap.add_argument("--tls-cert", default=None, help="PEM certificate: serve https (with --tls-key)")
     ap.add_argument("--tls-key", default=None)
     a = ap.parse_args(argv)
@@ -316,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                      model_gap_ms={k.strip(): float(v) for k, v in
                                    (p.split("=", 1) for p in a.model_gap_ms.split(",") if p.strip())},
                      jitter_ms=a.jitter_ms, direct_listener=a.direct_listener,
-                     drain_after=a.drain_after)
+                     drain_after=a.drain_after, batch_interval_ms=a.batch_interval_ms,
+                     continuous_usage=a.continuous_usage)
     try:
         asyncio.run(_serve(srv, a.host, a.port, (a.tls_cert, a.tls_key) if a.tls_cert else None))
     except KeyboardInterrupt:

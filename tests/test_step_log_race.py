@@ -1,0 +1,171 @@
+"""The step log is read while the engine writes it (issue 37, item 5).
+
+A replica's engine thread (or its engine-core reader thread) appends a row per
+step while an HTTP route reads the ring buffer; the app-wide ``StepLogStore`` is
+appended to by every replica's push while ``GET /specload/step_log`` queries it,
+and Ray Serve runs those sync methods on a thread pool. Reading a deque in a Python
+loop while another thread appends to it raised ``RuntimeError: deque mutated during
+iteration`` (an HTTP 500 and a cell's step rows lost). These tests read and write
+from real threads at once and fail on the unguarded code.
+"""
+
+import sys
+import threading
+
+from actors.serve.async_engine import AsyncLLMEngine
+from actors.serve.deployments import StepLogStore
+from configs import metric_names as mn
+
+DURATION_S = 1.5
+
+
+def _hammer(write, read, duration_s: float = DURATION_S) -> tuple[list[BaseException], int]:
+    """Run ``write()`` in a loop on one thread and ``read()`` on this one for
+    ``duration_s``; returns the errors either raised and the number of reads done."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer():
+        try:
+            while not stop.is_set():
+                write()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)   # switch threads often: the race shows in a second
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    reads = 0
+    import time
+    end = time.monotonic() + duration_s
+    try:
+        while time.monotonic() < end and not errors:
+            try:
+                read()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                break
+            reads += 1
+    finally:
+        stop.set()
+        t.join(5)
+        sys.setswitchinterval(old)
+    return errors, reads
+
+
+def test_step_log_store_query_while_replicas_append():
+    store = StepLogStore.func_or_class(capacity=20_000)
+    n = [0]
+
+    def write():
+        n[0] += 1
+        store.append([{mn.STEP_MODEL: "ngram" if n[0] % 2 else "autoregressive",
+                       mn.STEP_TS: float(n[0])} for _ in range(50)])
+
+    store.append([{mn.STEP_MODEL: "ngram", mn.STEP_TS: 0.5}] * 20_000)
+    errors, reads = _hammer(write, lambda: store.query(strategy="ngram", since=0.0))
+    assert not errors, f"query raced append: {errors[0]!r}"
+    assert reads > 0
+    rows = store.query(strategy="ngram")
+    assert rows and all(r[mn.STEP_MODEL] == "ngram" for r in rows)
+    ts = [r[mn.STEP_TS] for r in rows]
+    assert ts == sorted(ts)   # oldest first, one consistent snapshot
+
+
+class _Engine:
+    """Enough of an engine for AsyncLLMEngine's step-log side (no step loop)."""
+
+    on_step = None
+    max_model_len = 64
+    num_waiting = num_running = 0
+
+    def has_unfinished_requests(self):
+        return False
+
+
+def test_engine_step_log_read_while_engine_writes():
+    eng = AsyncLLMEngine(_Engine(), step_log_capacity=20_000)
+    try:
+        for i in range(20_000):
+            eng._on_step({mn.STEP_TS: float(i)})
+        errors, reads = _hammer(lambda: eng._on_step({mn.STEP_TS: 1e9}),
+                                lambda: eng.step_log(since_seq=10, since_ts=-1.0))
+        assert not errors, f"step_log raced the engine's append: {errors[0]!r}"
+        assert reads > 0
+        seqs = [r["seq"] for r in eng.step_log()]
+        assert seqs == sorted(seqs) and len(seqs) == 20_000
+    finally:
+        eng.shutdown(1.0)
+
+
+# ------------------------------------------------------------ a lost step log names its cells
+def _cell(strategy, t0, t1, repeat=0):
+    return {"strategy": strategy, "tier": "low", "output_class": "short", "users": 1,
+            "repeat": repeat, "sampling": "greedy", "t0": t0, "t1": t1}
+
+
+def _row(strategy, ts, seq, replica="r1"):
+    return {mn.STEP_MODEL: strategy, mn.STEP_TS: ts, "seq": seq, mn.STEP_REPLICA: replica}
+
+
+def test_step_loss_names_the_cells_a_failed_fetch_and_a_seq_gap_hit():
+    from loadgen.results.step_loss import step_log_losses
+
+    cells = [_cell("ngram", 10, 20, 0), _cell("ngram", 30, 40, 1), _cell("ngram", 50, 60, 2),
+             _cell("autoregressive", 10, 20)]
+    steps = ([_row("ngram", 10 + i, 1 + i) for i in range(10)]            # cell 0: complete
+             + [_row("ngram", 31, 100), _row("ngram", 39, 342)]          # cell 1: 241 skipped
+             + [_row("autoregressive", 11 + i, 1 + i, "r2") for i in range(5)])
+    errors = [{"strategy": "ngram", "since": 49.0, "error": "HTTP 500: RuntimeError: deque "
+               "mutated during iteration", "recovered": False},
+              {"strategy": "autoregressive", "since": 9.0, "error": "x", "recovered": True}]
+    lost = step_log_losses(steps, cells, errors)
+    assert [(e["repeat"], e["rows"], e["missing_rows"]) for e in lost] == [(1, 2, 241),
+                                                                           (2, 0, None)]
+    assert "seq" not in lost[0] and "skipped" in lost[0]["reasons"][0]
+    assert "deque mutated" in lost[1]["reasons"][0]
+    assert step_log_losses(steps[:10], cells[:1], []) == []
+
+
+def test_a_failed_fetch_not_retried_is_named_in_the_manifest_and_the_report(tmp_path):
+    import types
+
+    from rich.console import Console
+
+    from analysis.decide.questions import _step_log_loss
+    from loadgen.cli import main as cli_main
+
+    console = Console(record=True, width=300)
+    st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={}, console=console,
+                               fetched={}, steps=[], cell_windows=[_cell("ngram", 10, 20, 0),
+                                                                   _cell("ngram", 30, 40, 1)])
+    calls = iter([cli_main.service.StepLogError("GET /specload/step_log answered HTTP 500: "
+                                                "deque mutated during iteration"),
+                  [_row("ngram", 11, 1), _row("ngram", 12, 2)],
+                  cli_main.service.StepLogError("HTTP 500 again")])
+
+    def fetch(*a, **k):
+        v = next(calls)
+        if isinstance(v, Exception):
+            raise v
+        return v
+
+    orig = cli_main.service.fetch_step_log
+    cli_main.service.fetch_step_log = fetch
+    try:
+        st.auth = types.SimpleNamespace(headers={}, insecure=False)
+        cli_main._fetch_steps(st, "ngram", 9.0)     # cell 0 fails ...
+        cli_main._fetch_steps(st, "ngram", 9.0)     # ... and is fetched again (recovered)
+        cli_main._fetch_steps(st, "ngram", 29.0)    # cell 1 fails for good
+    finally:
+        cli_main.service.fetch_step_log = orig
+    cli_main._record_step_loss(st)
+    assert [e["recovered"] for e in st.manifest["step_log_errors"]] == [True, False]
+    assert [(e["repeat"], e["rows"]) for e in st.manifest["step_log_loss"]] == [(1, 0)]
+    assert "ngram/low/short users 1 repeat 1 is partial" in console.export_text()
+    run = types.SimpleNamespace(run_id="run-1", manifest=st.manifest)
+    out = {"flags": [], "tables": []}
+    _step_log_loss(types.SimpleNamespace(runs=[run]), out)
+    assert out["flags"] and "ngram/low/short/1/1" in out["flags"][0]
+    assert out["tables"][0][2][0]["repeat"] == 1 and "HTTP 500 again" in out["tables"][0][2][0]["reason"]
