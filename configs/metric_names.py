@@ -285,6 +285,10 @@ PROM_VERIFICATION_TOKENS = "verification_tokens_per_step"
 PROM_STEP_TIME_MS = "step_time_ms"
 PROM_QUEUE_DEPTH = "num_requests_waiting"
 PROM_DEGRADED_REQUESTS = "degraded_requests"   # counter, label ``reason`` (DEGRADE_REASONS)
+# vLLM's names (vllm:request_success, vllm:generation_tokens): requests finished and output tokens
+# generated, so a scraper reconciles "requests the server saw" with the client's rows
+PROM_REQUEST_SUCCESS = "request_success"
+PROM_GENERATION_TOKENS = "generation_tokens"
 
 
 # --- a target's own Prometheus metrics (``--server-metrics``, server_metrics.parquet) ---
@@ -375,6 +379,8 @@ SERVER_METRIC_NAMES: dict[str, dict[str, tuple[str, str]]] = {
         SRV_VERIFICATION_TOKENS: ("ray_" + PROM_PREFIX + PROM_VERIFICATION_TOKENS, "hist_sum"),
         SRV_DECODE_ROWS: ("ray_" + PROM_PREFIX + PROM_BATCH_SIZE, "hist_sum"),
         SRV_WAITING: ("ray_" + PROM_PREFIX + PROM_QUEUE_DEPTH, "gauge"),
+        SRV_REQUESTS_FINISHED: ("ray_" + PROM_PREFIX + PROM_REQUEST_SUCCESS, "counter"),
+        SRV_GENERATION_TOKENS: ("ray_" + PROM_PREFIX + PROM_GENERATION_TOKENS, "counter"),
     },
 }
 # the label naming the served model: vLLM / SGLang ``model_name`` (vLLM: the FIRST

@@ -81,6 +81,9 @@ SERIAL = [  # "module" (all its tests) or "module::test" (that test, all its par
     "test_cli_input.py::test_cluster_up_failure_after_ray_started_stops_its_head",
     "test_cluster_resources.py",
     "test_analysis_policy.py::test_validation_on_the_local_service_switches_k_by_batch",
+    # specload's client against vllm bench serve on one real vLLM (5% agreement): last, when the
+    # other worker is past its vLLM start-ups
+    "test_peer_client.py",
 ]
 POOL_FIRST = ["test_vllm_target.py", "test_vllm_backend.py"]
 

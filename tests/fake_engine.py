@@ -112,7 +112,7 @@ class FakeEngine:
         emitted_total = accepted_total = draft_total = 0
         for r in self._running:
             n_emit = 1 + self.k
-            new, reason = [], None
+            new, reason, stop_reason = [], None, None
             for _ in range(n_emit):
                 pos = len(r.prompt_ids) + len(r.out)
                 tok = self._token(r, len(r.out))
@@ -121,6 +121,9 @@ class FakeEngine:
                     break
                 r.out.append(tok)
                 new.append(tok)
+                if tok in r.params.stop_token_ids:   # vLLM's: kept in the ids, not the text
+                    reason, stop_reason = "stop", tok
+                    break
                 if len(r.out) >= r.params.max_tokens:
                     reason = "length"
                     break
@@ -133,7 +136,8 @@ class FakeEngine:
                 draft_total += self.k
             else:
                 r.stats.record(0, 0)
-            text = self.tokenizer.decode(new)
+            text = self.tokenizer.decode(new[:-1] if stop_reason is not None
+                                         and not r.params.include_stop_str_in_output else new)
             for s in r.params.stop:
                 full = r.text + text
                 if s in full:
@@ -145,7 +149,8 @@ class FakeEngine:
                 done.append(r)
             outs.append(RequestOutput(r.rid, new, text, reason is not None, reason,
                                       len(r.prompt_ids), len(r.out), r.stats,
-                                      token_ts=[time.time()] * len(new)))
+                                      token_ts=[time.time()] * len(new),
+                                      stop_reason=stop_reason))
         batch = len(self._running)
         for r in done:
             self._running.remove(r)

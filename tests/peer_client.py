@@ -62,7 +62,8 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def run_specload(url: str, model: str, users: int, duration_s: float, prompts: Path, out: Path) -> dict:
+def run_specload(url: str, model: str, users: int, duration_s: float, prompts: Path, out: Path,
+                 *extra: str) -> dict:
     """One closed-loop cell of ``python -m loadgen``; the manifest's cell (summary.csv's figures,
     server_metrics included)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +75,7 @@ def run_specload(url: str, model: str, users: int, duration_s: float, prompts: P
                         sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
     cmd = [sys.executable, "-m", "loadgen", "--target", url, "--strategies", model, "--tier", "low",
            "--output", "short", "--tiers-file", str(tiers), "--consistency", "0", "--dataset", str(prompts),
-           "--results", str(out / "res"), "--run-id", "run"]
+           "--results", str(out / "res"), "--run-id", "run", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
@@ -84,7 +85,7 @@ def run_specload(url: str, model: str, users: int, duration_s: float, prompts: P
 
 
 def run_vllm_bench(python: str, url: str, model: str, users: int, num_prompts: int, prompts: Path,
-                   out: Path) -> dict:
+                   out: Path, *extra: str) -> dict:
     """``vllm bench serve`` (closed loop: ``--max-concurrency users``, ``--request-rate inf``);
     its saved result JSON (per-request ``ttfts`` / ``itls`` / ``output_lens`` included)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def run_vllm_bench(python: str, url: str, model: str, users: int, num_prompts: i
            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", "bench.json",
-           "--disable-tqdm"]
+           "--disable-tqdm", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update({"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
     p = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
@@ -157,15 +158,15 @@ if __name__ == "__main__":   # python -m tests.peer_client: the side-by-side tab
     prompts = write_prompts(tmp / "prompts.jsonl")
     fast = {"extra": ["--enforce-eager"], "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
     specs = {"autoregressive": None, "ngram": NGRAM}
-    servers = {k: VllmServer([k], specs[k], **fast) for k in a.strategies.split(",")}
-    start_servers(list(servers.values()), tmp, py)
     results = []
-    try:
-        for name, srv in servers.items():   # warm-up of both clients' paths (kept out)
-            run_specload(srv.url, name, 2, 3, prompts, tmp / f"warm-{name}")
-        for rep in range(a.reps):
-            for users in [int(u) for u in a.users.split(",")]:
-                for name, srv in servers.items():
+    # one vLLM server at a time: a second, idle one still takes CPU from a 2-core box
+    for name in a.strategies.split(","):
+        srv = start_servers([VllmServer([name], specs[name], **fast)], tmp, py)[0]
+        try:
+            run_specload(srv.url, name, 2, 3, prompts, tmp / f"warm-{name}")   # warm-up, kept out
+            run_vllm_bench(py, srv.url, name, 2, 8, prompts, tmp / f"warm-{name}-v")
+            for rep in range(a.reps):
+                for users in [int(u) for u in a.users.split(",")]:
                     order = ("specload", "vllm") if rep % 2 == 0 else ("vllm", "specload")
                     for side in order:
                         d = tmp / f"{name}-u{users}-r{rep}-{side}"
@@ -180,8 +181,7 @@ if __name__ == "__main__":   # python -m tests.peer_client: the side-by-side tab
                         row.update(strategy=name, users=users, rep=rep, side=side, wall_s=time.time() - t0)
                         results.append(row)
                         print(json.dumps(row), flush=True)
-    finally:
-        for srv in servers.values():
+        finally:
             srv.stop()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

@@ -129,3 +129,27 @@ def test_vllm_page_restart_seen_by_created_or_start_time(which):
     same = sm.cell_figures([snaps[0], sm.Snapshot(1.0, sm.parse_page(
         _restarted_page(page, 14.0, 20.0, 0.0, which), M.ENGINE_VLLM)[0])], "draft_model")
     assert same[M.SRV_NUM_DRAFTS] == 6 and same["counter_resets"] == 0
+
+
+def _specload_page(requests: int, tokens: int) -> str:
+    """specload's service page (Ray's export of actors/serve/deployments.py) with the request
+    and generated-token counters, two replicas of ngram."""
+    lines = ["# TYPE ray_specload_request_success counter",
+             "# TYPE ray_specload_generation_tokens counter"]
+    for rep, share in (("r1", 0.75), ("r2", 0.25)):
+        lines.append(f'ray_specload_request_success_total{{replica="{rep}",strategy="ngram"}} {requests * share}')
+        lines.append(f'ray_specload_generation_tokens_total{{replica="{rep}",strategy="ngram"}} {tokens * share}')
+    return "\n".join(lines) + "\n"
+
+
+def test_specload_service_counters_reconcile_requests_with_the_rows():
+    """The requests and generated tokens the service saw over a cell against the client's ok
+    rows: 8 requests of 32 tokens sent, the server finished 10 (2 from other traffic)."""
+    snaps = [sm.Snapshot(0.0, sm.parse_page(_specload_page(100, 3200), M.ENGINE_SPECLOAD)[0]),
+             sm.Snapshot(1.0, sm.parse_page(_specload_page(110, 3520), M.ENGINE_SPECLOAD)[0])]
+    fig = sm.cell_figures(snaps, "ngram")
+    assert fig[M.SRV_REQUESTS_FINISHED] == 10 and fig[M.SRV_GENERATION_TOKENS] == 320
+    rows = [{M.REQ_STATUS: M.STATUS_OK, M.REQ_OUTPUT_TOKENS: 32} for _ in range(8)]
+    att = sm.attribution(fig, rows + [{M.REQ_STATUS: M.STATUS_TIMEOUT, M.REQ_OUTPUT_TOKENS: None}])
+    assert att == {"client_requests_ok": 8, "unattributed_requests": 2, "unattributed_generation_tokens": 64}
+    assert sm.detect_engine(_specload_page(1, 1)) == M.ENGINE_SPECLOAD

@@ -119,3 +119,29 @@ def test_ray_serve_style_50ms_stream_batching(tmp_path):
     assert 45.0 <= cell["chunk_gap_ms_p50"] <= 65.0 and cell["tokens_per_chunk"] > 3.5
     assert any(w.startswith("chunk ITL,") for w in cell["warnings"]), cell["warnings"]
     assert any("speculation off" in w for w in cell["warnings"]), cell["warnings"]
+
+
+def test_report_cell_table_reads_the_same_as_the_summary():
+    """analysis.data.metrics (the report) and loadgen.results.summary (console, summary.csv)
+    give a cell the same distribution figures, ITL kind and TPOT modes."""
+    import pandas as pd
+
+    from analysis.data.metrics import cell_table, with_slo_flags
+
+    rng = random.Random(3)
+    tpots = [rng.gauss(5.0, 0.2) for _ in range(30)] + [rng.gauss(11.0, 0.3) for _ in range(20)]
+    rows = [_row(t, **{M.REQ_ITL_SOURCE: M.ITL_SOURCE_TOKENS, M.REQ_ITL_P50_MS: t * 0.8, M.REQ_ITL_P90_MS: t * 2,
+                       M.REQ_ITL_P99_MS: t * 4, M.REQ_ITL_MEAN_MS: t, M.REQ_TOKENS_PER_CHUNK: 3.0,
+                       M.REQ_CHUNK_GAP_P50_MS: 3 * t, M.REQ_TTFT_MS: 20.0 + i})
+            for i, t in enumerate(tpots)]
+    s = summarize_cell(rows, strategy="ngram", **KW)
+    df = pd.DataFrame([{**r, M.REQ_RUN_ID: "r", M.REQ_STRATEGY: "ngram", M.REQ_TIER: "low",
+                        M.REQ_OUTPUT_CLASS: "short", M.REQ_USERS: 1, M.NUM_DRAFTS: None,
+                        M.NUM_ACCEPTED_TOKENS: None, M.REQ_E2E_MS: 100.0, M.REQ_PROMPT_TOKENS: 5,
+                        M.DEGRADED_REASON: None, M.NUM_ACCEPTED_TOKENS_PER_POS: None} for r in rows])
+    (cell,) = cell_table(with_slo_flags(df, {"low": KW["slo"]})).to_dict("records")
+    for key in ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50",
+                "tpot_ms_p90", "tpot_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99",
+                "tokens_per_chunk", "chunk_gap_ms_p50", "tpot_mode_low_ms", "tpot_mode_high_ms"):
+        assert cell[key] == pytest.approx(getattr(s, key)), key
+    assert cell["itl_kind"] == s.itl_kind == "per_token" and not math.isnan(s.tpot_mode_low_ms)

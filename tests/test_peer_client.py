@@ -5,7 +5,7 @@ runs); on an ngram stream specload's token-weighted ITL matches vLLM's own per-s
 (its ``vllm:inter_token_latency_seconds`` histogram) per token, and the per-chunk gap matches
 it per step.
 
-One vLLM server per kind for the module (autoregressive and ngram, started together);
+One vLLM server at a time for the module (autoregressive, then ngram);
 skipped without the vLLM venv unless SPECLOAD_REQUIRE_VLLM=1 (tests/vllm_server.py). The
 box is small and shared: each side runs twice, ABBA, after a warm-up of both.
 """
@@ -28,24 +28,40 @@ DURATION_S = 6.0
 TOLERANCE = 0.05
 
 
+class _Peers:
+    """One vLLM server at a time (a second, idle one still takes CPU from a 2-core box): ``get``
+    stops the running one when another kind is asked for."""
+
+    SPECS = {"autoregressive": None, "ngram": NGRAM}
+
+    def __init__(self, python: str, tmp, prompts):
+        self.python, self.tmp, self.prompts = python, tmp, prompts
+        self.server: VllmServer | None = None
+
+    def get(self, kind: str) -> VllmServer:
+        if self.server is not None and self.server.names[0] != kind:
+            self.server.stop()
+            self.server = None
+        if self.server is None:
+            t0 = time.monotonic()
+            self.server = start_servers([VllmServer([kind], self.SPECS[kind], **FAST_START)], self.tmp)[0]
+            print(f"\nvLLM {kind} ready in {time.monotonic() - t0:.0f} s")
+        return self.server
+
+
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory):
     py = vllm_python()
     tmp = tmp_path_factory.mktemp("peer")
-    servers = {"autoregressive": VllmServer(["autoregressive"], None, **FAST_START),
-               "ngram": VllmServer(["ngram"], NGRAM, **FAST_START)}
-    t0 = time.monotonic()
-    start_servers(list(servers.values()), tmp)
-    print(f"\nvLLM servers ready in {time.monotonic() - t0:.0f} s")
-    prompts = write_prompts(tmp / "prompts.jsonl")
-    yield {"python": py, "tmp": tmp, "servers": servers, "prompts": prompts}
-    for s in servers.values():
-        s.stop()
+    p = _Peers(py, tmp, write_prompts(tmp / "prompts.jsonl"))
+    yield p
+    if p.server is not None:
+        p.server.stop()
 
 
 def _pair(peers, strategy: str, tag: str) -> tuple[list[dict], list[dict]]:
     """Warm-up (both clients), then specload, vLLM, vLLM, specload."""
-    srv, py, tmp, prompts = peers["servers"][strategy], peers["python"], peers["tmp"], peers["prompts"]
+    srv, py, tmp, prompts = peers.get(strategy), peers.python, peers.tmp, peers.prompts
     n = int(USERS * DURATION_S * 5)   # about as many requests as the specload cell sends
     run_specload(srv.url, strategy, USERS, 2.0, prompts, tmp / f"{tag}-warm-s")
     run_vllm_bench(py, srv.url, strategy, USERS, 2 * USERS, prompts, tmp / f"{tag}-warm-v")
@@ -79,8 +95,9 @@ def test_ngram_token_weighted_itl_matches_the_engine_step_timing(peers):
     (each chunk gap spread over its tokens) must equal vLLM's ITL histogram sum over the
     tokens after each request's first; per chunk (vllm bench serve's ITL, specload's chunk
     gap) it is the engine's per-step mean, which is larger by the tokens per step."""
-    srv, tmp = peers["servers"]["ngram"], peers["tmp"]
-    cell = run_specload(srv.url, "ngram", USERS, DURATION_S, peers["prompts"], tmp / "ngram-itl")
+    srv, tmp = peers.get("ngram"), peers.tmp
+    run_specload(srv.url, "ngram", USERS, 2.0, peers.prompts, tmp / "ngram-warm")
+    cell = run_specload(srv.url, "ngram", USERS, DURATION_S, peers.prompts, tmp / "ngram-itl")
     eng = engine_step_itl(cell)
     print("\nngram ITL: specload per token", cell["itl_ms_mean"], "engine per token", eng["per_token_mean_ms"],
           "engine per step", eng["step_mean_ms"], "tokens per chunk", cell["tokens_per_chunk"],

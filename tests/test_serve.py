@@ -211,6 +211,35 @@ def test_stop_and_token_id_prompt(client):
     assert ids["usage"]["prompt_tokens"] == 4
 
 
+def test_stop_token_ids_on_every_strategy_and_route(client, strategies, route):
+    """Issue 42: ``stop_token_ids: [t]`` for a token t a greedy request emits at position p
+    returned every max_tokens token with finish_reason "length" (the field was ignored).
+    Now: the ids up to and including t, "stop", ``stop_reason`` t, usage counting t, the
+    text without t's (vLLM's convention); the same on every strategy, streamed or not."""
+    for model in strategies:
+        ref = complete(client, model, PROMPTS[0], route, max_tokens=24, ignore_eos=True)
+        ids = ref["choices"][0]["token_ids"]
+        assert ref["choices"][0]["finish_reason"] == "length" and len(ids) == 24
+        t = ids[16]
+        pos = ids.index(t)
+        out = complete(client, model, PROMPTS[0], route, max_tokens=24, ignore_eos=True,
+                       stop_token_ids=[t])
+        c = out["choices"][0]
+        assert c["token_ids"] == ids[:pos + 1], (model, route)
+        assert c["finish_reason"] == "stop" and c["stop_reason"] == t, (model, c)
+        assert out["usage"]["completion_tokens"] == pos + 1
+        assert ref["choices"][0]["text"].startswith(c["text"])
+        events = stream(client, model, PROMPTS[0], route, max_tokens=24, ignore_eos=True,
+                        stop_token_ids=[t])
+        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+        assert [i for e in chunks for i in e["choices"][0]["token_ids"]] == ids[:pos + 1]
+        assert "".join(e["choices"][0]["text"] for e in chunks) == c["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-1]["choices"][0]["stop_reason"] == t
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == pos + 1
+
+
 # ------------------------------------------------------------------ nulls, extreme params
 def test_null_fields_and_extreme_params(client, strategies):
     """Issue 9 faults 1 and 3 over HTTP: explicit nulls mean the defaults (they were 400s);
@@ -255,6 +284,12 @@ BAD = [
     (json.dumps({"model": "ngram", "prompt": ["a", "b"]}), 400, "prompt", None),
     (json.dumps({"model": "ngram", "prompt": "word " * 5000}), 400, "prompt",
      "context_length_exceeded"),
+    # issue 42: a field the service does not implement is a 400 naming it, never ignored
+    (json.dumps({"model": "ngram", "prompt": "hi", "no_such_field": 1}), 400, "no_such_field",
+     None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "min_p": 0.2}), 400, "min_p", None),
+    (json.dumps({"model": "ngram", "prompt": "hi", "stop_token_ids": [-3]}), 400,
+     "stop_token_ids", None),
 ]
 
 
@@ -400,7 +435,9 @@ def test_prometheus_spec_decode_counters(service, client):
             "ray_specload_" + mn.PROM_BATCH_SIZE,
             "ray_specload_" + mn.PROM_STEP_TIME_MS,
             "ray_specload_" + mn.PROM_VERIFICATION_TOKENS,
-            "ray_specload_" + mn.PROM_QUEUE_DEPTH]
+            "ray_specload_" + mn.PROM_QUEUE_DEPTH,
+            "ray_specload_" + mn.PROM_REQUEST_SUCCESS,       # requests the server saw finish
+            "ray_specload_" + mn.PROM_GENERATION_TOKENS]     # and their output tokens
     text = ""
     for _ in range(60):
         try:
@@ -416,6 +453,12 @@ def test_prometheus_spec_decode_counters(service, client):
               if line.startswith("ray_specload_" + mn.PROM_SPEC_NUM_DRAFTS)
               and 'strategy="ngram"' in line]
     assert drafts and any(float(line.rsplit(" ", 1)[1]) > 0 for line in drafts)
+    # the scraper reads the request counter: at least the requests this test sent finished on ngram
+    from loadgen.run import server_metrics as sm
+
+    values, _ = sm.parse_page(text, mn.ENGINE_SPECLOAD)
+    assert values.get(("ngram", mn.SRV_REQUESTS_FINISHED, sm.NO_POSITION), 0) >= len(PROMPTS)
+    assert values.get(("ngram", mn.SRV_GENERATION_TOKENS, sm.NO_POSITION), 0) >= len(PROMPTS)
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/embeddings", 404),

@@ -117,3 +117,61 @@ def test_bad_stop_token_ids_name_the_field():
         with pytest.raises(InvalidRequest) as exc:
             SamplingParams(stop_token_ids=bad)
         assert exc.value.param == "stop_token_ids"
+
+
+# ------------------------------------------------------------------ through the replica
+def test_stop_token_ids_through_the_replica_body_and_stream(heldout_prompts, reference):
+    """The request body -> ``parse_request`` -> the strategy replica (the class a
+    replica's own listener and the proxy route both run, in-process here) -> the
+    non-streamed body and the SSE stream: cut at the stop token, ``finish_reason`` stop,
+    ``stop_reason`` the id, usage counting it; the same for autoregressive and ngram."""
+    import asyncio
+    import json
+
+    from actors.serve.deployments import StrategyReplica as Replica
+    from actors.serve.openai_request import parse_request
+    from actors.serve.openai_response import ResponseContext, collect_body, sse_events
+    from actors.serve.protocol import Admitted
+
+    p = heldout_prompts[0]
+    ref = reference[p["id"]]["token_ids"]
+    t = ref[(2 * len(ref)) // 3]
+    pos = ref.index(t)
+
+    async def one(rep, body, stream):
+        req = parse_request(body, False)
+        gen = rep.generate(f"r{stream}", req.prompt, req.params)
+        first = await gen.__anext__()
+        assert isinstance(first, Admitted), first
+        ctx = ResponseContext("r", body["model"], 0, False, first.num_prompt_tokens)
+        if stream:
+            return [json.loads(x[6:]) for x in
+                    [line async for line in sse_events(gen, ctx, include_usage=True)]
+                    if x.startswith("data: ") and "[DONE]" not in x]
+        return await collect_body(gen, ctx)
+
+    async def main(strategy):
+        rep = Replica(strategy, {"strategy": strategy, "max_num_seqs": 4, "torch_threads": 1,
+                                 "num_speculative_tokens": 0 if strategy == "autoregressive"
+                                 else 4})
+        body = {"model": strategy, "prompt": p["prompt"], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "stop_token_ids": [t]}
+        try:
+            return (await one(rep, body, False),
+                    await one(rep, {**body, "stream": True,
+                                    "stream_options": {"include_usage": True}}, True))
+        finally:
+            rep.engine.shutdown()
+
+    for strategy in ("autoregressive", "ngram"):
+        body, events = asyncio.run(main(strategy))
+        choice = body["choices"][0]
+        assert choice["token_ids"] == ref[:pos + 1], strategy
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == t
+        assert body["usage"]["completion_tokens"] == pos + 1
+        chunks = [e for e in events if e["choices"]]
+        assert [i for e in chunks for i in e["choices"][0]["token_ids"]] == ref[:pos + 1]
+        assert "".join(e["choices"][0]["text"] for e in chunks) == choice["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-1]["choices"][0]["stop_reason"] == t
+        assert events[-1]["usage"]["completion_tokens"] == pos + 1

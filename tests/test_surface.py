@@ -361,3 +361,19 @@ def test_validate_goodput_counts_good_tokens_after_warmup():
                         M.REQ_OUTPUT_TOKENS: [100, 100, 40, 60, 0]})
     # after 5 s warm-up: 40 good tokens (TTFT 999 misses, the error has none) over 15 s
     assert va.goodput(req, Slo(ttft_ms=100, tpot_ms=50), warmup_s=5.0, duration_s=20.0) == pytest.approx(40 / 15)
+
+
+def test_racing_leaves_synthetic_deployments_out(tmp_path):
+    """The load generator's racing loop decides on real deployments only: a forced one that is
+    faster than all never leads."""
+    from loadgen.cli.race import Racer
+
+    run = _surface_run(tmp_path / "run")
+    rows = pd.read_parquet(run / "requests.parquet")
+    rows = rows[rows[M.REQ_TIER].eq("low") & rows[M.REQ_OUTPUT_CLASS].eq("short")]
+    rows = rows.assign(**{M.REQ_REPEAT: 0, M.REQ_SAMPLING: M.GREEDY}).to_dict("records")
+    racer = Racer(600.0, 0.9, 0.03, 1, 0.0, "run-a", {"slo": {"low": SLO}}, n_boot=100)
+    decisions = racer.decide(rows)
+    (d,) = decisions.values()
+    names = set(d.contenders) | set(d.dropped) | {d.leader}
+    assert "ngram-k3" in names and not any(M.parse_acceptance_length(str(n)) for n in names)

@@ -110,8 +110,12 @@ def test_sampling_params_map_to_vllm():
     kw = vllm_sampling_kwargs(sp, 8)
     assert kw == {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 3,
                   "stop": ["\n\n"], "ignore_eos": True, "min_tokens": 2, "logprobs": 1,
-                  "skip_special_tokens": False, "spaces_between_special_tokens": True}
+                  "skip_special_tokens": False, "spaces_between_special_tokens": True,
+                  "stop_token_ids": None, "include_stop_str_in_output": False}
     assert vllm_sampling_kwargs(SamplingParams(temperature=1e-7), 4)["temperature"] == 0.0
+    stop = vllm_sampling_kwargs(SamplingParams(stop_token_ids=[5, 9],
+                                               include_stop_str_in_output=True), 4)
+    assert stop["stop_token_ids"] == [5, 9] and stop["include_stop_str_in_output"] is True
 
 
 def test_step_row_has_the_embedded_columns():

@@ -197,7 +197,9 @@ def vllm_sampling_kwargs(params: Any, max_tokens: int) -> dict:
             "seed": params.seed, "stop": list(params.stop) or None,
             "ignore_eos": params.ignore_eos, "min_tokens": params.min_tokens,
             "logprobs": params.logprobs, "skip_special_tokens": params.skip_special_tokens,
-            "spaces_between_special_tokens": params.spaces_between_special_tokens}
+            "spaces_between_special_tokens": params.spaces_between_special_tokens,
+            "stop_token_ids": list(params.stop_token_ids) or None,
+            "include_stop_str_in_output": params.include_stop_str_in_output}
 
 
 def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms: float,
@@ -462,7 +464,8 @@ class VllmEngine:
                 request_id=o.request_id, new_token_ids=new, new_text=c.text or "",
                 finished=finished, finish_reason=reason, num_prompt_tokens=st["n_prompt"],
                 num_output_tokens=st["n_out"], stats=stats, token_ts=[now] * len(new),
-                logprobs=self._logprobs(c, st) if st["params"].logprobs is not None else None))
+                logprobs=self._logprobs(c, st) if st["params"].logprobs is not None else None,
+                stop_reason=getattr(c, "stop_reason", None) if finished else None))
             if finished:
                 self.requests.pop(o.request_id, None)
         sched = self._stats[-1] if self._stats else None

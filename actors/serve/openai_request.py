@@ -78,9 +78,8 @@ Number = Annotated[float, BeforeValidator(_number)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool | None = None
-    continuous_usage_stats: StrictBool | None = None   # vLLM's: cumulative usage per chunk
-    # vLLM's: usage on every chunk. Accepted; specload's chunks carry their token count
-    # (spec_decode.num_tokens, token_ids) whatever its value
+    # vLLM's: cumulative usage on every chunk (the load generator asks for it). Accepted;
+    # specload's chunks carry their token count (spec_decode.num_tokens, token_ids) anyway
     continuous_usage_stats: StrictBool | None = None
 
 

@@ -166,8 +166,15 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
          records(a.capacity)),
         *a.server.get("tables", []),
         ("Per-cell metrics", "Per run x strategy x tier x output class x users. tokens/s over "
-         "the cell's wall time (first scheduled send to last end). ITL p50/p90 are over "
-         "requests' median ITL, p99 over requests' p99 ITL.",
+         "the cell's wall time (first scheduled send to last end). Mean and p50 / p90 / p99 of "
+         "TTFT and TPOT over ok requests. ITL is per token (itl_kind per_token: a chunk of n "
+         "tokens g ms after the previous one counts n intervals of g / n ms; itl_ms_mean "
+         "token-weighted, p50 / p90 / p99 the median over requests of their own); itl_kind "
+         "chunk: the server sent no per-chunk token count, so no per-token ITL is given "
+         "(tokens_per_chunk on average). tpot_mode_low_ms / tpot_mode_high_ms: the two modes "
+         "of a TPOT flagged bimodal (Sarle's coefficient > 5/9 and Ashman's D >= 2; "
+         "docs/metrics.md): read the mean and both modes, not p50. Runs before schema 9: ITL "
+         "p50/p90 over requests' median ITL, p99 over requests' p99 ITL.",
          records(_tier_sorted(a.cells[[c for c in CELL_COLUMNS if c in a.cells.columns]]))),
         ("Per-position acceptance", "uncond = accepted at i / drafts (vLLM); cond = accepted at "
          "i / accepted at i-1 (DFlash 2, DSpark). source: the requests' own speculative stats, "

@@ -86,6 +86,8 @@ def surface_figure(t: dict) -> bytes | None:
                 ax.plot(b["break_even_acceptance_length"], b[mn.REQ_USERS], "k--", lw=1.2,
                         marker="x", label="break-even (speedup 1.0)")
             ax.axvline(k + 1, color="gray", lw=0.8, ls=":")
+            ax.set_ylim(float(u.min()) / 1.4, float(u.max()) * 1.4)   # edge markers visible
+            ax.set_xlim(float(a.min()) - 0.15, max(float(a.max()), k + 1.0) + 0.15)
             p = pts[(pd.to_numeric(pts["k"], errors="coerce") == k)
                     & pts[mn.REQ_OUTPUT_CLASS].eq(line[1])] if not pts.empty else pts
             for name, pg in (p.groupby("strategy") if not p.empty else []):

@@ -157,6 +157,8 @@ def _variants(args: argparse.Namespace) -> dict[str, dict]:
         try:
             service.check_serve_config(path)
         except ValueError as err:
+            if als and ("rejection_sample_method" in str(err) or "synthetic_acceptance" in str(err)):
+                flag = "--acceptance-length"   # the forced acceptance is what the engine refused
             raise _FlagError(flag, f"the variants' Serve config does not validate: {err}") from None
         args.local_config = str(path)
     args.base_strategies = args.strategies

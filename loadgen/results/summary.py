@@ -191,13 +191,14 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
 
 
 def _speculation_off(strategy: str, ok: list[dict[str, Any]]) -> bool:
-    """The cell decodes one token per step: the autoregressive strategy, or every ok row's
-    server stats say zero drafts."""
+    """The cell emits one token per step: every ok row's server stats say no draft token
+    was accepted (the only way a step emits several); without stats, the strategy is
+    ``autoregressive``."""
+    accepted = [r.get(M.NUM_ACCEPTED_TOKENS) for r in ok]
+    if accepted and all(a is not None for a in accepted):
+        return all(a == 0 for a in accepted)
     parsed = M.parse_variant_name(strategy)
-    if parsed is not None and parsed[0] == M.AUTOREGRESSIVE:
-        return True
-    drafts = [r.get(M.NUM_DRAFTS) for r in ok]
-    return bool(drafts) and all(d == 0 for d in drafts)
+    return parsed is not None and parsed[0] == M.AUTOREGRESSIVE
 
 
 def _distributions(s: CellSummary, ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
@@ -364,7 +365,7 @@ SERVER_CSV_KEYS = (M.SRV_NUM_DRAFTS, M.SRV_NUM_DRAFT_TOKENS, M.SRV_NUM_ACCEPTED_
                    M.SRV_GENERATION_TOKENS, M.SRV_REQUESTS_FINISHED, M.SRV_ENGINE_STEPS, M.SRV_STEP_TOKENS,
                    f"{M.SRV_RUNNING}_mean", f"{M.SRV_RUNNING}_max", f"{M.SRV_WAITING}_mean",
                    f"{M.SRV_WAITING}_max", f"{M.SRV_KV_USAGE}_max", M.SRV_PREEMPTIONS, "counter_resets",
-                   "samples", "unattributed_drafts")
+                   "samples", "unattributed_drafts", "unattributed_requests")
 SERVER_CSV_PREFIX = "server_"
 
 
