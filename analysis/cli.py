@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 
+from analysis.data import cost_curve_file
 from analysis.data.load import ResultsError
 from configs.cli_args import (
     existing_file,
@@ -49,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gpu", choices=["h100", "h200"], help="model the step cost on this GPU")
     q.add_argument("--model-params",
                    help="target model parameters (e.g. 8e9); needed with --gpu")
-    q.add_argument("--cost-curve", type=existing_file(), help='measured curve JSON {"gpu","model","points":[...]}')
+    q.add_argument("--cost-curve", type=cost_curve_file.argtype,
+                   help="measured step-cost curve: a committed name (data/cost_curves/NAME.json, "
+                        "e.g. qwen3-0.6b-cpu) or a file (python -m actors.gpu_check / actors.bench "
+                        "cost-curve grid, or {\"gpu\",\"model\",\"points\"}); adds each "
+                        "strategy's speedup against concurrency and its crossover per k")
     q.add_argument("--attainment", default="0.9",
                    help="share of requests that must meet the SLOs (default 0.9)")
     q.add_argument("--overhead-ms", default="1.0", help="per-step overhead on the GPU, ms")
@@ -288,6 +293,12 @@ def _plan(args, parser) -> int:
         _print_table("GPU plan", out["gpu_plan"],
                      ["strategy", "output_class", "tau", "v", "users", "max_seqs_memory", "limit",
                       "tpot_ms", "ttft_ms", "capacity_rps", "tokens_per_s", "replicas", "note"])
+    if out.get("crossover") is not None:
+        from analysis.decide.crossover import format_rows
+        print("speedup vs autoregressive against concurrency N on the curve's device "
+              "(crossover: the first N below 1x after it wins):")
+        for line in format_rows(out["crossover"]):
+            print(line)
     if args.emit_serve_config:
         _emit(args, out, parser)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from analysis.data.cost_curve_file import argtype as cost_curve_arg
 from configs.cli_args import existing_file, number, output_dir, output_file
 
 DEFAULT_VALIDATE_DURATION_S = 12.0
@@ -37,6 +38,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(num_speculative_tokens_per_batch_size)")
     p.add_argument("--base-config", default=None, type=existing_file(),
                    help="Serve config the emitted one starts from (default configs/serve.yaml)")
+    p.add_argument("--cost-curve", type=cost_curve_arg, default=None, metavar="NAME_OR_PATH",
+                   help="a measured step-cost curve (data/cost_curves/NAME.json or a file): add "
+                        "each strategy's speedup against concurrency on that device and its "
+                        "crossover per k, from this run's acceptance")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE", type=output_file(),
                    help="print the policy as JSON (or write it to FILE); with --validate, the "
                         "validation JSON")
@@ -94,6 +99,16 @@ def run_policy(args, parser, print_table) -> int:
                     "midpoint or predicted)", pol.policy_rows(policy),
                     ["batch", "k", "measured_as", "tiers", "users", "typical_batch",
                      "goodput_tok_s", "best_fixed", "upper_bound"])
+    if args.cost_curve:
+        from analysis.decide import crossover
+        from analysis.decide.plan import load_curve
+        ccurve, meta, path = load_curve(args.cost_curve)
+        policy["crossover"] = {"curve": str(path), "assumption": crossover.describe(path, meta, ccurve),
+                               "rows": crossover.crossover_rows(ccurve, results)}
+        if not quiet:
+            print(f"speedup vs autoregressive against concurrency N ({policy['crossover']['assumption']}):")
+            for line in crossover.format_rows(policy["crossover"]["rows"]):
+                print(line)
     if args.emit_serve_config:
         try:
             cfg = pol.emit_serve_config(policy, base)

@@ -315,10 +315,37 @@ def cluster_nodes(dashboard: str) -> list[dict[str, float]] | None:
     return [dict(getattr(n, "resources_total", None) or {}) for n in nodes]
 
 
-def check_resources(dashboard: str, cfg: dict) -> None:
+def has_autoscaler(dashboard: str) -> bool:
+    """Whether the cluster has an autoscaler with node types (it may add the node a
+    replica needs): the dashboard's autoscaling status lists them under "Worker node
+    types:" (a ``ray up`` cluster); a plain ``ray start --head`` lists none. Unreadable:
+    assume one (the check then only warns)."""
+    import httpx
+
+    try:
+        headers: dict = {}
+        try:   # a head with token auth (Ray >= 2.5x) refuses the dashboard without it
+            from ray._private.authentication.http_token_authentication import (
+                get_auth_headers_if_auth_enabled)
+            headers = get_auth_headers_if_auth_enabled({}) or {}
+        except ImportError:
+            pass
+        r = httpx.get(dashboard.rstrip("/") + "/api/cluster_status", timeout=10, headers=headers)
+        r.raise_for_status()
+        status = str((r.json().get("data") or {}).get("autoscalingStatus") or "")
+    except Exception:  # noqa: BLE001 - unknown: assume one may exist (warn, never block)
+        return True
+    types = status.split("Worker node types:", 1)
+    return len(types) == 2 and any(line.strip().startswith("- ")
+                                   for line in types[1].splitlines())
+
+
+def check_resources(dashboard: str, cfg: dict, may_autoscale: bool = False) -> None:
     """Fail at once (SystemExit naming the resource) when a deployment asks for what no
     node has: Serve would wait for it forever ("ready 1/2"). Nodes join a starting head a
-    moment after its dashboard: an empty list is polled for up to 30 s."""
+    moment after its dashboard: an empty list is polled for up to 30 s. ``may_autoscale``
+    (an existing cluster with an autoscaler, e.g. ``ray up cluster/cluster.yaml`` whose GPU
+    workers start at 0): only a warning, the autoscaler may add such a node."""
     needs = replica_resources(cfg)
     t0 = time.monotonic()
     while True:
@@ -329,7 +356,10 @@ def check_resources(dashboard: str, cfg: dict) -> None:
             break
         time.sleep(1)
     why = unschedulable(needs, nodes)
-    if why:
+    if why and may_autoscale:
+        log(f"warning: {why}; this cluster has an autoscaler, which may add such a node "
+            "(otherwise the deployment waits until --timeout)")
+    elif why:
         raise SystemExit(f"cannot deploy: {why}")
 
 
@@ -437,7 +467,8 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
     write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
     try:
-        check_resources(state["dashboard"], cfg)
+        check_resources(state["dashboard"], cfg, may_autoscale=not state["started_ray"]
+                        and has_autoscaler(state["dashboard"]))
         deploy(state["dashboard"], one_hop_config(cfg))
         wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
     except BaseException:   # a failed `up` leaves nothing running: stop the head it started

@@ -199,6 +199,96 @@ def spec_schedule_k(schedule: SpecSchedule, batch_size: int) -> int:
     return k
 
 
+# --- forced acceptance / block verification (vLLM 0.32's speculative_config fields) ----
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
+REJECTION_SAMPLE_KEYS = ("rejection_sample_method", "synthetic_acceptance_length",
+                         "synthetic_acceptance_rates")
+
+
+def acceptance_length_to_rates(length: float, k: int) -> list[float]:
+    """vLLM's ``SpeculativeConfig._acceptance_length_to_rates``: a mean acceptance
+    length ``length`` (tokens per verify step, the target's own counted) -> per-position
+    *unconditional* acceptance rates [k] by the minimum-variance schedule: the
+    ``length - 1`` expected accepted drafts are spent on the earliest positions
+    (3.5 at k=4 -> [1, 1, 0.5, 0])."""
+    num_drafts = length - 1
+    num_full = int(num_drafts)
+    return ([1.0] * num_full + [num_drafts - num_full] + [0.0] * (k - num_full - 1))[:k]
+
+
+def unconditional_to_conditional_rates(rates: list[float]) -> list[float]:
+    """vLLM's ``unconditional_to_conditional_rates``: c_i = r_i / r_{i-1} (r_{-1} = 1;
+    0 after a position of rate 0): the accept probability of position i given all
+    earlier drafts were accepted."""
+    return [p / q if q > 0.0 else 0.0 for p, q in zip(rates, [1.0, *rates[:-1]])]
+
+
+def resolve_rejection_sample(engine: dict, k: int | None, key: str = "engine"
+                             ) -> list[float] | None:
+    """Check an ``engine:`` block's ``rejection_sample_method`` /
+    ``synthetic_acceptance_length`` / ``synthetic_acceptance_rates`` (vLLM 0.32's
+    ``SpeculativeConfig`` semantics and checks) and return the per-position
+    unconditional acceptance rates [k] of a synthetic deployment (None otherwise).
+
+    k: the deployment's draft length (``num_speculative_tokens``, resolved); None when
+    it is not known here (left to the strategy's default): the checks that need k
+    (length in [1, k+1], k rates) then wait for ``EngineConfig``. Raises ValueError
+    naming ``<key>.<field>``: an unknown method; synthetic (or block) on
+    autoregressive or with k = 0; synthetic without exactly one of length and rates;
+    a length outside [1, k+1]; rates not k long, outside [0, 1] or rising; a length
+    or rates given with a method other than synthetic.
+    """
+    method = engine.get("rejection_sample_method", "standard")
+    if method is None:
+        method = "standard"
+    length = engine.get("synthetic_acceptance_length")
+    rates = engine.get("synthetic_acceptance_rates")
+    if method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"{key}.rejection_sample_method: {method!r} is unknown; expected one "
+                         f"of {list(REJECTION_SAMPLE_METHODS)}")
+    if method != "synthetic":
+        if length is not None or rates is not None:
+            raise ValueError(f"{key}.synthetic_acceptance_rates / synthetic_acceptance_length "
+                             "are only valid with rejection_sample_method='synthetic' (got "
+                             f"rejection_sample_method={method!r})")
+    strategy = engine.get("strategy")
+    if method != "standard" and strategy == mn.AUTOREGRESSIVE:
+        raise ValueError(f"{key}.rejection_sample_method: {method!r} needs a speculative "
+                         "strategy (autoregressive verifies no drafts); use 'standard'")
+    if method != "standard" and k == 0:
+        raise ValueError(f"{key}.rejection_sample_method: {method!r} needs draft tokens "
+                         "(num_speculative_tokens is 0)")
+    if method != "synthetic":
+        return None
+    if (rates is None) == (length is None):
+        raise ValueError(f"{key}: rejection_sample_method='synthetic' requires exactly one of "
+                         "synthetic_acceptance_rates or synthetic_acceptance_length (got "
+                         f"{'both' if rates is not None else 'neither'})")
+    if rates is not None:
+        if not isinstance(rates, (list, tuple)) or not all(
+                isinstance(r, (int, float)) and not isinstance(r, bool) for r in rates):
+            raise ValueError(f"{key}.synthetic_acceptance_rates must be a list of numbers, "
+                             f"got {rates!r}")
+        rates = [float(r) for r in rates]
+        if k is not None and len(rates) != k:
+            raise ValueError(f"{key}.synthetic_acceptance_rates must have length {k} "
+                             f"(num_speculative_tokens), got {rates}")
+        if not all(0.0 <= r <= 1.0 for r in rates):
+            raise ValueError(f"{key}.synthetic_acceptance_rates entries must be in [0, 1], "
+                             f"got {rates}")
+        if any(rates[i] > rates[i - 1] for i in range(1, len(rates))):
+            raise ValueError(f"{key}.synthetic_acceptance_rates must be non-increasing "
+                             f"(unconditional per-position rates), got {rates}")
+        return rates if k is not None else None
+    if not isinstance(length, (int, float)) or isinstance(length, bool):
+        raise ValueError(f"{key}.synthetic_acceptance_length must be a number, got {length!r}")
+    top = f"{k + 1}" if k is not None else "k+1"
+    if not 1.0 <= float(length) <= (float(k + 1) if k is not None else float("inf")):
+        raise ValueError(f"{key}.synthetic_acceptance_length must be in [1, {top}] "
+                         f"(num_speculative_tokens {k} + 1), got {length}")
+    return acceptance_length_to_rates(float(length), k) if k is not None else None
+
+
 class AutoscalingConfig(BaseModel):
     """Subset of Serve's autoscaling_config (same names, same meaning)."""
 
@@ -288,6 +378,11 @@ class StrategyEntry(BaseModel):
             parse_spec_schedule(self.engine[SPEC_SCHEDULE_KEY], k if isinstance(k, int) else None,
                                 "engine.num_speculative_tokens" if isinstance(k, int) else "",
                                 key=f"strategy {self.name!r}: engine.{SPEC_SCHEDULE_KEY}")
+        if any(self.engine.get(x) is not None for x in REJECTION_SAMPLE_KEYS):
+            k = self.engine.get("num_speculative_tokens")   # EngineConfig checks again with
+            resolve_rejection_sample(                       # the strategy's default k
+                self.engine, k if isinstance(k, int) and not isinstance(k, bool) else None,
+                key=f"strategy {self.name!r}: engine")
         seqs = int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
         if self.max_ongoing_requests != "auto" and self.max_ongoing_requests < seqs:
             raise ValueError(

@@ -34,6 +34,8 @@ COMMANDS: list[tuple[list[str], str]] = [
     (["actors.generate"], "generate with one strategy from a prompts file (no server)"),
     (["actors.evaluate"], "position-by-position evaluation of the speculative strategies"),
     (["actors.bench"], "engine benchmarks: ratios vs transformers and vs autoregressive"),
+    (["actors.gpu_check"], "the prepared device check: the engine per strategy and dtype, "
+                           "step-cost curves of real shapes (JSON + PNG)"),
     (["actors.bench_serve"], "HTTP + Serve vs the engine alone"),
     (["actors.bench_vs_vllm"], "specload next to a real vLLM: engine alone and served, "
                                "closed-loop cells"),

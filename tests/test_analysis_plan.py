@@ -90,3 +90,51 @@ def test_plan_cli(run_dir, capsys):
         cli.main(["plan", str(run_dir), "--qps", "-3", "--tier", "high", "--slo-ttft-ms", "1",
                   "--slo-tpot-ms", "1"])
     assert exc.value.code == 2 and "--qps" in capsys.readouterr().err
+
+
+def test_crossover_from_curve_file(run_dir, tmp_path):
+    """speedup(N) = tau g(N) / (g(N v) (1 + r)) on a hand-made curve (analysis.decide.crossover)."""
+    from analysis.data.load import load_results
+    from analysis.decide import crossover as co
+
+    curve_file = tmp_path / "curve.json"
+    curve_file.write_text(json.dumps({"gpu": "h100", "model": "test", "points": [
+        {"batch_tokens": 1, "step_ms": 10}, {"batch_tokens": 100, "step_ms": 10},
+        {"batch_tokens": 1000, "step_ms": 100}]}))
+    from analysis.decide.plan import load_curve
+    curve, meta, path = load_curve(curve_file)
+    rows = {r["strategy"]: r for r in co.crossover_rows(curve, load_results(run_dir), max_batch=300)
+            if r["output_class"] == "short"}
+    assert mn.AUTOREGRESSIVE not in rows
+    d = rows[mn.DFLASH]
+    assert (d["tau"], d["v"], d["draft_ratio"], d["k"]) == (pytest.approx(4.0), pytest.approx(8.0), 0.0, 7)
+    # g(N) = 10 flat to 100 tokens, then 10 + 0.1 (T - 100): 4 * 10 < g(8N) first at N = 51
+    assert d["wins"] and d["crossover_users"] == 51 and d["crossover_step_cost"] == "measured"
+    sp = {p["users"]: p for p in d["speedup"]}
+    assert sp[8]["speedup"] == pytest.approx(4.0) and sp[8]["step_cost"] == "measured"
+    # N = 256: g(2048) past the last measured point (1000 tokens): extrapolated
+    assert sp[256]["step_cost"] == "extrapolated"
+    assert sp[256]["speedup"] == pytest.approx(4 * (10 + 0.1 * 156) / (10 + 0.1 * 1948))
+    by_k = {b["k"]: b for b in d["by_k"]}
+    assert by_k[7]["acceptance"] == "measured" and by_k[7]["crossover_users"] == 51
+    assert by_k[1]["acceptance"] == "modelled"
+    # i.i.d. acceptance (Leviathan et al. eq. 1) through the measured point
+    assert co.tau_at_k(d["alpha"], 7) == pytest.approx(4.0, rel=1e-6)
+    assert by_k[1]["tau"] == pytest.approx(1 + d["alpha"])
+    out = plan(run_dir, qps=1000, tier="low", slo_ttft_ms=30, slo_tpot_ms=20, cost_curve=curve_file)
+    assert {r["strategy"] for r in out["crossover"]} == set(rows)
+    assert any("extrapolated" in a and "speedup vs concurrency" in a for a in out["assumptions"])
+
+
+def test_cost_curve_by_committed_name(run_dir, capsys):
+    from analysis.data import cost_curve_file
+
+    assert "qwen3-0.6b-cpu" in cost_curve_file.names()
+    rc = cli.main(["plan", str(run_dir), "--tier", "low", "--qps", "10", "--slo-ttft-ms", "5000",
+                   "--slo-tpot-ms", "1000", "--cost-curve", "qwen3-0.6b-cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "crossover" in out and "data/cost_curves/qwen3-0.6b-cpu.json" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", str(run_dir), "--tier", "low", "--qps", "10", "--cost-curve", "no-such"])
+    assert e.value.code == 2
+    assert "--cost-curve" in capsys.readouterr().err

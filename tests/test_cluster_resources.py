@@ -90,3 +90,30 @@ def test_cluster_up_with_a_gpu_on_a_cpu_only_ray_fails_within_a_minute(tmp_path)
     assert took < 60, took   # head start included (the old code waited out --timeout: 300 s)
     assert "stopping the Ray head this command started" in err
     assert not (tmp_path / "specload" / f"cluster-{port}.json").exists()
+
+
+@pytest.mark.slow
+def test_an_existing_ray_without_autoscaler_is_checked_the_same_way():
+    """``cluster up --address``: a Ray cluster `up` did not start. Without an autoscaler
+    (this local head) the check fails the same way; the node list comes from Ray's state
+    API through the dashboard."""
+    import ray
+
+    from cluster.local import check_resources, cluster_nodes, has_autoscaler
+
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=True,
+                   dashboard_host="127.0.0.1", log_to_driver=False)
+    try:
+        dashboard = f"http://{ctx.dashboard_url}"
+        t0 = time.monotonic()
+        while not cluster_nodes(dashboard) and time.monotonic() - t0 < 60:
+            time.sleep(1)
+        nodes = cluster_nodes(dashboard)
+        assert nodes and nodes[0].get("CPU") == 2.0 and not nodes[0].get("GPU"), nodes
+        assert has_autoscaler(dashboard) is False
+        with pytest.raises(SystemExit, match="strategy-ngram asks num_gpus: 1"):
+            check_resources(dashboard, _config({"num_gpus": 1}), may_autoscale=False)
+        check_resources(dashboard, _config({}), may_autoscale=False)      # fits: no error
+        check_resources(dashboard, _config({"num_gpus": 1}), may_autoscale=True)  # a warning
+    finally:
+        ray.shutdown()

@@ -153,3 +153,22 @@ def test_specload_service_counters_reconcile_requests_with_the_rows():
     att = sm.attribution(fig, rows + [{M.REQ_STATUS: M.STATUS_TIMEOUT, M.REQ_OUTPUT_TOKENS: None}])
     assert att == {"client_requests_ok": 8, "unattributed_requests": 2, "unattributed_generation_tokens": 64}
     assert sm.detect_engine(_specload_page(1, 1)) == M.ENGINE_SPECLOAD
+
+
+def test_a_new_label_series_is_not_a_restart():
+    """vLLM's finished-requests counter is summed over ``finished_reason``: the first
+    ``stop`` mid-cell creates a series with a newer ``_created``; that is no restart (the
+    oldest creation time of the summed series did not move)."""
+    def page(length: float, stop: float | None) -> str:
+        lines = ["# TYPE vllm:request_success counter",
+                 f'vllm:request_success_total{{finished_reason="length",model_name="m"}} {length}',
+                 f'vllm:request_success_created{{finished_reason="length",model_name="m"}} 100.0']
+        if stop is not None:
+            lines += [f'vllm:request_success_total{{finished_reason="stop",model_name="m"}} {stop}',
+                      f'vllm:request_success_created{{finished_reason="stop",model_name="m"}} 500.0']
+        return "\n".join(lines) + "\n"
+
+    snaps = [sm.Snapshot(0.0, sm.parse_page(page(10, None), M.ENGINE_VLLM)[0]),
+             sm.Snapshot(1.0, sm.parse_page(page(14, 3), M.ENGINE_VLLM)[0])]
+    fig = sm.cell_figures(snaps, "m")
+    assert fig[M.SRV_REQUESTS_FINISHED] == 7 and fig["counter_resets"] == 0

@@ -86,7 +86,7 @@ def _replica(stream_interval: int, stream_interval_ms: float | None, queue):
     srv.strategy, srv.stream_interval, srv.stream_interval_ms = ("autoregressive",
                                                                  stream_interval,
                                                                  stream_interval_ms)
-    srv._metrics = SimpleNamespace(observe_request=lambda stats: None)
+    srv._metrics = SimpleNamespace(observe_request=lambda stats, *rest: None)
     srv.engine = SimpleNamespace(add_request=add_request, abort=lambda rid: None,
                                  shutdown=lambda timeout_s=None: None)
     return srv

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from configs.paths import MODELS_DIR
-from configs.serve_config import SpecSchedule, parse_spec_schedule
+from configs.serve_config import SpecSchedule, parse_spec_schedule, resolve_rejection_sample
 
 DEFAULT_TARGET = MODELS_DIR / "target"
 DEFAULT_DRAFT = MODELS_DIR / "draft"
@@ -69,6 +69,18 @@ class EngineConfig(BaseModel):
     with backend embedded; the embedded-only knobs
     (``num_speculative_tokens_per_batch_size``, ``draft_deadline_ms``) are errors
     with backend vllm. Errors name the key.
+
+    rejection_sample_method (vLLM 0.32's ``speculative_config`` field and semantics):
+    "standard" (default: greedy prefix match / speculative-sampling rejection),
+    "synthetic" (forced acceptance: the drafter and the verify forward run for real,
+    only the accept decision is drawn from a set schedule; the output is then NOT the
+    target's text, see ``synthetic``) or "block" (block verification, Sun et al. 2024,
+    lossless). synthetic_acceptance_length: mean tokens per verify step, the target's
+    own counted, in [1, k+1] (the minimum-variance schedule); synthetic_acceptance_rates:
+    [k] per-position unconditional rates in [0, 1], non-increasing; exactly one of the
+    two with synthetic, neither otherwise. Non-standard methods are refused on
+    autoregressive (``configs.serve_config.resolve_rejection_sample``; errors name the
+    field). On backend vllm the three pass through into vLLM's ``speculative_config``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -104,6 +116,9 @@ class EngineConfig(BaseModel):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     speculative_config: dict[str, Any] | None = None
     vllm_python: str | None = None
+    rejection_sample_method: str = "standard"     # standard | synthetic | block (vLLM's)
+    synthetic_acceptance_length: float | None = None
+    synthetic_acceptance_rates: list[float] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -127,7 +142,9 @@ class EngineConfig(BaseModel):
                         f"strategy {self.strategy!r} on backend vllm: give "
                         "speculative_config (vLLM's); specload maps autoregressive, ngram "
                         "and draft_model itself")
+                self._rejection_rates()           # raises naming the field
                 return self     # a vLLM-only method: its label, vLLM validates the rest
+            self._rejection_rates()               # raises naming the field
             vllm_engine_args(self.model_dump())   # raises naming the key
         if self.strategy not in PROPOSERS:
             raise ValueError(f"strategy {self.strategy!r} is unknown; expected one of "
@@ -142,7 +159,42 @@ class EngineConfig(BaseModel):
             raise ValueError(f"strategy_options for {self.strategy}: {e}") from None
         if self.num_speculative_tokens_per_batch_size is not None:
             self.spec_schedule()   # raises naming the key
+        self._rejection_rates()    # raises naming the field
         return self
+
+    def resolved_num_speculative_tokens(self) -> int | None:
+        """k: ``num_speculative_tokens``, else the strategy's default (for a vLLM-only
+        method: its ``speculative_config.num_speculative_tokens``, else None: vLLM's
+        own default, unknown here)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        from actors.engine.strategies import PROPOSERS, get_proposer_class
+
+        if self.strategy in PROPOSERS and not (self.backend == "vllm" and self.speculative_config):
+            return get_proposer_class(self.strategy).default_num_speculative_tokens
+        k = (self.speculative_config or {}).get("num_speculative_tokens")
+        return int(k) if k is not None else None
+
+    def _rejection_rates(self) -> list[float] | None:
+        return resolve_rejection_sample(
+            {"strategy": self.strategy, "rejection_sample_method": self.rejection_sample_method,
+             "synthetic_acceptance_length": self.synthetic_acceptance_length,
+             "synthetic_acceptance_rates": self.synthetic_acceptance_rates},
+            self.resolved_num_speculative_tokens(), key="engine")
+
+    @property
+    def synthetic(self) -> bool:
+        """True for forced acceptance (``rejection_sample_method: synthetic``): the
+        deployment's text is the drafter's accepted drafts plus target tokens, not the
+        target's own output; step-log rows and the engine's facts carry ``synthetic``
+        so a consistency check skips it."""
+        return self.rejection_sample_method == "synthetic"
+
+    def synthetic_rates(self) -> list[float] | None:
+        """Per-position unconditional acceptance rates [k] of a synthetic engine (the
+        minimum-variance schedule of ``synthetic_acceptance_length``, or the given
+        rates); None unless synthetic."""
+        return self._rejection_rates()
 
     def resolved_vllm_python(self) -> str:
         """The interpreter of vLLM's venv (``vllm_python``, else the default)."""

@@ -38,7 +38,7 @@ from actors.engine.types import (DraftProposal, ProposeInput, RequestOutput, Sam
                                  VerificationResult)
 from actors.engine.verifier import verify_batch
 from configs import metric_names as M
-from configs.serve_config import spec_schedule_k
+from configs.serve_config import spec_schedule_k, unconditional_to_conditional_rates
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,17 @@ class LLMEngine:
                                    config.max_waiting, None if self.spec_schedule is None else
                                    functools.partial(spec_schedule_k, self.spec_schedule))
         self.draft_deadline_ms = config.draft_deadline_ms
+        # accept rule (vLLM's rejection_sample_method): standard | synthetic | block.
+        # synthetic: per-position unconditional rates [k] -> conditional ones; greedy
+        # requests (no generator of their own) draw the forced decisions from one
+        # engine-level generator (seed 0: a run is reproducible)
+        self.rejection_sample_method = config.rejection_sample_method
+        rates = config.synthetic_rates()
+        self.synthetic_acceptance_rates = rates
+        self.synthetic_conditional_rates = \
+            unconditional_to_conditional_rates(rates) if rates is not None else None
+        self._synthetic_generator = torch.Generator().manual_seed(0) \
+            if rates is not None else None
         # reason (M.DEGRADE_REASONS) -> requests degraded to autoregressive since start
         self.degraded_requests: collections.Counter[str] = collections.Counter()
         self.requests: dict[str, Request] = {}
@@ -256,6 +267,8 @@ class LLMEngine:
                "device": str(self.device), "dtype": str(cache.k[0].dtype).replace("torch.", ""),
                "max_num_seqs": self.config.max_num_seqs, "max_model_len": self.max_model_len,
                "num_speculative_tokens": self.num_speculative_tokens,
+               "rejection_sample_method": self.rejection_sample_method,
+               "synthetic": self.synthetic_acceptance_rates is not None,
                "target_weight_bytes": mem.unique_bytes(mem.module_tensors(self.model)),
                "target_fused_weight_bytes": mem.unique_bytes(mem.fused_tensors(self.model)),
                "target_kv_allocated_bytes": mem.cache_bytes(cache.k, cache.v),
@@ -618,8 +631,9 @@ class LLMEngine:
             verdicts = self._isolated("sample", lambda items: verify_batch(
                 [f[0] for _, _, _, f in items], [len(row.token_ids) for _, _, row, _ in items],
                 [p.token_ids for _, p, _, _ in items], [p.probs for _, p, _, _ in items],
-                [r.params for r, _, _, _ in items], [r.generator for r, _, _, _ in items]),
-                [r for r, _, _, _ in ok], ok)
+                [r.params for r, _, _, _ in items], [r.generator for r, _, _, _ in items],
+                self.rejection_sample_method, self.synthetic_conditional_rates,
+                self._synthetic_generator), [r for r, _, _, _ in ok], ok)
             for (r, p, row, f), res in zip(ok, verdicts):
                 if res is not None:
                     self._accept(r, p, row, res, f, stats)
@@ -658,6 +672,7 @@ class LLMEngine:
             self._fail(r, phase, exc)
             return
         accepted = max(0, kept - 1)
+        r.stats.synthetic = self.synthetic_acceptance_rates is not None
         r.stats.record(len(p.token_ids), accepted)
         stats.batch_size += 1
         stats.draft_tokens += len(p.token_ids)

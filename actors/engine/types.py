@@ -173,6 +173,9 @@ class SpecStats:
     # why the request's drafter was dropped ("" = it speculated throughout): one of
     # configs.metric_names.DEGRADE_REASONS; from then on it decoded autoregressively
     degraded_reason: str = ""
+    # forced acceptance (engine rejection_sample_method: synthetic): the request's text
+    # is not the target's (accepted tokens are drafts kept by a set schedule)
+    synthetic: bool = False
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         """Add one verification step with ``num_draft`` proposed and ``num_accepted`` accepted."""
@@ -196,6 +199,7 @@ class SpecStats:
         self.verify_ms += other.verify_ms
         self.queue_ms += other.queue_ms
         self.num_steps += other.num_steps
+        self.synthetic = self.synthetic or other.synthetic
         n = max(len(self.num_accepted_tokens_per_pos), len(other.num_accepted_tokens_per_pos))
         a = self.num_accepted_tokens_per_pos + [0] * (n - len(self.num_accepted_tokens_per_pos))
         for i, v in enumerate(other.num_accepted_tokens_per_pos):
@@ -214,7 +218,8 @@ class SpecStats:
                 "acceptance_length": round(self.acceptance_length, 4),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
                 "queue_ms": round(self.queue_ms, 3), "num_steps": self.num_steps,
-                "degraded_reason": self.degraded_reason}
+                "degraded_reason": self.degraded_reason,
+                **({"synthetic": True} if self.synthetic else {})}
 
 
 @dataclass(frozen=True)

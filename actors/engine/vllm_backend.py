@@ -165,6 +165,17 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
             spec.setdefault("num_speculative_tokens", k)
     if strategy == "autoregressive" and spec is None and k:
         raise ValueError("num_speculative_tokens: autoregressive takes no drafts (0 or unset)")
+    method = cfg.get("rejection_sample_method") or "standard"
+    if method != "standard" or cfg.get("synthetic_acceptance_length") is not None \
+            or cfg.get("synthetic_acceptance_rates") is not None:
+        if spec is None:
+            raise ValueError(f"rejection_sample_method: {method!r} needs a speculative "
+                             "strategy (autoregressive verifies nothing)")
+        # vLLM 0.32's speculative_config fields, passed through as they are
+        spec["rejection_sample_method"] = method
+        for key in ("synthetic_acceptance_length", "synthetic_acceptance_rates"):
+            if cfg.get(key) is not None:
+                spec[key] = cfg[key]
     dtype, device = cfg.get("dtype", "auto"), cfg.get("device", "auto")
     on_cuda = device == "cuda" or (device == "auto" and cuda)
     out: dict[str, Any] = {
@@ -295,6 +306,46 @@ def spec_stats_from_vllm(metrics: Any, num_steps: int, queue_ms: float = 0.0):
     return s
 
 
+def rejection_method_refused(method: str, exc: BaseException) -> ValueError:
+    """The deploy error when this vLLM build refuses ``rejection_sample_method`` (or its
+    synthetic fields): names the field and carries vLLM's own reason (a plain
+    ValueError: it crosses from the engine process to the replica pickled)."""
+    reason = f"{type(exc).__name__}: {exc}".strip()
+    return ValueError(f"engine.rejection_sample_method: {method!r} is refused by this vLLM "
+                      f"build: {reason}")
+
+
+PROBE_MAX_STEPS = 64   # steps a probe request may take (it needs a handful)
+
+
+def probe_rejection_sampler(llm: Any, method: str, prompt_ids: tuple[int, ...] = (1, 2, 3, 4),
+                            max_steps: int = PROBE_MAX_STEPS,
+                            sampling_params: Callable[..., Any] | None = None) -> None:
+    """Run two short requests (greedy and sampled: vLLM has a kernel for each) through a
+    vLLM ``LLMEngine`` (``add_request`` / ``step`` / ``has_unfinished_requests``) until
+    they finish, so a build that takes ``rejection_sample_method`` at construction but
+    cannot run it fails here. Raises ValueError (``rejection_method_refused``) with vLLM's exception as
+    the reason, or when the requests are not done within ``max_steps`` steps (a
+    hang-like engine: bounded, never waits forever). sampling_params: the
+    ``vllm.SamplingParams`` class (tests pass a stand-in)."""
+    if sampling_params is None:
+        from vllm import SamplingParams as sampling_params
+
+    try:
+        for i, temp in enumerate((0.0, 1.0)):
+            llm.add_request(f"specload-probe-{i}", {"prompt_token_ids": list(prompt_ids)},
+                            sampling_params(max_tokens=8, temperature=temp, seed=0,
+                                            ignore_eos=True))
+        for _ in range(max_steps):
+            if not llm.has_unfinished_requests():
+                return
+            llm.step()
+    except Exception as exc:  # noqa: BLE001 - vLLM's own reason, re-raised with the field
+        raise rejection_method_refused(method, exc) from None
+    raise rejection_method_refused(method, TimeoutError(
+        f"probe requests unfinished after {max_steps} engine steps"))
+
+
 # ------------------------------------------------------------- in the vLLM venv
 def make_vllm_engine(engine_config: dict) -> "VllmEngine":
     """Engine factory (``EngineProcess`` runs it in the vLLM venv's python):
@@ -342,7 +393,20 @@ class VllmEngine:
         args = vllm_engine_args(cfg, cuda=torch.cuda.is_available())
         self.engine_args = args
         t0 = time.perf_counter()
-        self.llm = VLLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=[_StepStats])
+        method = (args.get("speculative_config") or {}).get("rejection_sample_method",
+                                                             "standard")
+        try:
+            self.llm = VLLMEngine.from_engine_args(EngineArgs(**args),
+                                                   stat_loggers=[_StepStats])
+        except Exception as exc:
+            if method == "standard":
+                raise
+            raise rejection_method_refused(method, exc) from None
+        if method != "standard":
+            # a build may accept the field and fail only in its sampling kernel (the CPU
+            # build asserts "Synthetic acceptance not supported with CPU sampling" at the
+            # first verify step): try it now, so the deploy fails with vLLM's reason
+            probe_rejection_sampler(self.llm, method)
         self.load_s = time.perf_counter() - t0
         vc = self.llm.vllm_config
         self.max_model_len = int(vc.model_config.max_model_len)

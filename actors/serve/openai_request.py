@@ -79,8 +79,11 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool | None = None
     # vLLM's: cumulative usage on every chunk (the load generator asks for it). Accepted;
-    # specload's chunks carry their token count (spec_decode.num_tokens, token_ids) anyway
+    # specload's chunks carry their token count (spec_decode.num_tokens, token_ids) anyway;
+    # with include_usage each chunk also carries the cumulative usage (vLLM's shape)
     continuous_usage_stats: StrictBool | None = None
+    # OpenAI's: random padding against length side channels; none is sent (a label)
+    include_obfuscation: StrictBool | None = None
 
 
 # Fields that change the output and that the engine does not implement: rejected

@@ -67,3 +67,33 @@ def grid_to_points(data: dict, context_len: float | None = None) -> tuple[list[t
 
 def read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+CURVES_DIR = Path(__file__).resolve().parents[2] / "data" / "cost_curves"
+
+
+def names() -> list[str]:
+    """The committed curves' names (``data/cost_curves/NAME.json``)."""
+    return sorted(p.stem for p in CURVES_DIR.glob("*.json"))
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A curve file's path: an existing path as given, else ``data/cost_curves/NAME.json``.
+    Raises ValueError naming the committed curves when neither exists."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    q = CURVES_DIR / f"{name_or_path}.json"
+    if q.is_file():
+        return q
+    raise ValueError(f"cost curve {str(name_or_path)!r} is neither a file nor a committed curve; "
+                     f"committed: {', '.join(names()) or 'none'}")
+
+
+def argtype(text: str) -> str:
+    """argparse type of ``--cost-curve``: a file or a committed curve's name -> its path."""
+    import argparse
+    try:
+        return str(resolve(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

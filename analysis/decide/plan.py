@@ -120,6 +120,24 @@ class PointsCurve:
         return np.where(t > x[-1], y[-1] + slope * (t - x[-1]), np.interp(t, x, y))
 
 
+def load_curve(name_or_path: str | Path) -> tuple[PointsCurve, dict, Path]:
+    """(curve, {"shape", "device", "dtype", "context_len", "clock"}, path) of a curve file or a
+    committed curve's name (``analysis.data.cost_curve_file.resolve``; ValueError when neither)."""
+    from analysis.data import cost_curve_file
+
+    path = cost_curve_file.resolve(name_or_path)
+    data = cost_curve_file.read(path)
+    if cost_curve_file.is_grid_file(data):
+        pts, meta = cost_curve_file.grid_to_points(data)
+        meta["dtype"] = data.get("dtype")
+    else:
+        spec = CurveFile.model_validate(data)
+        pts = sorted((q.batch_tokens, q.step_ms) for q in spec.points)
+        meta = {"shape": spec.model, "device": spec.gpu, "dtype": None, "context_len": None,
+                "clock": "step_ms"}
+    return PointsCurve(tuple(x for x, _ in pts), tuple(y for _, y in pts)), meta, path
+
+
 def model_plan(models: dict, qps: float, classes: list[str], slo: Slo,
                attainment: float = DEFAULT_ATTAINMENT) -> list[dict]:
     """Replicas per strategy x output class from the fitted capacity model (module doc):
@@ -425,4 +443,9 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
                                            gpu_memory_utilization, assumptions)
     out["gpu_plan"] = gpu_plan(curve, flagged, results.steps, qps, tier, slo, classes, max_batch,
                                mem_caps=caps, srv=server_data.cell_table(results))
+    if cost_curve is not None:
+        from analysis.decide import crossover
+        ccurve, meta, path = load_curve(cost_curve)
+        assumptions.append(crossover.describe(path, meta, ccurve))
+        out["crossover"] = crossover.crossover_rows(ccurve, results, max_batch)
     return out

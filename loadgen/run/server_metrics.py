@@ -146,7 +146,8 @@ def parse_page(text: str, engine: str, model_label: str | None = None) -> tuple[
     for fam in text_string_to_metric_families(prefilter(text, wanted)):
         if fam.name == PROCESS_START:
             starts = [float(x.value) for x in fam.samples if x.name == PROCESS_START]
-            start = max(starts) if starts else None   # several processes: the newest restart
+            # several processes: the oldest (a process added later is not a restart of the rest)
+            start = min(starts) if starts else None
             continue
         # a counter's creation time (``_created``: newer = it restarted), in the counter's family
         # (OpenMetrics) or a gauge family of its own (vLLM's text page)
@@ -159,7 +160,10 @@ def parse_page(text: str, engine: str, model_label: str | None = None) -> tuple[
                     pos = smp.labels.get(M.SRV_POSITION_LABEL)
                     key = (smp.labels.get(label, ""), canon + CREATED_SUFFIX,
                            int(pos) if pos is not None and pos.isdigit() else NO_POSITION)
-                    values[key] = max(values.get(key, 0.0), float(smp.value))
+                    # the oldest of the series summed into the key: a label value seen for
+                    # the first time (a first ``finished_reason="stop"``) is a new series,
+                    # not a restart; a restart recreates them all, so the oldest moves too
+                    values[key] = min(values.get(key, math.inf), float(smp.value))
         if fam.name.endswith("_created"):
             continue
         for canon, sel in wanted.get(_base(fam.name), ()):
