@@ -399,6 +399,22 @@ def plot_verify_multiple(sec: dict, path: Path) -> int:
     return len(lines)
 
 
+def summary(sections: dict) -> dict:
+    """The headline figures: identity "identical/ties/mismatches of total" per strategy/dtype,
+    tokens/s per strategy and batch, verify-of-5 (q = 5 tokens per row, k = 4) multiple of a
+    1-token step per shape, context and batch."""
+    eng, cur = sections.get("engine") or {}, sections.get("curves") or {}
+    return {
+        "identity": {k: f"{v['identical']}/{v['ties']}/{v['mismatches']} of {v['total']}"
+                     for k, v in (eng.get("identity") or {}).items()},
+        "tokens_per_s": {s_: {b: round(r["tokens_per_s"], 1) for b, r in by.items()}
+                         for s_, by in (eng.get("tokens_per_s") or {}).items()},
+        "verify5_multiple": {shape: {ctx: {b: row.get("5") for b, row in by_b.items()}
+                                     for ctx, by_b in (rec.get("verify_multiple") or {}).items()}
+                             for shape, rec in (cur.get("shapes") or {}).items()},
+    }
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -457,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if "curves" in report.data["sections"]:
         n = plot_verify_multiple(report.data["sections"]["curves"], a.out / "verify_multiple.png")
         report.data["png"] = str(a.out / "verify_multiple.png") if n else None
+    report.data["summary"] = summary(report.data["sections"])
     report.data["status"] = "done"
     report.data["wall_s"] = time.monotonic() - t0
     report.save()

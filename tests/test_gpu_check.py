@@ -132,3 +132,12 @@ def test_bad_flags_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--out", str(tmp_path), "--budget-s", "0"])
     assert e.value.code == 2
+
+
+def test_summary_restates_the_sections(tiny_run):
+    _, d = tiny_run
+    s = d["summary"]
+    r = d["sections"]["engine"]["identity"]["dflash/float32"]
+    assert s["identity"]["dflash/float32"] == f"{r['identical']}/{r['ties']}/{r['mismatches']} of 2"
+    vm = d["sections"]["curves"]["shapes"]["tiny"]["verify_multiple"]["64"]
+    assert s["verify5_multiple"]["tiny"]["64"] == {b: row["5"] for b, row in vm.items()}
