@@ -273,18 +273,20 @@ def category_acceptance(flagged: pd.DataFrame, confidence: float = DEFAULT_CONFI
 
 def where_drafters_stand(points: pd.DataFrame, be: pd.DataFrame) -> pd.DataFrame:
     """Each real deployment (``drafter_points``) beside the break-even of its k at its users
-    level (same output class and sampling, any synthetic strategy measured at that k):
+    level (same strategy, output class and sampling; NaN where its strategy was not forced at that k):
     ``gap`` = measured acceptance length - break-even (positive: it pays)."""
     cols = [*points.columns, "break_even_acceptance_length", "verdict", "gap"]
     if points.empty or be.empty:
         return pd.DataFrame(columns=cols)
-    b = (be.groupby([mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING, mn.REQ_USERS, "k"], dropna=False)
+    on = ["base_strategy", mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING, mn.REQ_USERS, "k"]
+    b = (be.groupby(on, dropna=False)
          .agg(break_even_acceptance_length=("break_even_acceptance_length", "mean"),
               verdict=("verdict", "first")).reset_index())
     p = points.copy()
     p["k"] = pd.to_numeric(p["k"], errors="coerce")
     b["k"] = pd.to_numeric(b["k"], errors="coerce")
-    out = p.merge(b, on=[mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING, mn.REQ_USERS, "k"], how="left")
+    # the break-even of the same strategy's forced deployments (its own draft cost) at its k
+    out = p.merge(b, on=on, how="left")
     out["gap"] = out[mn.ACCEPTANCE_LENGTH] - out["break_even_acceptance_length"]
     return out[cols]
 
