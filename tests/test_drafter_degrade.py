@@ -156,7 +156,8 @@ def test_prometheus_counts_degraded_requests_by_reason():
             self.calls.append((value, tags))
 
     m = _Metrics.__new__(_Metrics)   # the instruments without a Ray cluster
-    for name in ("num_drafts", "num_draft_tokens", "num_accepted", "per_pos", "degraded"):
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted", "per_pos", "degraded",
+                 "requests_finished", "generation_tokens"):
         setattr(m, name, Counter())
     base = {M.NUM_DRAFTS: 2, M.NUM_DRAFT_TOKENS: 6, M.NUM_ACCEPTED_TOKENS: 3,
             M.NUM_ACCEPTED_TOKENS_PER_POS: [2, 1]}

@@ -145,3 +145,15 @@ def test_report_cell_table_reads_the_same_as_the_summary():
                 "tokens_per_chunk", "chunk_gap_ms_p50", "tpot_mode_low_ms", "tpot_mode_high_ms"):
         assert cell[key] == pytest.approx(getattr(s, key)), key
     assert cell["itl_kind"] == s.itl_kind == "per_token" and not math.isnan(s.tpot_mode_low_ms)
+
+
+def test_two_tight_groups_close_together_are_one_mode():
+    """Two tight groups 0.3 ms apart (10.5 vs 10.8 ms, seen on the fake server) pass Ashman's D
+    but are one mode to a reader: not flagged; the same groups 5 vs 11 ms are flagged."""
+    from analysis.data.distribution import bimodality
+
+    close = [10.5 + 0.001 * (i % 3) for i in range(34)] + [10.8 + 0.001 * (i % 3) for i in range(6)]
+    far = [5.0 + 0.01 * (i % 3) for i in range(20)] + [11.0 + 0.01 * (i % 3) for i in range(20)]
+    assert bimodality(close)["ashman_d"] > 2 and not bimodality(close)["bimodal"]
+    got = bimodality(far)
+    assert got["bimodal"] and round(got["low_mode"], 1) == 5.0 and round(got["high_mode"], 1) == 11.0

@@ -44,12 +44,10 @@ def achieved_concurrency(rows: Iterable[dict[str, Any]], t0: float, t1: float) -
 
 
 def _pct(vals: list[float], q: float) -> float:
-    vals = sorted(v for v in vals if v is not None and not math.isnan(v))
-    if not vals:
-        return math.nan
-    k = (len(vals) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+    """Percentile ``q`` (0..100) of the non-null values, NaN for none (one rule: ``analysis.data.distribution.percentile``)."""
+    from analysis.data.distribution import percentile
+
+    return percentile(vals, q)
 
 
 @dataclass
