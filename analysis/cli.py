@@ -36,7 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--baseline", type=existing_path(), help="baseline results (run dir or parent) for the degradation check")
     r.add_argument("--slo-ttft-ms", type=number(gt=0), help="TTFT SLO, ms (all tiers)")
     r.add_argument("--slo-tpot-ms", type=number(gt=0), help="TPOT SLO, ms (all tiers)")
-    r.add_argument("--seed", type=number(int, ge=0), default=0, help="bootstrap seed (default 0)")
     r.add_argument("--warmup-s", type=number(ge=0), default=None,
                    help="exclude the first seconds of every cell (each repeat) as warm-up "
                         "(default: the run's loadgen --warmup-s, else 0)")
@@ -147,7 +146,7 @@ def _report(args, parser) -> int:
         for r in runs:
             print(f"  {r}")
     out = build_report(root, args.out or default_out_dir(root), args.baseline, args.slo_ttft_ms,
-                       args.slo_tpot_ms, seed=args.seed, warmup_s=args.warmup_s)
+                       args.slo_tpot_ms, warmup_s=args.warmup_s)
     for flag in out.get("flags", []):
         print(f"WARNING: {flag}")
     print("recommendation per tier (highest goodput under the SLOs):")

@@ -123,7 +123,9 @@ def replicate_starts(requests: pd.DataFrame) -> pd.DataFrame:
 def apply_warmup(requests: pd.DataFrame, steps: pd.DataFrame, warmup_s: float
                  ) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     """Drop requests scheduled within ``warmup_s`` s of their replicate's first send,
-    and step rows of the same strategy/tier/output class logged in that window.
+    and step rows of the same strategy/tier/output class logged in that window. A
+    replicate whose every request falls in the window (a cell shorter than one request per
+    user) is kept whole: the cut never makes a strategy vanish from a cell.
 
     Returns (requests, steps, requests dropped). Raises ValueError for warmup_s < 0.
     """
@@ -135,6 +137,8 @@ def apply_warmup(requests: pd.DataFrame, steps: pd.DataFrame, warmup_s: float
     starts = replicate_starts(df)
     t0 = df.merge(starts, on=REPLICATE, how="left")["t0"].to_numpy()
     keep = ~(df[mn.REQ_SCHEDULED_TS].to_numpy() < t0 + warmup_s)
+    any_kept = pd.Series(keep, index=df.index).groupby([df[k] for k in REPLICATE]).transform("any")
+    keep = keep | ~any_kept.to_numpy()
     kept = requests.loc[keep]
     if steps is not None and not steps.empty and mn.REQ_TIER in steps.columns:
         drop = np.zeros(len(steps), dtype=bool)

@@ -267,7 +267,7 @@ def _best_fixed(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict[str, Slo]
     lslos = _level_slos(flagged, slos)
     lflag = flagged.assign(**{mn.REQ_TIER: flagged[LEVEL]})
     lcells = cells.assign(**{mn.REQ_TIER: cells[LEVEL]})
-    rec = recommend(lflag, lcells, lslos, n_boot=n_boot, seed=seed)
+    rec = recommend(lflag, lcells, lslos)
     stats = _cell_stats(cells)
     best_fixed: dict[str, dict[str, dict]] = {}
     for lv, by in rec.items():

@@ -8,54 +8,64 @@ the report (``analysis.decide.recommend``), so the console and the report agree.
 The statistic is goodput: output tokens/s of requests meeting every SLO (DistServe,
 Zhong et al. 2024), per replicate = good output tokens / the replicate's wall time
 (first scheduled send to last end, seconds). A replicate is one (run, users, repeat) of a
-strategy's cell; a strategy's estimate is the mean over its replicates (repeats are the
-unit across them).
+strategy's cell: one cell run. **The replicate is the unit of evidence**: requests inside
+one 10-s cell share its machine state, so their spread says nothing about the drift from
+one cell to the next, which on a shared box is the larger noise (5-25 % between cells of
+the same deployment).
 
-Uncertainty: the bootstrap (Efron 1979, "Bootstrap methods: another look at the
-jackknife"). Within a replicate the requests are resampled with replacement and the
-replicate's goodput rescaled by the resample's good tokens per second of request time
-(a ratio estimator, as ``analysis.decide.recommend`` has always done: resampling good
-tokens alone gives no variance when every request has the same length). With >= 2
-replicates the bootstrap is two-level: resample the replicates, then the requests within
-each resampled replicate; with one, over requests alone. Both levels scale the bootstrap
-deviations by sqrt(n / (n - 1)) (n units resampled: requests, or repeats), the usual
-small-sample correction of the bootstrap variance of a mean (Efron & Tibshirani 1993, An
-Introduction to the Bootstrap, section 5.2): with 2 repeats the plain bootstrap gives half
-the variance. Strategies are resampled independently. The generator is seeded, so a
-decision is reproducible.
+Uncertainty, per look at the data:
 
-Limits: one repeat sees only request-to-request noise, not drift between cells (a
-cell-level slowdown on a busy machine looks like a real difference until a repeat shows
-it); and every racing round is another look at the data, so the chance that some round
-drops a strategy that is not worse grows with the rounds (no alpha spending here).
+- the model: ln(goodput) of a replicate = strategy effect + pass effect + noise, fitted by
+  least squares per cell (``_fit``): a randomized block design whose blocks are the racing
+  passes (the first pass, then each round; Fisher 1935, The Design of Experiments, ch. IV),
+  so drift from one pass to the next cancels out of every comparison, and a ratio of two
+  strategies' goodput is a difference of effects;
+- the noise is the residual standard deviation of that fit, pooled over every cell of the
+  run (``pooled_noise``). The first pass runs the baseline twice per cell (the run's A/A:
+  A B C A), which is what measures it before any contender has run twice. A cell whose own
+  residual deviation is larger (>= 2 degrees of freedom) uses its own;
+- the interval of ln(g_s / g_leader) is a Student t interval over the pooled degrees of
+  freedom, effect difference +- t(1 - a/2, df) * sd * sqrt(contrast variance);
+- sequential looks are controlled by alpha spending: look k of a raced cell spends
+  a_k = (1 - c) / (k (k + 1)), which sums to 1 - c over any number of looks (a
+  Bonferroni-type spending; Lan & DeMets 1983 for spending functions); a single
+  evaluation (a run without racing) spends 1 - c at once. Within a look the comparisons of
+  the leader with the m other contenders share it (a_k / m each, Bonferroni).
 
 Rules, at confidence ``c`` (default 0.9) and margin ``m`` (default 0.03):
 
-- leader: the contender with the highest goodput estimate (ties: ``autoregressive``,
-  then alphabetical);
-- a contender is dropped once the leader beats it in >= c of the bootstrap replicates
-  (a one-sided test at level 1 - c);
-- a contender is equivalent to the leader when the central c interval of the relative
-  difference (g_s - g_leader) / g_leader lies inside (-m, +m): two one-sided tests (TOST,
-  Schuirmann 1987, "A comparison of the two one-sided tests procedure and the power
-  approach for assessing the equivalence of average bioavailability") at level
-  (1 - c) / 2 each;
+- leader: the contender with the highest strategy effect (ties: ``autoregressive``, then
+  alphabetical);
+- a contender is dropped when the upper end of its interval lies below 0 (the leader is
+  better at the look's level);
+- a contender is equivalent to the leader when its interval lies inside +-m_eff, where
+  m_eff = max(m, the noise of one replicate): a difference smaller than the box's own
+  cell-to-cell noise is not one a team can act on here (two one-sided tests, TOST,
+  Schuirmann 1987);
 - decided: every other strategy dropped; equivalent: every contender left is equivalent to
-  the leader; else undecided.
+  the leader; else undecided;
+- no noise measured (one replicate per strategy and no A/A anywhere in the run): nothing
+  is dropped or declared; the cell is undecided and says so.
 
-``decide_cell`` replays the rounds: the first evaluation uses the first pass (repeats
-< ``first_pass_repeats``), each later repeat index is one racing round, and a strategy
-dropped in a round stays dropped (the racing loop stopped running it), so replaying the
-finished run's rows gives the loop's own decisions.
+An A/A (one deployment raced against itself) is decided at most 1 - c of the time: a
+twin is dropped only when its interval excludes 0, and the spending keeps the chance
+over every look of the race under 1 - c.
+
+``decide_replicates`` replays the looks: ``looks`` are the times (unix s) at which the
+racing loop evaluated (``manifest.json`` ``race.looks``); look k sees the replicates that
+had ended by then, and a strategy dropped at a look stays dropped (the loop stopped
+running it), so replaying a finished run's rows gives the loop's own decisions.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from analysis.data.metrics import GOOD, with_slo_flags
 from analysis.data.slo import resolve_slos
@@ -64,32 +74,56 @@ from configs import metric_names as mn
 
 DEFAULT_CONFIDENCE = 0.9
 DEFAULT_MARGIN = 0.03
-N_BOOTSTRAP = 1000
-DEFAULT_SEED = 0
 DECIDED, EQUIVALENT, UNDECIDED = "decided", "equivalent", "undecided"
 STATUSES = (DECIDED, EQUIVALENT, UNDECIDED)
-REPEAT = getattr(mn, "REQ_REPEAT", "repeat")
+REPEAT = mn.REQ_REPEAT
 # The cell a decision is about: the one cell key without strategy and users (tier, output
 # class and whatever else identifies a cell, e.g. a sampling label), as far as the rows have it.
-_CELL_KEY = getattr(mn, "CELL_KEY", (mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS))
-DECISION_KEY = tuple(k for k in _CELL_KEY if k not in (mn.REQ_STRATEGY, mn.REQ_USERS))
+DECISION_KEY = tuple(k for k in mn.CELL_KEY if k not in (mn.REQ_STRATEGY, mn.REQ_USERS))
+# ln(goodput) of a replicate with no good token: this fraction of the cell's best replicate
+ZERO_FLOOR = 1e-3
+_TS_SLACK = 1e-3   # seconds: a replicate that ended at a look's time belongs to it
 
 
 @dataclass
 class Replicate:
-    """One replicate of one strategy's cell: per request good output tokens (0 when the
-    request missed an SLO or failed) and end-to-end ms; the replicate's wall time (s)."""
+    """One replicate of one strategy's cell (one cell run): per request good output tokens
+    (0 when the request missed an SLO or failed); the replicate's wall time (s), repeat
+    index and end (unix s, its last request's end)."""
 
     tokens: np.ndarray
-    e2e_ms: np.ndarray
     duration_s: float
     n_good: int
     repeat: int = 0
+    end_ts: float = math.inf
 
     @property
     def goodput(self) -> float:
         """Good output tokens / wall time (tokens/s)."""
         return float(self.tokens.sum() / self.duration_s)
+
+
+@dataclass
+class Noise:
+    """The run's cell-to-cell noise: the pooled standard deviation of one replicate's
+    ln(goodput) around its (cell, strategy) mean. ``sd`` None when nothing ran twice.
+    ``aa``: per cell label, the baseline's A/A (its second replicate over its first, minus
+    1: a fraction)."""
+
+    sd: float | None
+    df: int
+    groups: int
+    source: str = "run"   # run | cell | none
+    aa: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def relative(self) -> float | None:
+        """The noise as a fraction of goodput (exp(sd) - 1)."""
+        return None if self.sd is None else math.expm1(self.sd)
+
+    def to_dict(self) -> dict:
+        return {"sd_log": self.sd, "relative": self.relative, "df": self.df, "groups": self.groups,
+                "source": self.source, "aa": dict(self.aa)}
 
 
 @dataclass
@@ -100,10 +134,10 @@ class Decision:
     leader: str | None
     contenders: list[str]                # still in the race, leader first
     equivalent: list[str]                # status equivalent: the leader and its equivalents
-    dropped: dict[str, int]              # strategy -> repeat index of the round that dropped it
-    confidence: float | None             # see ``decide_cell``
-    win_probability: dict[str, float]    # P(leader beats s), at s's last evaluation
-    relative_interval: dict[str, list]   # s -> [lo, hi] of (g_s - g_leader) / g_leader, level c
+    dropped: dict[str, int]              # strategy -> the look (1-based) that dropped it
+    confidence: float | None             # see ``decide_replicates``
+    win_probability: dict[str, float]    # P(leader ahead of s) under the t model, s's last look
+    relative_interval: dict[str, list]   # s -> [lo, hi] of g_s / g_leader - 1, at the look's level
     goodput: dict[str, float]            # estimate per strategy (mean over its replicates)
     goodput_rps: dict[str, float]        # good requests/s, same way
     # s -> [goodput of s, goodput of the leader, repeats] over the repeats both ran: a dropped
@@ -111,17 +145,19 @@ class Decision:
     paired: dict[str, list]
     repeats: dict[str, int]              # replicates per strategy
     time_s: float                        # wall time of every replicate of the cell, summed
-    rounds: int                          # evaluations made (1 = the first pass only)
-    decided_at_repeat: int | None        # repeat index of the round that settled it
-    bootstrap: dict = field(default_factory=dict)
+    rounds: int                          # looks taken (1 = the first evaluation only)
+    decided_at_repeat: int | None        # the look (1-based) that settled it
+    noise: dict = field(default_factory=dict)      # Noise.to_dict() of the last look
+    alpha: list = field(default_factory=list)      # alpha spent per look (before / m)
+    needs_repeats: int | None = None     # undecided: replicates per contender that would decide
+    reason: str = ""                     # undecided: why, in words
+    bootstrap: dict = field(default_factory=dict)  # the settings (name kept for readers)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
-    """Rows in a stable order (the bootstrap draws by position: the loop's in-memory rows and
-    requests.parquet must give the same draws)."""
     cols = [c for c in (mn.REQ_SCHEDULED_TS, mn.REQ_SENT_TS, mn.REQ_REQUEST_INDEX, mn.REQ_END_TS)
             if c in frame.columns]
     return frame.sort_values(cols, kind="mergesort") if cols else frame
@@ -146,108 +182,178 @@ def replicates(rows: pd.DataFrame) -> dict[str, list[Replicate]]:
                 continue
             good = r[GOOD].to_numpy(dtype=bool)
             tokens = np.where(good, r[mn.REQ_OUTPUT_TOKENS].fillna(0).to_numpy(dtype=float), 0.0)
-            e2e = (r[mn.REQ_E2E_MS].astype(float) if mn.REQ_E2E_MS in r
-                   else pd.Series(np.ones(len(r))))
-            e2e = e2e.fillna(e2e.median() if e2e.notna().any() else 1.0).clip(lower=1e-3)
             key = key if isinstance(key, tuple) else (key,)
-            reps.append(Replicate(tokens, e2e.to_numpy(dtype=float), duration, int(good.sum()),
-                                  int(key[-1]) if keys and keys[-1] == REPEAT else 0))
+            reps.append(Replicate(tokens, duration, int(good.sum()),
+                                  int(key[-1]) if keys and keys[-1] == REPEAT else 0, float(end)))
         if reps:
             out[str(strategy)] = reps
     return out
 
 
-def _boot_replicate(rep: Replicate, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """n_boot bootstrap goodputs of one replicate (requests resampled, ratio estimator)."""
-    point = rep.goodput
-    if rep.tokens.size == 0 or point <= 0:
-        return np.zeros(n_boot)
-    idx = rng.integers(0, rep.tokens.size, size=(n_boot, rep.tokens.size))
-    full_rate = rep.tokens.sum() / rep.e2e_ms.sum()
-    rate = rep.tokens[idx].sum(axis=1) / rep.e2e_ms[idx].sum(axis=1)
-    return _unshrink(point * rate / full_rate, point, rep.tokens.size)
+def _window(end_ts: float, cutoffs: list[float] | None) -> int:
+    """The racing pass a replicate belongs to: the index of the first look at or after its
+    end (0 without looks); past the last look, one more."""
+    if not cutoffs:
+        return 0
+    for i, c in enumerate(cutoffs):
+        if end_ts <= c + _TS_SLACK:
+            return i
+    return len(cutoffs)
 
 
-def _unshrink(boot: np.ndarray, centre: float, n: int) -> np.ndarray:
-    """Scale bootstrap deviations by sqrt(n / (n - 1)): the bootstrap variance of a mean of
-    n units is (n - 1) / n of the unbiased estimate, which matters with few units (2 repeats:
-    half the variance)."""
-    return centre + (boot - centre) * math.sqrt(n / (n - 1)) if n > 1 else boot
+def _observations(reps: dict[str, list[Replicate]], cutoffs: list[float] | None,
+                  upto: int | None) -> list[tuple[str, int, float]]:
+    """(strategy, pass, ln goodput) of every replicate in passes <= ``upto`` (None: all); a
+    replicate without a good token at ZERO_FLOOR of the cell's best."""
+    best = max((r.goodput for v in reps.values() for r in v), default=0.0)
+    floor = max(best * ZERO_FLOOR, 1e-9)
+    out = []
+    for s, v in reps.items():
+        for r in v:
+            w = _window(r.end_ts, cutoffs)
+            if upto is None or w <= upto:
+                out.append((s, w, math.log(max(r.goodput, floor))))
+    return out
 
 
-def bootstrap_goodput(reps: list[Replicate], n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """n_boot bootstrap replicates of the mean goodput over ``reps`` (tokens/s): over requests
-    with one replicate; two-level (replicates, then requests within each) with >= 2."""
-    pools = np.stack([_boot_replicate(r, n_boot, rng) for r in reps])   # [R, n_boot]
-    if len(reps) == 1:
-        return pools[0]
-    which = rng.integers(0, len(reps), size=(n_boot, len(reps)))       # replicates drawn
-    draw = rng.integers(0, n_boot, size=(n_boot, len(reps)))           # an independent request resample each
-    return _unshrink(pools[which, draw].mean(axis=1), float(np.mean([r.goodput for r in reps])), len(reps))
+@dataclass
+class _Fit:
+    """Least squares of ln goodput = strategy + pass (a randomized block design, the pass
+    the block: Fisher 1935, The Design of Experiments, ch. IV); ``cov`` unscaled."""
+
+    names: list[str]
+    beta: np.ndarray
+    cov: np.ndarray
+    ss: float
+    df: int
+    n: dict[str, int]
+
+    def effect(self, s: str) -> float:
+        return float(self.beta[self.names.index(s)])
+
+    def contrast_var(self, s: str, t: str) -> float:
+        """Var(effect s - effect t) / sigma^2."""
+        i, j = self.names.index(s), self.names.index(t)
+        return float(self.cov[i, i] + self.cov[j, j] - 2 * self.cov[i, j])
+
+
+def _fit(obs: list[tuple[str, int, float]]) -> _Fit | None:
+    if not obs:
+        return None
+    names = sorted({o[0] for o in obs})
+    blocks = sorted({o[1] for o in obs})
+    x = np.zeros((len(obs), len(names) + len(blocks) - 1))
+    y = np.array([o[2] for o in obs])
+    for row, (s, b, _) in enumerate(obs):
+        x[row, names.index(s)] = 1.0
+        k = blocks.index(b)
+        if k:
+            x[row, len(names) + k - 1] = 1.0
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ beta
+    df = len(obs) - int(np.linalg.matrix_rank(x))
+    return _Fit(names, beta, np.linalg.pinv(x.T @ x), float(resid @ resid), df,
+                {s: sum(1 for o in obs if o[0] == s) for s in names})
+
+
+def pooled_noise(cells: dict[tuple, dict[str, list[Replicate]]], cutoffs: list[float] | None = None,
+                 upto: int | None = None, baseline: str = mn.AUTOREGRESSIVE) -> Noise:
+    """The run's cell-to-cell noise over every cell's replicates in passes <= ``upto``: the
+    residual sd of the block design's fit (``_fit``), pooled over cells (sums of squares and
+    degrees of freedom added); and the baseline's A/A per cell (its first two replicates)."""
+    ss, df, n, aa = 0.0, 0, 0, {}
+    for key, reps in cells.items():
+        f = _fit(_observations(reps, cutoffs, upto))
+        if f is not None and f.df > 0:
+            ss, df, n = ss + f.ss, df + f.df, n + 1
+        base = sorted(reps.get(baseline, []), key=lambda r: r.end_ts)
+        if len(base) >= 2 and _window(base[1].end_ts, cutoffs) <= (upto if upto is not None else 1 << 30) \
+                and base[0].goodput > 0:
+            aa[key_label(key)] = base[1].goodput / base[0].goodput - 1
+    if df == 0:
+        return Noise(None, 0, 0, "none", aa)
+    return Noise(math.sqrt(ss / df), df, n, "run", aa)
+
+
+def alpha_at(look: int, confidence: float, single: bool = False) -> float:
+    """The alpha look ``look`` (1-based) spends: (1 - c) / (k (k + 1)); a single evaluation
+    (``single``) spends 1 - c."""
+    return (1 - confidence) if single else (1 - confidence) / (look * (look + 1))
 
 
 def _rank(point: dict[str, float]) -> list[str]:
     return sorted(point, key=lambda s: (-point[s], s != mn.AUTOREGRESSIVE, s))
 
 
-def _relative(other: np.ndarray, lead: np.ndarray) -> np.ndarray:
-    """(other - lead) / lead per replicate; 0 where both are 0, +inf where only lead is 0."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        d = (other - lead) / lead
-    d = np.where(lead > 0, d, np.where(other > 0, np.inf, 0.0))
-    return d
+def _noise_for(fit: _Fit, run: Noise | None) -> Noise:
+    """The run's noise, or the cell's own residual noise when that is larger (>= 2 df)."""
+    own = Noise(math.sqrt(fit.ss / fit.df), fit.df, 1, "cell") if fit.df else None
+    if run is None or run.sd is None:
+        return own or Noise(None, 0, 0, "none")
+    if own is not None and own.df >= 2 and own.sd > run.sd:
+        return Noise(own.sd, own.df, 1, "cell", run.aa)
+    return run
 
 
-def _evaluate(reps: dict[str, list[Replicate]], contenders: list[str], confidence: float,
-              margin: float, n_boot: int, rng: np.random.Generator) -> dict:
-    """One evaluation among ``contenders``: leader, P(leader beats s), the level-c interval of
-    the relative difference, which to drop and which are equivalent."""
-    point = {s: float(np.mean([r.goodput for r in reps[s]])) for s in contenders}
-    boot = {s: bootstrap_goodput(reps[s], n_boot, rng) for s in sorted(contenders)}
+def _evaluate(fit: _Fit, contenders: list[str], noise: Noise, alpha: float, margin: float) -> dict:
+    """One look among ``contenders``: leader, P(leader ahead), the interval of g_s / g_lead - 1
+    at level 1 - alpha / m, which to drop and which are equivalent."""
+    point = {s: fit.effect(s) for s in contenders}
     leader = _rank(point)[0]
-    lo_q, hi_q = (1 - confidence) / 2, (1 + confidence) / 2
-    win, interval, tost, drop, equiv = {}, {}, {}, [], []
+    m = max(len(contenders) - 1, 1)
+    a = alpha / m
+    out = {"leader": leader, "win": {}, "interval": {}, "drop": [], "equiv": [], "level": 1 - a,
+           "needs": None, "margin": margin}
+    if noise.sd is None or noise.df == 0:
+        return out
+    q = float(stats.t.ppf(1 - a / 2, noise.df))
+    m_eff = max(margin, noise.relative or 0.0)
+    out["margin"] = m_eff
+    needs = []
     for s in contenders:
         if s == leader:
             continue
-        win[s] = float((boot[leader] > boot[s]).mean())
-        d = _relative(boot[s], boot[leader])
-        lo, hi = (float(v) for v in np.quantile(d, [lo_q, hi_q]))
-        interval[s] = [lo, hi]
-        # TOST: the larger one-sided tail beyond the margin; the equivalence holds at level
-        # 1 - 2 * tail (the central interval of that level touches the margin)
-        tost[s] = max(0.0, 1.0 - 2.0 * max(float((d <= -margin).mean()), float((d >= margin).mean())))
-        if win[s] >= confidence:
-            drop.append(s)
-        elif -margin < lo and hi < margin:
-            equiv.append(s)
-    return {"leader": leader, "win": win, "interval": interval, "tost": tost, "drop": drop,
-            "equiv": equiv}
+        diff = point[s] - point[leader]
+        v = fit.contrast_var(s, leader)
+        se = noise.sd * math.sqrt(v)
+        out["win"][s] = float(stats.t.cdf(-diff / se, noise.df)) if se > 0 else float(diff < 0)
+        lo, hi = diff - q * se, diff + q * se
+        out["interval"][s] = [math.expm1(lo), math.expm1(hi)]
+        if hi < 0:
+            out["drop"].append(s)
+        elif math.expm1(lo) > -m_eff and math.expm1(hi) < m_eff:
+            out["equiv"].append(s)
+        elif diff < 0 and se > 0:
+            # replicates per contender at which the gap would clear the interval (se ~ 1/sqrt(n))
+            n_now = 2.0 / v
+            needs.append(math.ceil(n_now * (q * se / -diff) ** 2))
+    out["needs"] = max(needs) if needs else None
+    return out
 
 
 def decide_cell(rows: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
-                margin: float = DEFAULT_MARGIN, first_pass_repeats: int | None = None,
-                n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> Decision | None:
+                margin: float = DEFAULT_MARGIN, looks: list[float] | None = None,
+                noise: Callable[[list[float] | None, int], Noise] | None = None) -> Decision | None:
     """The decision for one cell from its flagged request rows (every strategy's; column
     ``meets_slo`` from ``analysis.data.metrics.with_slo_flags``): ``decide_replicates``
     over ``replicates(rows)``."""
-    return decide_replicates(replicates(rows), confidence, margin, first_pass_repeats, n_boot, seed)
+    return decide_replicates(replicates(rows), confidence, margin, looks, noise)
 
 
 def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFAULT_CONFIDENCE,
-                      margin: float = DEFAULT_MARGIN, first_pass_repeats: int | None = None,
-                      n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> Decision | None:
+                      margin: float = DEFAULT_MARGIN, looks: list[float] | None = None,
+                      noise: Callable[[list[float] | None, int], Noise] | None = None) -> Decision | None:
     """The decision for one cell from its replicates per strategy (``replicates``).
 
-    first_pass_repeats: repeats of the first pass (``loadgen --repeats``); each later
-    repeat index is replayed as one racing round (drops are sticky). None: one evaluation
-    over every replicate (merged runs, or a run without racing).
-    confidence in (0.5, 1), margin > 0 (a fraction). Returned ``confidence``: decided = the
-    smallest share of bootstrap replicates in which the winner beat a dropped strategy (when
-    it was dropped); equivalent = the smallest TOST level at which an equivalent contender is
-    within the margin (>= c); undecided = the smallest share in which the leader beats a
-    contender still left (how close the cell came to a winner). None without any replicate.
-    Raises ValueError for a confidence or margin out of range.
+    looks: the racing loop's evaluation times (unix s; ``manifest.json`` ``race.looks``),
+    replayed in order, each seeing the replicates ended by then, drops sticky, alpha spent
+    per look; None: one evaluation over every replicate spending 1 - c. noise: the run's
+    noise at a look's time (``pooled_noise`` over every cell of the run); None: this cell's
+    own replicates alone.
+    Returned ``confidence``: decided = the smallest P(winner ahead) of a dropped strategy
+    when it was dropped; equivalent = the interval level of the settling look; undecided =
+    the smallest P(leader ahead) of a contender left (how close the cell came). None
+    without any replicate. Raises ValueError for a confidence or margin out of range.
     """
     if not 0.5 < confidence < 1:
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence!r}")
@@ -256,51 +362,61 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
     reps = {s: v for s, v in reps.items() if v}
     if not reps:
         return None
-    all_repeats = sorted({r.repeat for v in reps.values() for r in v})
-    last = all_repeats[-1]
-    if first_pass_repeats is None:
-        rounds = [last]
-    else:
-        first = min(max(first_pass_repeats - 1, 0), last)
-        rounds = [first] + [r for r in all_repeats if r > first]
-    contenders = _rank({s: float(np.mean([r.goodput for r in v])) for s, v in reps.items()})
+    single = not looks
+    cutoffs = sorted(float(t) for t in looks) if looks else None
+    n_windows = 1 if single else len(cutoffs) + int(
+        any(_window(r.end_ts, cutoffs) == len(cutoffs) for v in reps.values() for r in v))
+    contenders = _rank({s: float(np.mean([math.log(max(r.goodput, 1e-9)) for r in v]))
+                        for s, v in reps.items()})
     dropped: dict[str, int] = {}
     win_at_drop: dict[str, float] = {}
-    status, ev, settled_at, n_eval = UNDECIDED, None, None, 0
-    for k, upto in enumerate(rounds):
-        sub = {s: [r for r in reps[s] if r.repeat <= upto] for s in contenders}
-        live = [s for s in contenders if sub[s]]
+    status, ev, settled_at, n_eval, nz, alphas = UNDECIDED, None, None, 0, None, []
+    for w in range(n_windows):
+        fit = _fit(_observations(reps, cutoffs, w))
+        live = [s for s in contenders if fit is not None and s in fit.names]
         if not live:
             continue
-        rng = np.random.default_rng([seed, k])
         n_eval += 1
+        nz = _noise_for(fit, noise(cutoffs, w) if noise else None)
+        alpha = alpha_at(n_eval, confidence, single)
+        alphas.append(alpha)
         if len(live) == 1:
-            ev = {"leader": live[0], "win": {}, "interval": {}, "tost": {}, "drop": [], "equiv": []}
+            ev = {"leader": live[0], "win": {}, "interval": {}, "drop": [], "equiv": [],
+                  "level": 1 - alpha, "needs": None, "margin": margin}
         else:
-            ev = _evaluate(sub, live, confidence, margin, n_boot, rng)
+            ev = _evaluate(fit, live, nz, alpha, margin)
         for s in ev["drop"]:
-            dropped[s] = upto
+            dropped[s] = n_eval
             win_at_drop[s] = ev["win"][s]
         contenders = [ev["leader"]] + [s for s in live if s != ev["leader"] and s not in ev["drop"]]
         if len(contenders) == 1:
-            status, settled_at = DECIDED, upto
+            status, settled_at = DECIDED, n_eval
             break
         if len(ev["equiv"]) == len(contenders) - 1:
-            status, settled_at = EQUIVALENT, upto
+            status, settled_at = EQUIVALENT, n_eval
             break
     leader = contenders[0]
     others = [s for s in contenders if s != leader]
+    reason = ""
     if status == DECIDED:
         conf = min(win_at_drop.values()) if win_at_drop else 1.0
     elif status == EQUIVALENT:
-        conf = min(ev["tost"][s] for s in others)
+        conf = ev["level"]
     else:
-        conf = min(ev["win"][s] for s in others) if others else None
+        conf = min((ev["win"][s] for s in others if s in ev["win"]), default=None)
+        if nz is None or nz.sd is None:
+            reason = ("one replicate per strategy and no A/A: the run did not measure its "
+                      "cell-to-cell noise (race with --budget, or --repeats 2)")
+        else:
+            reason = (f"the differences are inside the noise (one replicate's goodput varies "
+                      f"+-{100 * nz.relative:.0f}% between cells)")
+            if ev.get("needs"):
+                reason += f"; about {ev['needs']} replicates per contender would separate them"
     win = dict(win_at_drop)
     interval = {}
     if ev is not None:
         win.update({s: ev["win"][s] for s in others if s in ev["win"]})
-        interval = {s: v for s, v in ev["interval"].items()}
+        interval = dict(ev["interval"])
     duration = {s: float(sum(r.duration_s for r in v)) for s, v in reps.items()}
     paired = {}
     lead_by_repeat = {r.repeat: r.goodput for r in reps[leader]}
@@ -320,10 +436,14 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
         paired=paired,
         repeats={s: len(v) for s, v in reps.items()},
         time_s=float(sum(duration.values())), rounds=n_eval, decided_at_repeat=settled_at,
-        bootstrap={"replicates": n_boot, "seed": seed,
-                   "over": "repeats x requests" if max(len(v) for v in reps.values()) > 1
-                   else "requests",
-                   "confidence": confidence, "equivalence_margin": margin})
+        noise=nz.to_dict() if nz is not None else {}, alpha=alphas,
+        needs_repeats=ev.get("needs") if ev is not None and status == UNDECIDED else None,
+        reason=reason,
+        bootstrap={"over": "replicates (cell runs)", "interval": "t over ln(goodput), pooled sd",
+                   "looks": n_eval, "alpha_spending": "(1 - c) / (k (k + 1))" if not single
+                   else "1 - c (one evaluation)",
+                   "confidence": confidence, "equivalence_margin": margin,
+                   "effective_margin": (ev or {}).get("margin", margin)})
 
 
 def flag_requests(requests: pd.DataFrame, manifest_config: dict, warmup_s: float = 0.0) -> pd.DataFrame:
@@ -341,17 +461,33 @@ def decision_key(frame: pd.DataFrame) -> list[str]:
     return [k for k in DECISION_KEY if k in frame.columns]
 
 
-def race_status(flagged: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
-                margin: float = DEFAULT_MARGIN, first_pass_repeats: int | None = None,
-                n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> dict[tuple, Decision]:
-    """``decide_cell`` for every cell of ``flagged`` (grouped by ``decision_key``):
-    ``{cell key tuple: Decision}``."""
+def cell_replicates(flagged: pd.DataFrame) -> dict[tuple, dict[str, list[Replicate]]]:
+    """{cell key tuple: ``replicates``} for every decision cell of ``flagged``."""
     keys = decision_key(flagged)
-    out: dict[tuple, Decision] = {}
+    out = {}
     for key, g in flagged.groupby(keys, sort=True):
-        d = decide_cell(g, confidence, margin, first_pass_repeats, n_boot, seed)
+        out[key if isinstance(key, tuple) else (key,)] = replicates(g)
+    return out
+
+
+def run_noise(cells: dict[tuple, dict[str, list[Replicate]]],
+              baseline: str = mn.AUTOREGRESSIVE) -> Callable[[list[float] | None, int], Noise]:
+    """``pooled_noise`` of the run's cells at a look (what ``decide_replicates`` takes)."""
+    return lambda cutoffs, upto: pooled_noise(cells, cutoffs, upto, baseline)
+
+
+def race_status(flagged: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
+                margin: float = DEFAULT_MARGIN, looks: list[float] | None = None,
+                ) -> dict[tuple, Decision]:
+    """``decide_replicates`` for every cell of ``flagged`` (grouped by ``decision_key``),
+    the noise pooled over the whole run: ``{cell key tuple: Decision}``."""
+    cells = cell_replicates(flagged)
+    noise = run_noise(cells)
+    out: dict[tuple, Decision] = {}
+    for key, reps in cells.items():
+        d = decide_replicates(reps, confidence, margin, looks, noise)
         if d is not None:
-            out[key if isinstance(key, tuple) else (key,)] = d
+            out[key] = d
     return out
 
 
@@ -363,21 +499,25 @@ def key_label(key: tuple) -> str:
     """``low/long`` for a decision cell key; a sampling label other than greedy is kept
     (``low/short/t0.7``), greedy (the default) is left out."""
     parts = [str(k) for k in key if k is not None]
-    if len(parts) > 2 and parts[-1] in (getattr(mn, "GREEDY", "greedy"), ""):
+    if len(parts) > 2 and parts[-1] in (mn.GREEDY, ""):
         parts = parts[:-1]
     return "/".join(parts)
 
 
 def status_line(key: tuple, d: Decision) -> str:
     """One console / report line: ``low/long: decided dflash2 (confidence 97%, 4 repeats,
-    2:10 of cell time)``; equivalent lists the set; undecided the contenders left."""
+    2 looks, noise +-8%, 2:10 of cell time)``; equivalent lists the set; undecided the
+    contenders left and why."""
     label = key_label(key)
     reps = max(d.repeats.values()) if d.repeats else 0
     m, s = divmod(int(round(d.time_s)), 60)
-    tail = f"confidence {_pct(d.confidence)}, {reps} repeat{'s' if reps != 1 else ''}, {m}:{s:02d} of cell time"
+    noise = d.noise.get("relative") if d.noise else None
+    tail = (f"confidence {_pct(d.confidence)}, {reps} repeat{'s' if reps != 1 else ''}, "
+            f"{d.rounds} look{'s' if d.rounds != 1 else ''}, noise "
+            f"{'+-' + _pct(noise) if noise is not None else 'unmeasured'}, {m}:{s:02d} of cell time")
     if d.status == DECIDED:
         return f"{label}: decided {d.leader} ({tail})"
     if d.status == EQUIVALENT:
         return (f"{label}: equivalent {', '.join(d.equivalent)} (within +-"
-                f"{_pct(d.bootstrap.get('equivalence_margin'))}; {tail})")
-    return f"{label}: undecided between {', '.join(d.contenders)} ({tail})"
+                f"{_pct(d.bootstrap.get('effective_margin'))}; {tail})")
+    return f"{label}: undecided between {', '.join(d.contenders)} ({tail}; {d.reason})"

@@ -1,17 +1,14 @@
 """Per tier x output class recommendation: the strategy with the highest goodput
 (output tokens/s of requests meeting every SLO), its margin over the runner-up, and the
-cell's race status with its bootstrap confidence (``analysis.decide.race``, the one
-decision function the load generator's racing loop uses too).
+cell's race status with its confidence (``analysis.decide.race``, the one decision
+function the load generator's racing loop uses too).
 
-Status: ``decided`` (the winner beat every other strategy in >= 90 % of bootstrap
-replicates), ``equivalent`` (the contenders left are within +-3 % of the leader at 90 %:
-TOST, Schuirmann 1987) or ``undecided`` (shown as ``"strategy": "tie"``, never a
-coin-flip winner). The bootstrap (Efron 1979, "Bootstrap methods: another look at the
-jackknife") resamples requests within a replicate with a ratio estimator (good tokens per
-second of request time: resampling good tokens alone would give zero variance whenever
-every request has the same length and meets the SLOs), and with >= 2 repeats resamples
-the repeats first (repeats are the unit across them). The generator is seeded, so a
-report is reproducible. Ties go to ``autoregressive`` (no speculation unless it wins).
+Status: ``decided`` (every other strategy's interval of goodput relative to the winner
+lies below 0), ``equivalent`` (the contenders left are within +-max(3 %, the run's
+cell-to-cell noise) of the leader: TOST, Schuirmann 1987) or ``undecided`` (shown as
+``"strategy": "tie"``, never a coin-flip winner). The intervals are over replicates (cell
+runs), with the run's pooled cell-to-cell noise and alpha spent per racing look
+(``analysis.decide.race``). Ties go to ``autoregressive`` (no speculation unless it wins).
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ from configs import metric_names as mn
 from configs.tiers import OUTPUT_CLASSES, TIER_NAMES
 from analysis.decide import race
 
-N_BOOTSTRAP = 1000
-DEFAULT_SEED = 0
 TIE_CONFIDENCE = 0.9
 TIE = "tie"
 # 2: top-level schema_version; "tie" cells with "tied"
@@ -33,7 +28,9 @@ TIE = "tie"
 #    "repeats_by_strategy", "time_s", "equivalent", "contenders", "dropped", "win_probability",
 #    "relative_interval", "decided_at_repeat"; "confidence" is the status's confidence; "tie"
 #    only when undecided; top-level "race" (the run's racing settings and outcome) and "claims"
-RECOMMENDATION_SCHEMA_VERSION = 3
+# 4: per cell "noise" (the run's cell-to-cell noise the decision used), "alpha" (spent per
+#    look), "looks", "needs_repeats", "reason"; "bootstrap" holds the settings (no resampling)
+RECOMMENDATION_SCHEMA_VERSION = 4
 
 
 def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: str):
@@ -56,17 +53,15 @@ def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: s
     return out
 
 
-def recommend_cell(inputs: dict, n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED,
-                   confidence: float = TIE_CONFIDENCE, margin: float = race.DEFAULT_MARGIN) -> dict:
+def recommend_cell(inputs: dict, confidence: float = TIE_CONFIDENCE,
+                   margin: float = race.DEFAULT_MARGIN) -> dict:
     """Recommendation for one cell from ``_goodput_inputs`` output (one replicate per
     strategy): ``from_decision`` of ``race.decide_replicates``."""
     reps = {}
     for s, v in inputs.items():
         tokens, good, duration = v[0], v[1], v[2]
-        e2e = v[3] if len(v) > 3 else np.ones_like(tokens)
-        reps[s] = [race.Replicate(np.asarray(tokens, float), np.asarray(e2e, float), float(duration),
-                                  int(np.asarray(good).sum()))]
-    return from_decision(race.decide_replicates(reps, confidence, margin, None, n_boot, seed))
+        reps[s] = [race.Replicate(np.asarray(tokens, float), float(duration), int(np.asarray(good).sum()))]
+    return from_decision(race.decide_replicates(reps, confidence, margin))
 
 
 def from_decision(d: "race.Decision") -> dict:
@@ -91,7 +86,9 @@ def from_decision(d: "race.Decision") -> dict:
                    "equivalent": list(d.equivalent), "win_probability": dict(d.win_probability),
                    "relative_interval": dict(d.relative_interval),
                    "repeats": max(d.repeats.values()), "repeats_by_strategy": dict(d.repeats),
-                   "time_s": d.time_s, "decided_at_repeat": d.decided_at_repeat}
+                   "time_s": d.time_s, "decided_at_repeat": d.decided_at_repeat,
+                   "noise": dict(d.noise), "alpha": list(d.alpha), "looks": d.rounds,
+                   "needs_repeats": d.needs_repeats, "reason": d.reason}
     note = ""
     if point[best] <= 0:
         if mn.AUTOREGRESSIVE not in point:
@@ -116,14 +113,14 @@ def from_decision(d: "race.Decision") -> dict:
     if runner is not None and runner in d.paired and best == d.leader:
         runner_gp, lead_gp = d.paired[runner][0], d.paired[runner][1]
     tied: list[str] = []
-    margin_pct = f"{100 * d.bootstrap.get('equivalence_margin', race.DEFAULT_MARGIN):.0f}%"
+    margin_pct = f"{100 * d.bootstrap.get('effective_margin', d.bootstrap.get('equivalence_margin', race.DEFAULT_MARGIN)):.0f}%"
     level = f"{100 * d.bootstrap.get('confidence', TIE_CONFIDENCE):.0f}%"
     if d.status == race.UNDECIDED and point[best] > 0:
         tied = list(d.contenders)
         note = (note + "; " if note else "") + (
-            f"tie: {best} leads but beats {', '.join(tied[1:])} in only "
-            f"{100 * (d.confidence or 0):.0f}% of bootstrap replicates (< {level}) and they are not "
-            f"within +-{margin_pct}; run longer cells, --repeats or --budget to separate {', '.join(tied)}")
+            f"tie: {best} leads {', '.join(tied[1:])} but not at {level} and they are not within "
+            f"+-{margin_pct}: {d.reason}; run --repeats, a longer --budget or a quieter machine "
+            f"to separate {', '.join(tied)}")
     elif d.status == race.EQUIVALENT:
         note = (note + "; " if note else "") + (
             f"equivalent: {', '.join(d.equivalent)} are within +-{margin_pct} of each other's goodput "
@@ -149,24 +146,27 @@ def from_decision(d: "race.Decision") -> dict:
 
 
 def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
-              n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED,
               confidence: float = TIE_CONFIDENCE, margin: float = race.DEFAULT_MARGIN,
-              first_pass_repeats: int | None = None) -> dict:
+              looks: list[float] | None = None, noise=None) -> dict:
     """``{tier: {output_class: {...from_decision..., "users", "speedup", "slo"}}}``.
 
     Runs, users levels and repeats inside one tier x output class are its replicates
-    (``analysis.decide.race``); ``first_pass_repeats`` replays a raced run's rounds.
+    (``analysis.decide.race``); ``looks`` replays a raced run's looks (manifest
+    ``race.looks``); ``noise`` is the run's noise function (``race.run_noise``; default: the
+    noise of ``flagged`` itself).
     Forced-acceptance deployments (``--acceptance-length``) never compete: their text is not
     the target's (``analysis.data.dimensions.real_only``).
     """
     from analysis.data.dimensions import real_only
 
     flagged, cells = real_only(flagged), real_only(cells)
+    if noise is None:
+        noise = race.run_noise(race.cell_replicates(flagged))
     out: dict = {}
     keys = flagged[[mn.REQ_TIER, mn.REQ_OUTPUT_CLASS]].drop_duplicates()
     for tier, oc in sorted(keys.itertuples(index=False, name=None), key=cell_order):
         sel = flagged[flagged[mn.REQ_TIER].eq(tier) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]
-        d = race.decide_cell(sel, confidence, margin, first_pass_repeats, n_boot, seed)
+        d = race.decide_cell(sel, confidence, margin, looks, noise)
         if d is None:
             continue
         rec = from_decision(d)
@@ -179,16 +179,15 @@ def recommend(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
             "slo": {"ttft_ms": slos[tier].ttft_ms, "tpot_ms": slos[tier].tpot_ms,
                     "source": slos[tier].source},
             "n_requests": int(csel["n_requests"].sum()),
-            "bootstrap": {**d.bootstrap, "replicates": n_boot, "seed": seed},
+            "bootstrap": dict(d.bootstrap),
         })
         out.setdefault(tier, {})[oc] = rec
     return out
 
 
 def recommend_by_sampling(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict,
-                          n_boot: int = N_BOOTSTRAP, seed: int = DEFAULT_SEED,
                           confidence: float = TIE_CONFIDENCE, margin: float = race.DEFAULT_MARGIN,
-                          first_pass_repeats: int | None = None) -> dict:
+                          looks: list[float] | None = None) -> dict:
     """``recommend`` per tier x output class x sampling label (``metric_names.CELL_KEY``).
 
     Returns ``{tier: {output_class: rec}}`` where ``rec`` is the first sampling label's
@@ -204,15 +203,17 @@ def recommend_by_sampling(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict
     if not cells.empty:
         cols = [c for c in (BASE_STRATEGY, K, CANDIDATES) if c in cells.columns]
         attrs = cells.groupby(mn.REQ_STRATEGY)[cols].first().to_dict("index") if cols else {}
+    from analysis.data.dimensions import real_only
+
     labels = sampling_labels(flagged) or [None]
+    noise = race.run_noise(race.cell_replicates(real_only(flagged)))   # pooled over every label
     out: dict = {}
     for label in labels:
         f = flagged if label is None else flagged[flagged[mn.REQ_SAMPLING].eq(label)]
         c = cells if label is None else cells[cells[mn.REQ_SAMPLING].eq(label)]
         temp = (f[mn.REQ_TEMPERATURE].dropna().iloc[0] if mn.REQ_TEMPERATURE in f
                 and f[mn.REQ_TEMPERATURE].notna().any() else None)
-        for tier, by in recommend(f, c, slos, n_boot, seed, confidence, margin,
-                                  first_pass_repeats).items():
+        for tier, by in recommend(f, c, slos, confidence, margin, looks, noise).items():
             for oc, r in by.items():
                 a = attrs.get(r.get("strategy"), {})
                 r.update(sampling=label or mn.GREEDY, temperature=None if temp is None else float(temp),
@@ -264,7 +265,7 @@ def percent(frac: float | None, digits: int = 1) -> str:
 
 def _sureness(confidence: float | None) -> str:
     if confidence is None:
-        return "no bootstrap"
+        return "no interval"
     word = "sure" if confidence >= 0.95 else "likely" if confidence >= 0.75 else "uncertain"
     return f"{word}: confidence {percent(confidence, 0)}"
 
@@ -277,11 +278,16 @@ def _clock(seconds: float | None) -> str:
 
 
 def _effort(r: dict) -> str:
-    """``"; 3 repeats, 1:05 of cell time"`` (race fields), or "" for a legacy dict."""
+    """``"; 3 repeats, 2 looks, noise +-8%, 1:05 of cell time"`` (race fields), or "" for a
+    legacy dict."""
     if r.get("repeats") is None:
         return ""
-    n = r["repeats"]
-    return f"; {n} repeat{'s' if n != 1 else ''}, {_clock(r.get('time_s'))} of cell time"
+    n, looks = r["repeats"], r.get("looks")
+    noise = (r.get("noise") or {}).get("relative")
+    return (f"; {n} repeat{'s' if n != 1 else ''}"
+            + (f", {looks} look{'s' if looks != 1 else ''}" if looks else "")
+            + (f", noise +-{percent(noise, 0)}" if noise is not None else ", noise unmeasured")
+            + f", {_clock(r.get('time_s'))} of cell time")
 
 
 def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
@@ -292,7 +298,7 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
     dflash2, dspark (equivalent within +-3%: ...)"``; an undecided one says why
     (``undecided_reason``, e.g. "budget spent"); with several sampling settings one line
     each: ``"low / short / t0.7: run ..."``. Confidence words: sure >= 95%, likely >= 75%,
-    else uncertain (bootstrap share).
+    else uncertain (P(winner ahead) under the t model over replicates).
     """
     lines = []
     several = any(r.get("by_sampling") for _, _, r in entries(rec))
@@ -309,7 +315,8 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
                          f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
                          f"< {level}{effort})")
         elif status == race.EQUIVALENT:
-            m = percent(r.get("bootstrap", {}).get("equivalence_margin", race.DEFAULT_MARGIN), 0)
+            b = r.get("bootstrap", {})
+            m = percent(b.get("effective_margin", b.get("equivalence_margin", race.DEFAULT_MARGIN)), 0)
             lines.append(f"{head} run any of {', '.join(r.get('equivalent', []))} (equivalent within "
                          f"+-{m}: confidence {percent(r.get('confidence'), 0)}{effort}; "
                          f"{r['strategy']} leads by {percent(r.get('margin'))})")

@@ -37,7 +37,7 @@ from analysis.report.dimensions import dimensions_section
 from analysis.report.surface_section import surface_section
 from analysis.decide import race as race_mod
 from analysis.decide.claims import claims_check
-from analysis.decide.recommend import (DEFAULT_SEED, N_BOOTSTRAP, RECOMMENDATION_SCHEMA_VERSION,
+from analysis.decide.recommend import (RECOMMENDATION_SCHEMA_VERSION,
                                        recommend_by_sampling, recommendation_rows)
 from analysis.data.slo import resolve_slos
 from configs import metric_names as mn
@@ -70,10 +70,11 @@ def predict_crossovers(results: Results, flagged: pd.DataFrame, cells: pd.DataFr
 
 def race_settings(results: Results) -> dict:
     """The decision settings the report uses: a single raced run's own (manifest ``race``:
-    confidence, equivalence margin, first-pass repeats to replay its rounds, why it
-    stopped), else the defaults with one evaluation over every replicate. Returns {"raced",
-    "confidence", "equivalence_margin", "first_pass_repeats", "stopped", "budget_s",
-    "rounds", "undecided_reason"}."""
+    confidence, equivalence margin, the looks to replay (``race.looks``: an older manifest
+    without them gets one evaluation), why it stopped), else the defaults with one
+    evaluation over every replicate. Returns {"raced", "confidence", "equivalence_margin",
+    "first_pass_repeats", "looks", "stopped", "budget_s", "rounds", "undecided_reason",
+    "noise"}."""
     entries = [r.manifest.get("race") for r in results.runs]
     entry = entries[0] if len(entries) == 1 and isinstance(entries[0], dict) else None
     if entry is None:
@@ -81,20 +82,21 @@ def race_settings(results: Results) -> dict:
                   else "no racing: budget 0 (--budget auto races only the main job, --tier all)")
         return {"raced": False, "confidence": race_mod.DEFAULT_CONFIDENCE,
                 "equivalence_margin": race_mod.DEFAULT_MARGIN, "first_pass_repeats": None,
-                "stopped": None, "budget_s": None, "rounds": 0, "undecided_reason": reason}
+                "looks": None, "noise": None, "stopped": None, "budget_s": None, "rounds": 0, "undecided_reason": reason}
     stopped = str(entry.get("stopped") or "")
     reason = ("budget spent" if stopped.startswith("budget") else
               stopped.split(":")[0] if stopped else "the run ended before racing finished")
     return {"raced": True, "confidence": float(entry.get("confidence", race_mod.DEFAULT_CONFIDENCE)),
             "equivalence_margin": float(entry.get("equivalence_margin", race_mod.DEFAULT_MARGIN)),
             "first_pass_repeats": int(entry.get("first_pass_repeats") or 1), "stopped": stopped,
+            "looks": [float(t) for t in entry.get("looks") or []] or None,
+            "noise": entry.get("noise"),
             "budget_s": entry.get("budget_s"), "rounds": len(entry.get("rounds") or []),
             "undecided_reason": reason}
 
 
 def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-            baseline: str | Path | None = None, seed: int = DEFAULT_SEED,
-            n_boot: int = N_BOOTSTRAP, threshold: float = DEFAULT_THRESHOLD,
+            baseline: str | Path | None = None, threshold: float = DEFAULT_THRESHOLD,
             warmup_s: float | None = None) -> Analysis:
     """Compute every table of the report (no files written).
 
@@ -122,10 +124,8 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
         predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
         how="outer")
     settings = race_settings(results)
-    rec = recommend_by_sampling(flagged, cells, slos, n_boot=n_boot, seed=seed,
-                                confidence=settings["confidence"],
-                                margin=settings["equivalence_margin"],
-                                first_pass_repeats=settings["first_pass_repeats"])
+    rec = recommend_by_sampling(flagged, cells, slos, confidence=settings["confidence"],
+                                margin=settings["equivalence_margin"], looks=settings["looks"])
     outage = faults.outages(flagged)
     faults.annotate_degraded(rec, outage)
     answers = questions_section(results, flagged, warmup_s, dropped)
@@ -200,7 +200,6 @@ def default_out_dir(results_dir) -> Path:
 
 
 def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo_tpot_ms=None,
-                 seed: int = DEFAULT_SEED, n_boot: int = N_BOOTSTRAP,
                  warmup_s: float | None = None) -> dict:
     """Write report.md, report.html and recommendation.json; return a summary.
 
@@ -211,8 +210,7 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
     for a missing or empty results directory.
     """
     results = load_results(results_dir)
-    a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, seed=seed, n_boot=n_boot,
-                warmup_s=warmup_s)
+    a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, warmup_s=warmup_s)
     a.figures = make_figures(a)
     a.checks = model_checks(a)
     out = Path(out_dir) if out_dir is not None else default_out_dir(results_dir)

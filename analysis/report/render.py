@@ -130,14 +130,16 @@ def _tables(a: Analysis) -> list[tuple[str, str, list[dict]]]:
     out = [
         ("Recommendation", "Per tier x output class: the strategy with the highest goodput "
          "(output tokens/s of requests meeting both SLOs), margin = relative lead over the "
-         "runner-up; status: decided (the winner beat every other strategy in >= "
-         f"{_pct0(a.race.get('confidence', 0.9))} of 1000 seeded bootstrap replicates; confidence = "
-         "the smallest such share), equivalent (the contenders left are within +-"
-         f"{_pct0(a.race.get('equivalence_margin', 0.03))} of the leader at that level, TOST; "
-         "confidence = the smallest TOST level) or undecided (a tie; confidence = the smallest "
-         "share in which the leader beats a contender left). Bootstrap over requests with one "
-         "repeat, over repeats then requests with more; repeats = most repeats of a strategy in "
-         "the cell, time_s = the wall time of every repeat of the cell.",
+         "runner-up; status: decided (every other strategy's interval of goodput relative to "
+         "the winner lies below 0; confidence = the smallest P(winner ahead)), equivalent (the "
+         "contenders left are within +-max("
+         f"{_pct0(a.race.get('equivalence_margin', 0.03))}, the run's cell-to-cell noise) of the "
+         "leader, TOST) or undecided (confidence = the smallest P(leader ahead) of a contender "
+         "left). The unit is the replicate (one cell run): t intervals of ln(goodput) with the "
+         "run's pooled cell-to-cell noise (the baseline's A/A included), level "
+         f"{_pct0(a.race.get('confidence', 0.9))} spent over the racing looks; repeats = most "
+         "repeats of a strategy in the cell, looks = evaluations, noise = one replicate's "
+         "relative deviation, time_s = the wall time of every repeat of the cell.",
          recommendation_rows(a.recommendation)),
         ("Race to a decision", _race_text(a), _race_rows(a)),
         ("Claims check", "The source evaluations' conditional claim, checked on this run's "
@@ -211,10 +213,10 @@ def _race_text(a: Analysis) -> str:
     return (f"The run raced (budget {fmt(r.get('budget_s'))} s, confidence {_pct0(r['confidence'])}, "
             f"margin +-{_pct0(r['equivalence_margin'])}; {r.get('rounds')} round(s) after a "
             f"{r.get('first_pass_repeats')}-repeat first pass; stopped: {r.get('stopped')}). "
-            "Replayed here round by round from the request rows, as the load generator decided: "
-            "dropped = the strategies the leader beat, with the repeat after which each was "
-            "dropped; interval = the central interval of each contender's goodput relative to "
-            "the leader.")
+            "Replayed here look by look (manifest `race.looks`) from the request rows, as the load "
+            "generator decided: dropped = the strategies the leader beat, with the look at which "
+            "each was dropped; interval = each contender's goodput relative to the leader at the "
+            "look's level (alpha spent per look: (1 - c) / (k (k + 1))).")
 
 
 def _race_rows(a: Analysis) -> list[dict]:
@@ -228,8 +230,13 @@ def _race_rows(a: Analysis) -> list[dict]:
                      "status": f"{status} ({reason})" if status == "undecided" and reason else status,
                      "leader": r.get("leader"), "contenders": r.get("contenders"),
                      "equivalent": r.get("equivalent"),
-                     "dropped": ", ".join(f"{s} (r{k})" for s, k in (r.get("dropped") or {}).items()),
+                     "dropped": ", ".join(f"{s} (look {k})" for s, k in (r.get("dropped") or {}).items()),
                      "confidence": percent(r.get("confidence"), 0), "repeats": r.get("repeats"),
+                     "looks": r.get("looks"),
+                     "noise": percent((r.get("noise") or {}).get("relative"), 0),
+                     "variance": (f"{(r.get('noise') or {}).get('source')} (df "
+                                  f"{(r.get('noise') or {}).get('df')})" if r.get("noise") else None),
+                     "why": r.get("reason") or None,
                      "time_s": r.get("time_s"),
                      "interval": "; ".join(f"{s} {100 * v[0]:+.1f}..{100 * v[1]:+.1f}%"
                                            for s, v in iv.items())})

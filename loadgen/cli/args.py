@@ -26,6 +26,7 @@ BUDGET_AUTO = "auto"
 DEFAULT_BUDGET_S = 18 * 60.0
 DEFAULT_CONFIDENCE = 0.9     # analysis.decide.race.DEFAULT_CONFIDENCE
 DEFAULT_MARGIN = 0.03        # analysis.decide.race.DEFAULT_MARGIN
+WARMUP_SHARE, WARMUP_CAP_S = 0.1, 2.0   # default warm-up cut: 10% of the shortest cell, <= 2 s
 
 
 def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
@@ -53,6 +54,11 @@ def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
                     help="racing: a strategy is dropped when the leader beats it in this share of "
                          "bootstrap replicates, and equivalence is judged on this central interval "
                          f"(default {DEFAULT_CONFIDENCE:g})")
+    ap.add_argument("--aa", action=argparse.BooleanOptionalAction, default=None,
+                    help="the run's A/A: the baseline (autoregressive) runs twice in every cell of "
+                         "the first pass, at both ends of the cell's strategies, to measure this "
+                         "box's cell-to-cell noise, which the decisions use (default: on when "
+                         "racing, --budget; --no-aa: off)")
     ap.add_argument("--equivalence-margin", type=number(gt=0, le=0.5), default=DEFAULT_MARGIN,
                     metavar="FRACTION",
                     help="racing: contenders whose relative goodput difference to the leader lies "
@@ -174,9 +180,13 @@ def _add_after_flags(ap: argparse.ArgumentParser) -> None:
                          "nats of the baseline's logprob)")
     ap.add_argument("--consistency-tie-tolerance", type=number(float, ge=0), default=None,
                     metavar="NATS", help="the tie tolerance itself (overrides --consistency-dtype)")
-    ap.add_argument("--warmup-s", type=number(ge=0), default=0.0,
-                    help="seconds at the start of every cell the report excludes as warm-up "
-                         "(stored in manifest.json; default 0)")
+    ap.add_argument("--warmup-s", type=number(ge=0), default=None,
+                    help="seconds at the start of every cell excluded as warm-up by the racing "
+                         "decisions and the report (stored in manifest.json; default: 10%% of the "
+                         f"shortest cell, at most {WARMUP_CAP_S:g} s; 0 = keep everything)")
+    ap.add_argument("--warmup-requests", type=number(int, ge=0), default=4, metavar="N",
+                    help="before the first cell, warm each strategy with N unmeasured greedy "
+                         "requests, half one at a time, half at once (default 4; 0 = off)")
     ap.add_argument("--server-metrics", default="auto", type=server_metrics_arg, metavar="auto|URL|off",
                     help="read the target's own Prometheus metrics while each cell runs (vLLM, SGLang, "
                          "specload's names: configs/metric_names.py): auto (default) = <target>/metrics "
@@ -241,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--budget: racing repeats the tier grid's cells; it does not combine with --sweep "
                      "(pass --budget 0 or drop --sweep)")
     args.budget_s = resolve_budget(args)
+    if args.aa is None:
+        args.aa = args.budget_s > 0 and not args.sweep
     # numbers, ports and paths are checked by their argparse types (configs.cli_args)
     if args.run_id and (Path(args.results) / args.run_id).exists():
         parser.error(f"--run-id: the run directory {Path(args.results) / args.run_id} exists already; "
@@ -264,6 +276,15 @@ def tier_list(text: str) -> list[str]:
         raise ValueError(f"--tier: {bad or text!r} not a tier; expected low, mid, high, all or a "
                          "comma-separated list such as low,high")
     return [t for t in TIER_NAMES if t in names]
+
+
+def resolve_warmup(args: argparse.Namespace, profile: Any, tiers: list[str], outputs: list[str]) -> float:
+    """The warm-up cut in seconds: ``--warmup-s`` as given, else WARMUP_SHARE of the shortest
+    cell the run offers (``--duration`` or the tier file's), at most WARMUP_CAP_S."""
+    if args.warmup_s is not None:
+        return float(args.warmup_s)
+    durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
+    return round(min(WARMUP_CAP_S, WARMUP_SHARE * min(durations)), 3) if durations else 0.0
 
 
 def resolve_budget(args: argparse.Namespace) -> float:

@@ -38,6 +38,8 @@ from loadgen.run.server_metrics import ServerMetricsError
 from loadgen.results.progress import Progress
 from loadgen.results.summary import SUMMARY_CSV, clock
 from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
+
+WARMUP_MAX_TOKENS = 32   # tokens per warm-up completion (--warmup-requests)
 from loadgen.cli.target import (
     ROUTE_AUTO,
     ROUTE_DIRECT,
@@ -216,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
                 service.check_serve_config(args.local_config)
             except ValueError as err:
                 raise _FlagError("--local-config", str(err)) from None
+        from loadgen.cli.args import resolve_warmup
+
+        args.warmup_s = resolve_warmup(args, profile, tier_list(args.tier or "high"),
+                                       list(OUTPUT_CLASSES) if args.output == "all" else [args.output])
         variants = _variants(args)   # --k / --top-k-candidates: one deployment per variant
         samplings = _samplings(args, profile)
     except _FlagError as err:
@@ -393,7 +399,9 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         n_cells = len(st.strategies) * len(outputs) * len(st.levels) * args.repeats
         durations = [args.duration or profile.cell(tiers[0], oc).duration_s for oc in outputs]
     else:
-        n_cells = len(st.strategies) * args.repeats * sum(
+        from loadgen.cli.race import aa_cells
+
+        n_cells = (len(st.strategies) * args.repeats + aa_cells(st.strategies, args.repeats, args.aa)) * sum(
             len(st.samplings.get((t, oc)) or [None]) for t in tiers for oc in outputs)
         durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
     planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
@@ -461,17 +469,19 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
     for strategy in st.strategies:
         service.fetch_memory(st.target, strategy, reset_peak=True, headers=st.auth.headers,
                              insecure=st.auth.insecure)
+    _warm_strategies(st)
     if st.args.sweep:
         sweep = SweepState()
         order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
     else:
         labels = {k: [x.name for x in v] for k, v in st.samplings.items()}
         sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
-        if st.args.budget_s > 0 or st.args.interleave:
+        if st.args.budget_s > 0 or st.args.interleave or st.args.aa:
             # cell-major (racing's first pass, or --interleave): drift hits a cell's strategies alike
             from loadgen.cli.race import first_pass
 
-            order = first_pass(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
+            order = first_pass(st.strategies, st.tiers, st.outputs, st.args.repeats, labels,
+                               aa=st.args.aa)
     for spec in order:
         s, cell_t0 = _run_cell(st, spec, runner, progress)
         if sweep is not None:
@@ -488,6 +498,43 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
                                       insecure=st.auth.insecure)
         if report:  # weights, KV cache, process memory (specload targets only)
             st.manifest.setdefault("memory", {})[strategy] = report
+
+
+def _warm_strategies(st: _RunState) -> None:
+    """Warm every strategy before its first measured cell (``--warmup-requests`` N): N short
+    greedy completions on its own route, half one at a time, half at once, not recorded as
+    requests. The seconds each took go to the manifest (``warmup``); a failure is a warning."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loadgen.cli.consistency import CompletionError, complete_full
+
+    n = st.args.warmup_requests
+    st.manifest["warmup"] = {"requests_per_strategy": n, "cut_s": st.args.warmup_s, "seconds": {},
+                             "failed": {}}
+    if n <= 0 or not st.prompts:
+        return
+    timeout = float(st.profile.request_timeout_s)
+
+    def one(strategy: str, i: int) -> None:
+        body = {"model": st.args.model or strategy, "prompt": st.prompts[i % len(st.prompts)].text,
+                "max_tokens": WARMUP_MAX_TOKENS, "temperature": 0.0, "stream": False}
+        complete_full(route_url(st.target, st.prefixes.get(strategy)), body, timeout,
+                      st.auth.headers, st.auth.insecure)
+
+    for strategy in st.strategies:
+        t0 = time.monotonic()
+        try:
+            for i in range((n + 1) // 2):
+                one(strategy, i)
+            with ThreadPoolExecutor(max_workers=max(1, n // 2)) as pool:
+                list(pool.map(lambda i: one(strategy, i), range((n + 1) // 2, n)))
+        except CompletionError as err:
+            st.manifest["warmup"]["failed"][strategy] = str(err)[:300]
+            st.console.print(f"[yellow]warning[/] warm-up of {strategy} failed: {err}", highlight=False)
+        st.manifest["warmup"]["seconds"][strategy] = round(time.monotonic() - t0, 3)
+    st.console.print(f"warmed {len(st.strategies)} strategies ({n} requests each, "
+                     f"{sum(st.manifest['warmup']['seconds'].values()):.1f} s, not measured); "
+                     f"each cell's first {st.args.warmup_s:g} s is cut as warm-up", highlight=False)
 
 
 def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
