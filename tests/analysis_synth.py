@@ -147,13 +147,15 @@ def write_run(path: Path, run_id: str = "run-a", strats=STRATS, tiers=None,
               with_spec_columns: bool = True, manifest_slo: dict | None = SLO,
               ar_tps: dict[int, float] | None = None,
               samplings: dict[str, tuple[float, float]] | None = None,
-              manifest_extra: dict | None = None) -> Path:
+              manifest_extra: dict | None = None, aa: bool = True) -> Path:
     """Write one synthetic run directory; ``tau_scale`` scales accepted counts per
     dataset (e.g. {"pydoc": 0.8} for a known acceptance drop); ``tiers`` maps
     tier -> users; ``ar_tps`` maps users -> autoregressive tokens/s. ``samplings``:
     label -> (temperature, scale): every cell once per label with columns ``sampling`` /
     ``temperature``, acceptance and speedup gain scaled (``sampled``); None: no such
-    columns (a run before schema 4). ``manifest_extra`` is merged into the manifest."""
+    columns (a run before schema 4). ``manifest_extra`` is merged into the manifest.
+    ``aa``: autoregressive runs every cell twice (repeat 1: the run's A/A, identical
+    numbers), so the decisions have a measured noise (zero here: exact answers)."""
     path.mkdir(parents=True, exist_ok=True)
     tiers = tiers or TIERS
     rows = []
@@ -164,6 +166,12 @@ def write_run(path: Path, run_id: str = "run-a", strats=STRATS, tiers=None,
                 for oc in OUTPUT_TOKENS:
                     new = _requests(sampled(strat, scale), tier, users, oc, run_id, t0,
                                     tau_scale or {}, ar_tps or AR_TOKENS_PER_S)
+                    for r in new:
+                        r[mn.REQ_REPEAT] = 0
+                    if aa and strat.name == mn.AUTOREGRESSIVE:
+                        again = _requests(sampled(strat, scale), tier, users, oc, run_id, t0 + 5_000.0,
+                                          tau_scale or {}, ar_tps or AR_TOKENS_PER_S)
+                        new += [{**r, mn.REQ_REPEAT: 1} for r in again]
                     if label is not None:
                         for r in new:
                             r[mn.REQ_SAMPLING], r[mn.REQ_TEMPERATURE] = label, temp

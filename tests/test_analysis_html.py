@@ -39,7 +39,7 @@ def browser(tmp_path_factory):
 
 def test_report_renders_in_chromium(tmp_path, browser):
     syn.write_run(tmp_path / "run")
-    paths = build_report(tmp_path / "run", tmp_path / "out", n_boot=100)["paths"]
+    paths = build_report(tmp_path / "run", tmp_path / "out")["paths"]
     browser.open(f"file://{paths['html']}")
     got = browser.evaluate(PROBE)
     assert browser.errors == []

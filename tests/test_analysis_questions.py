@@ -87,7 +87,7 @@ def _repeats_run(path, run_id="rep"):
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("questions")
     run = _repeats_run(root / "run")
-    out = build_report(run, root / "out", n_boot=20)
+    out = build_report(run, root / "out")
     return root, out
 
 
@@ -145,7 +145,7 @@ def test_stability_intervals_and_flag(report):
 def test_warmup_cut_said_in_report(tmp_path):
     run = _repeats_run(tmp_path / "run")
     results = load_results(run)
-    a = analyse(results, n_boot=20, warmup_s=2.0)
+    a = analyse(results, warmup_s=2.0)
     warm = [f for f in a.questions["flags"] if f.startswith("WARM-UP")]
     assert len(warm) == 1 and "first 2 s of every cell" in warm[0]
     dropped = int(re.search(r"\((\d+) requests dropped", warm[0]).group(1))

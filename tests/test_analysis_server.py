@@ -106,7 +106,7 @@ def test_report_backtest_and_plan_use_the_server_counters(tmp_path):
 
     run = write_run(tmp_path)
     results = load_results(run)
-    a = analyse(results, n_boot=20)
+    a = analyse(results)
     assert list(a.cells[M.ACCEPTANCE_LENGTH]) == pytest.approx([2.5, 2.5])
     assert set(a.cells["acceptance_source"]) == {"server"}
     assert set(a.positions["source"]) == {"server /metrics"}
@@ -151,7 +151,7 @@ def test_a_server_without_speculative_counters_says_what_it_could_not_compute(tm
     assert any(n.startswith("tau (from counters): not computed") and "num_drafts" in n for n in notes)
     assert any(n.startswith("per-position acceptance: not computed") for n in notes)
     assert any(n.startswith("engine steps / step time") for n in notes)
-    a = analyse(results, n_boot=20)
+    a = analyse(results)
     # SGLang's own acceptance-length gauge stands in, labelled; no per-position rows invented
     assert list(a.cells[M.ACCEPTANCE_LENGTH]) == [2.7] and list(a.cells["acceptance_source"]) == ["server"]
     assert a.positions.empty

@@ -29,7 +29,7 @@ def _claims(tmp_path, strats):
     res = load_results(run)
     slos = resolve_slos(sorted(res.requests[mn.REQ_TIER].unique()), res.manifest_config)
     flagged = metrics.with_slo_flags(res.requests, slos)
-    rec = recommend(flagged, metrics.cell_table(flagged), slos, n_boot=200)
+    rec = recommend(flagged, metrics.cell_table(flagged), slos)
     rows = claims_check(rec)
     return rec, {(r["claim_id"], r["output_class"]): r for r in rows}, rows
 
@@ -47,10 +47,10 @@ def test_claim_held(tmp_path):
     assert by[("dspark-high", "all")]["verdict"] == HELD
     lines = claim_lines(rows)
     assert lines[0].startswith('claim "the parallel drafter with path selection (dflash2) wins at low '
-                               'concurrency with long outputs": HELD (low/long: dflash2 won: +20.0% '
+                               'concurrency with long outputs": HELD on this deployment (low/long: dflash2 won: +20.0% '
                                'goodput over dspark')
     assert lines[1].startswith('claim "the confidence-scheduled hybrid (dspark) wins at high '
-                               'concurrency": HELD')
+                               'concurrency": HELD on this deployment')
 
 
 def test_claim_did_not_hold_says_what_won(tmp_path):
@@ -79,12 +79,12 @@ def test_claim_not_measured_without_the_strategy(tmp_path):
 
 def test_report_has_the_claims_section_and_json(tmp_path):
     run = syn.write_run(tmp_path / "run", strats=(syn.AR, DFLASH2, DSPARK_FAST_LOW))
-    out = build_report(run, tmp_path / "out", n_boot=100)
+    out = build_report(run, tmp_path / "out")
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Claims check" in md and "## Race to a decision" in md
-    assert "DID NOT HOLD (low/long: dspark won instead" in md
+    assert "DID NOT HOLD on this deployment (low/long: dspark won instead" in md
     saved = json.loads((tmp_path / "out" / "recommendation.json").read_text())
-    assert saved["schema_version"] == 3
+    assert saved["schema_version"] == 4
     assert {r["verdict"] for r in saved["claims"] if r["output_class"] == "all"} == {HELD}
     assert saved["race"]["raced"] is False and saved["low"]["long"]["status"] == "decided"
     assert saved["low"]["long"]["repeats"] == 1 and saved["low"]["long"]["time_s"] > 0

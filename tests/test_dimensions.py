@@ -304,7 +304,7 @@ def test_report_recommends_strategy_and_k(tmp_path):
     from analysis.report.build import build_report
 
     run = syn.write_run(tmp_path / "run", strats=(syn.AR, NG2, NG4, NG7))
-    out = build_report(run, tmp_path / "out", n_boot=200)
+    out = build_report(run, tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "recommendation.json").read_text())
     rows = {(r["tier"], r["output_class"]): r for r in saved["rows"]}
     assert rows[("low", "short")] | {"goodput": 0, "confidence": 0, "margin": 0, "speedup": 0} == {
@@ -341,7 +341,7 @@ def test_temperature_table_and_recommendation_per_sampling(tmp_path):
     assert d[M.ACCEPTANCE_LENGTH].tolist() == pytest.approx(want_tau)
     assert d["tau_vs_first"].tolist() == pytest.approx([t / want_tau[0] for t in want_tau])
     assert d["speedup"].tolist() == pytest.approx([3.0, 1 + 0.6 * 2.0, 1 + 0.3 * 2.0])
-    out = build_report(run, tmp_path / "out", n_boot=200)
+    out = build_report(run, tmp_path / "out")
     rec = out["recommendation"]
     assert rec["low"]["short"]["sampling"] == "greedy" and rec["low"]["short"]["strategy"] == M.DFLASH
     assert set(rec["low"]["short"]["by_sampling"]) == {"t0.7", "t1"}

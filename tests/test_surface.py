@@ -190,7 +190,7 @@ def test_synthetic_never_recommended_and_never_diverges(tmp_path):
     cells = metrics.cell_table(flagged)
     # ngram-k3-al4 is the fastest deployment at both users levels, yet never recommended
     assert cells.loc[cells[M.REQ_STRATEGY].eq("ngram-k3-al4"), M.CELL_SPEEDUP].min() == pytest.approx(1.2, rel=1e-6)
-    rec = recommend(flagged, cells, slos, n_boot=200)
+    rec = recommend(flagged, cells, slos)
     assert rec["low"]["short"]["strategy"] == "ngram-k3"
     picked = {r.get("strategy") for by in rec.values() for r in by.values()} | {
         r.get("runner_up") for by in rec.values() for r in by.values()}
@@ -223,7 +223,7 @@ def test_report_has_the_surface_figure_and_flags_synthetic(tmp_path):
     from analysis.report.build import build_report
 
     run = _surface_run(tmp_path / "run")
-    out = build_report(run, tmp_path / "rep", n_boot=100)
+    out = build_report(run, tmp_path / "rep")
     assert any(f.startswith("SYNTHETIC deployments") for f in out["flags"])
     md = Path(out["paths"]["md"]).read_text()
     assert "Break-even acceptance length" in md and "Acceptance length per category" in md
@@ -372,7 +372,7 @@ def test_racing_leaves_synthetic_deployments_out(tmp_path):
     rows = pd.read_parquet(run / "requests.parquet")
     rows = rows[rows[M.REQ_TIER].eq("low") & rows[M.REQ_OUTPUT_CLASS].eq("short")]
     rows = rows.assign(**{M.REQ_REPEAT: 0, M.REQ_SAMPLING: M.GREEDY}).to_dict("records")
-    racer = Racer(600.0, 0.9, 0.03, 1, 0.0, "run-a", {"slo": {"low": SLO}}, n_boot=100)
+    racer = Racer(600.0, 0.9, 0.03, 1, 0.0, "run-a", {"slo": {"low": SLO}})
     decisions = racer.decide(rows)
     (d,) = decisions.values()
     names = set(d.contenders) | set(d.dropped) | {d.leader}

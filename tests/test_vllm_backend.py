@@ -577,7 +577,7 @@ def test_loadgen_measures_embedded_and_vllm_side_by_side(vllm_service, tmp_path,
     from analysis.data.load import load_results
     from analysis.report.build import analyse
 
-    a = analyse(load_results(run), n_boot=20)
+    a = analyse(load_results(run))
     cells = a.cells.set_index(M.REQ_STRATEGY)
     cap = a.capacity.set_index(M.STEP_STRATEGY)
     assert VLLM_NAME in cells.index and VLLM_NAME in cap.index

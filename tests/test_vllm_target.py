@@ -144,7 +144,7 @@ def _check_report(run: Path, strategy: str, got: dict) -> None:
     from analysis.data.load import load_results
     from analysis.report.build import analyse
 
-    a = analyse(load_results(run), n_boot=50)
+    a = analyse(load_results(run))
     cell = a.cells[a.cells[M.REQ_STRATEGY].eq(strategy)].iloc[0]
     tau = 1 + got[M.SRV_NUM_ACCEPTED_TOKENS] / got[M.SRV_NUM_DRAFTS]
     assert cell[M.ACCEPTANCE_LENGTH] == pytest.approx(tau)

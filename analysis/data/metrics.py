@@ -240,6 +240,16 @@ def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFr
 _CURVE = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING]
 
 
+def curve_tau(flagged: pd.DataFrame) -> pd.DataFrame:
+    """Measured acceptance length per strategy x output class x sampling label (``pooled_tau``
+    over the ok requests of every users level): the tau of the crossover table, measured under
+    each sampling setting, never another setting's."""
+    flagged = with_sampling(flagged)
+    ok = flagged[flagged[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+    rows = [(*key, pooled_tau(g)) for key, g in ok.groupby(_CURVE, sort=True)]
+    return pd.DataFrame(rows, columns=[*_CURVE, "tau"])
+
+
 def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
     """Concurrency where speedup first falls below 1, per strategy x output class x sampling.
 

@@ -54,6 +54,9 @@ def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame) -> list[str]:
     for _, row in crossover.iterrows():
         strategy, oc = row.get(mn.REQ_STRATEGY), row.get(mn.REQ_OUTPUT_CLASS)
         g = spec[spec[mn.REQ_STRATEGY].eq(strategy) & spec[mn.REQ_OUTPUT_CLASS].eq(oc)]
+        samp = row.get(mn.REQ_SAMPLING)
+        if isinstance(samp, str) and mn.REQ_SAMPLING in g.columns:   # one sampling setting's curve
+            g = g[g[mn.REQ_SAMPLING].eq(samp)]
         if g.empty:
             continue
         curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
@@ -65,7 +68,7 @@ def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame) -> list[str]:
                 out.append(f"The model predicts {strategy} stops beating autoregressive at "
                            f"{predicted:.1f} users ({oc} outputs), but its measured speedup is "
                            f"{s:.2f}x at {u} users: the prediction contradicts the measurement.")
-        elif _num(row.get("tau")) is not None:   # the model ran and found no crossover
+        elif _num(row.get("model_tau", row.get("tau"))) is not None:   # the model ran, no crossover
             below = curve[curve < 1.0]
             if len(below):
                 u, s = int(below.index[0]), float(below.iloc[0])

@@ -124,5 +124,5 @@ def claim_lines(rows: list[dict]) -> list[str]:
         cells = [r for r in mine if r is not summary]
         verdict = summary["verdict"] if summary else cells[0]["verdict"]
         detail = "; ".join(f"{r['tier']}/{r['output_class']}: {r['shows']}" for r in cells)
-        out.append(f"claim \"{c['claim']}\": {verdict.upper()} ({detail})")
+        out.append(f"claim \"{c['claim']}\": {verdict.upper()} on this deployment ({detail})")
     return out

@@ -138,7 +138,7 @@ class Decision:
     confidence: float | None             # see ``decide_replicates``
     win_probability: dict[str, float]    # P(leader ahead of s) under the t model, s's last look
     relative_interval: dict[str, list]   # s -> [lo, hi] of g_s / g_leader - 1, at the look's level
-    goodput: dict[str, float]            # estimate per strategy (mean over its replicates)
+    goodput: dict[str, float]            # per strategy: good tokens / summed wall time (``pooled_goodput``)
     goodput_rps: dict[str, float]        # good requests/s, same way
     # s -> [goodput of s, goodput of the leader, repeats] over the repeats both ran: a dropped
     # strategy stopped running, so its own mean and the leader's are of different times
@@ -188,6 +188,13 @@ def replicates(rows: pd.DataFrame) -> dict[str, list[Replicate]]:
         if reps:
             out[str(strategy)] = reps
     return out
+
+
+def pooled_goodput(reps: list[Replicate]) -> float:
+    """A strategy's goodput over its replicates: good tokens / summed wall time (tokens/s),
+    the cell table's ``goodput_tokens_per_s`` (``analysis.data.metrics``) on the same rows:
+    one number wherever it is printed."""
+    return float(sum(r.tokens.sum() for r in reps) / sum(r.duration_s for r in reps))
 
 
 def _window(end_ts: float, cutoffs: list[float] | None) -> int:
@@ -431,8 +438,9 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
         status=status, leader=leader, contenders=contenders,
         equivalent=contenders if status == EQUIVALENT else [],
         dropped=dropped, confidence=conf, win_probability=win, relative_interval=interval,
-        goodput={s: float(np.mean([r.goodput for r in v])) for s, v in reps.items()},
-        goodput_rps={s: float(np.mean([r.n_good / r.duration_s for r in v])) for s, v in reps.items()},
+        goodput={s: pooled_goodput(v) for s, v in reps.items()},
+        goodput_rps={s: float(sum(r.n_good for r in v) / sum(r.duration_s for r in v))
+                     for s, v in reps.items()},
         paired=paired,
         repeats={s: len(v) for s, v in reps.items()},
         time_s=float(sum(duration.values())), rounds=n_eval, decided_at_repeat=settled_at,

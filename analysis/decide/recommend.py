@@ -33,37 +33,6 @@ TIE = "tie"
 RECOMMENDATION_SCHEMA_VERSION = 4
 
 
-def _goodput_inputs(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, oc: str):
-    """{strategy: (good tokens per request [n], good flags [n], total wall time s,
-    request time per request [n] in ms)}: one replicate per strategy (every repeat and
-    users level pooled; the legacy input of ``recommend_cell``)."""
-    sel = flagged[flagged[mn.REQ_TIER].eq(tier) & flagged[mn.REQ_OUTPUT_CLASS].eq(oc)]
-    csel = cells[cells[mn.REQ_TIER].eq(tier) & cells[mn.REQ_OUTPUT_CLASS].eq(oc)]
-    out = {}
-    for strategy, g in sel.groupby(mn.REQ_STRATEGY, sort=True):
-        duration = csel.loc[csel[mn.REQ_STRATEGY].eq(strategy), DURATION_S].sum()
-        if not duration > 0:
-            continue
-        good = g[GOOD].to_numpy(dtype=bool)
-        tokens = np.where(good, g[mn.REQ_OUTPUT_TOKENS].fillna(0).to_numpy(dtype=float), 0.0)
-        e2e = g[mn.REQ_E2E_MS].astype(float) if mn.REQ_E2E_MS in g else pd.Series(
-            np.ones(len(g)))
-        e2e = e2e.fillna(e2e.median() if e2e.notna().any() else 1.0).clip(lower=1e-3)
-        out[strategy] = (tokens, good, float(duration), e2e.to_numpy(dtype=float))
-    return out
-
-
-def recommend_cell(inputs: dict, confidence: float = TIE_CONFIDENCE,
-                   margin: float = race.DEFAULT_MARGIN) -> dict:
-    """Recommendation for one cell from ``_goodput_inputs`` output (one replicate per
-    strategy): ``from_decision`` of ``race.decide_replicates``."""
-    reps = {}
-    for s, v in inputs.items():
-        tokens, good, duration = v[0], v[1], v[2]
-        reps[s] = [race.Replicate(np.asarray(tokens, float), float(duration), int(np.asarray(good).sum()))]
-    return from_decision(race.decide_replicates(reps, confidence, margin))
-
-
 def from_decision(d: "race.Decision") -> dict:
     """The recommendation dict of one cell from its race decision.
 

@@ -35,6 +35,7 @@ from analysis.data.load import Results, ResultsError, load_results
 from analysis.decide.questions import questions_section
 from analysis.report.dimensions import dimensions_section
 from analysis.report.surface_section import surface_section
+from analysis.data.scope import run_scope, scope_line
 from analysis.decide import race as race_mod
 from analysis.decide.claims import claims_check
 from analysis.decide.recommend import (RECOMMENDATION_SCHEMA_VERSION,
@@ -120,10 +121,14 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     srv = server_data.cell_table(results)   # the target's own counters (--server-metrics)
     cells = server_data.fill_cells(metrics.cell_table(flagged), srv)
     cap = server_data.merge_capacity(capacity.capacity_table(results.steps), srv)
+    # measured per sampling label (speedup and tau); the model's columns are fitted over every
+    # label of a strategy x output class (model_tau, verification per request, prediction)
     crossover = metrics.crossover_measured(cells).merge(
-        predict_crossovers(results, flagged, cells), on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS],
-        how="outer")
+        metrics.curve_tau(flagged), on=metrics._CURVE, how="left").merge(
+        predict_crossovers(results, flagged, cells).rename(columns={"tau": "model_tau"}),
+        on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], how="outer")
     settings = race_settings(results)
+    settings["scope"] = run_scope([r.manifest for r in results.runs], warmup_s)
     rec = recommend_by_sampling(flagged, cells, slos, confidence=settings["confidence"],
                                 margin=settings["equivalence_margin"], looks=settings["looks"])
     outage = faults.outages(flagged)
@@ -223,7 +228,10 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
     # strategy (served name), base_strategy and k (python -m loadgen --k)
     write_json(paths["json"], {"schema_version": RECOMMENDATION_SCHEMA_VERSION, **a.recommendation,
                                "rows": recommendation_json_rows(a.recommendation),
-                               "race": a.race, "claims": a.claims}, sort_keys=True)
+                               "race": a.race, "claims": a.claims,
+                               "scope": {**a.race.get("scope", {}),
+                                         "line": scope_line(a.race.get("scope", {}))}},
+               sort_keys=True)
     degraded = bool(a.degradation is not None and a.degradation["flagged"].any())
     return {
         "recommendation": a.recommendation,
@@ -237,4 +245,5 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
         "diverging": list(a.questions.get("diverging", [])),
         "race": a.race,
         "claims": a.claims,
+        "scope": scope_line(a.race.get("scope", {})),
     }

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from analysis.data.scope import scope_line
 from analysis.decide.checks import R2_MIN
 from analysis.decide.claims import claim_lines
 from analysis.decide.recommend import cell_order, headline_lines, percent, recommendation_rows
@@ -287,11 +288,13 @@ def markdown(a: Analysis) -> str:
     flags = a.questions.get("flags", [])
     if flags:   # first: a diverging strategy is never silently ranked
         parts += ["## Warnings\n", "\n".join(f"- **{f}**" for f in flags) + "\n"]
-    parts += ["## Answer\n", "Per tier: the strategy to run, how sure we are (bootstrap confidence) "
-              "and by how much it wins (goodput margin over the runner-up).\n",
+    parts += ["## Answer\n", "Per tier: the strategy to run, how sure we are (the confidence of "
+              "intervals over repeats, against the run's own cell-to-cell noise) and by how much it "
+              "wins (goodput margin over the runner-up), "
+              f"{scope_line((a.race or {}).get('scope') or {})}.\n",
               "\n".join(f"- {line}" for line in headline_lines(
                   a.recommendation, (a.race or {}).get("undecided_reason"))) + "\n",
-              "Claims check (see below):\n",
+              "Claims check, on this deployment (see below):\n",
               "\n".join(f"- {line}" for line in claim_lines(a.claims)) + "\n"]
     checks = _checks(a)
     if checks:
@@ -332,11 +335,12 @@ def html(a: Analysis) -> str:
                      + "".join(f"<li><strong>{_html.escape(f)}</strong></li>" for f in flags)
                      + "</ul></section>")
     parts.append("<section id=\"answer\"><h2>Answer</h2><p>Per tier: the strategy to run, how sure "
-                 "we are (bootstrap confidence) and by how much it wins (goodput margin over the "
-                 "runner-up).</p><ul>"
+                 "we are (the confidence of intervals over repeats, against the run's own "
+                 "cell-to-cell noise) and by how much it wins (goodput margin over the runner-up), "
+                 + _html.escape(scope_line((a.race or {}).get("scope") or {})) + ".</p><ul>"
                  + "".join(f"<li>{_html.escape(line)}</li>" for line in headline_lines(
                      a.recommendation, (a.race or {}).get("undecided_reason")))
-                 + "</ul><p>Claims check (see below):</p><ul>"
+                 + "</ul><p>Claims check, on this deployment (see below):</p><ul>"
                  + "".join(f"<li>{_html.escape(line)}</li>" for line in claim_lines(a.claims))
                  + "</ul></section>")
     checks = _checks(a)

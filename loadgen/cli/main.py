@@ -863,7 +863,8 @@ def _report(run_dir: Path, console: Any) -> None:
     from analysis.report.build import build_report, default_out_dir
 
     out = build_report(run_dir, default_out_dir(run_dir))
-    console.print("recommendation per tier (highest goodput under the SLOs):", highlight=False)
+    console.print("recommendation per tier (highest goodput under the SLOs), "
+                  f"{out.get('scope') or 'on this deployment only'}:", highlight=False, soft_wrap=True)
     for line in headline_lines(out["recommendation"], (out.get("race") or {}).get("undecided_reason")):
         console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)   # one line each
     for line in claim_lines(out.get("claims") or []):
