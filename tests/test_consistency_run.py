@@ -35,6 +35,36 @@ def service(tmp_path_factory):
         yield url
 
 
+def test_the_first_cell_is_warm(service, tmp_path):
+    """The run warms every strategy before its first measured cell (``--warmup-requests``,
+    default 4) and cuts each cell's first second: on a service that has served nothing yet
+    (this module's first test), each strategy's first cell is not slower than its repeats
+    (TTFT p50 within 1.5x of the later repeats' median, tokens/s at least 2/3 of it; cold,
+    the first cell's TTFT was 2-3x the later ones' in the main job)."""
+    import pandas as pd
+
+    res = subprocess.run(
+        [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", service,
+         "--strategies", "autoregressive,dflash2", "--temperature", "0", "--duration", "3",
+         "--repeats", "3", "--interleave", "--budget", "0", "--consistency", "0",
+         "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_dir = Path(res.stdout.strip().splitlines()[-1].split("results: ", 1)[1])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["warmup"]["requests_per_strategy"] == 4 and manifest["warmup"]["failed"] == {}
+    assert set(manifest["warmup"]["seconds"]) == {"autoregressive", "dflash2"}
+    assert manifest["args"]["warmup_s"] == pytest.approx(0.3)   # 10 % of the 3-s cells
+    df = pd.read_parquet(run_dir / "requests.parquet")
+    df = df[df[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+    for strategy, g in df.groupby(mn.REQ_STRATEGY):
+        by = g.groupby(mn.REQ_REPEAT)
+        ttft = by[mn.REQ_TTFT_MS].median()
+        tps = by[mn.REQ_OUTPUT_TOKENS].sum() / (by[mn.REQ_END_TS].max() - by[mn.REQ_SCHEDULED_TS].min())
+        later_ttft, later_tps = ttft.loc[1:].median(), tps.loc[1:].median()
+        assert ttft.loc[0] <= 1.5 * later_ttft, (strategy, ttft.to_dict())
+        assert tps.loc[0] >= later_tps / 1.5, (strategy, tps.to_dict())
+
+
 def test_run_consistency_memory_report(service, tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", service,

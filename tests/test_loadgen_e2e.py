@@ -365,7 +365,8 @@ def test_smoke_against_real_service(tmp_path):
 @pytest.mark.parametrize("interleave", [False, True])
 def test_interleave_orders_cells_cell_major(tmp_path, interleave):
     """``--repeats 2``: back to back per strategy by default (A r0, A r1, B r0, B r1);
-    with ``--interleave`` every strategy in turn per repeat (A r0, B r0, A r1, B r1)."""
+    with ``--interleave`` every strategy in turn per repeat, odd repeats mirrored (A r0, B r0,
+    B r1, A r1: ABBA)."""
     with fake_server.running("--ttft-ms", "5", "--gap-ms", "2") as url:
         tiers = _tiers(tmp_path, {"users": 1, "duration_s": 1, "max_tokens": 4})
         cmd = _cmd(url, tiers, tmp_path / "res", "--output", "short", "--consistency", "0",
@@ -375,6 +376,6 @@ def test_interleave_orders_cells_cell_major(tmp_path, interleave):
     df = pd.read_parquet(_run_dir(tmp_path / "res") / "requests.parquet")
     first = df.groupby([M.REQ_STRATEGY, M.REQ_REPEAT])[M.REQ_SENT_TS].min().sort_values()
     order = [f"{s} r{k}" for s, k in first.index]
-    want = (["autoregressive r0", "ngram r0", "autoregressive r1", "ngram r1"] if interleave
+    want = (["autoregressive r0", "ngram r0", "ngram r1", "autoregressive r1"] if interleave
             else ["autoregressive r0", "autoregressive r1", "ngram r0", "ngram r1"])
     assert order == want

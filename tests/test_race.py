@@ -380,3 +380,20 @@ def test_race_repeats_contenders_mirrored_drops_the_loser_and_keeps_the_budget(t
     assert low["confidence"] == pytest.approx(d["confidence"])
     assert low["repeats"] == len(r["rounds"]) + 1 and low["time_s"] == pytest.approx(d["time_s"])
     assert low["dropped"] == d["dropped"] and low["noise"]["df"] == d["noise"]["df"]
+
+
+def test_an_aa_race_is_not_decided(tmp_path):
+    """The same fake deployment under two names, raced for 20 s with random delays: at
+    confidence 0.99 neither twin is dropped (the rule decides an A/A at most 1 % of the time
+    over all its looks); the run measured its own noise (the A/A) and says so."""
+    from loadgen.tools import fake_server
+
+    with fake_server.running("--ttft-ms", "10", "--gap-ms", "5", "--jitter-ms", "20",
+                             "--models", "autoregressive,twin") as url:
+        out, run = _loadgen(url, tmp_path, "--strategies", "autoregressive,twin", "--budget", "20s",
+                            "--confidence", "0.99")
+    r = json.loads((run / "manifest.json").read_text())["race"]
+    d = r["decisions"]["low/short"]
+    assert d["status"] in (race.UNDECIDED, race.EQUIVALENT) and d["dropped"] == {}
+    assert r["noise"]["df"] >= 1 and "low/short" in r["noise"]["aa"]
+    assert d["repeats"]["autoregressive"] >= 2 and "noise: one cell run's goodput varies" in out

@@ -39,9 +39,9 @@ def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
                     help="run each cell K times back to back (request column `repeat`, 0-based)")
     ap.add_argument("--interleave", action="store_true",
                     help="cell-major order: per tier, output class and repeat, every strategy in "
-                         "turn (strategy A r0, B r0, A r1, B r1, ...), so drift on a shared box hits "
-                         "every strategy alike; for side-by-side runs with --repeats (a raced run, "
-                         "--budget, always runs its first pass this way)")
+                         "turn, odd repeats mirrored (A r0, B r0, B r1, A r1: ABBA), so drift on a "
+                         "shared box hits every strategy alike; for side-by-side runs with --repeats "
+                         "(a raced run, --budget, always runs its first pass this way)")
     ap.add_argument("--budget", type=duration_s(allow=(BUDGET_AUTO,)), default=BUDGET_AUTO,
                     metavar="T",
                     help="racing to a decision: wall time for the whole run (first pass included), "
