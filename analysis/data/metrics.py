@@ -42,6 +42,7 @@ GOODPUT_RPS = mn.CELL_GOODPUT_RPS
 SLO_ATTAINMENT = mn.CELL_SLO_ATTAINMENT
 DURATION_S = mn.CELL_DURATION_S
 GOOD = "meets_slo"
+REPLICATES = "replicates"   # cell runs (repeats) pooled into a cell-table row
 
 
 def meets_slo(requests: pd.DataFrame, slos: dict[str, Slo]) -> pd.Series:
@@ -105,8 +106,10 @@ def _cell_row(g: pd.DataFrame) -> dict:
     duration = _wall_time_s(g)
     ok = g[g[mn.REQ_STATUS].eq("ok")]
     good = g[g[GOOD]]
+    rep = mn.REQ_REPEAT
     row = {
         mn.CELL_N_REQUESTS: len(g), mn.CELL_N_OK: len(ok), DURATION_S: duration,
+        REPLICATES: int(g[rep].nunique()) if rep in g.columns else 1,
         OUTPUT_TOKENS_PER_S: ok[mn.REQ_OUTPUT_TOKENS].sum() / duration if duration > 0 else np.nan,
         GOODPUT_TOKENS_PER_S: good[mn.REQ_OUTPUT_TOKENS].sum() / duration if duration > 0 else np.nan,
         GOODPUT_RPS: len(good) / duration if duration > 0 else np.nan,

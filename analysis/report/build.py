@@ -96,15 +96,13 @@ def race_settings(results: Results) -> dict:
             "undecided_reason": reason}
 
 
-def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-            baseline: str | Path | None = None, threshold: float = DEFAULT_THRESHOLD,
-            warmup_s: float | None = None) -> Analysis:
-    """Compute every table of the report (no files written).
-
-    warmup_s: seconds excluded from the start of every cell replicate (requests and
-    step rows, ``analysis.data.stability.apply_warmup``); None: the run manifest's
-    ``args.warmup_s``, else 0. Raises ResultsError when the cut leaves no request.
-    """
+def prepare(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+            warmup_s: float | None = None):
+    """The rows every figure of a report is computed from: the warm-up cut (``warmup_s``;
+    None: the run manifest's ``args.warmup_s``, else 0), SLO flags, the server's counters and
+    the cell table (one row per cell, repeats pooled: ``analysis.data.metrics.cell_table``).
+    Returns (results, warmup_s, requests dropped, slos, flagged, server cells, cells). Raises
+    ResultsError when the cut leaves no request."""
     if warmup_s is None:
         warmup_s = float(next((r.manifest.get("args", {}).get("warmup_s") or 0
                                for r in results.runs if r.manifest.get("args")), 0) or 0)
@@ -120,6 +118,20 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     flagged = metrics.with_slo_flags(results.requests, slos)
     srv = server_data.cell_table(results)   # the target's own counters (--server-metrics)
     cells = server_data.fill_cells(metrics.cell_table(flagged), srv)
+    return results, warmup_s, dropped, slos, flagged, srv, cells
+
+
+def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+            baseline: str | Path | None = None, threshold: float = DEFAULT_THRESHOLD,
+            warmup_s: float | None = None) -> Analysis:
+    """Compute every table of the report (no files written).
+
+    warmup_s: seconds excluded from the start of every cell replicate (requests and
+    step rows, ``analysis.data.stability.apply_warmup``); None: the run manifest's
+    ``args.warmup_s``, else 0. Raises ResultsError when the cut leaves no request.
+    """
+    results, warmup_s, dropped, slos, flagged, srv, cells = prepare(results, slo_ttft_ms, slo_tpot_ms,
+                                                                    warmup_s)
     cap = server_data.merge_capacity(capacity.capacity_table(results.steps), srv)
     # measured per sampling label (speedup and tau); the model's columns are fitted over every
     # label of a strategy x output class (model_tau, verification per request, prediction)

@@ -837,7 +837,7 @@ def _print_outcome(st: _RunState) -> int:
     from loadgen.results.summary import legend, render_table
 
     console, summaries = st.console, st.summaries
-    if summaries:
+    if summaries and not _print_cells(st):   # per cell run when the cell table cannot be built
         table, shown = render_table(summaries, max_width=console.width)
         console.print(table)
         console.print(f"Columns: {legend(shown)} Every column, p99s included: {st.run_dir / SUMMARY_CSV}",
@@ -854,6 +854,25 @@ def _print_outcome(st: _RunState) -> int:
     if st.status == "interrupted":
         return EXIT_INTERRUPTED
     return EXIT_NO_SUCCESS if summaries and len(empty) == len(summaries) else 0
+
+
+def _print_cells(st: _RunState) -> bool:
+    """The run's cell table (repeats pooled, warm-up cut: the report's own numbers,
+    ``analysis.report.build.prepare``); False when it cannot be built (no request written)."""
+    from analysis.data.load import ResultsError, load_results
+    from analysis.report.build import prepare
+    from loadgen.results.summary import cell_legend, render_cell_table
+
+    try:
+        cells = prepare(load_results(st.run_dir))[-1]
+    except (ResultsError, ValueError, KeyError) as err:
+        st.console.print(f"[yellow]note[/] no cell table: {err}", highlight=False)
+        return False
+    table, shown = render_cell_table(cells, max_width=st.console.width)
+    st.console.print(table)
+    st.console.print(f"Columns: {cell_legend(shown)} Per cell run, p99s included: "
+                     f"{st.run_dir / SUMMARY_CSV}", highlight=False, soft_wrap=True)
+    return True
 
 
 def _report(run_dir: Path, console: Any) -> None:

@@ -439,3 +439,68 @@ def eta_seconds(done: int, total: int, elapsed_s: float, planned_cell_s: float) 
     """Remaining time: cells left x the mean measured cell time (the planned time before any)."""
     per_cell = elapsed_s / done if done else planned_cell_s
     return max(0, total - done) * per_cell
+
+
+# --- the run's per-cell table (after the run) -------------------------------------------
+# (header, cell-table column or callable, explanation): one row per strategy x cell, its
+# repeats pooled, from the rows and the function the report uses (analysis.report.build.prepare:
+# warm-up cut, SLO flags, analysis.data.metrics.cell_table), so every number here is the
+# report's and the answer's.
+CELL_COLUMNS: tuple[tuple[str, Any, str], ...] = (
+    ("strategy", M.REQ_STRATEGY, "decoding strategy (the request's model)"),
+    ("tier", M.REQ_TIER, "load tier"),
+    ("out", lambda r: r[M.REQ_OUTPUT_CLASS] + ("" if r.get(M.REQ_SAMPLING) in (None, M.GREEDY)
+                                                else f"/{r[M.REQ_SAMPLING]}"),
+     "output class (/t0.7: its sampling setting)"),
+    ("users", lambda r: f"{int(r[M.REQ_USERS])}", "concurrency"),
+    ("reps", lambda r: f"{int(r.get('replicates') or 1)}", "cell runs pooled (repeats, the A/A included)"),
+    ("tok/s", lambda r: _num(r.get(M.CELL_OUTPUT_TOKENS_PER_S), ".1f"),
+     "output tokens/s of ok requests over the cell runs' summed wall time, warm-up cut"),
+    ("speedup", lambda r: _num(r.get(M.CELL_SPEEDUP), ".2f"), "tok/s over autoregressive's, same cell"),
+    ("goodput", lambda r: _num(r.get(M.CELL_GOODPUT_TOKENS_PER_S), ".1f"),
+     "output tokens/s of requests meeting both SLOs"),
+    ("TTFT", lambda r: _num(r.get("ttft_ms_p50"), ".0f"), "TTFT p50, ms"),
+    ("TPOT", lambda r: _num(r.get("tpot_ms_p50"), ".1f"), "TPOT p50, ms"),
+    ("tau", lambda r: _num(r.get(M.ACCEPTANCE_LENGTH), ".2f"), "acceptance length (tokens per step)"),
+)
+
+
+def render_cell_table(cells: "Any", max_width: int = 100):
+    """A rich Table of the run's cell table (``analysis.report.build.prepare``), one row per
+    strategy x cell, cells low -> high; columns dropped from the right end until it fits.
+    Returns (table, shown headers)."""
+    from rich import box
+    from rich.table import Table
+
+    from analysis.decide.recommend import cell_order
+
+    rows = sorted(cells.to_dict("records"), key=lambda r: (
+        cell_order((str(r[M.REQ_TIER]), str(r[M.REQ_OUTPUT_CLASS]))), str(r.get(M.REQ_SAMPLING)),
+        str(r[M.REQ_STRATEGY])))
+    headers = [c[0] for c in CELL_COLUMNS]
+
+    def build(names):
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1),
+                  collapse_padding=True, title="per strategy x cell (repeats pooled)",
+                  title_justify="left")
+        cols = [c for c in CELL_COLUMNS if c[0] in names]
+        for name, _, _ in cols:
+            t.add_column(name, justify="left" if name in ("strategy", "tier", "out") else "right",
+                         no_wrap=True)
+        for r in rows:
+            t.add_row(*[str(r.get(fn)) if isinstance(fn, str) else fn(r) for _, fn, _ in cols])
+        return t
+
+    table = build(headers)
+    for name in ("tau", "TPOT", "TTFT", "goodput", "users"):
+        if table_width(table) <= max_width:
+            break
+        headers.remove(name)
+        table = build(headers)
+    return table, headers
+
+
+def cell_legend(headers: list[str]) -> str:
+    """One ``header: explanation`` clause per shown column of ``render_cell_table``."""
+    return "; ".join(f"{name}: {text}" for name, _, text in CELL_COLUMNS
+                     if name in headers and name not in ("strategy", "tier", "out")) + "."
