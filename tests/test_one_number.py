@@ -92,3 +92,23 @@ def test_the_console_cell_table_prints_the_same_numbers(run):
     assert f"{c[metrics.SPEEDUP]:.2f}" in line.split() and f"{c[metrics.GOODPUT_TOKENS_PER_S]:.1f}" in line.split()
     ar = _cell(cells, mn.AUTOREGRESSIVE, "low", "short", "greedy")
     assert int(ar["replicates"]) == 2                       # the A/A: autoregressive ran twice
+
+
+def test_the_answer_states_its_scope():
+    from analysis.data.scope import run_scope, scope_line
+
+    manifest = {"target": "http://127.0.0.1:8000", "machine": {"cpu_count": 2, "memory_gb": 23.6},
+                "args": {"warmup_s": 1.0, "duration": None}, "warmup": {"requests_per_strategy": 4},
+                "tiers": ["low", "high"], "outputs": ["short"],
+                "profile": {"tiers": {"low": {"short": {"duration_s": 10.0}},
+                                      "high": {"short": {"duration_s": 10.0}}}},
+                "memory": {s: {"replica": f"r{s}", "device": "cpu", "dtype": "float32",
+                               "target_weight_bytes": 23_085_056} for s in ("autoregressive", "ngram")}}
+    scope = run_scope([manifest])
+    assert scope["target_params"] == 23_085_056 / 4 and scope["replicas"] == 1 and scope["cell_s"] == [10.0]
+    assert scope_line(scope) == (
+        "on this deployment only: a 5.8 M-parameter float32 target (22 MiB) on cpu, a 2-core machine "
+        "with 23.6 GiB; 1 replica per strategy; 10-s cells, each one's first 1 s cut as warm-up, every "
+        "strategy warmed by 4 unmeasured requests first")
+    vllm = scope_line(run_scope([{**manifest, "memory": {}, "target": "http://10.0.0.5:8000"}]))
+    assert vllm.startswith("on this deployment only: the target at http://10.0.0.5:8000 (its size not reported)")

@@ -17,7 +17,8 @@ def run_scope(manifests: list[dict[str, Any]], warmup_s: float | None = None) ->
     (parameters, from the replica's weight bytes and dtype; None for a target that does not
     report them, e.g. vLLM), "device", "dtype", "cpu_count", "memory_gb", "replicas" (replicas
     per strategy reporting memory), "cell_s" (offered seconds per cell, sorted set),
-    "warmup_s", "runs"}."""
+    "warmup_s", "warmup_requests" (unmeasured requests per strategy before its first cell),
+    "runs"}."""
     m0 = manifests[0] if manifests else {}
     mem = [v for m in manifests for v in (m.get("memory") or {}).values() if isinstance(v, dict)]
     first = mem[0] if mem else {}
@@ -48,6 +49,7 @@ def run_scope(manifests: list[dict[str, Any]], warmup_s: float | None = None) ->
             "replicas": max((len(v) for v in per.values()), default=None),
             "cell_s": durations,
             "warmup_s": warmup_s if warmup_s is not None else args.get("warmup_s"),
+            "warmup_requests": (m0.get("warmup") or {}).get("requests_per_strategy"),
             "runs": len(manifests)}
 
 
@@ -72,5 +74,7 @@ def scope_line(scope: dict[str, Any]) -> str:
     if cells:
         c = "/".join(f"{x:g}" for x in cells)
         w = scope.get("warmup_s")
-        parts.append(f"{c}-s cells" + (f", each one's first {w:g} s cut as warm-up" if w else ", no warm-up cut"))
+        n = scope.get("warmup_requests")
+        parts.append(f"{c}-s cells" + (f", each one's first {w:g} s cut as warm-up" if w else ", no warm-up cut")
+                     + (f", every strategy warmed by {n} unmeasured requests first" if n else ""))
     return "on this deployment only: " + "; ".join(parts)
