@@ -349,7 +349,7 @@ def test_race_repeats_contenders_mirrored_drops_the_loser_and_keeps_the_budget(t
     give the same decision."""
     from loadgen.tools import fake_server
 
-    budget = 24.0
+    budget = 40.0   # the first pass (4 cell runs with the A/A, the warm-up) leaves rounds to run
     with fake_server.running("--ttft-ms", "10", "--gap-ms", "5", "--jitter-ms", "30",
                              "--model-gap-ms", "ngram=400") as url:
         out, run = _loadgen(url, tmp_path, "--strategies", "ngram,dflash,dspark",

@@ -288,8 +288,11 @@ def alpha_at(look: int, confidence: float, single: bool = False) -> float:
     return (1 - confidence) if single else (1 - confidence) / (look * (look + 1))
 
 
+_TIE_LOG = 1e-9   # ln-goodput differences below this are numerical ties (the baseline wins them)
+
+
 def _rank(point: dict[str, float]) -> list[str]:
-    return sorted(point, key=lambda s: (-point[s], s != mn.AUTOREGRESSIVE, s))
+    return sorted(point, key=lambda s: (-round(point[s] / _TIE_LOG), s != mn.AUTOREGRESSIVE, s))
 
 
 def _noise_for(fit: _Fit, run: Noise | None) -> Noise:
@@ -326,7 +329,7 @@ def _evaluate(fit: _Fit, contenders: list[str], noise: Noise, alpha: float, marg
         out["win"][s] = float(stats.t.cdf(-diff / se, noise.df)) if se > 0 else float(diff < 0)
         lo, hi = diff - q * se, diff + q * se
         out["interval"][s] = [math.expm1(lo), math.expm1(hi)]
-        if hi < 0:
+        if hi < -_TIE_LOG:
             out["drop"].append(s)
         elif math.expm1(lo) > -m_eff and math.expm1(hi) < m_eff:
             out["equiv"].append(s)

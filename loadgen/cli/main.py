@@ -504,9 +504,10 @@ def _warm_strategies(st: _RunState) -> None:
     """Warm every strategy before its first measured cell (``--warmup-requests`` N): N short
     greedy completions on its own route, half one at a time, half at once, not recorded as
     requests. The seconds each took go to the manifest (``warmup``); a failure is a warning."""
+    import json
+    import urllib.error
+    import urllib.request
     from concurrent.futures import ThreadPoolExecutor
-
-    from loadgen.cli.consistency import CompletionError, complete_full
 
     n = st.args.warmup_requests
     st.manifest["warmup"] = {"requests_per_strategy": n, "cut_s": st.args.warmup_s, "seconds": {},
@@ -516,10 +517,16 @@ def _warm_strategies(st: _RunState) -> None:
     timeout = float(st.profile.request_timeout_s)
 
     def one(strategy: str, i: int) -> None:
+        """One streamed completion (the load's own path), read to its end."""
+        url = route_url(st.target, st.prefixes.get(strategy))
         body = {"model": st.args.model or strategy, "prompt": st.prompts[i % len(st.prompts)].text,
-                "max_tokens": WARMUP_MAX_TOKENS, "temperature": 0.0, "stream": False}
-        complete_full(route_url(st.target, st.prefixes.get(strategy)), body, timeout,
-                      st.auth.headers, st.auth.insecure)
+                "max_tokens": WARMUP_MAX_TOKENS, "temperature": 0.0, "stream": True}
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={**st.auth.headers, "Content-Type": "application/json"},
+                                     method="POST")
+        ctx = service.ssl_context(st.auth.insecure) if url.startswith("https://") else None
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:  # noqa: S310
+            resp.read()
 
     for strategy in st.strategies:
         t0 = time.monotonic()
@@ -528,7 +535,7 @@ def _warm_strategies(st: _RunState) -> None:
                 one(strategy, i)
             with ThreadPoolExecutor(max_workers=max(1, n // 2)) as pool:
                 list(pool.map(lambda i: one(strategy, i), range((n + 1) // 2, n)))
-        except CompletionError as err:
+        except (urllib.error.URLError, OSError, ValueError) as err:
             st.manifest["warmup"]["failed"][strategy] = str(err)[:300]
             st.console.print(f"[yellow]warning[/] warm-up of {strategy} failed: {err}", highlight=False)
         st.manifest["warmup"]["seconds"][strategy] = round(time.monotonic() - t0, 3)
