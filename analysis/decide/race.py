@@ -150,6 +150,7 @@ class Decision:
     noise: dict = field(default_factory=dict)      # Noise.to_dict() of the last look
     alpha: list = field(default_factory=list)      # alpha spent per look (before / m)
     needs_repeats: int | None = None     # undecided: replicates per contender that would decide
+    level: float | None = None           # the last look's interval level (1 - its alpha / m)
     reason: str = ""                     # undecided: why, in words
     bootstrap: dict = field(default_factory=dict)  # the settings (name kept for readers)
 
@@ -449,6 +450,7 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
         time_s=float(sum(duration.values())), rounds=n_eval, decided_at_repeat=settled_at,
         noise=nz.to_dict() if nz is not None else {}, alpha=alphas,
         needs_repeats=ev.get("needs") if ev is not None and status == UNDECIDED else None,
+        level=ev.get("level") if ev is not None else None,
         reason=reason,
         bootstrap={"over": "replicates (cell runs)", "interval": "t over ln(goodput), pooled sd",
                    "looks": n_eval, "alpha_spending": "(1 - c) / (k (k + 1))" if not single

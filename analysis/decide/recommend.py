@@ -57,7 +57,7 @@ def from_decision(d: "race.Decision") -> dict:
                    "repeats": max(d.repeats.values()), "repeats_by_strategy": dict(d.repeats),
                    "time_s": d.time_s, "decided_at_repeat": d.decided_at_repeat,
                    "noise": dict(d.noise), "alpha": list(d.alpha), "looks": d.rounds,
-                   "needs_repeats": d.needs_repeats, "reason": d.reason}
+                   "needs_repeats": d.needs_repeats, "reason": d.reason, "level": d.level}
     note = ""
     if point[best] <= 0:
         if mn.AUTOREGRESSIVE not in point:
@@ -280,9 +280,10 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
             lines.append(f"{head} no strategy met the SLOs; nothing to recommend")
         elif r.get("strategy") == TIE:
             why = f"undecided{f', {undecided_reason}' if undecided_reason else ''}: " if status else "a tie: "
+            need = percent(r["level"], 1) if r.get("level") else level   # the last look's level
             lines.append(f"{head} run any of {', '.join(r.get('tied', []))} ({why}{r.get('leader')} leads "
-                         f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
-                         f"< {level}{effort})")
+                         f"by {percent(r.get('margin'))}, P(lead) {percent(r.get('confidence'), 0)} "
+                         f"short of the {need} its look needed{effort})")
         elif status == race.EQUIVALENT:
             b = r.get("bootstrap", {})
             m = percent(b.get("effective_margin", b.get("equivalence_margin", race.DEFAULT_MARGIN)), 0)
