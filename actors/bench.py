@@ -16,6 +16,14 @@ the machine is shared and absolute speed drifts. Keys:
   tokens/s x forward FLOPs per token (``flops_per_token``), over the fp32
   matmul FLOP/s measured here (a 1024^3 GEMM, same threads)
 
+And the trade-off table (``tradeoff`` in the output; ``--tradeoff-batches``, default 1,4,16),
+per strategy and batch: ms per emitted token (the run's wall time over its output
+tokens), its speedup over ``autoregressive`` at that batch, and the verify's roofline
+share: the FLOPs of the tokens each decode-only step verified (``flops_per_token`` at
+the step's mean context) over the steps' verify ms, divided by the matmul roof
+measured in the same repetition. Where the speedup crosses 1.0 with the batch is the
+trade-off speculative decoding is about.
+
 Every ratio is the median over ``--reps`` (3) interleaved repetitions: each
 repetition runs every row once, HF next to the engine.
 """
@@ -48,16 +56,37 @@ def load_prompts(n: int, domain: str = "code") -> list[str]:
 
 
 def engine_tps(engine: LLMEngine, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    """Run ``prompts`` (greedy, ``max_tokens`` each, EOS ignored) at most ``batch`` at once.
+    Returns tokens, seconds, tokens_per_s, ms_per_token (wall ms per emitted token),
+    acceptance_length, and from the engine's step rows of decode-only steps: verify_flops
+    (FLOPs of the verified tokens, ``flops_per_token`` at each step's mean context) and
+    verify_s (their verify time, s)."""
+    from configs import metric_names as M
+
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     reqs = [(f"b{batch}-{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
-    t = time.perf_counter()
-    res = run_requests(engine, reqs, batch_size=batch)
-    dt = time.perf_counter() - t
+    rows: list[dict] = []
+    keep, engine.on_step = engine.on_step, rows.append
+    try:
+        t = time.perf_counter()
+        res = run_requests(engine, reqs, batch_size=batch)
+        dt = time.perf_counter() - t
+    finally:
+        engine.on_step = keep
     toks = sum(len(r["token_ids"]) for r in res.values())
     acc = sum(r["stats"].num_accepted_tokens for r in res.values())
     drafts = sum(r["stats"].num_drafts for r in res.values())
+    flops = secs = 0.0
+    for r in rows:
+        n, b = r[M.STEP_VERIFICATION_TOKENS], r[M.STEP_BATCH_SIZE]
+        if r[M.STEP_PREFILL_TOKENS] or not n or not b:
+            continue
+        flops += n * flops_per_token(engine.model, r[M.STEP_CONTEXT_TOKENS] / b)
+        secs += r[M.STEP_VERIFY_MS] / 1e3
     return {"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
-            "acceptance_length": 1 + acc / drafts if drafts else 1.0}
+            "ms_per_token": dt * 1e3 / toks if toks else None,
+            "acceptance_length": 1 + acc / drafts if drafts else 1.0,
+            "verify_flops": flops, "verify_s": secs}
 
 
 def hf_tps(model, tok, prompts: list[str], batch: int, max_tokens: int, assistant=None) -> dict:
@@ -115,10 +144,19 @@ def _parse(argv) -> tuple[argparse.Namespace, list[int], list[str]]:
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
     ap.add_argument("--roof-batch", type=int, default=64,
                     help="batch of the engine run compared with the fp32 matmul roof (0 = skip)")
+    ap.add_argument("--tradeoff-batches", default="1,4,16",
+                    help="batch sizes of the trade-off table: ms per emitted token, speedup over "
+                         "autoregressive and the verify's roofline share per strategy (run too)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     try:
-        batches = sorted({1, 8, *(int(b) for b in a.batches.split(",") if b)})
+        a.tradeoff = sorted({int(b) for b in a.tradeoff_batches.split(",") if b})
+    except ValueError:
+        ap.error(f"--tradeoff-batches: expected comma-separated integers, got {a.tradeoff_batches!r}")
+    if a.tradeoff and min(a.tradeoff) < 1:
+        ap.error("--tradeoff-batches: batch sizes must be >= 1")
+    try:
+        batches = sorted({1, 8, *(int(b) for b in a.batches.split(",") if b), *a.tradeoff})
     except ValueError:
         ap.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
     if min(batches) < 1:
@@ -188,9 +226,9 @@ def _rows(a: argparse.Namespace, batches: list[int], strategies: list[str],
             if key not in dict(plan):
                 plan.append((key, lambda s=s, bsz=bsz: engine_tps(
                     engines[s], p1 if bsz == 1 else pb[bsz], bsz, a.max_tokens)))
+    plan.append(("matmul_roof", lambda: matmul_roof(a.threads)))
     if a.roof_batch:
-        plan += [("matmul_roof", lambda: matmul_roof(a.threads)),
-                 (f"autoregressive_b{a.roof_batch}", lambda: engine_tps(
+        plan += [(f"autoregressive_b{a.roof_batch}", lambda: engine_tps(
                      engines["autoregressive"], load_prompts(a.roof_batch), a.roof_batch,
                      a.max_tokens))]
     return plan
@@ -240,8 +278,28 @@ def _summarize(a: argparse.Namespace, batches: list[int], strategies: list[str],
     return raw, ratios
 
 
-def _print_outcome(ratios: dict, raw: dict) -> None:
-    """Print the ratios and raw rows as rich tables (the ratios as JSON without rich)."""
+def _tradeoff(a: argparse.Namespace, strategies: list[str], runs: dict[str, list[dict]]) -> dict:
+    """The trade-off table: {strategy: {batch: {ms_per_token, speedup_vs_ar, roof_share}}},
+    each the median over repetitions of that repetition's value (the speedup and the roof
+    share against the autoregressive row and the matmul roof of the same repetition)."""
+    med = statistics.median
+    out: dict = {}
+    for s in strategies:
+        for b in a.tradeoff:
+            mine, ar = runs[f"{s}_b{b}"], runs[f"autoregressive_b{b}"]
+            shares = [e["verify_flops"] / e["verify_s"] / m["flop_s"]
+                      for e, m in zip(mine, runs["matmul_roof"]) if e["verify_s"] > 0]
+            out.setdefault(s, {})[b] = {
+                "ms_per_token": round(med(e["ms_per_token"] for e in mine), 3),
+                "speedup_vs_ar": round(med(x["ms_per_token"] / e["ms_per_token"]
+                                           for e, x in zip(mine, ar)), 3),
+                "roof_share": round(med(shares), 4) if shares else None}
+    return out
+
+
+def _print_outcome(ratios: dict, raw: dict, tradeoff: dict | None = None) -> None:
+    """Print the ratios, the trade-off table and the raw rows as rich tables (the ratios
+    and the trade-off as JSON without rich)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -258,9 +316,22 @@ def _print_outcome(ratios: dict, raw: dict) -> None:
                 t2.add_row(k, f"{v['flop_s'] / 1e9:.1f} GFLOP/s", "")
                 continue
             t2.add_row(k, f"{v['tokens_per_s']:.1f}", f"{v.get('acceptance_length', float('nan')):.2f}")
-        Console().print(t); Console().print(t2)
+        Console().print(t)
+        if tradeoff:
+            bs = sorted({b for v in tradeoff.values() for b in v})
+            t3 = Table(title="trade-off: ms per emitted token (speedup over autoregressive; "
+                             "verify's share of the one-thread matmul roof)")
+            t3.add_column("strategy")
+            for b in bs:
+                t3.add_column(f"batch {b}", justify="right")
+            for s, v in tradeoff.items():
+                t3.add_row(s, *(f"{v[b]['ms_per_token']:.2f} ms ({v[b]['speedup_vs_ar']:.2f}x; "
+                                + ("-" if v[b]['roof_share'] is None
+                                   else f"{100 * v[b]['roof_share']:.0f}%") + ")" for b in bs))
+            Console().print(t3)
+        Console().print(t2)
     except ImportError:
-        print(json.dumps(ratios, indent=2))
+        print(json.dumps({"ratios": ratios, "tradeoff": tradeoff}, indent=2))
 
 
 def main(argv=None) -> int:
@@ -273,10 +344,11 @@ def main(argv=None) -> int:
     st = _load(a, batches, strategies)
     runs = _measure(a, batches, strategies, st)
     raw, ratios = _summarize(a, batches, strategies, st, runs)
-    result = {"ratios": ratios, "raw": raw, "max_tokens": a.max_tokens, "threads": a.threads,
+    tradeoff = _tradeoff(a, strategies, runs) if a.tradeoff else {}
+    result = {"ratios": ratios, "raw": raw, "tradeoff": tradeoff, "max_tokens": a.max_tokens, "threads": a.threads,
               "reps": a.reps, "note": "ratios: medians over interleaved repetitions",
               "torch": torch.__version__, "device": "cpu"}
-    _print_outcome(ratios, raw)
+    _print_outcome(ratios, raw, tradeoff)
     if a.out:
         write_json(a.out, result)
     return 0

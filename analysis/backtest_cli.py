@@ -1,5 +1,7 @@
 """``python -m analysis backtest RUN_DIR [--json FILE] [--holdout N]``: print the
-prediction error table and the crossover (measured interval vs predicted)."""
+prediction error table (fit below the holdout, predict it), the leave-one-level-out
+table over every users level (``analysis.model.backtest.loo_backtest``) with the step
+model's hold-out r², and the crossover (measured interval vs predicted)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,22 @@ def run_backtest(args, parser, print_table) -> int:
     print_table("crossover: measured interval vs predicted (model fitted below the holdout)",
                 bt["crossover"], ["strategy", "output_class", "status", "lo", "hi", "point",
                                   "predicted", "levels"])
+    loo = bt.get("loo")
+    if loo:
+        print_table(f"leave-one-level-out over users {loo['levels']} (step model: "
+                    f"{'engine profile ' + str(loo['profile']) if loo['profile'] else 'fitted on the other levels, extrapolated'})",
+                    loo["rows"], ["strategy", "output_class", "metric", "users", "predicted",
+                                  "measured", "abs_error", "repeat_spread", "model"])
+        print_table("leave-one-level-out per strategy x output class", loo["summary"],
+                    ["strategy", "output_class", "metric", "median_abs_error", "worst_abs_error", "n"])
+        print_table("step model r² on the held-out levels' steps (ceiling: what the step's "
+                    "own shape, B, T, prefill and context, explains at most, in sample)",
+                    [{"strategy": s, "r2_holdout": r, "r2_ceiling": loo["r2_ceiling"].get(s)}
+                     for s, r in loo["r2_holdout"].items()],
+                    ["strategy", "r2_holdout", "r2_ceiling"])
+        for metric, o in loo["overall"].items():
+            print(f"leave-one-level-out {metric}: median absolute error {o['median_abs_error']:.1%}, "
+                  f"worst {o['worst_abs_error']:.1%} over {o['n']} predictions")
     mae = bt["median_abs_error"]
     print(f"median absolute error: {'-' if mae is None else f'{mae:.1%}'} over {len(bt['rows'])} "
           "predictions")

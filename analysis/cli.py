@@ -277,9 +277,14 @@ def _plan(args, parser) -> int:
     print("assumptions:")
     for a in out["assumptions"]:
         print(f"  - {a}")
+    _print_table(f"answer for tier {args.tier} at {args.qps:g} req/s (per output class; "
+                 "alternatives in the plan below)", out.get("answer") or [],
+                 ["output_class", "strategy", "replicas", "predicted_attainment", "basis",
+                  "step_model", "alternatives"])
     _print_table(f"plan (step cost model + queue): {args.qps:g} req/s, tier {args.tier}",
                  out["model"],
-                 ["strategy", "output_class"]
+                 ["rank", "strategy", "output_class", "basis", "step_model",
+                  "measured_goodput_tok_s", "measured_decision"]
                  + (["acceptance_length", "measured_acceptance_length"] if args.acceptance_length else [])
                  + ["capacity_rps", "saturation_rps", "replicas", "goodput_tok_s",
                     "predicted_attainment", "predicted_attainment_minus_one", "mean_in_system",

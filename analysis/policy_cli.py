@@ -38,6 +38,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(num_speculative_tokens_per_batch_size)")
     p.add_argument("--base-config", default=None, type=existing_file(),
                    help="Serve config the emitted one starts from (default configs/serve.yaml)")
+    p.add_argument("--backend", default=None, choices=("embedded", "vllm"),
+                   help="engine the emitted / validated deployments run on: vllm takes the base "
+                        "config's backend-vllm entry of each strategy (vllm-<strategy>; default "
+                        "base config then configs/serve-vllm.yaml) and names the policy "
+                        "vllm-<base>-policy; default: the entries as the base config has them")
     p.add_argument("--cost-curve", type=cost_curve_arg, default=None, metavar="NAME_OR_PATH",
                    help="a measured step-cost curve (data/cost_curves/NAME.json or a file): add "
                         "each strategy's speedup against concurrency on that device and its "
@@ -75,7 +80,8 @@ def run_policy(args, parser, print_table) -> int:
     results = load_results(args.results_dir)
     tiers = sorted(results.requests[mn.REQ_TIER].unique())
     slos = resolve_slos(tiers, results.manifest_config, args.slo_ttft_ms, args.slo_tpot_ms)
-    base = args.base_config or pol.DEFAULT_BASE_CONFIG
+    base = args.base_config or (pol.DEFAULT_VLLM_BASE_CONFIG if args.backend == "vllm"
+                                else pol.DEFAULT_BASE_CONFIG)
     try:
         policy = pol.derive_policy(results, slos, base_strategy=args.base_strategy,
                                    output_class=args.output, base_config=base, seed=args.seed,
@@ -85,6 +91,10 @@ def run_policy(args, parser, print_table) -> int:
         flag = ("--base-strategy" if "base strategy" in msg else "--output" if "output class" in msg
                 else "--base-config" if str(base) in msg else "RESULTS_DIR")
         parser.error(f"{flag}: {msg}")
+    if args.backend:
+        policy["backend"] = args.backend
+        if args.backend == "vllm" and not policy["name"].startswith("vllm-"):
+            policy["name"] = f"vllm-{policy['name']}"
     quiet = args.json == "-"
     if not quiet:
         b = policy["bases"][policy["base_strategy"]]

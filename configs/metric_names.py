@@ -101,12 +101,20 @@ STEP_DEGRADED_REQUESTS = "degraded_requests"   # requests whose drafter was drop
 # the batch size the step's k was looked up with (num_speculative_tokens_per_batch_size):
 # running + admitted requests when the step was scheduled; null when k is fixed
 STEP_K_BATCH_SIZE = "k_batch_size"
+# the target forward path(s) the step ran, ","-joined in order without repeats: FORWARD_PATHS
+# (the embedded engine), "vllm" (vLLM's engine); "" when the step ran no target forward
+STEP_FORWARD_PATH = "forward_path"
+FORWARD_PATH_STACK = "stack"          # every layer in one C call (actors.engine.layer_kernel)
+FORWARD_PATH_OPS = "ops"              # eager, op by op (torch ops, the C attention kernel)
+FORWARD_PATH_COMPILED = "compiled"    # the torch.compile'd flat forward
+FORWARD_PATH_VLLM = "vllm"
+FORWARD_PATHS = (FORWARD_PATH_STACK, FORWARD_PATH_OPS, FORWARD_PATH_COMPILED, FORWARD_PATH_VLLM)
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
                     STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS,
                     STEP_CPU_MS, STEP_VERIFY_CPU_MS, STEP_NUM_SPEC_TOKENS, STEP_SPECULATION_OFF,
-                    STEP_DEGRADED_REQUESTS, STEP_K_BATCH_SIZE)
+                    STEP_DEGRADED_REQUESTS, STEP_K_BATCH_SIZE, STEP_FORWARD_PATH)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"

@@ -41,6 +41,8 @@ Versions (``SCHEMA_VERSION``):
      per-chunk token counts; otherwise the chunk gaps, labelled (docs/metrics.md).
   10: step column ``k_batch_size`` (the batch size the step's k was looked up with);
      older runs load with it null.
+  11: step column ``forward_path`` (which target forward path the step ran: the stack
+     kernel, op by op, compiled, vLLM); older runs load with it null.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any, Literal
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -182,6 +184,9 @@ ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
     _c(M.STEP_K_BATCH_SIZE, "int64", "requests",
        "batch size the step's k was looked up with (num_speculative_tokens_per_batch_size: "
        "running + admitted requests when scheduled); null when k is fixed, and in older runs"),
+    _c(M.STEP_FORWARD_PATH, "string", doc="target forward path(s) the step ran, ','-joined in "
+       "order: " + " | ".join(M.FORWARD_PATHS) + "; \"\" without a target forward; null before "
+       "schema 11"),
 )
 STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_RUN_ID, "string", doc="run id"),

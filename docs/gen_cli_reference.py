@@ -34,6 +34,8 @@ COMMANDS: list[tuple[list[str], str]] = [
     (["actors.generate"], "generate with one strategy from a prompts file (no server)"),
     (["actors.evaluate"], "position-by-position evaluation of the speculative strategies"),
     (["actors.bench"], "engine benchmarks: ratios vs transformers and vs autoregressive"),
+    (["actors.step_curve"], "the embedded target's step-cost curve (tokens per step 1..256) and "
+                            "each strategy's step-log table at batch 1"),
     (["actors.gpu_check"], "the prepared device check: the engine per strategy and dtype, "
                            "step-cost curves of real shapes (JSON + PNG)"),
     (["actors.bench_serve"], "HTTP + Serve vs the engine alone"),

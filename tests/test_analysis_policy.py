@@ -112,6 +112,33 @@ def test_emitted_serve_config_validates_and_names_the_map(tmp_path):
     assert saved["map"] == {"1-4": 7, "5-64": 0} and saved["serve_config"] == str(out)
 
 
+def test_policy_emitted_for_backend_vllm(tmp_path):
+    """``--backend vllm``: the policy deploys on vLLM's engine (configs/serve-vllm.yaml's
+    vllm-dflash entry) with vLLM's num_speculative_tokens_per_batch_size, the map going
+    into vLLM's speculative_config as its list form; the fixed deployments of the
+    validation are vLLM's too."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.vllm_backend import vllm_engine_args
+    from actors.serve.app import resolve_engine_config
+
+    run = A.write_run(tmp_path / "run")
+    out = tmp_path / "policy-vllm.yaml"
+    assert cli.main(["policy", str(run), "--backend", "vllm", "--emit-serve-config",
+                     str(out)]) == 0
+    args = ServeAppConfig.model_validate(yaml.safe_load(out.read_text())["applications"][0]["args"])
+    assert [s.name for s in args.strategies] == ["vllm-dflash-policy"]
+    engine = resolve_engine_config(args.strategies[0].engine)
+    assert engine["backend"] == "vllm" and engine["strategy"] == mn.DFLASH
+    assert engine["draft_model"].endswith("vllm-dflash")
+    spec = vllm_engine_args(EngineConfig(**engine).model_dump())["speculative_config"]
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 7
+    assert spec[SPEC_SCHEDULE_KEY] == [[1, 4, 7], [5, 64, 0]]
+    fixed = pol.fixed_entry("dflash-k3", {"dflash-k3": {"base_strategy": "dflash", "k": 3}},
+                            pol.DEFAULT_VLLM_BASE_CONFIG, "vllm")
+    assert fixed["name"] == "dflash-k3" and fixed["engine"]["backend"] == "vllm"
+    assert fixed["engine"]["num_speculative_tokens"] == 3
+
+
 @pytest.mark.parametrize("extra, flag", [
     (["--base-strategy", "nope"], "--base-strategy"),
     (["--output", "medium"], "--output"),

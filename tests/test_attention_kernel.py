@@ -87,16 +87,29 @@ def test_kernel_builds_into_its_cache_dir_per_cpu_and_without_a_compiler_is_none
     attention_kernel.load.cache_clear()
     try:
         assert attention_kernel.load() is not None
-        assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]
+        assert [p.suffix for p in (tmp_path / "k").glob("*.so")] == [".so"]
+        # the outcome is recorded in the cache's status.json (the run manifest's kernels)
+        status = kernel_build.build_status()
+        assert status["kernels"]["flat_attention"]["status"] == "built"
+        assert status["cache_dir"] == str(tmp_path / "k")
+        attention_kernel.load.cache_clear()
+        attention_kernel.load()
+        assert kernel_build.build_status()["kernels"]["flat_attention"]["status"] == "cached"
         # another CPU sharing the cache directory builds its own (-march=native)
         monkeypatch.setattr(kernel_build, "cpu_id", lambda: "another cpu")
         attention_kernel.load.cache_clear()
         assert attention_kernel.load() is not None
-        assert sorted(p.suffix for p in (tmp_path / "k").iterdir()) == [".so", ".so"]
+        assert sorted(p.suffix for p in (tmp_path / "k").glob("*.so")) == [".so", ".so"]
         monkeypatch.setenv("SPECLOAD_KERNEL_CACHE", str(tmp_path / "none"))
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         attention_kernel.load.cache_clear()
         assert attention_kernel.load() is None
+        # ... and its absence, with the fallback that runs instead
+        got = kernel_build.build_status()
+        assert got["kernels"]["flat_attention"]["status"] == "unavailable"
+        assert got["kernels"]["flat_attention"]["fallback"] == "the torch form is used"
+        assert got["compiler_found"] is False
+        assert kernel_build.report()["flat_attention"]["status"] == "unavailable"
         with pytest.raises(RuntimeError, match="not built"):
             flat_attention(torch.zeros(2, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
                            torch.tensor([0, 1]), torch.tensor([0, 1]), 1.0)

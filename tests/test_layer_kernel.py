@@ -132,8 +132,10 @@ def test_stack_returns_the_aux_layers_hidden_states():
 
 @pytest.mark.parametrize("path", [DEFAULT_TARGET, DEFAULT_DRAFT])
 def test_embedded_checkpoints_decode_on_the_stack(path):
-    """The embedded models (bfloat16 checkpoints) take the stack call for a lone decode and
-    a batch of 16 tokens, not for 17; the logits match the op-by-op forward's."""
+    """The embedded models (bfloat16 checkpoints) take the stack call for a lone decode, a
+    batch of 16 tokens, and one of 17 where the weight kernel is the AVX-512 code (the
+    stack's limit is then ``layer_kernel.MAX_TOKENS_WIDE``), not on the AVX2 / plain code
+    (``MAX_TOKENS``, 16); the logits match the op-by-op forward's either way."""
     model = CausalLM.from_pretrained(path)
     gen = torch.Generator().manual_seed(2)
     ctx = [torch.randint(1, model.config.vocab_size, (20 + 3 * s,), generator=gen).tolist()
@@ -148,7 +150,9 @@ def test_embedded_checkpoints_decode_on_the_stack(path):
             want, _ = ops.run(rows, last_only=True)
             for g_, w_ in zip(got, want):
                 assert torch.allclose(g_, w_, atol=1e-4)
-    assert calls == [1, 16]             # 17 decodes: op by op
+    wide = layer_kernel.linear_kernel.isa() == 512
+    assert runner.stack_max_tokens == (layer_kernel.MAX_TOKENS_WIDE if wide else 16)
+    assert calls == ([1, 16, 17] if wide else [1, 16])      # else 17 decodes: op by op
 
 
 def test_out_of_range_slot_or_position_is_refused_before_anything_is_computed():
@@ -178,6 +182,7 @@ def test_where_the_stack_does_not_apply(monkeypatch):
     assert ModelRunner(m32, 2, 32).stack() is None
     model = _bf16_model("qwen3", seed=5, layers=1)
     runner = ModelRunner(model, 2, 32)
+    runner.STACK_MAX_TOKENS = 16        # (the AVX2 code's limit: 17 aux tokens are past it)
     first = runner.stack()
     assert first is not None and runner.stack() is first
     model.fuse()                                           # new packed copies: a new stack
@@ -239,6 +244,7 @@ def test_compiled_runner_warms_up_its_graph_past_the_stack():
     gen = torch.Generator().manual_seed(3)
     ctx = [torch.randint(1, 192, (10 + s,), generator=gen).tolist() for s in range(20)]
     runner, ops = _prefilled_pair(model, 20, ctx, compile_=True)
+    runner.STACK_MAX_TOKENS = 16        # (the AVX2 code's limit; the 20-token batch is past it)
     with _stack_calls() as calls:
         for rows in ([RowInput(s, len(ctx[s]), [3, 4]) for s in range(4)],       # 8 tokens
                      [RowInput(s, len(ctx[s]) + 2, [5]) for s in range(20)]):    # 20
@@ -248,3 +254,41 @@ def test_compiled_runner_warms_up_its_graph_past_the_stack():
             for g_, w_ in zip(got[0], want):
                 assert torch.allclose(g_, w_, rtol=1e-5, atol=1e-4)
     assert calls == [8] and runner.flat_fallbacks == 0
+
+
+@pytest.mark.parametrize("path", [DEFAULT_DRAFT])
+def test_greedy_steps_equal_one_forward_per_token_up_to_ties(path):
+    """``greedy_steps`` (n argmax steps of a batch in one C call, the draft model's drafting)
+    picks the tokens that stepping one forward at a time picks (argmax of each step's
+    logits; a difference only where the two best logits are a numerical tie) and leaves
+    the same K/V in the cache."""
+    model = CausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(4)
+    ctx = [torch.randint(1, model.config.vocab_size, (9 + 5 * s,), generator=gen).tolist()
+           for s in range(3)]
+    a, b = _prefilled_pair(model, 3, ctx)
+    b.STACK_KERNEL = True                      # both on the stack; b steps in Python
+    first = [c[-1] for c in ctx]
+    n = 5
+    got = layer_kernel.greedy_steps(a.stack(), model, first, [0, 1, 2],
+                                    [len(c) - 1 for c in ctx], n)
+    assert got is not None and len(got) == 3 and all(len(g) == n for g in got)
+    for s, c in enumerate(ctx):
+        tok, want = c[-1], []
+        for j in range(n):
+            lg, _ = b.run([RowInput(s, len(c) - 1 + j, [tok])], last_only=True)
+            top = torch.topk(lg[0][-1], 2)
+            tok = int(top.indices[0])
+            if got[s][j] != tok:      # only a tie may differ (then the rest follows another path)
+                assert float(top.values[0] - lg[0][-1][got[s][j]]) < 1e-4, (s, j)
+                break
+            want.append(tok)
+        else:
+            assert got[s] == want
+            for layer in range(model.config.num_hidden_layers):
+                end = len(c) - 1 + n
+                assert torch.allclose(a.cache.k[layer][s, :end], b.cache.k[layer][s, :end],
+                                      atol=1e-5)
+    # a position past the cache: not served (the caller steps in torch), nothing raised
+    L = a.stack().L
+    assert layer_kernel.greedy_steps(a.stack(), model, first, [0, 1, 2], [L - 2, 0, 0], 8) is None

@@ -46,13 +46,21 @@ MAX_TOKENS = 32
      "engine_kwargs.max_num_seqs"),
     ({"backend": "embedded", "engine_kwargs": {"enforce_eager": True}}, "engine_kwargs"),
     ({"backend": "embedded", "speculative_config": {"method": "ngram"}}, "speculative_config"),
-    ({"backend": "vllm", "strategy": "dflash"}, "speculative_config"),
+    ({"backend": "vllm", "strategy": "dflash"}, "draft_model"),
+    ({"backend": "vllm", "strategy": "dspark", "draft_model": str(REPO / "models" / "dspark")},
+     "train.export_vllm"),                       # specload's own layout: vLLM cannot load it
     ({"backend": "vllm", "strategy": "eagle3"}, "speculative_config"),
     ({"backend": "vllm", "strategy": "draft_model"}, "draft_model"),
     ({"backend": "vllm", "strategy": "ngram", "strategy_options": {"prompt_lookup_mx": 3}},
      "prompt_lookup_mx"),
+    ({"backend": "vllm", "strategy": "ngram", "num_speculative_tokens": 3,
+      "num_speculative_tokens_per_batch_size": {"1-8": 4}}, "num_speculative_tokens_per_batch_size"),
     ({"backend": "vllm", "strategy": "ngram",
-      "num_speculative_tokens_per_batch_size": {"1-8": 2}}, "num_speculative_tokens_per_batch_size"),
+      "num_speculative_tokens_per_batch_size": {"2-8": 2}}, "num_speculative_tokens_per_batch_size"),
+    ({"backend": "vllm", "strategy": "ngram", "enable_adaptive_verification": True},
+     "enable_adaptive_verification"),
+    ({"backend": "embedded", "strategy": "dspark", "enable_adaptive_verification": True},
+     "enable_adaptive_verification"),
     ({"backend": "vllm", "strategy": "ngram", "draft_deadline_ms": 5}, "draft_deadline_ms"),
     ({"backend": "vllm", "strategy": "autoregressive", "num_speculative_tokens": 3},
      "num_speculative_tokens"),
@@ -101,6 +109,33 @@ def test_strategy_settings_map_to_vllm():
                          speculative_config={"method": "eagle3", "model": "/m/head"})
     assert vllm_engine_args(eagle.model_dump())["speculative_config"] == {
         "method": "eagle3", "model": "/m/head", "num_speculative_tokens": 3}
+
+
+def test_block_drafters_and_load_adaptive_k_map_to_vllm(tmp_path):
+    """dflash / dflash2 / dspark map to vLLM's methods (dflash2 is vLLM's method dflash:
+    the checkpoint's architecture picks DFlash 2); vLLM's own field names pass through."""
+    drafter = tmp_path / "dflash-vllm"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    for strategy, method in (("dflash", "dflash"), ("dflash2", "dflash"), ("dspark", "dspark")):
+        args = vllm_engine_args(EngineConfig(backend="vllm", strategy=strategy,
+                                             draft_model=str(drafter)).model_dump())
+        assert args["speculative_config"] == {"method": method, "model": str(drafter),
+                                              "num_speculative_tokens": 7}
+    sched = EngineConfig(backend="vllm", strategy="dflash", draft_model=str(drafter),
+                         num_speculative_tokens=5,
+                         num_speculative_tokens_per_batch_size={"1-4": 5, "5-16": 2, "17": 0})
+    spec = vllm_engine_args(sched.model_dump())["speculative_config"]
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 5], [5, 16, 2], [17, 17, 0]]
+    adaptive = EngineConfig(backend="vllm", strategy="dspark", draft_model=str(drafter),
+                            enable_adaptive_verification=True)
+    assert vllm_engine_args(adaptive.model_dump())["speculative_config"][
+        "enable_adaptive_verification"] is True
+    # vLLM's list form is accepted as well, and ngram takes a schedule too
+    ng = EngineConfig(backend="vllm", strategy="ngram",
+                      num_speculative_tokens_per_batch_size=[[1, 8, 4], [9, 64, 1]])
+    assert vllm_engine_args(ng.model_dump())["speculative_config"][
+        "num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 64, 1]]
 
 
 def test_sampling_params_map_to_vllm():
@@ -192,7 +227,7 @@ def test_serve_vllm_yaml_validates_and_a_missing_venv_skips(tmp_path):
     path = REPO / "configs" / "serve-vllm.yaml"
     names = configured_strategy_names(str(path))
     assert {"autoregressive", "vllm-autoregressive", "ngram", "vllm-ngram", "draft_model",
-            "vllm-draft_model"} <= set(names)
+            "vllm-draft_model", "dflash", "vllm-dflash"} <= set(names)
     args = yaml.safe_load(path.read_text())["applications"][0]["args"]
     cfg = ServeAppConfig.model_validate(args)
     for e in cfg.strategies:

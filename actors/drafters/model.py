@@ -282,19 +282,23 @@ class BlockDrafter(nn.Module):
         """Shared LM head, float logits [..., V]. On a CPU the few-row matmul runs
         from W^T contiguous (``linear_t``, ~2x faster than ``F.linear``): the
         target's own copy (``CausalLM.fuse``) when it has one, so one 4 MB copy
-        serves both and stays warm in cache between verify and draft; else a
-        copy cached here. On a GPU the weight is used in place (no extra memory)."""
+        serves both and stays warm in cache between verify and draft, and with it the
+        target's bfloat16-packed copy (``linear_kernel``: half the bytes, the same
+        float32 products); else a copy cached here. On a GPU the weight is used in place (no extra memory)."""
         W = self._shared[1]
         if W.device.type != "cpu":
             return F.linear(h.to(W.dtype), W).float()
-        wt = getattr(self._target_ref[0], "_lm_wt", None) if self._target_ref else None
+        target = self._target_ref[0] if self._target_ref else None
+        wt = getattr(target, "_lm_wt", None)
+        packed = getattr(target, "_lm_p", None)     # the target's bf16 copy: the C kernel
         if wt is None or wt.shape != W.shape[::-1]:
             key = (W.data_ptr(), W._version)
             if getattr(self, "_lm_t_key", None) != key:
                 self._lm_t = W.detach().t().contiguous()
                 self._lm_t_key = key
-            wt = self._lm_t
-        return linear_t(h.to(W.dtype), wt).float()
+            wt, packed = self._lm_t, None
+        return linear_t(h.to(W.dtype), wt, packed=packed if h.dtype == torch.float32 else None
+                        ).float()
 
     def markov_vocab_proj(self) -> torch.Tensor:
         """W_lm @ U [V, r] (float): the Markov head's rank-r update in vocabulary

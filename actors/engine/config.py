@@ -19,12 +19,6 @@ DEFAULT_TARGET = MODELS_DIR / "target"
 DEFAULT_DRAFT = MODELS_DIR / "draft"
 
 
-def mn_vllm_unmapped() -> tuple[str, ...]:
-    """specload strategies vLLM cannot run from specload's settings alone (their
-    drafters are specload's own): on backend vllm they need a speculative_config."""
-    return ("dflash", "dflash2", "dspark")
-
-
 class EngineConfig(BaseModel):
     """Settings of one engine (one replica).
 
@@ -67,8 +61,17 @@ class EngineConfig(BaseModel):
     that method's label); ``engine_kwargs`` go to ``vllm.EngineArgs`` as they are
     (keys checked against vLLM's EngineArgs when the app is built). Both are errors
     with backend embedded; the embedded-only knobs
-    (``num_speculative_tokens_per_batch_size``, ``draft_deadline_ms``) are errors
-    with backend vllm. Errors name the key.
+    (``draft_deadline_ms``) is an error with backend vllm. Errors name the key.
+    dflash / dflash2 / dspark on backend vllm take ``draft_model``: a drafter in
+    vLLM's layout (``python -m train.export_vllm``; vLLM methods dflash / dflash /
+    dspark). ``num_speculative_tokens_per_batch_size`` goes to vLLM's
+    ``speculative_config`` field of that name (vLLM's list form).
+
+    enable_adaptive_verification: vLLM 0.32's ``speculative_config`` field
+    (verification budget sized from per-request confidence; vLLM supports it for
+    dspark only): backend vllm, strategy dspark. specload's embedded dspark has its
+    own confidence-scheduled verification, ``strategy_options: {scheduler: true}``
+    (DSpark Sec. 4); on backend embedded this field is an error pointing there.
 
     rejection_sample_method (vLLM 0.32's ``speculative_config`` field and semantics):
     "standard" (default: greedy prefix match / speculative-sampling rejection),
@@ -119,6 +122,7 @@ class EngineConfig(BaseModel):
     rejection_sample_method: str = "standard"     # standard | synthetic | block (vLLM's)
     synthetic_acceptance_length: float | None = None
     synthetic_acceptance_rates: list[float] | None = None
+    enable_adaptive_verification: bool = False     # vLLM's; backend vllm, dspark only
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -129,23 +133,31 @@ class EngineConfig(BaseModel):
                 if getattr(self, key):
                     raise ValueError(f"{key}: only for backend vllm (this engine's backend "
                                      "is embedded)")
+            if self.enable_adaptive_verification:
+                raise ValueError("enable_adaptive_verification: vLLM's field (backend vllm, "
+                                 "dspark); the embedded dspark's confidence-scheduled "
+                                 "verification is strategy_options: {scheduler: true}")
         else:
-            from actors.engine.vllm_backend import vllm_engine_args
+            from actors.engine.vllm_backend import BLOCK_DRAFTER_METHODS, vllm_engine_args
 
+            mapped = ("ngram", "draft_model", *BLOCK_DRAFTER_METHODS)
             if self.speculative_config is not None and not self.speculative_config.get(
-                    "method") and self.strategy not in ("ngram", "draft_model"):
+                    "method") and self.strategy not in mapped:
                 raise ValueError("speculative_config.method is required (vLLM's method, "
                                  "e.g. eagle3, mtp, dflash)")
-            if self.strategy not in PROPOSERS or self.strategy in mn_vllm_unmapped():
+            if self.strategy not in PROPOSERS:
                 if not self.speculative_config:
                     raise ValueError(
                         f"strategy {self.strategy!r} on backend vllm: give "
-                        "speculative_config (vLLM's); specload maps autoregressive, ngram "
-                        "and draft_model itself")
+                        "speculative_config (vLLM's); specload maps autoregressive, ngram, "
+                        "draft_model, dflash, dflash2 and dspark itself")
                 self._rejection_rates()           # raises naming the field
+                vllm_engine_args(self.model_dump())   # raises naming the key
                 return self     # a vLLM-only method: its label, vLLM validates the rest
             self._rejection_rates()               # raises naming the field
             vllm_engine_args(self.model_dump())   # raises naming the key
+            if self.strategy in BLOCK_DRAFTER_METHODS:
+                return self     # vLLM's drafter and options: vLLM validates the rest
         if self.strategy not in PROPOSERS:
             raise ValueError(f"strategy {self.strategy!r} is unknown; expected one of "
                              f"{sorted(PROPOSERS)}")
@@ -157,8 +169,8 @@ class EngineConfig(BaseModel):
             cls.Options(**self.strategy_options)
         except ValidationError as e:
             raise ValueError(f"strategy_options for {self.strategy}: {e}") from None
-        if self.num_speculative_tokens_per_batch_size is not None:
-            self.spec_schedule()   # raises naming the key
+        if self.num_speculative_tokens_per_batch_size is not None and self.backend == "embedded":
+            self.spec_schedule()   # raises naming the key (backend vllm: vllm_engine_args)
         self._rejection_rates()    # raises naming the field
         return self
 

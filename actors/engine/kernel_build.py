@@ -4,19 +4,78 @@ Each kernel is plain C compiled at first use with the machine's C compiler (``$C
 default ``cc``) into ``$SPECLOAD_KERNEL_CACHE`` (default ``~/.cache/specload/kernels``),
 named by a hash of source, compiler, flags and CPU, and loaded with ctypes. A kernel that
 cannot be built leaves its caller on the torch form.
+
+Every outcome is recorded: ``report()`` gives this process's (per kernel: built, loaded
+from the cache, unavailable with the error and the fallback that runs instead, or
+disabled by its environment switch), and each outcome is also written to
+``status.json`` in the cache directory, which ``build_status()`` reads without torch or
+a compiler (the run manifest's ``kernels``: what the engines on this machine last got).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
 import subprocess
 import tempfile
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+STATUS_FILE = "status.json"
+_REPORT: dict[str, dict[str, Any]] = {}     # kernel name -> this process's outcome
+
+
+def record(name: str, **outcome: Any) -> None:
+    """Note ``name``'s build outcome (``status``: built | cached | unavailable | disabled,
+    and details) for ``report()`` and in the cache's ``status.json`` (best effort: a
+    read-only cache directory keeps it in this process only)."""
+    outcome = {"ts": time.time(), **outcome}
+    _REPORT[name] = outcome
+    try:
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / STATUS_FILE
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[name] = outcome
+        tmp = d / f".{STATUS_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)     # atomic: engines of other processes may write too
+    except OSError:
+        pass
+
+
+def load_kernel_outcome(name: str) -> dict[str, Any]:
+    """``name``'s outcome recorded so far in this process, without its timestamp (for a
+    caller that adds details to it), {} when none."""
+    return {k: v for k, v in _REPORT.get(name, {}).items() if k != "ts"}
+
+
+def report() -> dict[str, dict[str, Any]]:
+    """This process's kernel outcomes so far, by kernel name (``record``)."""
+    return {k: dict(v) for k, v in _REPORT.items()}
+
+
+def build_status() -> dict[str, Any]:
+    """The kernel outcomes last recorded on this machine (``status.json`` in
+    ``cache_dir()``, written by every engine process's builds), plus the compiler that
+    would build them; read without torch. ``{"kernels": {}, ...}`` when none was built yet."""
+    import shutil
+
+    try:
+        kernels = json.loads((cache_dir() / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        kernels = {}
+    cc = os.environ.get("CC", "cc")
+    return {"kernels": kernels, "cache_dir": str(cache_dir()), "compiler": cc,
+            "compiler_found": shutil.which(cc) is not None}
 
 
 def cache_dir() -> Path:
@@ -56,7 +115,8 @@ def build(name: str, source: str, flags: tuple[str, ...],
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     so = d / f"{name}-{key}.so"
-    if not so.exists():
+    cached, variant = so.exists(), None
+    if not cached:
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             src = Path(tmp) / f"{name}.c"
             src.write_text(source)
@@ -65,12 +125,16 @@ def build(name: str, source: str, flags: tuple[str, ...],
                 try:
                     subprocess.run([cc, *flags, str(src), "-o", str(built), *extra],
                                    check=True, capture_output=True, timeout=120)
+                    variant = list(extra)
                     break
                 except subprocess.CalledProcessError:
                     if i == len(variants) - 1:
                         raise
             os.replace(built, so)      # atomic: another process may be building too
-    return ctypes.CDLL(str(so))
+    lib = ctypes.CDLL(str(so))
+    record(name, status="cached" if cached else "built", library=so.name, compiler=cc,
+           flags=list(flags), **({} if variant is None else {"variant": variant}))
+    return lib
 
 
 _LIBS: list = []    # the op registrations: each must stay alive for its op to last
@@ -106,6 +170,7 @@ def load_kernel(name: str, source: str, flags: tuple[str, ...], fn: str, argtype
         detail = getattr(exc, "stderr", b"") or b""
         logging.getLogger(__name__).warning("%s kernel unavailable (%r %s); %s", name, exc,
                                             detail.decode(errors="replace")[-500:], fallback)
+        record(name, status="unavailable", error=repr(exc)[:300], fallback=fallback)
         return None
     f = getattr(lib, fn)
     f.argtypes = argtypes

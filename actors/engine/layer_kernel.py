@@ -7,7 +7,8 @@ step took about 0.9 ms of a 3.1 ms step, the rest was some 40 PyTorch ops a laye
 microseconds of Python and dispatcher (measured here with cProfile, one thread). A CPU
 inference engine runs a layer as one native call (llama.cpp's graph, vLLM CPU's fused
 IPEX ops); this module does the same for the flat forward (``ModelRunner.run_flat``) of
-at most ``MAX_TOKENS`` tokens: every layer of the stack, in C, in one ctypes call.
+at most ``max_tokens()`` tokens (16; 1024 with the AVX-512 weight kernel): every layer of
+the stack, in C, in one ctypes call.
 
 Per layer and token (float32 activations, the math of ``DecoderLayer.forward`` with the
 packed, unfolded weights, ``CausalLM.fuse``):
@@ -38,11 +39,21 @@ import os
 import torch
 
 from actors.engine import attention_kernel, linear_kernel
-from actors.engine.kernel_build import load_kernel
+from actors.engine.kernel_build import load_kernel, load_kernel_outcome, record
 
-# tokens of a batch the stack call serves; more run op by op (the weight kernel loses
+# tokens of a batch the stack call serves; more run op by op (the AVX2 weight kernel loses
 # to MKL's GEMM from about 16 rows, where the ops' overhead is a smaller share)
 MAX_TOKENS = 16
+# ... with the AVX-512 weight kernel (``linear_kernel.isa() == 512``, as fast as MKL from 6
+# rows): every verify, and prompt chunks up to this many tokens, in one call, so the
+# step-cost curve has no cliff where the path changes (``max_tokens``)
+MAX_TOKENS_WIDE = 1024
+
+
+def max_tokens() -> int:
+    """The most tokens a batch runs on the stack call: ``MAX_TOKENS_WIDE`` with the
+    AVX-512 weight kernel, else ``MAX_TOKENS``."""
+    return MAX_TOKENS_WIDE if linear_kernel.isa() == 512 else MAX_TOKENS
 
 GLUE = r"""
 #include <math.h>
@@ -127,6 +138,50 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
     free(buf);
     return 0;
 }
+
+/* n greedy decoding steps of B rows in one call (a draft model's drafts): each step the
+   rows' input tokens tok [B] (embedding rows of emb [V, H]) go through the stack at
+   positions pos [B] of slots slot [B], then the final RMSNorm (norm_w, norm_eps) and the
+   LM head (lm: packed [V / 64][H][64]) give logits [B, V], whose first maximum is the
+   next input (argmax, ties to the lowest id, as torch's). cos_t, sin_t [P, D]: the rotary
+   table (signed sin). out [n, B]: the picked tokens; tok and pos are advanced in place.
+   Returns 0; -1 out of memory; -2 a slot, position (or P) out of range. */
+int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const float *norm_w,
+                     float norm_eps, const uint16_t *lm, int64_t V, const float *cos_t,
+                     const float *sin_t, int64_t P, int64_t *tok, const int64_t *slot,
+                     int64_t *pos, int64_t B, int64_t n, int64_t *out, int64_t S, int64_t L,
+                     int64_t H, int64_t I, int64_t h, int64_t kvh, int64_t D, float eps,
+                     float qk_eps, float scale) {
+    for (int64_t b = 0; b < B; ++b)
+        if (pos[b] < 0 || pos[b] + n > P || pos[b] + n > L || tok[b] < 0 || tok[b] >= V)
+            return -2;
+    float *buf = (float *)malloc(sizeof(float) * (2 * B * H + 2 * B * D + B * V));
+    if (!buf) return -1;
+    float *x = buf, *a = x + B * H, *cs = a + B * H, *sn = cs + B * D, *lg = sn + B * D;
+    int rc = 0;
+    for (int64_t step = 0; step < n && !rc; ++step) {
+        for (int64_t b = 0; b < B; ++b) {
+            memcpy(x + b * H, emb + tok[b] * H, sizeof(float) * H);
+            memcpy(cs + b * D, cos_t + pos[b] * D, sizeof(float) * D);
+            memcpy(sn + b * D, sin_t + pos[b] * D, sizeof(float) * D);
+        }
+        rc = decoder_stack_f32(ws, nl, x, B, cs, sn, slot, pos, S, L, H, I, h, kvh, D, eps,
+                               qk_eps, scale, NULL, 0, 0);
+        if (rc) break;
+        rms_rows(x, norm_w, a, B, H, norm_eps);
+        linear_bf16_f32(a, H, lm, lg, B, H, V);
+        for (int64_t b = 0; b < B; ++b) {
+            const float *r = lg + b * V;
+            int64_t best = 0;
+            for (int64_t v = 1; v < V; ++v) if (r[v] > r[best]) best = v;
+            out[step * B + b] = best;
+            tok[b] = best;
+            pos[b] += 1;
+        }
+    }
+    free(buf);
+    return rc;
+}
 """
 
 
@@ -143,12 +198,21 @@ def load() -> ctypes.CDLL | None:
     logged) when it cannot be built, or ``SPECLOAD_LAYER_KERNEL=0`` or
     ``SPECLOAD_LINEAR_KERNEL=0``."""
     if os.environ.get("SPECLOAD_LAYER_KERNEL", "1") == "0" or linear_kernel.load() is None:
+        record("decoder_stack", status="disabled", reason="SPECLOAD_LAYER_KERNEL=0"
+               if os.environ.get("SPECLOAD_LAYER_KERNEL", "1") == "0" else "no linear_bf16 kernel",
+               fallback="layers run op by op")
         return None
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    return load_kernel("decoder_stack", attention_kernel.SOURCE + linear_kernel.SOURCE + GLUE,
-                       attention_kernel.FLAGS, "decoder_stack_f32",
-                       [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I],
-                       "layers run op by op", attention_kernel.VARIANTS)
+    lib = load_kernel("decoder_stack", attention_kernel.SOURCE + linear_kernel.SOURCE + GLUE,
+                      attention_kernel.FLAGS, "decoder_stack_f32",
+                      [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I],
+                      "layers run op by op", attention_kernel.VARIANTS)
+    if lib is not None:
+        lib.greedy_steps_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, I, P] + \
+            [I] * 7 + [F, F, F]
+        lib.greedy_steps_f32.restype = ctypes.c_int
+        record("decoder_stack", **load_kernel_outcome("decoder_stack"), max_tokens=max_tokens())
+    return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -204,6 +268,48 @@ class Stack:
     def of(cls, model, cache) -> "Stack | None":
         """The ``Stack`` of ``model`` over ``cache``, or None where ``usable`` is False."""
         return cls(model, cache) if cls.usable(model, cache) else None
+
+
+def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
+                 positions: list[int], n: int) -> list[list[int]] | None:
+    """``n`` greedy decoding steps of B rows in one C call (``greedy_steps_f32``): row b
+    feeds ``tokens[b]`` at ``positions[b]`` of slot ``slots[b]`` (its K/V written there,
+    and the next n - 1 inputs' at the following positions), picks the argmax of its
+    logits (ties to the lowest id, as ``torch.argmax``) and feeds it next. ``model``: the
+    ``CausalLM`` of ``stack`` (final norm, tied or packed LM head, rotary table). Returns
+    the picked tokens per row, [B][n], or None where the call does not apply (no packed
+    LM head, a position past the rotary table or the cache: the caller steps in torch).
+    Raises RuntimeError when the library is missing or out of memory."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the decoder stack kernel is not built (see the log)")
+    lm = getattr(model, "_lm_p", None)
+    if lm is None or n < 1 or not tokens:
+        return None
+    emb = model.model.embed_tokens.weight
+    if emb.dtype != torch.float32 or not emb.is_contiguous():
+        return None
+    model._rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
+    _, cos_t, _, sin_t = model._rope_table
+    if not (cos_t.is_contiguous() and sin_t.is_contiguous()) or cos_t.dtype != torch.float32:
+        return None
+    B = len(tokens)
+    tok = torch.tensor(tokens, dtype=torch.long)
+    pos = torch.tensor(positions, dtype=torch.long)
+    slot = torch.tensor(slots, dtype=torch.long)
+    out = torch.empty((n, B), dtype=torch.long)
+    H, I, h, kvh, D = stack.dims
+    rc = lib.greedy_steps_f32(ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
+                              model.model.norm.weight.data_ptr(), float(model.model.norm.eps),
+                              lm.data_ptr(), lm.shape[0] * lm.shape[2], cos_t.data_ptr(),
+                              sin_t.data_ptr(), cos_t.shape[0], tok.data_ptr(), slot.data_ptr(),
+                              pos.data_ptr(), B, n, out.data_ptr(), stack.S, stack.L, H, I, h,
+                              kvh, D, stack.eps, stack.qk_eps, stack.scale)
+    if rc == -2:
+        return None
+    if rc:
+        raise RuntimeError("greedy steps: out of memory for the scratch")
+    return out.T.tolist()
 
 
 def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,

@@ -513,6 +513,7 @@ class LLMEngine:
         "error" and ``error`` set; it is left out of the step row's token counts.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
+        self.runner.paths.clear()      # the step row's forward_path: this step's forwards
         sched = self.scheduler.schedule(self.kv.num_free)
         touched: dict[str, Request] = {}
         stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens,
@@ -764,7 +765,8 @@ class LLMEngine:
             M.STEP_SPECULATION_OFF: ",".join(x for x in M.SPEC_OFF_REASONS
                                              if x in stats.speculation_off),
             M.STEP_DEGRADED_REQUESTS: stats.degraded_requests,
-            M.STEP_K_BATCH_SIZE: stats.k_batch_size}
+            M.STEP_K_BATCH_SIZE: stats.k_batch_size,
+            M.STEP_FORWARD_PATH: ",".join(dict.fromkeys(self.runner.paths))}
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],

@@ -149,8 +149,9 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None,
     step's batch) runs 1.3-2.2x faster from this layout than ``F.linear`` from [out, in]
     (measured here, one thread, M = 1 and 8 rows: [8, 256] x [256, 1536] 134 -> 65 us,
     the [256, 4096] LM head 689 -> 311 us). With ``packed``, batches of at most
-    ``linear_kernel.MAX_ROWS`` rows run on the bf16-weight kernel (half the bytes read; the
-    same float32 products and sums, in another order); a compiled graph calls it as the
+    ``linear_kernel.max_rows()`` rows (8; 1024 with the AVX-512 code) run on the bf16-weight
+    kernel (half the bytes read; the same float32 products and sums, in another order); a
+    compiled graph calls it as the
     ``specload::linear_bf16`` op, which picks kernel or ``mm`` by the rows it gets.
     """
     x2 = x.reshape(-1, x.shape[-1])
@@ -158,7 +159,7 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None,
         y = torch.ops.specload.linear_bf16(x2, wt, packed)     # rows chosen inside the op
         if b is not None:
             y = y + b
-    elif packed is not None and x2.shape[0] <= linear_kernel.MAX_ROWS and x2.dtype == torch.float32:
+    elif packed is not None and x2.shape[0] <= linear_kernel.max_rows() and x2.dtype == torch.float32:
         y = linear_kernel.linear_packed(x2, packed)            # direct: no dispatcher cost
         if b is not None:
             y += b

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
 
 from actors.engine.kv_cache import KVCache, KVSlotPool
 from actors.engine.model import BatchMeta, CausalLM, ForwardOutput
+from configs import metric_names as M
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ModelRunner:
         # eager forwards of decode / verify batches flat too, attention by the C kernel
         # (``EAGER_FLAT``): a CPU, a float32 cache, the kernel built
         self._stack, self._stack_key = None, None     # ``stack``
+        # the forward path of every forward since the caller last cleared it (FORWARD_PATH_*
+        # of ``configs.metric_names``, in order; the engine's step row records them)
+        self.paths: collections.deque[str] = collections.deque(maxlen=64)
         self.eager_flat = False
         if self.EAGER_FLAT and self.device.type == "cpu" and dtype == torch.float32:
             from actors.engine import attention_kernel
@@ -70,7 +75,8 @@ class ModelRunner:
     # which 0.9 ms computing), compiled forward or not. Needs the packed bfloat16 weights
     # (``CausalLM.packable``) and a float32 cache on a CPU.
     STACK_KERNEL = True
-    STACK_MAX_TOKENS = 16
+    STACK_MAX_TOKENS = None     # None: the kernel's own limit (``layer_kernel.max_tokens()``:
+    # 16, or 1024 with the AVX-512 weight kernel, which serves verifies of any length)
 
     # torch.compile (inductor), vLLM's default on its CPU and GPU backends (``enforce_eager``
     # off), of the flat forward (``run_flat``): a batch's tokens one after the other, each
@@ -175,6 +181,20 @@ class ModelRunner:
         self._flat = fn
         return True
 
+    @property
+    def last_path(self) -> str | None:
+        """The forward path of the latest forward (``paths``' last), None before any."""
+        return self.paths[-1] if self.paths else None
+
+    @property
+    def stack_max_tokens(self) -> int:
+        """The most tokens of a batch on the stack call (``STACK_MAX_TOKENS``)."""
+        if self.STACK_MAX_TOKENS is not None:
+            return self.STACK_MAX_TOKENS
+        from actors.engine import layer_kernel
+
+        return layer_kernel.max_tokens()
+
     def stack(self):
         """The model's layers over this cache for one C call a forward
         (``layer_kernel.Stack``; built at first use, again after ``CausalLM.fuse``
@@ -192,11 +212,11 @@ class ModelRunner:
 
     def flat(self, lens: list[int]) -> bool:
         """Whether a batch with these row lengths runs flat (``run_flat``): in one C call
-        (``stack``: at most ``layer_kernel.MAX_TOKENS`` tokens), on the compiled forward,
+        (``stack``: at most ``stack_max_tokens`` tokens), on the compiled forward,
         or eager with the C attention kernel (``eager_flat``)."""
         if not lens:
             return False
-        if sum(lens) <= self.STACK_MAX_TOKENS and self.stack() is not None:
+        if sum(lens) <= self.stack_max_tokens and self.stack() is not None:
             return True
         if self._flat is not None:
             max_q, max_tokens = self.flat_limits
@@ -228,7 +248,7 @@ class ModelRunner:
         ``aux_layers`` or None when no aux layers were asked for.
         """
         lens = [len(r.token_ids) for r in rows]
-        if aux_layers and sum(lens) <= self.STACK_MAX_TOKENS and self.stack() is not None:
+        if aux_layers and sum(lens) <= self.stack_max_tokens and self.stack() is not None:
             return self.run_flat(rows, last_only, aux_layers=aux_layers)
         if not aux_layers and self.flat(lens):
             got = self.run_flat(rows, last_only)
@@ -327,7 +347,7 @@ class ModelRunner:
         """As ``run`` (no aux layers) on the flat forward: the rows' ``T = sum(len_i)``
         tokens as one sequence [1, T], no padding, each token attending its own slot up
         to its own position; the LM head only where logits are wanted. At most
-        ``STACK_MAX_TOKENS`` tokens run in one C call (``stack``; ``stack=False``: not,
+        ``stack_max_tokens`` tokens run in one C call (``stack``; ``stack=False``: not,
         as the compile warm-up wants), more on the compiled forward (``compile``) or
         eager. ``aux_layers`` (the stack call only): their outputs per row, [len_i, A * H],
         as ``run``'s aux. Returns None (nothing written) when the batch would need a graph the
@@ -341,7 +361,8 @@ class ModelRunner:
             ids.extend(r.token_ids)
             pos.extend(range(r.start, r.start + n))
             slots.extend([r.slot] * n)
-        if stack and len(ids) <= self.STACK_MAX_TOKENS and self.stack() is not None:
+        if stack and len(ids) <= self.stack_max_tokens and self.stack() is not None:
+            self.paths.append(M.FORWARD_PATH_STACK)
             out = self.model.forward_stack(
                 torch.tensor([ids], dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev),
@@ -376,6 +397,7 @@ class ModelRunner:
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         idx = torch.tensor([sel], dtype=torch.long, device=dev)
         if not compiled:             # eager_flat
+            self.paths.append(M.FORWARD_PATH_OPS)
             out = self.model(ids_t, cache=self.cache, meta=meta, logits_index=idx)
             return self._flat_rows(out, rows, flags), None
         from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
@@ -384,6 +406,7 @@ class ModelRunner:
                        *(((meta.flat_back, 0), *((i, 0) for i, _ in meta.flat_groups))
                          if meta.flat_groups is not None else ())):
             mark_dynamic(t, dim)
+        self.paths.append(M.FORWARD_PATH_COMPILED)
         if strict:
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
@@ -393,6 +416,7 @@ class ModelRunner:
                 if "recompile" not in str(exc):
                     raise
                 self.flat_fallbacks += 1
+                self.paths.pop()
                 return None
         else:
             out = self._flat(ids_t, cache=self.cache, meta=meta, logits_index=idx)
@@ -445,6 +469,7 @@ class ModelRunner:
             slots_t, torch.tensor([len(r.token_ids) for r in rows], device=dev))
         # the LM head only where logits are wanted (each prompt chunk's last token)
         idx = None if not any(flags) else torch.tensor([sel], dtype=torch.long, device=dev)
+        self.paths.append(M.FORWARD_PATH_OPS)
         out: ForwardOutput = self.model(torch.tensor([ids], dtype=torch.long).to(dev),
                                         cache=self.cache, meta=meta, logits_index=idx,
                                         aux_layers=aux_layers)
@@ -498,6 +523,7 @@ class ModelRunner:
         if last_only and Q > 1:   # (rows of one token: their logits are the last ones)
             idx = torch.tensor([[n - 1] for n in lens], dtype=torch.long, device=self.device)
         ids = ids.to(self.device)
+        self.paths.append(M.FORWARD_PATH_OPS)
         out: ForwardOutput = self.model(ids, cache=self.cache, meta=meta, logits_index=idx,
                                         aux_layers=aux_layers)
         aux = None

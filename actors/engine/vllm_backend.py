@@ -15,9 +15,14 @@ schedule + forward + sample, here) in specload's sync engine API: ``add_request`
 
 - strategy -> ``speculative_config`` (``vllm_engine_args``): autoregressive none,
   ngram ``{"method": "ngram", num_speculative_tokens: k, prompt_lookup_min/max}``,
-  draft_model ``{"method": "draft_model", "model": draft_model, ...}``; an explicit
-  ``speculative_config`` is passed through (merged over the mapped one), which is
-  how methods specload does not host (eagle, eagle3, mtp, dflash) are served.
+  draft_model ``{"method": "draft_model", "model": draft_model, ...}``, dflash /
+  dflash2 ``{"method": "dflash", "model": draft_model, ...}`` and dspark
+  ``{"method": "dspark", ...}`` (``draft_model``: a drafter in vLLM's layout, e.g.
+  ``python -m train.export_vllm``'s output or a published z-lab DFlash checkpoint);
+  ``num_speculative_tokens_per_batch_size`` and ``enable_adaptive_verification``
+  (vLLM's names, dspark only for the latter) go into the ``speculative_config``; an
+  explicit ``speculative_config`` is passed through (merged over the mapped one),
+  which is how methods specload does not host (eagle, eagle3, mtp) are served.
   ``engine_kwargs`` go to ``vllm.EngineArgs`` as they are.
 - specload ``SamplingParams`` -> ``vllm.SamplingParams`` (``vllm_sampling_kwargs``).
 - one step-log row per engine step (``step_row``), the embedded engine's columns,
@@ -56,8 +61,33 @@ MAPPED_KEYS = {"model": "model", "dtype": "dtype", "max_num_seqs": "max_num_seqs
                "max_model_len": "max_model_len", "speculative_config": "speculative_config",
                "device": "device", "served_model_name": "served_model_name",
                "enable_prefix_caching": "enable_prefix_caching"}
-# What speculative_config's "method" means in specload's strategy names
-SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft_model"}
+# specload strategy -> vLLM 0.32 speculative_config "method" (vLLM's DFlash 2 is method
+# dflash with a DFlash2DraftModel checkpoint: the architecture picks the model class)
+SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft_model", "dflash": "dflash",
+                "dflash2": "dflash", "dspark": "dspark"}
+# strategies whose vLLM drafter is a checkpoint in vLLM's layout (engine.draft_model)
+BLOCK_DRAFTER_METHODS = ("dflash", "dflash2", "dspark")
+
+
+def check_vllm_drafter_dir(path: str) -> None:
+    """Raise ValueError (naming ``draft_model``) when ``path`` holds a drafter in specload's
+    own layout (its config.json has specload's ``method`` / ``target_layer_ids`` keys and no
+    ``architectures``): vLLM cannot load it; ``python -m train.export_vllm`` converts it.
+    A path that is not a local directory (a hub id) is left to vLLM."""
+    import json
+
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return
+    try:
+        d = json.loads(cfg.read_text())
+    except ValueError:
+        return
+    if "architectures" not in d and "method" in d and "target_layer_ids" in d:
+        raise ValueError(
+            f"draft_model: {path} is a specload drafter (its own layout); vLLM loads "
+            f"{d['method']} drafters in its DFlash layout: `python -m train.export_vllm "
+            f"{path} OUT` writes one (or refuses, naming the part vLLM cannot express)")
 
 
 def default_vllm_python() -> str:
@@ -129,8 +159,12 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
     Raises ValueError naming the key: ``engine_kwargs`` setting a key specload maps
     itself (``MAPPED_KEYS``: use the engine field), a speculative strategy vLLM
     cannot run from specload's settings without a ``speculative_config``, draft_model
-    without ``draft_model``, or ``num_speculative_tokens_per_batch_size`` /
-    ``draft_deadline_ms`` (embedded-engine features).
+    without ``draft_model``, dflash / dflash2 / dspark without a vLLM-layout
+    ``draft_model`` (``check_vllm_drafter_dir``), a malformed
+    ``num_speculative_tokens_per_batch_size`` (``parse_spec_schedule``; it is passed
+    as vLLM's list form ``[[lo, hi, k], ...]``), ``enable_adaptive_verification`` on a
+    method other than dspark (vLLM 0.32 supports it for dspark only), or
+    ``draft_deadline_ms`` (an embedded-engine feature).
     """
     strategy = cfg.get("strategy", "autoregressive")
     kwargs = dict(cfg.get("engine_kwargs") or {})
@@ -138,10 +172,9 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
         if key in MAPPED_KEYS:
             raise ValueError(f"engine_kwargs.{key}: set by specload from engine.{key}; "
                              f"set engine.{key} instead")
-    for key in ("num_speculative_tokens_per_batch_size", "draft_deadline_ms"):
-        if cfg.get(key) is not None:
-            raise ValueError(f"{key}: an embedded-engine feature; backend vllm does not "
-                             "take it (leave it unset)")
+    if cfg.get("draft_deadline_ms") is not None:
+        raise ValueError("draft_deadline_ms: an embedded-engine feature; backend vllm does "
+                         "not take it (leave it unset)")
     k = cfg.get("num_speculative_tokens")
     opts = cfg.get("strategy_options") or {}
     spec: dict | None = None
@@ -155,14 +188,42 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
                              "engine.draft_model (the draft model's directory)")
         spec = {"method": "draft_model", "model": cfg.get("draft_model"),
                 "num_speculative_tokens": 4 if k is None else k}
+    elif strategy in BLOCK_DRAFTER_METHODS and (
+            cfg.get("draft_model") or not cfg.get("speculative_config")):
+        if not cfg.get("draft_model"):
+            raise ValueError(
+                f"draft_model: backend vllm's {strategy} needs engine.draft_model, a drafter "
+                f"in vLLM's layout (`python -m train.export_vllm {strategy} OUT` for specload's, "
+                "or a published checkpoint, e.g. z-lab/Qwen3-4B-DFlash-b16 for a Qwen3-4B target)")
+        check_vllm_drafter_dir(cfg["draft_model"])
+        spec = {"method": SPEC_METHODS[strategy], "model": cfg["draft_model"],
+                "num_speculative_tokens": 7 if k is None else k}
     elif strategy != "autoregressive" and not cfg.get("speculative_config"):
         raise ValueError(f"speculative_config: strategy {strategy!r} on backend vllm needs "
                          "engine.speculative_config (vLLM's, e.g. {method: eagle3, model: ..., "
-                         "num_speculative_tokens: 3}); specload maps only ngram and draft_model")
+                         "num_speculative_tokens: 3}); specload maps autoregressive, ngram, "
+                         "draft_model, dflash, dflash2 and dspark")
     if cfg.get("speculative_config"):
         spec = {**(spec or {}), **cfg["speculative_config"]}
         if k is not None:
             spec.setdefault("num_speculative_tokens", k)
+    sched = cfg.get("num_speculative_tokens_per_batch_size")
+    if sched is not None:
+        from configs.serve_config import SPEC_SCHEDULE_KEY, parse_spec_schedule
+
+        if spec is None:
+            raise ValueError(f"{SPEC_SCHEDULE_KEY}: needs a speculative strategy "
+                             "(autoregressive drafts nothing)")
+        max_k = spec.get("num_speculative_tokens")
+        ranges = parse_spec_schedule(sched, max_k, f"num_speculative_tokens={max_k}"
+                                     if max_k is not None else "")
+        spec[SPEC_SCHEDULE_KEY] = [list(r) for r in ranges]   # vLLM's list form
+    if cfg.get("enable_adaptive_verification"):
+        if spec is None or spec.get("method") != "dspark":
+            raise ValueError("enable_adaptive_verification: vLLM 0.32 supports it for "
+                             "speculative method dspark only (got "
+                             f"{(spec or {}).get('method') or strategy!r})")
+        spec["enable_adaptive_verification"] = True
     if strategy == "autoregressive" and spec is None and k:
         raise ValueError("num_speculative_tokens: autoregressive takes no drafts (0 or unset)")
     method = cfg.get("rejection_sample_method") or "standard"
@@ -253,7 +314,8 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
         M.STEP_CONTEXT_TOKENS: int(context_before) + drafts if batch_size else 0,
         M.STEP_CPU_MS: float(cpu_ms), M.STEP_VERIFY_CPU_MS: 0.0, M.STEP_NUM_SPEC_TOKENS: int(k),
         M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0,
-        M.STEP_K_BATCH_SIZE: None}   # vLLM does not say which batch size its k lookup used
+        M.STEP_K_BATCH_SIZE: None,   # vLLM does not say which batch size its k lookup used
+        M.STEP_FORWARD_PATH: M.FORWARD_PATH_VLLM}
 
 
 def checkpoint_bytes(model_dir: str | None, element_size: int) -> int:

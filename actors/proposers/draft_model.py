@@ -98,6 +98,39 @@ class DraftModelProposer(Proposer):
         q = process_logits(logits, r.params)
         return int(sample(q, r.generator)), q
 
+    def _greedy_steps(self, batch: list[ProposeInput], active: list[int],
+                      drafts: dict[int, list[int]]) -> None:
+        """The remaining draft steps of the greedy rows (argmax drafts, no min_tokens mask
+        on any of them) in one C call per group of rows wanting the same number of steps
+        (``layer_kernel.greedy_steps``: the draft model's stack, final norm, LM head and
+        argmax in a loop, no Python per token); ``drafts`` and the draft cache's state
+        are extended in place. Rows it does not take (sampling, a mask, no stack call,
+        a position past the rotary table) are left to the per-token loop."""
+        stack = self.runner.stack()
+        if stack is None:
+            return
+        from actors.engine import layer_kernel
+
+        groups: dict[int, list[int]] = {}
+        for i in active:
+            r = batch[i]
+            left = r.max_draft - len(drafts[i])
+            if left > 0 and drafts[i] and r.params.greedy \
+                    and r.params.min_tokens <= r.num_output + len(drafts[i]):
+                groups.setdefault(left, []).append(i)
+        for n, rows in groups.items():
+            starts = [self.pool.append(batch[i].request_id, n) for i in rows]
+            got = layer_kernel.greedy_steps(
+                stack, self.draft, [drafts[i][-1] for i in rows],
+                [self.state[batch[i].request_id].slot for i in rows], starts, n)
+            if got is None:           # not served: give the positions back, step in torch
+                for i, st in zip(rows, starts):
+                    self.pool.rollback(batch[i].request_id, st)
+                continue
+            for i, toks in zip(rows, got):
+                self.state[batch[i].request_id].cached.extend([drafts[i][-1]] + toks[:-1])
+                drafts[i].extend(toks)
+
     @torch.inference_mode()
     def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
         drafts: dict[int, list[int]] = {i: [] for i in range(len(batch))}
@@ -133,7 +166,10 @@ class DraftModelProposer(Proposer):
                 drafts[i].append(tok)
                 if q is not None:
                     qs[i].append(q)
-        # 2) draft one token at a time for requests that want more.
+        # 2) draft one token at a time for requests that want more: greedy rows without a
+        # min_tokens mask left, all their steps in one C call (``_greedy_steps``), the
+        # others (and all rows where the call does not apply) one forward per token.
+        self._greedy_steps(batch, active, drafts)
         while True:
             step = [i for i in active if len(drafts[i]) < batch[i].max_draft]
             if not step:

@@ -98,6 +98,42 @@ def backtest_checks(bt: dict | None) -> dict[str, list[str]]:
     return out
 
 
+LOO_MEDIAN_MAX = 0.10        # leave-one-level-out: median absolute error (tokens/s, TPOT)
+LOO_WORST_MAX = 0.20         # ... and the worst one
+R2_HOLDOUT_MIN = 0.9         # the step model's r² on the steps of held-out levels
+
+
+def loo_checks(bt: dict | None) -> dict[str, list[str]]:
+    """The leave-one-level-out backtest (``analysis.model.backtest.loo_backtest``) against a
+    forecaster's bar: median absolute error <= 10 % and worst <= 20 % for tokens/s and TPOT,
+    the step model's hold-out r² >= 0.9."""
+    out: dict[str, list[str]] = {}
+    loo = (bt or {}).get("loo") or {}
+    for metric, o in sorted((loo.get("overall") or {}).items()):
+        if metric == SPEEDUP:
+            continue
+        med, worst = _num(o.get("median_abs_error")), _num(o.get("worst_abs_error"))
+        if med is not None and worst is not None and (med > LOO_MEDIAN_MAX or worst > LOO_WORST_MAX):
+            bad = max((r for r in loo.get("rows", []) if r.get("metric") == metric),
+                      key=lambda r: r.get("abs_error") or 0.0, default=None)
+            where = (f" (worst: {bad['strategy']} {bad['output_class']} at {bad['users']} users, "
+                     f"predicted {bad['predicted']:.3g}, measured {bad['measured']:.3g})") if bad else ""
+            out.setdefault("step_residuals", []).append(
+                f"Leave-one-level-out backtest of {metric}: median error {med:.0%}, worst "
+                f"{worst:.0%}{where}; the bar is {LOO_MEDIAN_MAX:.0%} / {LOO_WORST_MAX:.0%}.")
+    for strategy, r2 in sorted((loo.get("r2_holdout") or {}).items()):
+        r2, ceil = _num(r2), _num((loo.get("r2_ceiling") or {}).get(strategy))
+        if r2 is not None and r2 < R2_HOLDOUT_MIN:
+            why = (f"; the step's own shape (B, T, prefill, context) explains at most r² {ceil:.2f} in sample "
+                   f"(the rest, {1 - ceil:.0%} of the variance, is step-to-step noise the model "
+                   f"cannot see), so the model loses {max(ceil - r2, 0):.2f} to what it could see"
+                   if ceil is not None else "")
+            out.setdefault("step_residuals", []).append(
+                f"The step model of {strategy} explains r² {r2:.2f} of the step time on levels it "
+                f"did not see (< {R2_HOLDOUT_MIN}){why}.")
+    return out
+
+
 def fit_checks(a: "Analysis") -> dict[str, list[str]]:
     """Fits with r² < R2_MIN, by figure key."""
     out: dict[str, list[str]] = {}
@@ -116,7 +152,8 @@ def model_checks(a: "Analysis") -> dict[str, list[str]]:
     cross = crossover_checks(a.cells, a.crossover)
     if cross:
         out["speedup"] = cross
-    for part in (backtest_checks((a.capacity_model or {}).get("backtest")), fit_checks(a)):
+    bt = (a.capacity_model or {}).get("backtest")
+    for part in (backtest_checks(bt), loo_checks(bt), fit_checks(a)):
         for k, v in part.items():
             out.setdefault(k, []).extend(v)
     return out

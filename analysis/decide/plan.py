@@ -151,7 +151,7 @@ def model_plan(models: dict, qps: float, classes: list[str], slo: Slo,
         if oc not in classes:
             continue
         n, at_n, below = replicas_needed(m, qps, slo, attainment)
-        row = {"strategy": strategy, "output_class": oc, "replicas": n,
+        row = {"strategy": strategy, "output_class": oc, "replicas": n, "p99_in_system": None,
                "capacity_rps": m.slo_capacity_rps(slo, attainment),
                "saturation_rps": m.saturation_rps(), "max_num_seqs": m.max_num_seqs,
                "measured_users_max": m.measured_users}
@@ -298,6 +298,119 @@ def at_acceptance_length(models: dict, acceptance_length: float) -> tuple[dict, 
     return out, notes
 
 
+BASIS_MEASURED_RATIO = 1.5   # an operating point within x/÷ 1.5 of a measured users level
+
+
+def row_basis(row: dict, model, levels: list[float]) -> str:
+    """``measured`` / ``interpolated`` / ``extrapolated`` for one plan row: its predicted
+    mean requests in a replica (the operating concurrency) within x/÷ BASIS_MEASURED_RATIO of a
+    users level the run measured for this strategy x output class: measured; its p99 inside
+    the measured range, or inside the engine profile's batch grid when the step cost is
+    profiled (``analysis.model.profiled``): interpolated; else extrapolated."""
+    c, p99 = row.get("mean_in_system"), row.get("p99_in_system")
+    if c is None or not levels:
+        return "extrapolated"
+    if min(abs(np.log(max(c, 1e-9) / u)) for u in levels) <= np.log(BASIS_MEASURED_RATIO):
+        return "measured"
+    top = max(levels)
+    parts = getattr(getattr(model.cell.model, "decode", None), "parts", None)
+    if model.cell.model.source == "profiled" and parts is not None:
+        top = max(top, parts.batches[1])
+    return "interpolated" if min(p99 or c, model.max_num_seqs) <= top else "extrapolated"
+
+
+def measured_ranking(flagged: pd.DataFrame, cells: pd.DataFrame, tier: str, slo: Slo
+                     ) -> dict[str, dict]:
+    """{output class: the tier's measured decision} from the one decision function
+    (``analysis.decide.recommend.recommend`` over ``analysis.decide.race``): "order"
+    {strategy: 0 for the winner / the equivalent or still-contending strategies, 1 for those
+    the run decided worse beyond its own noise}, "status", "leader", "users", "goodput"."""
+    from analysis.decide.recommend import recommend
+
+    tiers = sorted(flagged[mn.REQ_TIER].unique())
+    rec = recommend(flagged, cells, {t: slo for t in tiers}).get(tier, {})
+    out = {}
+    for oc, r in rec.items():
+        top = set(r.get("tied") or []) | set(r.get("equivalent") or []) | set(r.get("contenders") or [])
+        if r.get("status") == "decided" and r.get("strategy") not in (None, "tie"):
+            top = {r["strategy"]}
+        top.add(r.get("leader") or r.get("strategy"))
+        order = {s: (0 if s in top else 1) for s in (r.get("goodput_by_strategy") or {})}
+        for s in r.get("dropped") or {}:
+            if s not in top:
+                order[s] = 1
+        out[oc] = {"order": order, "status": r.get("status"), "leader": r.get("leader"),
+                   "users": r.get("users"), "goodput": r.get("goodput_by_strategy") or {}}
+    return out
+
+
+def rank_rows(rows: list[dict], models: dict, flagged: pd.DataFrame, cells: pd.DataFrame,
+              tier: str, slo: Slo, assumptions: list[str]) -> list[dict]:
+    """The plan rows ordered per output class (the first row of each class is the tier's
+    answer, the others its alternatives), each with ``rank``, ``basis``
+    (``row_basis``) and ``measured`` (the measured goodput and decision at the tier's
+    load). Order: the run's measured decision at this tier first (a strategy the run decided
+    worse beyond its own noise never ranks above one it did not), then fewer replicas, then
+    more predicted capacity per replica (requests/s meeting the attainment), ties to
+    autoregressive. Where the model alone would have ranked otherwise the row says so."""
+    meas = measured_ranking(flagged, cells, tier, slo)
+    out = []
+    for oc in sorted({r["output_class"] for r in rows}):
+        group = [r for r in rows if r["output_class"] == oc]
+        mr = meas.get(oc) or {"order": {}, "goodput": {}}
+        for r in group:
+            m = models[(r["strategy"], oc)]
+            levels = sorted(float(u) for u in cells.loc[cells[mn.REQ_STRATEGY].eq(r["strategy"])
+                                                        & cells[mn.REQ_OUTPUT_CLASS].eq(oc),
+                                                        mn.REQ_USERS].unique())
+            r["basis"] = row_basis(r, m, levels)
+            if r.get("extrapolated") is not None:
+                r["extrapolated"] = r["basis"] == "extrapolated"
+                if r["basis"] != "extrapolated" and (r.get("note") or "").startswith("extrapolated"):
+                    r["note"] = ""
+            r["step_model"] = m.cell.model.source
+            r["measured_goodput_tok_s"] = mr["goodput"].get(r["strategy"])
+            r["measured_decision"] = ("decided worse" if mr["order"].get(r["strategy"]) == 1 else
+                                      mr.get("status") or "not measured")
+
+        def model_key(r):
+            return (r["replicas"] if r.get("replicas") else 1e9, -(r.get("capacity_rps") or 0.0),
+                    r["strategy"] != mn.AUTOREGRESSIVE, r["strategy"])
+        by_model = sorted(group, key=model_key)
+        ranked = sorted(group, key=lambda r: (mr["order"].get(r["strategy"], 1),) + model_key(r))
+        if by_model[0] is not ranked[0]:
+            ranked[0]["note"] = ((ranked[0].get("note") or "") + (
+                f" ranked first by the measurement at tier {tier} ({mr.get('status')}; "
+                f"users {mr.get('users')}): the model alone preferred {by_model[0]['strategy']}")).strip()
+            assumptions.append(f"{oc}: the model's capacity ranking ({by_model[0]['strategy']} first) "
+                               f"contradicts the run's measured decision at tier {tier} "
+                               f"({mr.get('status')}, leader {mr.get('leader')}); the measurement ranks")
+        for i, r in enumerate(ranked):
+            r["rank"] = i + 1
+        out += ranked
+    return out
+
+
+def tier_answer(rows: list[dict]) -> list[dict]:
+    """Per output class the first ranked row (``rank_rows``): the strategy, replicas and
+    predicted attainment the plan answers with, the alternatives named below it."""
+    out = []
+    for oc in sorted({r["output_class"] for r in rows}):
+        group = sorted((r for r in rows if r["output_class"] == oc), key=lambda r: r.get("rank", 0))
+        best = next((r for r in group if r.get("replicas")), None)
+        if best is None:
+            out.append({"output_class": oc, "strategy": None, "replicas": None,
+                        "predicted_attainment": None, "basis": None,
+                        "alternatives": "; ".join(r["strategy"] for r in group)})
+            continue
+        out.append({"output_class": oc, "strategy": best["strategy"], "replicas": best["replicas"],
+                    "predicted_attainment": best["predicted_attainment"], "basis": best["basis"],
+                    "step_model": best.get("step_model"),
+                    "alternatives": "; ".join(f"{r['strategy']} ({r['replicas'] or '-'} replicas, "
+                                              f"{r['basis']})" for r in group if r is not best)})
+    return out
+
+
 def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, tier: str,
                 classes: list[str], slo: Slo, slo_ttft_ms: float, slo_tpot_ms: float,
                 attainment: float, acceptance_length: float | None = None
@@ -309,7 +422,8 @@ def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float,
     assumptions = [
         f"target load {qps:g} requests/s of tier {tier!r} ({', '.join(classes)} outputs); "
         f"SLO TTFT <= {slo_ttft_ms:g} ms, TPOT <= {slo_tpot_ms:g} ms",
-        "model: per strategy the step cost fit (analysis.model.stepcost) on the whole step log, "
+        "model: per strategy the step cost (the engine profile calibrated on the step log where "
+        "one exists, analysis.model.profiled; else the step-log fit, analysis.model.stepcost), "
         "calibrated per output class on the measured users levels; each replica a queue "
         "(analysis.model.replica_model) with Poisson arrivals at qps / N, batch <= max_num_seqs and "
         "429 beyond max_waiting (configs/serve.yaml); replicas = smallest N whose predicted "
@@ -332,6 +446,7 @@ def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float,
         # predicted goodput at the planned load over the N replicas: tokens/s of requests meeting the SLOs
         r["goodput_tok_s"] = (qps * r["predicted_attainment"] * m.out_tokens
                               if r.get("replicas") and r.get("predicted_attainment") is not None else None)
+    rows = rank_rows(rows, models, flagged, cells, tier, slo, assumptions)
     missing = sorted(set(req[mn.REQ_STRATEGY]) - {r["strategy"] for r in rows})
     if missing:
         assumptions.append(f"no step log (or < 3 decode steps) for {', '.join(missing)}: no "
@@ -425,7 +540,7 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
         assumptions.append(f"sampling: the {labels[0]!r} cells only (the run also measured "
                            f"{', '.join(labels[1:])}; acceptance, hence capacity, differs by setting)")
     out = {"qps": qps, "tier": tier, "slo": slo.model_dump(), "assumptions": assumptions,
-           "model": rows, "gpu_plan": None, "memory": None}
+           "answer": tier_answer(rows), "model": rows, "gpu_plan": None, "memory": None}
     if model_shape is not None and gpu is None:
         raise ValueError("--model-shape needs --gpu (the GPU whose memory holds the KV cache)")
     shape = memory.resolve_shape(model_shape) if model_shape is not None else None

@@ -75,6 +75,7 @@ from configs.serve_config import SPEC_SCHEDULE_KEY, ServeAppConfig, parse_spec_s
 from configs.tiers import Slo
 
 DEFAULT_BASE_CONFIG = CONFIGS_DIR / "serve.yaml"
+DEFAULT_VLLM_BASE_CONFIG = CONFIGS_DIR / "serve-vllm.yaml"   # (--backend vllm)
 APP_IMPORT_PATH = "actors.serve.app:build_app"
 VARIANT_RE = re.compile(r"^(?P<base>.+?)-k(?P<k>\d+)(?:-c\d+)?$")   # draft_model-k2, dflash2-k4-c16
 POLICY_SUFFIX = "-policy"
@@ -444,12 +445,13 @@ def policy_entry(policy: dict, base_config: str | Path = DEFAULT_BASE_CONFIG) ->
     every k of the map is allowed) and ``num_speculative_tokens_per_batch_size`` = the map.
     Raises PolicyError when the base config has no entry for the base strategy; ValueError
     (naming the key) when the map does not validate."""
-    entries = _base_entries(base_config)
+    entries = _backend_entries(_base_entries(base_config), policy.get("backend"))
     base = policy["base_strategy"]
     entry = entries.get(base) or next(
         (e for e in entries.values() if (e.get("engine") or {}).get("strategy") == base), None)
     if entry is None:
-        raise PolicyError(f"{base_config} has no strategy entry for {base!r}")
+        raise PolicyError(f"{base_config} has no strategy entry for {base!r}"
+                          + (f" on backend {policy['backend']}" if policy.get("backend") else ""))
     entry = copy.deepcopy(entry)
     entry["name"] = policy["name"]
     entry.pop("autoscaling_config", None)
@@ -459,6 +461,25 @@ def policy_entry(policy: dict, base_config: str | Path = DEFAULT_BASE_CONFIG) ->
     parse_spec_schedule(engine[SPEC_SCHEDULE_KEY], engine["num_speculative_tokens"],
                         "engine.num_speculative_tokens")
     return entry
+
+
+def _backend_entries(entries: dict, backend: str | None) -> dict:
+    """``entries`` (name -> strategy entry) as seen for ``backend``: None = as they are;
+    "vllm" = the base config's backend-vllm entries under the name of the strategy they
+    run (``vllm-ngram`` answers for ``ngram``), so a policy measured on the embedded
+    engine deploys on vLLM (vLLM's ``num_speculative_tokens_per_batch_size``, same k map);
+    "embedded" = the embedded entries only."""
+    if backend is None:
+        return entries
+    out = {}
+    for name, e in entries.items():
+        eng = e.get("engine") or {}
+        if (eng.get("backend", "embedded") == "vllm") != (backend == "vllm"):
+            continue
+        out[name] = e
+        if backend == "vllm" and name.startswith("vllm-"):
+            out.setdefault(name[len("vllm-"):], e)
+    return out
 
 
 def emit_serve_config(policy: dict, base_config: str | Path = DEFAULT_BASE_CONFIG,
@@ -491,11 +512,14 @@ def write_serve_config(cfg: dict, path: str | Path, policy: dict) -> Path:
     return path
 
 
-def fixed_entry(name: str, candidates: dict, base_config: str | Path = DEFAULT_BASE_CONFIG) -> dict:
+def fixed_entry(name: str, candidates: dict, base_config: str | Path = DEFAULT_BASE_CONFIG,
+                policy_backend: str | None = None) -> dict:
     """The strategy entry deploying one measured fixed deployment ``name`` again: its own
     entry of the base config, else (a ``<base>-k<N>`` variant) the base's entry named
-    ``name`` at k = N. Raises PolicyError when neither exists."""
-    entries = _base_entries(base_config)
+    ``name`` at k = N; ``policy_backend`` as ``_backend_entries`` (vllm: the vLLM entry of
+    that strategy, under the measured name, so the comparison is vLLM against vLLM).
+    Raises PolicyError when neither exists."""
+    entries = _backend_entries(_base_entries(base_config), policy_backend)
     if name in entries:
         e = copy.deepcopy(entries[name])
     else:

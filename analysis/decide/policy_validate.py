@@ -133,7 +133,8 @@ def validation_config(policy: dict, plan: list[dict], base_config) -> dict:
         for s in row["fixed"].values():
             if s not in names and s != policy["name"]:
                 names.append(s)
-    extra = [fixed_entry(s, policy["candidates"], base_config) for s in names]
+    extra = [fixed_entry(s, policy["candidates"], base_config, policy.get("backend"))
+             for s in names]
     return emit_serve_config(policy, base_config, extra)
 
 

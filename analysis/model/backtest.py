@@ -69,6 +69,20 @@ class Workload:
     out_tokens: float   # mean output tokens per request
     prompt_tokens: float
     occupancy: float    # mean decode rows / users
+    # ((users, occupancy, v), ...) per fit level, sorted: occupancy and v at a users level
+    # are interpolated linearly in log(users) between them, held at the nearest end
+    # outside (a closed loop's occupancy falls as users grow: client time per request)
+    levels: tuple = ()
+
+    def at(self, users) -> tuple[np.ndarray, np.ndarray]:
+        """(occupancy, v) at ``users`` (array ok)."""
+        n = np.asarray(users, float)
+        if len(self.levels) < 2:
+            return np.full_like(n, self.occupancy, dtype=float), np.full_like(n, self.v, dtype=float)
+        x = np.log(np.maximum(n, 1e-9))
+        lv = np.log([lv[0] for lv in self.levels])
+        return (np.interp(x, lv, [lv[1] for lv in self.levels]),
+                np.interp(x, lv, [lv[2] for lv in self.levels]))
 
 
 def _workload(steps: pd.DataFrame, req: pd.DataFrame, strategy: str) -> Workload:
@@ -83,36 +97,49 @@ def _workload(steps: pd.DataFrame, req: pd.DataFrame, strategy: str) -> Workload
     if not np.isfinite(tau):
         emitted = steps.loc[dec.index, mn.STEP_EMITTED_TOKENS].sum()
         tau = float(emitted / b_sum) if b_sum > 0 else 1.0
-    occ = []
+    occ, per_level = [], []
     for users, g in dec.groupby(steps.loc[dec.index, mn.REQ_USERS]):
         if users > 0:
             occ.append(float(g["B"].mean()) / float(users))
+            per_level.append((float(users), occ[-1],
+                              float(g["T"].sum() / g["B"].sum()) if g["B"].sum() > 0 else v))
     return Workload(v=v, ctx_per_row=ctx_row, tau=float(tau),
                     out_tokens=float(ok[mn.REQ_OUTPUT_TOKENS].mean()) if len(ok) else 1.0,
                     prompt_tokens=float(ok[mn.REQ_PROMPT_TOKENS].mean())
                     if ok[mn.REQ_PROMPT_TOKENS].notna().any() else 0.0,
-                    occupancy=float(np.median(occ)) if occ else 1.0)
+                    occupancy=float(np.median(occ)) if occ else 1.0,
+                    levels=tuple(sorted(per_level)) if PER_LEVEL_WORKLOAD else ())
+
+
+PER_LEVEL_WORKLOAD = True
 
 
 def model_point(model: stepcost.StepModel, w: Workload, users) -> tuple[np.ndarray, np.ndarray]:
     """(tokens/s, TPOT ms) the uncalibrated model gives at ``users`` (array ok)."""
     n = np.asarray(users, float)
-    b = np.maximum(w.occupancy * n, 1e-9)
-    t = b * w.v
+    occ, v = w.at(n)
+    b = np.maximum(occ * n, 1e-9)
+    t = b * v
     a = t * w.ctx_per_row / 1000.0
     q = b * w.tau / max(w.out_tokens, 1.0)
     pq = np.minimum(q, 1.0)
     dec = model.decode(b, t, a) if model.decode is not None else 0.0
     pre = (model.prefill(np.maximum(q, 1.0) * w.prompt_tokens) if model.prefill is not None
            and w.prompt_tokens > 0 else model.overhead_ms)
-    step = model.draft[0] + model.draft[1] * b + dec + (1.0 - pq) * model.overhead_ms + pq * pre
+    step = model.draft_ms(b) + dec + (1.0 - pq) * model.overhead_ms + pq * pre
     step = np.maximum(step, 1e-6)
     return 1000.0 * b * w.tau / step, step / w.tau
 
 
 @dataclass(frozen=True)
 class CellModel:
-    """A calibrated predictor for one strategy x output class."""
+    """A calibrated predictor for one strategy x output class.
+
+    ``k_tps`` / ``k_tpot``: the median calibration over the fit levels; ``k_levels``:
+    ((users, k_tps, k_tpot), ...) per fit level, sorted. With ``k_levels`` the factor at
+    ``users`` is interpolated linearly in log(users) between the fit levels and held at
+    the nearest end outside them (so at a measured level the model gives the measured
+    figure back: calibration, not a fit through it)."""
 
     strategy: str
     output_class: str
@@ -120,10 +147,22 @@ class CellModel:
     workload: Workload
     k_tps: float
     k_tpot: float
+    k_levels: tuple = ()
+
+    def factors(self, users) -> tuple[np.ndarray, np.ndarray]:
+        """(k_tps, k_tpot) at ``users`` (array ok)."""
+        n = np.asarray(users, float)
+        if len(self.k_levels) < 1:
+            return np.full_like(n, self.k_tps, dtype=float), np.full_like(n, self.k_tpot, dtype=float)
+        lv = np.log(np.array([k[0] for k in self.k_levels], float))
+        x = np.log(np.maximum(n, 1e-9))
+        return (np.interp(x, lv, [k[1] for k in self.k_levels]),
+                np.interp(x, lv, [k[2] for k in self.k_levels]))
 
     def predict(self, users) -> tuple[np.ndarray, np.ndarray]:
         tps, tpot = model_point(self.model, self.workload, users)
-        return self.k_tps * tps, self.k_tpot * tpot
+        k_tps, k_tpot = self.factors(users)
+        return k_tps * tps, k_tpot * tpot
 
 
 def _measured(cells: pd.DataFrame) -> pd.DataFrame:
@@ -133,11 +172,18 @@ def _measured(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def fit_cell_models(steps: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFrame,
-                    levels: list[int]) -> tuple[dict[tuple[str, str], CellModel], dict]:
+                    levels: list[int], profile: dict | None = None, results=None
+                    ) -> tuple[dict[tuple[str, str], CellModel], dict]:
     """Fit per strategy (step model) and strategy x output class (workload,
-    calibration) on the given users ``levels``. Returns (models, step models)."""
+    calibration) on the given users ``levels``. With an engine ``profile``
+    (``analysis.model.profiled``) the step model is the profile calibrated on those levels'
+    steps, else the step-log fit. Returns (models, step models)."""
     st = steps[steps[mn.REQ_USERS].isin(levels)]
-    steps_models = stepcost.fit_step_models(st)
+    if profile is not None:
+        from analysis.model import profiled
+        steps_models = profiled.fit_step_models(st, profile, results)
+    else:
+        steps_models = stepcost.fit_step_models(st)
     meas = _measured(cells[cells[mn.REQ_USERS].isin(levels)])
     out = {}
     for (strategy, oc), req in flagged[flagged[mn.REQ_USERS].isin(levels)].groupby(
@@ -157,23 +203,30 @@ def _calibrated(strategy: str, oc: str, model, w, meas: pd.DataFrame, levels) ->
     """``CellModel`` of one strategy x output class, calibrated per output class: the median
     over the fitted users levels of measured / modelled output tokens/s and TPOT p50 (1.0
     where no level has both)."""
-    r_tps, r_tpot = [], []
-    for users in levels:
+    r_tps, r_tpot, per_level = [], [], []
+    for users in sorted(levels):
         key = (strategy, oc, users)
         if key not in meas.index:
             continue
         tps, tpot = model_point(model, w, users)
         m = meas.loc[key]
+        a = b = None
         if np.isfinite(m[metrics.OUTPUT_TOKENS_PER_S]) and tps > 0:
-            r_tps.append(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
+            a = float(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
+            r_tps.append(a)
         if np.isfinite(m["tpot_ms_p50"]) and tpot > 0:
-            r_tpot.append(m["tpot_ms_p50"] / float(tpot))
+            b = float(m["tpot_ms_p50"] / float(tpot))
+            r_tpot.append(b)
+        if a is not None and b is not None:
+            per_level.append((float(users), a, b))
+    k_levels = tuple(per_level) if model.source == "profiled" else ()
     return CellModel(strategy, oc, model, w, float(np.median(r_tps)) if r_tps else 1.0,
-                     float(np.median(r_tpot)) if r_tpot else 1.0)
+                     float(np.median(r_tpot)) if r_tpot else 1.0, k_levels)
 
 
 def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
-                   notes: list[str] | None = None) -> dict[tuple[str, str], CellModel]:
+                   notes: list[str] | None = None, profile: dict | None | bool = True
+                   ) -> dict[tuple[str, str], CellModel]:
     """``fit_cell_models`` on every users level of the run: the one capacity model the
     report's crossover and ``analysis plan`` use. Step rows outside every cell (no users
     label) take their batch size as the users level (batch occupancy 1); ``notes`` gets
@@ -196,7 +249,23 @@ def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
                          "label): their batch size is taken as the users level (occupancy 1)")
     levels = sorted({int(u) for u in cells[mn.REQ_USERS].unique()}
                     | {int(u) for u in steps[mn.REQ_USERS].dropna().unique()})
-    return fit_cell_models(steps, flagged, cells, levels)[0]
+    prof = _profile(results, profile, notes)
+    return fit_cell_models(steps, flagged, cells, levels, prof, results)[0]
+
+
+def _profile(results: Results, profile, notes: list[str] | None = None) -> dict | None:
+    """The engine profile to use: ``profile`` True = look for one (``profiled.find_profile``),
+    None / False = none, a dict = that one; ``notes`` gets a sentence on which."""
+    from analysis.model import profiled
+
+    if profile is True:
+        profile, path = profiled.find_profile(results)
+        if notes is not None:
+            notes.append(f"step cost: engine profile {path}, calibrated on this run's step log"
+                         if profile is not None else
+                         "step cost: no engine profile (RUN_DIR/cost_curve.json): fitted on the "
+                         "run's own users levels, EXTRAPOLATED beyond its batches")
+    return profile or None
 
 
 def _server_workload(g: pd.DataFrame, req: pd.DataFrame, strategy: str) -> Workload:
@@ -287,15 +356,169 @@ def measured_crossover_interval(cells: pd.DataFrame) -> pd.DataFrame:
                                        "levels"])
 
 
-def backtest(results: Results, holdout: int | None = None) -> dict:
+def _held_rows(models: dict, meas: pd.DataFrame, users: int, spread: pd.DataFrame | None = None
+               ) -> list[dict]:
+    """Prediction rows at ``users`` for every fitted strategy x output class measured there."""
+    rows = []
+    for (strategy, oc), cm in sorted(models.items()):
+        key = (strategy, oc, users)
+        if key not in meas.index:
+            continue
+        tps, tpot = cm.predict(users)
+        pred = {metrics.OUTPUT_TOKENS_PER_S: float(tps), "tpot_ms_p50": float(tpot)}
+        sp = predicted_speedup(models, strategy, oc, users)
+        if strategy != mn.AUTOREGRESSIVE and sp is not None:
+            pred[metrics.SPEEDUP] = float(sp)
+        for metric, p in pred.items():
+            m = float(meas.loc[key, metric])
+            if not np.isfinite(m) or m == 0:
+                continue
+            row = {"strategy": strategy, "output_class": oc, "metric": metric,
+                   "users": int(users), "predicted": p, "measured": m,
+                   "abs_error": abs(p - m) / abs(m), "model": cm.model.source}
+            if spread is not None and (strategy, oc, users) in spread.index:
+                row["repeat_spread"] = float(spread.loc[(strategy, oc, users), metric])
+            rows.append(row)
+    return rows
+
+
+def one_sampling(results: Results) -> Results:
+    """The results of the first sampling label only (greedy first,
+    ``analysis.data.dimensions.sampling_labels``): acceptance, hence the workload and the
+    measured figures, differ by setting, so a backtest never pools them. Unchanged with
+    one label."""
+    import dataclasses
+
+    from analysis.data.dimensions import sampling_labels
+
+    labels = sampling_labels(results.requests)
+    if len(labels) < 2:
+        return results
+    req, st = results.requests, results.steps
+    keep = st[mn.REQ_SAMPLING].eq(labels[0]) | st[mn.REQ_SAMPLING].isna() \
+        if mn.REQ_SAMPLING in st else pd.Series(True, index=st.index)
+    return dataclasses.replace(results, requests=req[req[mn.REQ_SAMPLING].eq(labels[0])],
+                               steps=st[keep])
+
+
+def _repeat_spread(flagged: pd.DataFrame) -> pd.DataFrame | None:
+    """Per (strategy, output class, users): half the range of each metric over the cell's
+    replicates (repeats, runs) relative to their mean: the run's own noise on that figure;
+    None when no cell has two replicates."""
+    cols = [metrics.OUTPUT_TOKENS_PER_S, "tpot_ms_p50", metrics.SPEEDUP]
+    if mn.REQ_REPEAT not in flagged:
+        return None
+    per = flagged.assign(**{mn.REQ_RUN_ID: flagged[mn.REQ_RUN_ID].astype(str) + "#r"
+                            + flagged[mn.REQ_REPEAT].astype(str)})
+    cells = metrics.cell_table(per)
+    g = cells.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS])[cols]
+    n = g.size()
+    if not (n >= 2).any():
+        return None
+    return ((g.max() - g.min()) / 2.0 / g.mean().abs()).where(n >= 2)
+
+
+def _r2(y: np.ndarray, p: np.ndarray) -> float:
+    return stepcost._r2(np.asarray(y, float), np.asarray(p, float)) if len(y) >= 2 else float("nan")
+
+
+def loo_backtest(results: Results, profile: dict | None | bool = True) -> dict:
+    """Leave-one-level-out: for every users level u of the run, fit the capacity model on
+    the other levels (step model: the engine profile calibrated on their steps where a
+    profile exists, else the step-log fit; workload and calibration from them) and predict
+    u. A forecaster's hold-out test over every level, not only the highest.
+
+    Returns {"levels", "profile" (its path or None), "rows": [{"strategy", "output_class",
+    "metric", "users", "predicted", "measured", "abs_error", "model" (profiled | fitted),
+    "repeat_spread" (the cell's own noise, when it has replicates)}], "summary": [{"strategy",
+    "output_class", "metric", "median_abs_error", "worst_abs_error", "n"}], "overall":
+    {metric: {"median_abs_error", "worst_abs_error"}}, "r2_holdout": {strategy: r² of the
+    whole step on the steps of the held-out levels}}. Raises ValueError with fewer than two
+    users levels or no step log (the server-counter fit has no steps to hold out)."""
+    from analysis.model import profiled
+
+    results = one_sampling(results)
+    req = results.requests
+    tiers = sorted(req[mn.REQ_TIER].unique())
+    loose = {t: Slo(ttft_ms=1e12, tpot_ms=1e12, source="backtest") for t in tiers}
+    flagged = metrics.with_slo_flags(req, loose)
+    cells = metrics.cell_table(flagged)
+    levels = sorted(int(u) for u in cells[mn.REQ_USERS].unique())
+    if len(levels) < 2:
+        raise ValueError(f"backtest needs >= 2 users levels, the run has {levels}")
+    if results.steps is None or results.steps.empty:
+        raise ValueError("leave-one-level-out needs the step log (steps.parquet)")
+    path = None
+    if profile is True:
+        profile, path = profiled.find_profile(results)
+    steps = steps_with_users(results.steps, req)
+    meas, spread = _measured(cells), _repeat_spread(flagged)
+    rows: list[dict] = []
+    held: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for u in levels:
+        fit_levels = [v for v in levels if v != u]
+        models, step_models = fit_cell_models(steps, flagged, cells, fit_levels, profile or None,
+                                              results)
+        rows += _held_rows(models, meas, u, spread)
+        hs = steps[steps[mn.REQ_USERS].eq(u)]
+        for strategy, g in hs.groupby(mn.STEP_STRATEGY):
+            m = step_models.get(str(strategy))
+            if m is None:
+                continue
+            f = stepcost.step_features(g)
+            f = f[(f["B"] > 0) | (f["P"] > 0)]
+            pred = np.asarray(m.step_ms(f["B"], f["T"], f["A"], f["P"]), float)
+            held.setdefault(str(strategy), []).append((f["step_ms"].to_numpy(float), pred))
+    df = pd.DataFrame(rows)
+    summary, overall = [], {}
+    if not df.empty:
+        for (s, oc, metric), g in df.groupby(["strategy", "output_class", "metric"]):
+            summary.append({"strategy": s, "output_class": oc, "metric": metric,
+                            "median_abs_error": float(g["abs_error"].median()),
+                            "worst_abs_error": float(g["abs_error"].max()), "n": int(len(g))})
+        for metric, g in df.groupby("metric"):
+            overall[metric] = {"median_abs_error": float(g["abs_error"].median()),
+                               "worst_abs_error": float(g["abs_error"].max()), "n": int(len(g))}
+    r2 = {s: _r2(np.concatenate([y for y, _ in v]), np.concatenate([p for _, p in v]))
+          for s, v in held.items()}
+    return {"levels": levels, "profile": path if profile else None, "rows": rows,
+            "summary": summary, "overall": overall, "r2_holdout": r2,
+            "r2_ceiling": r2_ceiling(steps)}
+
+
+def r2_ceiling(steps: pd.DataFrame) -> dict[str, float]:
+    """Per strategy: the r² of the whole step time that the step's own shape can explain at
+    most: every step predicted by the mean of the steps with the same B, T, prefill tokens
+    (log2 bins, 0 apart) and context per row (half-log2 bins), in sample. What remains is the step-to-step noise no model of B, T, context and
+    prefill sees (on a shared CPU: waits for a core); a hold-out r² near this ceiling
+    means the model lost nothing it could have seen."""
+    out = {}
+    for strategy, g in steps.groupby(mn.STEP_STRATEGY):
+        f = stepcost.step_features(g)
+        f = f[(f["B"] > 0) | (f["P"] > 0)]
+        if len(f) < 3:
+            continue
+        p_bin = np.where(f["P"] > 0, np.round(np.log2(np.maximum(f["P"], 1.0))), -1.0)
+        ctx = (f["A"] * 1000.0 / f["T"].where(f["T"] > 0)).fillna(0.0)
+        c_bin = np.round(2.0 * np.log2(ctx + 1.0))
+        m = f.groupby([f["B"], f["T"], p_bin, c_bin])["step_ms"].transform("mean")
+        out[str(strategy)] = _r2(f["step_ms"].to_numpy(float), m.to_numpy(float))
+    return out
+
+
+def backtest(results: Results, holdout: int | None = None, profile: dict | None | bool = True) -> dict:
     """Fit on every users level below ``holdout`` (default: the highest), predict it.
 
     Returns {"holdout_users", "fit_levels", "median_abs_error", "fit_r2": {strategy:
     r² of the whole step on the fit levels}, "rows": [{"strategy", "output_class",
     "metric", "users", "predicted", "measured", "abs_error"}], "models" (not
-    JSON), "crossover": [rows]}. Raises ValueError when the run has fewer than two
-    users levels or no step log.
+    JSON), "crossover": [rows], "step_model": {strategy: profiled | fitted}, "profile" (the
+    engine profile's path or None), "loo" (``loo_backtest``, None where it cannot run)}.
+    ``profile``: True = look for one (``analysis.model.profiled.find_profile``), None = the
+    step-log fit, a dict = that profile. The first sampling label only (``one_sampling``).
+    Raises ValueError when the run has fewer than two users levels or no step log.
     """
+    results = one_sampling(results)
     req = results.requests
     tiers = sorted(req[mn.REQ_TIER].unique())
     loose = {t: Slo(ttft_ms=1e12, tpot_ms=1e12, source="backtest") for t in tiers}
@@ -315,29 +538,21 @@ def backtest(results: Results, holdout: int | None = None) -> dict:
     fit_levels = [u for u in levels if u < top]
     if not fit_levels:
         raise ValueError(f"no users level below the holdout {top}; levels are {levels}")
+    path = None
+    if profile is True:
+        from analysis.model import profiled
+        profile, path = profiled.find_profile(results)
     if srv is not None:
         models, step_models = fit_server_cell_models(srv, flagged, cells, fit_levels)
+        profile = None
     else:
         steps = steps_with_users(results.steps, req)
-        models, step_models = fit_cell_models(steps, flagged, cells, fit_levels)
+        models, step_models = fit_cell_models(steps, flagged, cells, fit_levels, profile or None,
+                                              results)
+    if path is None and profile:
+        path = str(profile.get("path") or "given")
     meas = _measured(cells)
-    rows = []
-    for (strategy, oc), cm in sorted(models.items()):
-        key = (strategy, oc, top)
-        if key not in meas.index:
-            continue
-        tps, tpot = cm.predict(top)
-        pred = {metrics.OUTPUT_TOKENS_PER_S: float(tps), "tpot_ms_p50": float(tpot)}
-        sp = predicted_speedup(models, strategy, oc, top)
-        if strategy != mn.AUTOREGRESSIVE and sp is not None:
-            pred[metrics.SPEEDUP] = float(sp)
-        for metric, p in pred.items():
-            m = float(meas.loc[key, metric])
-            if not np.isfinite(m) or m == 0:
-                continue
-            rows.append({"strategy": strategy, "output_class": oc, "metric": metric,
-                         "users": int(top), "predicted": p, "measured": m,
-                         "abs_error": abs(p - m) / abs(m)})
+    rows = _held_rows(models, meas, top, _repeat_spread(flagged))
     errs = [r["abs_error"] for r in rows]
     measured_x = measured_crossover_interval(cells)
     crossover = []
@@ -347,7 +562,20 @@ def backtest(results: Results, holdout: int | None = None) -> dict:
     return {"holdout_users": int(top), "fit_levels": fit_levels,
             "median_abs_error": float(np.median(errs)) if errs else None,
             "fit_r2": {s: float(m.r2_step) for s, m in step_models.items()},
-            "rows": rows, "crossover": crossover, "models": models, "cells": cells}
+            "step_model": {s: m.source for s, m in step_models.items()},
+            "profile": path if profile else None,
+            "rows": rows, "crossover": crossover, "models": models, "cells": cells,
+            "loo": _loo_or_none(results, profile, path)}
+
+
+def _loo_or_none(results: Results, profile, path) -> dict | None:
+    try:
+        loo = loo_backtest(results, profile if profile else None)
+    except ValueError:
+        return None
+    if profile:
+        loo["profile"] = path
+    return loo
 
 
 def to_json(bt: dict) -> dict:

@@ -126,13 +126,25 @@ class StepModel:
     fitted: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False, compare=False)
     is_prefill: np.ndarray = field(default_factory=lambda: np.zeros(0, bool), repr=False,
                                    compare=False)
+    # the drafter's ms per step as a function of B (a profiled curve); None: the draft line
+    draft_curve: object = field(default=None, repr=False, compare=False)
+    # "fitted": fitted on the step log (extrapolated beyond its batches); "profiled": the
+    # engine profile calibrated on the step log (analysis.model.profiled)
+    source: str = "fitted"
+
+    def draft_ms(self, rows):
+        """The drafter's ms per step at B rows (array ok)."""
+        b = np.asarray(rows, float)
+        if self.draft_curve is not None:
+            return np.asarray(self.draft_curve(b), float)
+        return self.draft[0] + self.draft[1] * b
 
     def step_ms(self, rows, tokens, attn=0.0, prefill_tokens=0.0):
         """Predicted step ms (array ok); decode part only where rows > 0."""
         b = np.asarray(rows, float)
         p = np.asarray(prefill_tokens, float)
         dec = self.decode(b, tokens, attn) if self.decode is not None else 0.0
-        dec = np.where(b > 0, dec + self.draft[0] + self.draft[1] * b, 0.0)
+        dec = np.where(b > 0, dec + self.draft_ms(b), 0.0)
         pre = self.prefill(p) if self.prefill is not None else self.overhead_ms
         return dec + np.where(p > 0, pre, self.overhead_ms)
 
@@ -260,14 +272,17 @@ def fit_table(models: dict[str, StepModel], steps: pd.DataFrame | None = None) -
             cpu = cpu_fit(steps[steps[mn.STEP_STRATEGY].eq(s)])
         d, p = m.decode, m.prefill
         res = m.residuals
-        rows.append({"strategy": s, "steps": m.n_steps, "r2_step": m.r2_step,
+        g = (lambda name: getattr(d, name, np.nan) if d is not None else np.nan)  # noqa: E731
+        rows.append({"strategy": s, "step_model": m.source, "steps": m.n_steps,
+                     "r2_step": m.r2_step,
                      "r2_decode": d.r2 if d else np.nan,
-                     "r2_prefill": p.r2 if p is not None else np.nan,
-                     "floor_ms": d.floor_ms if d else np.nan,
-                     "row_ms": d.row_ms if d else np.nan,
-                     "token_ms": d.token_ms if d else np.nan,
-                     "knee_tokens": d.knee_tokens if d else np.nan,
-                     "attn_ms_per_ktok2": d.attn_ms if d else np.nan,
+                     "r2_prefill": getattr(p, "r2", np.nan) if p is not None else np.nan,
+                     "verify_scale": g("scale"),
+                     "floor_ms": g("floor_ms"),
+                     "row_ms": g("row_ms"),
+                     "token_ms": g("token_ms"),
+                     "knee_tokens": g("knee_tokens"),
+                     "attn_ms_per_ktok2": g("attn_ms"),
                      "draft_ms_per_row": m.draft[1], "overhead_ms": m.overhead_ms,
                      "residual_p50_abs_ms": float(np.median(np.abs(res))) if res.size else np.nan,
                      "residual_p90_abs_ms": float(np.percentile(np.abs(res), 90)) if res.size else np.nan,

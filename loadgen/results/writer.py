@@ -321,7 +321,8 @@ def _git_sha(repo: Path) -> dict[str, Any]:
 
 
 def environment_info() -> dict[str, Any]:
-    """Package versions, git sha and machine facts for the manifest."""
+    """Package versions, git sha, machine facts and the engine kernels' build status
+    (``actors.engine.kernel_build.build_status``) for the manifest."""
     versions = {}
     for pkg in ("locust", "gevent", "geventhttpclient", "ray", "pyarrow", "pandas", "pydantic", "rich",
                 "psutil", "torch", "specload"):
@@ -337,7 +338,12 @@ def environment_info() -> dict[str, Any]:
         machine["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
-    return {"versions": versions, "git": _git_sha(REPO_ROOT), "machine": machine}
+    from actors.engine.kernel_build import build_status
+
+    # the engine's C kernels as last built on this machine (or their absence and the
+    # fallback that ran instead): what the embedded engines of a local run used
+    return {"versions": versions, "git": _git_sha(REPO_ROOT), "machine": machine,
+            "kernels": build_status()}
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
