@@ -134,7 +134,7 @@ def test_pip_install_runs_loadgen_report_from_any_directory(tmp_path):
     assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
     rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
     assert set(rec["low"]) == {"short", "long"}
-    assert rec["schema_version"] == 3
+    assert rec["schema_version"] == 4
     low = rec["low"]["short"]
     assert low["strategy"] in {"autoregressive", "ngram"} or (
         low["strategy"] == "tie" and set(low["tied"]) == {"autoregressive", "ngram"})

@@ -282,7 +282,7 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
             why = f"undecided{f', {undecided_reason}' if undecided_reason else ''}: " if status else "a tie: "
             need = percent(r["level"], 1) if r.get("level") else level   # the last look's level
             lines.append(f"{head} run any of {', '.join(r.get('tied', []))} ({why}{r.get('leader')} leads "
-                         f"by {percent(r.get('margin'))}, P(lead) {percent(r.get('confidence'), 0)} "
+                         f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
                          f"short of the {need} its look needed{effort})")
         elif status == race.EQUIVALENT:
             b = r.get("bootstrap", {})
