@@ -39,6 +39,18 @@ from configs.tiers import Slo
 METRICS = (metrics.OUTPUT_TOKENS_PER_S, "tpot_ms_p50", metrics.SPEEDUP)
 
 
+
+def _levels(results):
+    """(results with the first sampling label only, request rows flagged against SLOs that
+    every request meets, the cell table, the sorted users levels): what a backtest holds out."""
+    results = one_sampling(results)
+    req = results.requests
+    tiers = sorted(req[mn.REQ_TIER].unique())
+    loose = {t: Slo(ttft_ms=1e12, tpot_ms=1e12, source="backtest") for t in tiers}
+    flagged = metrics.with_slo_flags(req, loose)
+    cells = metrics.cell_table(flagged)
+    return results, flagged, cells, sorted(int(u) for u in cells[mn.REQ_USERS].unique())
+
 def steps_with_users(steps: pd.DataFrame, requests: pd.DataFrame) -> pd.DataFrame:
     """Step rows with a ``users`` column: the step's own label when the load
     generator wrote one, else the users level of its (run, strategy, tier,
@@ -437,13 +449,8 @@ def loo_backtest(results: Results, profile: dict | None | bool = True) -> dict:
     users levels or no step log (the server-counter fit has no steps to hold out)."""
     from analysis.model import profiled
 
-    results = one_sampling(results)
+    results, flagged, cells, levels = _levels(results)
     req = results.requests
-    tiers = sorted(req[mn.REQ_TIER].unique())
-    loose = {t: Slo(ttft_ms=1e12, tpot_ms=1e12, source="backtest") for t in tiers}
-    flagged = metrics.with_slo_flags(req, loose)
-    cells = metrics.cell_table(flagged)
-    levels = sorted(int(u) for u in cells[mn.REQ_USERS].unique())
     if len(levels) < 2:
         raise ValueError(f"backtest needs >= 2 users levels, the run has {levels}")
     if results.steps is None or results.steps.empty:
@@ -518,13 +525,8 @@ def backtest(results: Results, holdout: int | None = None, profile: dict | None 
     step-log fit, a dict = that profile. The first sampling label only (``one_sampling``).
     Raises ValueError when the run has fewer than two users levels or no step log.
     """
-    results = one_sampling(results)
+    results, flagged, cells, levels = _levels(results)
     req = results.requests
-    tiers = sorted(req[mn.REQ_TIER].unique())
-    loose = {t: Slo(ttft_ms=1e12, tpot_ms=1e12, source="backtest") for t in tiers}
-    flagged = metrics.with_slo_flags(req, loose)
-    cells = metrics.cell_table(flagged)
-    levels = sorted(int(u) for u in cells[mn.REQ_USERS].unique())
     if len(levels) < 2:
         raise ValueError(f"backtest needs >= 2 users levels, the run has {levels}; run more "
                          "than one tier (`--tier all`) or a sweep (`--sweep`)")
