@@ -134,7 +134,9 @@ def _tiers(tmp: Path, cell: dict, drain_s: float = 8, timeout_s: float = 60) -> 
 
 def _loadgen(url: str, tiers: Path, results: Path, strategies: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", url,
-            "--tiers-file", str(tiers), "--results", str(results), "--strategies", strategies, *extra]
+            "--tiers-file", str(tiers), "--results", str(results), "--strategies", strategies,
+            # every request counts here (the outage starts at the kill): no warm-up requests or cut
+            "--warmup-requests", "0", "--warmup-s", "0", *extra]
 
 
 def _run_dir(results: Path) -> Path:

@@ -76,7 +76,7 @@ def run_loadgen(url: str, strategy: str, results: Path, *extra: str) -> subproce
     cmd = [sys.executable, "-m", "loadgen", "--target", url, "--strategies", strategy, "--tier", "mid",
            "--output", "short", "--tiers-file", str(tiers), "--consistency", "0",
            # no warm-up requests: these tests account for every request the server counted
-           "--warmup-requests", "0",
+           "--warmup-requests", "0", "--warmup-s", "0",
            "--results", str(results), "--run-id", "run", "--report", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
