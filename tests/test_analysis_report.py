@@ -199,3 +199,20 @@ def test_cli_errors(tmp_path, capsys):
         cli.main(["report", str(tmp_path), "--slo-ttft-ms", "fast"])
     assert exc.value.code == 2
     assert "--slo-ttft-ms" in capsys.readouterr().err
+
+
+def test_the_warm_up_cut_never_hides_a_failure(report):
+    """A request that failed inside the warm-up window is cut from every goodput figure but
+    still shown in the faults section (outage table and timeline): the cut hides no outage."""
+    results = load_results(report[0] / "run-a")
+    req = results.requests.copy()
+    cell = req[req[mn.REQ_STRATEGY].eq(mn.NGRAM) & req[mn.REQ_TIER].eq("low")
+               & req[mn.REQ_OUTPUT_CLASS].eq("short")]
+    first = cell[mn.REQ_SCHEDULED_TS].idxmin()
+    req.loc[first, mn.REQ_STATUS] = mn.STATUS_DISCONNECTED
+    results = dataclasses.replace(results, requests=req)
+    a = analyse(results, warmup_s=1e-3)
+    out = a.outages.set_index([mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS])
+    assert out.loc[(mn.NGRAM, "low", "short"), "n_failed"] == 1
+    assert a.timeline["n_failed"].sum() == 1
+    assert a.recommendation["low"]["short"]["degraded"]

@@ -130,6 +130,8 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     step rows, ``analysis.data.stability.apply_warmup``); None: the run manifest's
     ``args.warmup_s``, else 0. Raises ResultsError when the cut leaves no request.
     """
+    # failures count whenever they happened: the warm-up cut never hides an outage
+    uncut = results.requests
     results, warmup_s, dropped, slos, flagged, srv, cells = prepare(results, slo_ttft_ms, slo_tpot_ms,
                                                                     warmup_s)
     cap = server_data.merge_capacity(capacity.capacity_table(results.steps), srv)
@@ -143,7 +145,7 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     settings["scope"] = run_scope([r.manifest for r in results.runs], warmup_s)
     rec = recommend_by_sampling(flagged, cells, slos, confidence=settings["confidence"],
                                 margin=settings["equivalence_margin"], looks=settings["looks"])
-    outage = faults.outages(flagged)
+    outage = faults.outages(uncut)
     faults.annotate_degraded(rec, outage)
     answers = questions_section(results, flagged, warmup_s, dropped)
     dims = dimensions_section(cells)   # speedup / tau vs k and vs temperature (when varied)
@@ -175,7 +177,7 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
                     crossover=crossover,
                     knees=metrics.throughput_latency_knee(cells), capacity=cap,
                     recommendation=rec, degradation=degradation,
-                    outages=outage, timeline=faults.timeline(flagged),
+                    outages=outage, timeline=faults.timeline(uncut),
                     baseline_root=str(baseline) if baseline is not None else None,
                     capacity_model=capacity_section(results), questions=answers,
                     warmup_s=warmup_s, server=server_section(results, srv), race=settings,
