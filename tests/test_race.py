@@ -397,3 +397,25 @@ def test_an_aa_race_is_not_decided(tmp_path):
     assert d["status"] in (race.UNDECIDED, race.EQUIVALENT) and d["dropped"] == {}
     assert r["noise"]["df"] >= 1 and "low/short" in r["noise"]["aa"]
     assert d["repeats"]["autoregressive"] >= 2 and "noise: one cell run's goodput varies" in out
+
+
+def test_the_margin_is_the_fitted_lead_and_never_contradicts_the_leader():
+    """The A/A's two baseline replicates bracket the first pass (150 then 100: drift inside
+    the pass); the raw paired means (the baseline's last replicate per pass) put ngram ahead
+    ((120 + 128) / 2 = 124 vs (100 + 130) / 2 = 115), the fit over every replicate the
+    baseline. The margin shown is the fit's lead, so the line never reads "autoregressive
+    leads by -7%"."""
+    from analysis.decide.recommend import from_decision
+
+    def rep(g, repeat):
+        return race.Replicate(np.array([g]), 1.0, 1, repeat)
+
+    reps = {mn.AUTOREGRESSIVE: [rep(150, 0), rep(100, 0), rep(130, 1)],
+            mn.NGRAM: [rep(120, 0), rep(128, 1)]}
+    d = race.decide_replicates(reps, looks=None)
+    assert d.leader == mn.AUTOREGRESSIVE
+    r = from_decision(d)
+    # one look (not raced): one block, so the fit is the strategies' mean ln(goodput)
+    expected = math.expm1(np.mean(np.log([150, 100, 130])) - np.mean(np.log([120, 128])))
+    assert r["margin"] == pytest.approx(expected, rel=1e-9) and r["margin"] > 0
+    assert d.paired[mn.NGRAM][0] > d.paired[mn.NGRAM][1]   # the raw means alone disagree

@@ -152,6 +152,7 @@ class Decision:
     needs_repeats: int | None = None     # undecided: replicates per contender that would decide
     level: float | None = None           # the last look's interval level (1 - its alpha / m)
     reason: str = ""                     # undecided: why, in words
+    lead: dict = field(default_factory=dict)  # s -> the leader's fitted lead g_leader / g_s - 1, s's last look
     bootstrap: dict = field(default_factory=dict)  # the settings (name kept for readers)
 
     def to_dict(self) -> dict:
@@ -314,7 +315,10 @@ def _evaluate(fit: _Fit, contenders: list[str], noise: Noise, alpha: float, marg
     m = max(len(contenders) - 1, 1)
     a = alpha / m
     out = {"leader": leader, "win": {}, "interval": {}, "drop": [], "equiv": [], "level": 1 - a,
-           "needs": None, "margin": margin}
+           "needs": None, "margin": margin,
+           # the leader's fitted lead over s (pass-adjusted, the interval's centre): >= 0 up
+           # to the rank's tie tolerance, whatever the raw means of unbalanced repeats say
+           "lead": {s: math.expm1(point[leader] - point[s]) for s in contenders if s != leader}}
     if noise.sd is None or noise.df == 0:
         return out
     q = float(stats.t.ppf(1 - a / 2, noise.df))
@@ -381,6 +385,7 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
                         for s, v in reps.items()})
     dropped: dict[str, int] = {}
     win_at_drop: dict[str, float] = {}
+    lead_at_drop: dict[str, float] = {}
     status, ev, settled_at, n_eval, nz, alphas = UNDECIDED, None, None, 0, None, []
     for w in range(n_windows):
         fit = _fit(_observations(reps, cutoffs, w))
@@ -399,6 +404,7 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
         for s in ev["drop"]:
             dropped[s] = n_eval
             win_at_drop[s] = ev["win"][s]
+            lead_at_drop[s] = ev["lead"][s]
         contenders = [ev["leader"]] + [s for s in live if s != ev["leader"] and s not in ev["drop"]]
         if len(contenders) == 1:
             status, settled_at = DECIDED, n_eval
@@ -423,10 +429,11 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
                       f"+-{100 * nz.relative:.0f}% between cells)")
             if ev.get("needs"):
                 reason += f"; about {ev['needs']} replicates per contender would separate them"
-    win = dict(win_at_drop)
+    win, lead = dict(win_at_drop), dict(lead_at_drop)
     interval = {}
     if ev is not None:
         win.update({s: ev["win"][s] for s in others if s in ev["win"]})
+        lead.update({s: ev["lead"][s] for s in others if s in ev.get("lead", {})})
         interval = dict(ev["interval"])
     duration = {s: float(sum(r.duration_s for r in v)) for s, v in reps.items()}
     paired = {}
@@ -442,6 +449,7 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
         status=status, leader=leader, contenders=contenders,
         equivalent=contenders if status == EQUIVALENT else [],
         dropped=dropped, confidence=conf, win_probability=win, relative_interval=interval,
+        lead=lead,
         goodput={s: pooled_goodput(v) for s, v in reps.items()},
         goodput_rps={s: float(sum(r.n_good for r in v) / sum(r.duration_s for r in v))
                      for s, v in reps.items()},

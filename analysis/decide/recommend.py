@@ -40,8 +40,9 @@ def from_decision(d: "race.Decision") -> dict:
     None when nothing met an SLO and no baseline ran), "leader", "status" (decided |
     equivalent | undecided), "tied" (undecided: the contenders left), "equivalent"
     (equivalent: the leader and its equivalents), "contenders", "dropped", "goodput"
-    (tokens/s), "goodput_rps", "runner_up", "runner_up_goodput", "margin" (relative, None if
-    the runner-up is 0), "margin_abs" (tokens/s), "confidence" (0..1, ``race.decide_cell``),
+    (tokens/s), "goodput_rps", "runner_up", "runner_up_goodput", "margin" (the leader's fitted
+    lead over the runner-up, ``Decision.lead``; else the goodputs' ratio - 1; None if the
+    runner-up is 0), "margin_abs" (tokens/s), "confidence" (0..1, ``race.decide_cell``),
     "win_probability", "relative_interval", "paired" (per other strategy: its goodput and the
     leader's over the repeats both ran; the runner-up and margin use these), "repeats" (most
     replicates of a strategy),
@@ -102,8 +103,10 @@ def from_decision(d: "race.Decision") -> dict:
         "goodput_rps": float(d.goodput_rps[best]),
         "runner_up": runner,
         "runner_up_goodput": float(runner_gp) if runner_gp is not None else None,
-        "margin": (float((lead_gp - runner_gp) / runner_gp)
-                   if runner_gp else None),
+        # the lead the decision used (pass-adjusted fit), so its sign always matches "leader";
+        # without a fit (one replicate each), the goodputs' ratio
+        "margin": (float(d.lead[runner]) if runner in d.lead
+                   else float((lead_gp - runner_gp) / runner_gp) if runner_gp else None),
         "margin_abs": float(lead_gp - runner_gp) if runner_gp is not None else None,
         "paired": {s: {"goodput": v[0], "leader_goodput": v[1], "repeats": v[2]}
                    for s, v in d.paired.items()},
