@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from configs.jsonio import write_json
-from configs.net import free_ports, listener_on, loopback_head, port_in_use  # noqa: F401  (free_ports: tests)
+from configs.net import RAY_WORKER_PRIORITY_ENV, free_ports, listener_on, loopback_head, port_in_use  # noqa: F401  (free_ports: tests)
 from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
 from configs.serve_config import DIRECT_INGRESS_ENV, PROXY_ENV
 
@@ -156,7 +156,7 @@ def start_head(num_cpus: int | None, direct_ingress: bool = False) -> dict:
            "--include-dashboard", "true", "--disable-usage-stats", *head.flags]
     if num_cpus is not None:
         cmd += ["--num-cpus", str(num_cpus)]
-    env = {**PROXY_ENV, **os.environ, **head.env}   # the Serve proxy's settings, unless set already
+    env = {**PROXY_ENV, **RAY_WORKER_PRIORITY_ENV, **os.environ, **head.env}   # unless set already
     if direct_ingress:   # Serve's controller and replicas read it from the head's environment
         env.update(DIRECT_INGRESS_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH"))

@@ -79,6 +79,13 @@ def listener_on(port: int) -> str | None:
 # to start a worker node with it (multi-node on one machine cannot be loopback-only).
 RAY_SINGLE_NODE_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 RAY_MULTI_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+# Ray starts its worker processes (Serve replicas, engine processes, Locust load workers) at
+# nice 15 (raylet config ``worker_niceness``). On a box the load generator shares (the
+# embedded default), that puts the engine behind every other process: the client's own
+# work, or anything else running, starves it and the measured cell runs slow. A model
+# server (vLLM, specload's engine) runs at normal priority; so do these workers. Applied
+# with setdefault: a caller's own RAY_worker_niceness wins.
+RAY_WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 # The preload module that binds Serve's hard-coded ``[::]`` gRPC servers to the node IP
 # (cluster/grpc_bind.py says why). A module name, not an import: Ray's raylet has every

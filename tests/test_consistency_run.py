@@ -35,14 +35,14 @@ def service(tmp_path_factory):
         yield url
 
 
-@pytest.mark.xfail(strict=False, reason="issue 37, open: on a loaded box a strategy's first cell can "
-                   "still run at about half the speed of its repeats despite the warm-up requests")
 def test_the_first_cell_is_warm(service, tmp_path):
     """The run warms every strategy before its first measured cell (``--warmup-requests``,
-    default 4) and cuts each cell's first second: on a service that has served nothing yet
-    (this module's first test), each strategy's first cell is not slower than its repeats
-    (TTFT p50 within 1.5x of the later repeats' median, tokens/s at least 2/3 of it; cold,
-    the first cell's TTFT was 2-3x the later ones' in the main job)."""
+    default 4), cuts each cell's first 10 % and resets the prefix cache before every cell
+    (``--reset-prefix-cache``): on a service that has served nothing yet (this module's first
+    test), each strategy's first cell is not slower than its repeats (TTFT p50 within 1.5x of
+    the later repeats' median, tokens/s at least 2/3 of it). Without the resets the first
+    cell's TTFT was 2-3x the later ones': every cell sends the same prompts, and the later
+    cells found them in the prefix cache."""
     import pandas as pd
 
     res = subprocess.run(
@@ -56,6 +56,9 @@ def test_the_first_cell_is_warm(service, tmp_path):
     assert manifest["warmup"]["requests_per_strategy"] == 4 and manifest["warmup"]["failed"] == {}
     assert set(manifest["warmup"]["seconds"]) == {"autoregressive", "dflash2"}
     assert manifest["args"]["warmup_s"] == pytest.approx(0.3)   # 10 % of the 3-s cells
+    resets = manifest["prefix_cache"]["by_strategy"]
+    assert manifest["prefix_cache"]["reset_before_each_cell"] is True
+    assert {s: r["reset"] for s, r in resets.items()} == {"autoregressive": 3, "dflash2": 3}
     df = pd.read_parquet(run_dir / "requests.parquet")
     df = df[df[mn.REQ_STATUS].eq(mn.STATUS_OK)]
     for strategy, g in df.groupby(mn.REQ_STRATEGY):

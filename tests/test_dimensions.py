@@ -241,6 +241,12 @@ def test_run_against_fake_server_cells_per_sampling_and_variants(tmp_path):
 
     assert man["schema_version"] == SCHEMA_VERSION
     assert {k: v["k"] for k, v in man["variants"].items()} == {"autoregressive": 0, "ngram-k2": 2, "ngram-k4": 4}
+    # the fake server has no /reset_prefix_cache (like vLLM outside dev mode): asked once per
+    # deployment, recorded, named in one warning each; the cells ran
+    resets = man["prefix_cache"]["by_strategy"]
+    assert {s: (r["unsupported"], r["reset"]) for s, r in resets.items()} == {
+        m: (1, 0) for m in models.split(",")}
+    assert p.stdout.count("prefix cache not reset before the cell") == 3
     assert [s["label"] for s in man["samplings"]["low/short"]] == ["greedy", "t0.7"]
     assert man["output_lengths"]["low/long"] | {"max_tokens": None} == {
         "max_tokens": None, "ignore_eos": True, "min_tokens": 12}

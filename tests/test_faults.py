@@ -182,6 +182,16 @@ def _rss_mb(pid: int) -> float:
 
 
 @pytest.mark.slow
+def test_replicas_and_engine_processes_run_at_normal_priority(service):
+    """Ray starts its workers at nice 15; the service's replicas and their engine processes
+    run at nice 0 like a model server (configs.net.RAY_WORKER_PRIORITY_ENV), or anything else
+    on a shared box (the load generator itself) starves the engine mid cell."""
+    info = _info(service)
+    for strategy in ("autoregressive", "ngram", TIGHT):
+        assert psutil.Process(info[strategy]["pid"]).nice() == 0, strategy
+        assert psutil.Process(info[strategy]["engine_pid"]).nice() == 0, strategy
+
+
 def test_overload_sheds_with_429_and_retry_after(service, tmp_path):
     """Open loop at 3x the measured capacity of a 2-slot replica: 429 + Retry-After, `rejected`
     rows apart from errors, retries counted, the replica neither crashes nor grows."""

@@ -48,3 +48,24 @@ def test_prefix_cache_hits_give_the_same_tokens(make_engine, heldout_prompts, st
 
 def test_prefix_cache_is_off_for_drafters_that_read_target_hidden_states(make_engine):
     assert make_engine("dflash", enable_prefix_caching=True).prefix_cache is None
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "ngram", "draft_model", "dflash"])
+def test_reset_prefix_cache_makes_the_next_run_prefill_everything(make_engine, heldout_prompts, strategy):
+    """vLLM's reset_prefix_cache: after it, the same prompts are prefilled whole again (the
+    load generator resets before each cell, so no cell reuses an earlier cell's prompts);
+    greedy tokens unchanged. A strategy without prefix caching (dflash) has nothing to forget."""
+    prompts = [p["prompt"] for p in heldout_prompts[:4]]
+    k = 0 if strategy == "autoregressive" else 4
+    eng = make_engine(strategy, num_speculative_tokens=k, enable_prefix_caching=True)
+    assert eng.reset_prefix_cache() is True    # the fixture may hand out an engine used before
+    cold, cold_prefill = _run(eng, prompts)
+    warm, warm_prefill = _run(eng, prompts)
+    assert eng.reset_prefix_cache() is True
+    again, again_prefill = _run(eng, prompts)
+    assert again_prefill == cold_prefill                      # every prompt token computed again
+    assert cold == warm == again
+    if eng.prefix_cache is not None:
+        assert warm_prefill < cold_prefill / 2
+    else:
+        assert warm_prefill == cold_prefill

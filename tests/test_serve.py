@@ -582,3 +582,18 @@ def test_body_over_the_limit_is_a_413_on_both_routes(client, route):
     assert big_ok.status_code == 400                        # under the limit: the context check
     assert big_ok.json()["error"]["code"] == "context_length_exceeded"
     assert_alive(client, "ngram", route)
+
+
+def test_reset_prefix_cache_on_the_ingress_and_each_strategy_route(client, strategies):
+    """vLLM's POST /reset_prefix_cache: on the ingress for one strategy (``?model=``) or all,
+    and on each strategy's own route; an unknown model is a 404 with the OpenAI error body."""
+    one = client.post("/reset_prefix_cache", params={"model": strategies[0]})
+    assert one.status_code == 200 and one.json() == {"success": True, "strategies": {strategies[0]: True}}
+    every = client.post("/reset_prefix_cache").json()
+    assert every["success"] is True and set(every["strategies"]) >= set(strategies)
+    for s in strategies:
+        r = client.post(f"/strategies/{s}/reset_prefix_cache")
+        assert r.status_code == 200 and r.json() == {"success": True}, (s, r.text)
+    bad = client.post("/reset_prefix_cache", params={"model": "nope"})
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+    assert_alive(client)   # serving goes on after the resets

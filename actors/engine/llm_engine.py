@@ -310,6 +310,15 @@ class LLMEngine:
         if self.device.startswith("cuda") and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every stored prefix block (vLLM's ``POST /reset_prefix_cache``): each cell
+        of a load run starts from the same cold cache, so a repeat is not sped up by the
+        prompts its strategy saw in earlier cells. Call between steps (the serve layer
+        applies it as a command). Returns True (no prefix cache: nothing to forget)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        return True
+
     # -- fault isolation ----------------------------------------------------------
     # Every per-request phase runs under a guard. A batched phase (the target
     # forward, sampling) that raises is retried one request at a time, so only the

@@ -42,6 +42,12 @@ class PrefixCache:
         self.hits = 0           # prompt tokens served from the store since start
         self.queries = 0        # prompt tokens looked up
 
+    def reset(self) -> None:
+        """Forget every stored block (vLLM's ``reset_prefix_cache``): the next request of
+        any prompt prefills it whole. The hit counters keep counting."""
+        self._blocks.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
     def _hashes(self, ids: list[int], n_tokens: int) -> list[int]:
         """Chained hashes of the full blocks within ``ids[:n_tokens]``."""
         out, h, bs = [], 0, self.block_size

@@ -52,7 +52,7 @@ EngineDeadError = EngineDead  # the engine thread has stopped (shutdown or a cra
 
 @dataclass
 class _Command:
-    kind: str                      # "add" | "abort"
+    kind: str                      # "add" | "abort" | "call" (request_id: the engine method)
     request_id: str
     prompt: Any = None
     params: SamplingParams | None = None
@@ -170,6 +170,18 @@ class AsyncLLMEngine:
             self.engine.reset_peak_memory()
         return report
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the engine's stored prefixes (``LLMEngine.reset_prefix_cache``), applied
+        between two steps; True when done (an engine without the method: nothing to forget).
+        Raises EngineDeadError."""
+        self.check_health()
+        if not hasattr(self.engine, "reset_prefix_cache"):
+            return True
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post(_Command("call", "reset_prefix_cache", loop=loop, future=fut))
+        return bool(await fut)
+
     # ------------------------------------------------------------ public API
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams) -> tuple[int, asyncio.Queue]:
@@ -281,6 +293,14 @@ class AsyncLLMEngine:
                 pass
 
     def _apply(self, cmd: _Command) -> None:
+        if cmd.kind == "call":   # an engine method that mutates state: between steps
+            try:
+                result = getattr(self.engine, cmd.request_id)()
+            except Exception as exc:  # noqa: BLE001 - the caller's answer
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, exc)
+            else:
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, result, None)
+            return
         if cmd.kind == "abort":
             stream = self._streams.pop(cmd.request_id, None)
             self.engine.abort_request(cmd.request_id)
@@ -326,7 +346,7 @@ class AsyncLLMEngine:
             commands = list(self._commands)
             self._commands.clear()
         for cmd in commands:
-            if cmd.kind == "add":
+            if cmd.kind in ("add", "call"):
                 cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, dead)
         for stream in self._streams.values():
             self._deliver(stream, dead)
@@ -396,6 +416,10 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         if reset_peak:
             await self._call("reset_peak_memory")
         return report
+
+    async def reset_prefix_cache(self) -> bool:
+        self.check_health()
+        return bool(await self._call("reset_prefix_cache"))
 
     async def _call(self, method: str, *args: Any) -> Any:
         loop = asyncio.get_running_loop()

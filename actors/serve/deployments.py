@@ -300,6 +300,14 @@ class StrategyReplica:
         return {"object": "list", "data": [
             model_card(self.strategy, self._created, self.engine.max_model_len)]}
 
+    @strategy_api.post("/reset_prefix_cache")
+    async def http_reset_prefix_cache(self, request: Request):
+        """vLLM's ``POST /reset_prefix_cache`` (its dev-mode route): ``{"success": bool}``.
+        Reaches the one replica Serve routes the call to."""
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
+        return {"success": await self.reset_prefix_cache()}
+
     @strategy_api.post("/v1/completions")
     async def http_completions(self, request: Request):
         return await self._http_generate(request, chat=False)
@@ -337,6 +345,12 @@ class StrategyReplica:
         bytes); ``reset_peak`` restarts the peak counters afterwards. ``{}`` for an engine
         without a memory report (fake engines)."""
         return await self.engine.memory(reset_peak)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget this replica's stored prefixes (vLLM's ``/reset_prefix_cache``); True when
+        done. An engine without prefix caching has nothing to forget (True)."""
+        fn = getattr(self.engine, "reset_prefix_cache", None)
+        return True if fn is None else bool(await fn())
 
     async def step_log(self, since: float | None = None, limit: int | None = None) -> list[dict]:
         """This replica's own ring buffer (rows with ts > since, unix seconds)."""

@@ -49,7 +49,7 @@ from actors.engine.errors import EngineDead
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0     # model load on a slow node
-CALLABLE_METHODS = ("memory", "reset_peak_memory")   # what ("call", ...) may run
+CALLABLE_METHODS = ("memory", "reset_peak_memory", "reset_prefix_cache")   # what ("call", ...) may run
 
 
 def import_object(path: str) -> Any:

@@ -262,6 +262,24 @@ class OpenAIIngress:
                 out[name] = {"error": repr(exc)}
         return out
 
+    @api.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self, request: Request, model: str | None = None):
+        """vLLM's ``POST /reset_prefix_cache``, per strategy: ``{"success": bool, "strategies":
+        {name: bool}}`` for ``model`` (a strategy name) or every strategy. Each strategy's
+        call reaches one of its replicas (the one Serve routes it to). 404 for an unknown
+        model, with the OpenAI error body."""
+        if denied := api_key_error(request.headers.get("authorization"), self._api_key):
+            return denied
+        if model is not None and model not in self._handles:
+            return self._unknown_model(model)
+        done = {}
+        for name in [model] if model is not None else sorted(self._handles):
+            try:
+                done[name] = bool(await self._handles[name].reset_prefix_cache.remote())
+            except Exception:  # noqa: BLE001 - a strategy not answering: not reset
+                done[name] = False
+        return {"success": all(done.values()), "strategies": done}
+
     @api.get("/specload/step_log")
     async def step_log(self, request: Request, strategy: str | None = None, since: float | None = None,
                        limit: int | None = None):

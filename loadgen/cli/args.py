@@ -23,7 +23,7 @@ from loadgen.cli.target import (ROUTE_AUTO, ROUTE_DIRECT, ROUTE_MODEL_FIELD, ROU
 BUDGET_AUTO = "auto"
 # the main job's racing budget on the 2-core CPU box: its first pass (36 cells x ~12 s, more
 # on a busy box) plus about as long again racing the undecided cells
-DEFAULT_BUDGET_S = 18 * 60.0
+DEFAULT_BUDGET_S = 16 * 60.0
 DEFAULT_CONFIDENCE = 0.9     # analysis.decide.race.DEFAULT_CONFIDENCE
 DEFAULT_MARGIN = 0.03        # analysis.decide.race.DEFAULT_MARGIN
 WARMUP_SHARE, WARMUP_CAP_S = 0.1, 2.0   # default warm-up cut: 10% of the shortest cell, <= 2 s
@@ -187,6 +187,9 @@ def _add_after_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup-requests", type=number(int, ge=0), default=4, metavar="N",
                     help="before the first cell, warm each strategy with N unmeasured greedy "
                          "requests, half one at a time, half at once (default 4; 0 = off)")
+    ap.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="POST /reset_prefix_cache before each cell: no cell reuses the prompts "
+                         "an earlier one cached (vLLM: needs VLLM_SERVER_DEV_MODE=1; default on)")
     ap.add_argument("--server-metrics", default="auto", type=server_metrics_arg, metavar="auto|URL|off",
                     help="read the target's own Prometheus metrics while each cell runs (vLLM, SGLang, "
                          "specload's names: configs/metric_names.py): auto (default) = <target>/metrics "

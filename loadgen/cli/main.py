@@ -604,6 +604,31 @@ def _check_consistency(st: _RunState) -> None:
         st.console.print(f"[yellow]warning[/] consistency check failed: {err!r}")
 
 
+def _reset_prefix_cache(st: _RunState, strategy: str) -> None:
+    """Before each cell (``--reset-prefix-cache``, default on): the target forgets its prefix
+    cache (``loadgen.run.prefix_cache``), so no cell reuses the prompts an earlier one cached.
+    Counts per strategy go to the manifest (``prefix_cache``); a target without the route is
+    asked once and named in one warning."""
+    from loadgen.run.prefix_cache import reset_prefix_cache
+
+    rec = st.manifest.setdefault("prefix_cache", {"reset_before_each_cell": bool(
+        st.args.reset_prefix_cache), "by_strategy": {}})
+    if not st.args.reset_prefix_cache:
+        return
+    mine = rec["by_strategy"].setdefault(strategy, {"reset": 0, "busy": 0, "unsupported": 0,
+                                                    "failed": 0, "detail": ""})
+    if mine["unsupported"]:
+        return
+    r = reset_prefix_cache(route_url(st.target, st.prefixes.get(strategy)), st.args.model or strategy,
+                           st.auth.headers, st.auth.insecure)
+    mine[r.status] += 1
+    if r.detail and not mine["detail"]:
+        mine["detail"] = r.detail
+        st.console.print(f"[yellow]warning[/] {strategy}: prefix cache not reset before the cell "
+                         f"({r.status}: {r.detail}); later cells may reuse cached prompts",
+                         highlight=False)
+
+
 def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tuple[Any, float]:
     """Offer one cell's load and summarise it; returns (CellSummary, cell start unix s)."""
     from loadgen.results.summary import add_speedups, summarize_cell
@@ -611,6 +636,7 @@ def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tu
     args, profile = st.args, st.profile
     strategy, tier, oc = spec.strategy, spec.tier, spec.output_class
     cell = profile.cell(spec.template_tier, oc)
+    _reset_prefix_cache(st, strategy)
     options = _cell_samplings(st, spec.template_tier, oc)
     sampling = next((x for x in options if x.name == spec.sampling), options[0])
     label = sampling.name

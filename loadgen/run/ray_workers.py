@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from configs.net import LOOPBACK, use_loopback_env
+from configs.net import LOOPBACK, RAY_WORKER_PRIORITY_ENV, use_loopback_env
 from configs.paths import PACKAGE_ROOT
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         use_loopback_env()   # before Ray is imported: it reads the switch at import
         a.master_host = a.master_host or LOOPBACK
 
+    for k, v in RAY_WORKER_PRIORITY_ENV.items():   # load workers at normal priority (configs.net)
+        os.environ.setdefault(k, v)
     import ray  # only here: never in a process that imported locust
 
     started = not ray.is_initialized()
