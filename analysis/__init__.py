@@ -1,4 +1,4 @@
-"""Analysis and capacity planning for specload results, in four rooms along the data flow.
+"""Analysis and capacity planning for specload results: four rooms along the data flow, and the campaigns.
 
 - ``analysis.data``: loading a run (requests.parquet, steps.parquet, manifest.json:
   ``load``), SLOs (``slo``), per-cell metrics (``metrics``: throughput, speedup,
@@ -11,11 +11,16 @@
   and the queue per replica (``replica_model``).
 - ``analysis.decide``: what a team acts on: the recommendation per tier x output class
   with bootstrap confidence (``recommend``), model checks (``checks``), the report's
-  questions (``questions``), the capacity plan (``plan``, ``serve_plan``) and its
-  validation by a real run (``validate``).
+  questions (``questions``), the capacity plan (``plan``, ``serve_plan``) and what a
+  validation run is worth (``validate``, ``policy_validate``).
 - ``analysis.report``: figures (``plots``, ``capacity_plots``, ``capacity_section``),
   report.md / report.html / recommendation.json (``build``, ``render``).
 
+- ``analysis.campaigns``: on top of the load generator, what starts the service and drives
+  load to validate a plan or a policy (``plan_validation``, ``policy_validation``).
+
 Entry points: ``analysis.report.build.build_report`` and ``analysis.decide.plan.plan``;
-CLI ``python -m analysis report|plan|backtest`` (``analysis.cli``).
+CLI ``python -m analysis report|plan|backtest|surface|policy`` (``analysis.cli``). The
+library rooms sit below ``loadgen`` (which builds the report after a run); the campaigns
+and the commands sit above it (``tests/test_layers.py``).
 """

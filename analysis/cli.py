@@ -24,10 +24,23 @@ from configs.cli_args import (
 EXIT_USAGE = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("report", help="report.md, report.html and recommendation.json")
+DESCRIPTION = "Read a load run's results: the report, a replica plan, a backtest, a policy, a surface."
+EPILOG = """examples:
+  python -m analysis report results/RUN
+  python -m analysis report results/ --merge --baseline results/OLD
+  python -m analysis plan results/RUN --qps 50 --tier high --emit-serve-config plan.yaml
+  python -m analysis plan results/RUN --qps 20 --tier low --gpu h100 --model-shape qwen3-8b
+  python -m analysis backtest results/RUN --json backtest.json
+  python -m analysis policy results/RUN --emit-serve-config policy.yaml
+
+RUN is a directory python -m loadgen wrote (results/<run id>/). Exit codes: 0 ok; 2 bad
+argument or missing / empty results directory; 3 report --baseline found a degradation."""
+
+
+def _add_report(sub) -> None:
+    """The ``report`` subcommand's arguments."""
+    r = sub.add_parser("report", help="report.md, report.html and recommendation.json",
+                       description="Write report.md, report.html and recommendation.json for a run.")
     r.add_argument("results_dir", help="a run directory (or, with --merge, a parent of several)")
     r.add_argument("--out", type=output_dir(), help="output directory (default: RESULTS_DIR/report, where "
                    "`python -m loadgen --report` writes too)")
@@ -39,61 +52,91 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup-s", type=number(ge=0), default=None,
                    help="exclude the first seconds of every cell (each repeat) as warm-up "
                         "(default: the run's loadgen --warmup-s, else 0)")
-    q = sub.add_parser("plan", help="replicas per strategy for a target load under SLOs")
-    q.add_argument("results_dir")
-    # numbers are checked after parsing (_plan_errors) so every bad argument is reported at once
-    q.add_argument("--qps", help="target requests/s (required)")
-    q.add_argument("--tier", help="tier whose traffic is planned (required)")
-    q.add_argument("--slo-ttft-ms", help="TTFT SLO, ms (default: the tier's SLO in the run manifest)")
-    q.add_argument("--slo-tpot-ms", help="TPOT SLO, ms (default: the tier's SLO in the run manifest)")
-    q.add_argument("--gpu", choices=["h100", "h200"], help="model the step cost on this GPU")
-    q.add_argument("--model-params",
+
+
+def _add_plan_model(q) -> None:
+    """``plan``: the load, the SLOs and the step-cost model (numbers are checked after parsing,
+    ``_plan_errors``, so every bad argument is reported at once)."""
+    g = q.add_argument_group("load and SLOs")
+    g.add_argument("--qps", help="target requests/s (required)")
+    g.add_argument("--tier", help="tier whose traffic is planned (required)")
+    g.add_argument("--slo-ttft-ms", help="TTFT SLO, ms (default: the tier's SLO in the run manifest)")
+    g.add_argument("--slo-tpot-ms", help="TPOT SLO, ms (default: the tier's SLO in the run manifest)")
+    g.add_argument("--attainment", default="0.9",
+                   help="share of requests that must meet the SLOs (default 0.9)")
+    g = q.add_argument_group("step cost on a GPU")
+    g.add_argument("--gpu", choices=["h100", "h200"], help="model the step cost on this GPU")
+    g.add_argument("--model-params",
                    help="target model parameters (e.g. 8e9); needed with --gpu")
-    q.add_argument("--cost-curve", type=cost_curve_file.argtype,
+    g.add_argument("--cost-curve", type=cost_curve_file.argtype,
                    help="measured step-cost curve: a committed name (data/cost_curves/NAME.json, "
-                        "e.g. qwen3-0.6b-cpu) or a file (python -m actors.gpu_check / actors.bench "
+                        "e.g. qwen3-0.6b-cpu) or a file (python -m bench.device_check / bench.engine_speedup "
                         "cost-curve grid, or {\"gpu\",\"model\",\"points\"}); adds each "
                         "strategy's speedup against concurrency and its crossover per k")
-    q.add_argument("--attainment", default="0.9",
-                   help="share of requests that must meet the SLOs (default 0.9)")
-    q.add_argument("--overhead-ms", default="1.0", help="per-step overhead on the GPU, ms")
-    q.add_argument("--max-batch", default="1024",
-                   help="largest batch (concurrent requests per replica) the GPU plan considers")
-    q.add_argument("--model-shape", help="with --gpu: the target's shape for the KV-cache memory cap: "
+    g.add_argument("--overhead-ms", default="1.0", help="per-step overhead on the GPU, ms (default 1.0)")
+    g.add_argument("--max-batch", default="1024",
+                   help="largest batch (concurrent requests per replica) the GPU plan considers "
+                        "(default 1024)")
+    g.add_argument("--model-shape", help="with --gpu: the target's shape for the KV-cache memory cap: "
                    "a name (qwen3-0.6b, qwen3-4b, qwen3-8b, llama-3.1-8b) or a config.json / HF "
                    "model dir; also gives --model-params when that is absent")
-    q.add_argument("--gpu-memory-utilization", default="0.9", help="share of GPU memory weights + KV cache may use (default 0.9)")
-    q.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE", type=output_file(),
-                   help="print the plan as JSON; with --validate, write the validation JSON to FILE")
-    q.add_argument("--acceptance-length", default=None, metavar="A",
+    g.add_argument("--gpu-memory-utilization", default="0.9",
+                   help="share of GPU memory weights + KV cache may use (default 0.9)")
+    g.add_argument("--acceptance-length", default=None, metavar="A",
                    help="plan for a drafter of this acceptance length (tokens per verify step, the "
                         "target's own counted; 1..k+1) with the measured step costs: goodput and "
                         "replicas per speculative strategy as if it accepted A; with --validate the "
                         "forced deployment (rejection_sample_method: synthetic) is run at A and "
                         "predicted vs measured printed")
-    q.add_argument("--validate", action="store_true",
+
+
+def _add_plan_outputs(q) -> None:
+    """``plan``: validation against a real deployment, JSON and the emitted Serve config."""
+    g = q.add_argument_group("validate the plan (deploys and drives load)")
+    g.add_argument("--validate", action="store_true",
                    help="deploy the planned replicas of the chosen strategy, drive Poisson arrivals at "
-                        "--qps, report SLO attainment with N and N-1 replicas (analysis/decide/validate.py)")
-    q.add_argument("--strategy", default=None, help="with --validate: strategy to validate "
+                        "--qps, report SLO attainment with N and N-1 replicas (analysis/campaigns/plan_validation.py)")
+    g.add_argument("--strategy", default=None, help="with --validate: strategy to validate "
                    "(default: the feasible one needing the fewest replicas)")
-    q.add_argument("--output", default=None, choices=("short", "long"),
+    g.add_argument("--output", default=None, choices=("short", "long"),
                    help="with --validate: output class to validate (default: as --strategy)")
-    q.add_argument("--validate-duration", default="60",
+    g.add_argument("--validate-duration", default="60",
                    help="with --validate: seconds of offered load per replica count (default 60)")
-    q.add_argument("--validate-warmup", default="5",
+    g.add_argument("--validate-warmup", default="5",
                    help="with --validate: seconds at the start left out of attainment (default 5)")
-    q.add_argument("--validate-results", default=None, type=output_dir(),
+    g.add_argument("--validate-results", default=None, type=output_dir(),
                    help="with --validate: where the validation runs go (default RESULTS_DIR/validate)")
-    q.add_argument("--emit-serve-config", metavar="OUT.yaml", type=output_file(),
+    g = q.add_argument_group("outputs")
+    g.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE", type=output_file(),
+                   help="print the plan as JSON; with --validate, write the validation JSON to FILE")
+    g.add_argument("--emit-serve-config", metavar="OUT.yaml", type=output_file(),
                    help="write a Serve config with the planned replicas and resources per strategy "
                         "(deploy: serve deploy OUT.yaml, or python -m cluster up --config OUT.yaml)")
-    q.add_argument("--base-config", default=None, type=existing_file(),
+    g.add_argument("--base-config", default=None, type=existing_file(),
                    help="Serve config the emitted one starts from (default configs/serve.yaml)")
-    q.add_argument("--cluster-yaml", default=None, type=existing_file(),
+    g.add_argument("--cluster-yaml", default=None, type=existing_file(),
                    help="cluster launcher YAML whose min/max_workers the plan is checked against "
                         "(default cluster/cluster.yaml)")
+
+
+def _add_plan(sub) -> None:
+    """The ``plan`` subcommand's arguments."""
+    q = sub.add_parser("plan", help="replicas per strategy for a target load under SLOs",
+                       description="Replicas per strategy for a target load (--qps, --tier) "
+                                   "under the SLOs, from a run's measured step costs.")
+    q.add_argument("results_dir", help="a run directory (or a parent of several) whose cells and "
+                   "step log the plan is fitted on")
+    _add_plan_model(q)
+    _add_plan_outputs(q)
+
+
+def _add_surface(sub) -> None:
+    """The ``surface`` subcommand's arguments."""
     s = sub.add_parser("surface", help="speedup over forced acceptance length, k and users; the "
-                       "break-even acceptance length (a run with loadgen --acceptance-length)")
+                       "break-even acceptance length (a run with loadgen --acceptance-length)",
+                       description="Speedup over forced acceptance length, k and users, and the "
+                                   "break-even acceptance length, from a run with synthetic "
+                                   "deployments (python -m loadgen --acceptance-length).")
     s.add_argument("results_dir", help="a run directory with synthetic deployments (<strategy>[-k<K>]-al<A>)")
     s.add_argument("--out", type=output_dir(), default=None,
                    help="where surface.csv, break_even.csv, best_k.csv and surface.png go "
@@ -104,13 +147,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--confidence", type=number(gt=0.5, le=0.999), default=0.9,
                    help="central interval of the speedup and the acceptance lengths (default 0.9)")
     s.add_argument("--seed", type=number(int, ge=0), default=0, help="bootstrap seed (default 0)")
-    b = sub.add_parser("backtest", help="fit on the lower users levels, predict the highest")
+
+
+def _add_backtest(sub) -> None:
+    """The ``backtest`` subcommand's arguments."""
+    b = sub.add_parser("backtest", help="fit on the lower users levels, predict the highest",
+                       description="Fit the step cost model on the lower users levels and "
+                                   "predict the highest (or --holdout); predicted vs measured.")
     b.add_argument("results_dir", help="a run directory (or a parent of several)")
     b.add_argument("--json", dest="json_file", type=output_file(parent_must_exist=False), help="write the backtest as JSON to this file")
     b.add_argument("--holdout", type=number(int, ge=1), default=None,
                    help="users level to predict (default: the highest measured)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m analysis``'s parser: one subparser per command, every argument with help."""
+    p = argparse.ArgumentParser(prog="python -m analysis", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands (python -m analysis COMMAND --help for its arguments)")
+    _add_report(sub)
+    _add_plan(sub)
+    _add_surface(sub)
+    _add_backtest(sub)
     from analysis.policy_cli import add_parser as add_policy_parser
-    add_policy_parser(sub)
+    policy = add_policy_parser(sub)
+    policy.description = policy.description or ("A load-adaptive speculation policy (k per "
+                                                "running-batch band) from a run; --validate races "
+                                                "it against each tier's best fixed strategy.")
     return p
 
 
@@ -274,6 +338,15 @@ def _plan(args, parser) -> int:
             out["serve_config"] = _emit(args, out, parser)
         print(dumps(out, indent=2))
         return 0
+    _print_plan(args, out)
+    if args.emit_serve_config:
+        _emit(args, out, parser)
+    return 0
+
+
+def _print_plan(args, out: dict) -> None:
+    """The plan on the console: assumptions, the answer, the model's table, memory, the GPU
+    plan and the crossover against concurrency (each where the plan has it)."""
     print("assumptions:")
     for a in out["assumptions"]:
         print(f"  - {a}")
@@ -303,15 +376,13 @@ def _plan(args, parser) -> int:
               "(crossover: the first N below 1x after it wins):")
         for line in format_rows(out["crossover"]):
             print(line)
-    if args.emit_serve_config:
-        _emit(args, out, parser)
-    return 0
 
 
 def _validate(args, out: dict, parser) -> int:
     """--validate: run the plan with N and N-1 replicas; print and (--json FILE) write it."""
     from pathlib import Path
 
+    from analysis.campaigns.plan_validation import validate_plan
     from analysis.decide import validate as va
     from analysis.data.load import load_results
     from configs.jsonio import dumps, write_json
@@ -322,7 +393,7 @@ def _validate(args, out: dict, parser) -> int:
         parser.error(f"--validate/--strategy: {exc}")
     results = load_results(args.results_dir)
     manifest = next((r.manifest for r in results.runs if r.manifest.get("profile")), None)
-    res = va.validate_plan(
+    res = validate_plan(
         choice, args.qps, args.tier, Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms,
                                          source=args.slo_source),
         args.attainment, va.run_max_tokens(manifest, args.tier, choice.output_class),

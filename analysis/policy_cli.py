@@ -4,7 +4,7 @@ Derives a load-adaptive speculation policy from a run (``analysis.decide.policy`
 strategy, k per running batch size as vLLM's ``num_speculative_tokens_per_batch_size``, PR
 #32374), prints its bands, writes the Serve config that deploys it, and with ``--validate``
 runs it against the best fixed strategy at every tier of the run
-(``analysis.decide.policy_validate``). Bad arguments exit 2 naming the flag.
+(``analysis.campaigns.policy_validation``). Bad arguments exit 2 naming the flag.
 """
 
 from __future__ import annotations
@@ -62,10 +62,78 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _derive(args, parser, results, slos, base) -> dict:
+    """``analysis.decide.policy.derive_policy`` with the CLI's arguments; a PolicyError exits 2
+    naming the flag it is about (``--base-strategy``, ``--output``, ``--base-config``, else
+    RESULTS_DIR). ``--backend vllm`` names the policy ``vllm-<base>-policy``."""
+    from analysis.decide import policy as pol
+
+    try:
+        policy = pol.derive_policy(results, slos, base_strategy=args.base_strategy,
+                                   output_class=args.output, base_config=base, seed=args.seed,
+                                   predict=args.boundaries == "model")
+    except pol.PolicyError as exc:
+        msg = str(exc)
+        flag = ("--base-strategy" if "base strategy" in msg else "--output" if "output class" in msg
+                else "--base-config" if str(base) in msg else "RESULTS_DIR")
+        parser.error(f"{flag}: {msg}")
+    if args.backend:
+        policy["backend"] = args.backend
+        if args.backend == "vllm" and not policy["name"].startswith("vllm-"):
+            policy["name"] = f"vllm-{policy['name']}"
+    return policy
+
+
+def _print_policy(policy: dict, print_table) -> None:
+    """The policy's map, its base strategy (with every base's score), notes and bands."""
+    from analysis.decide import policy as pol
+
+    b = policy["bases"][policy["base_strategy"]]
+    print(f"policy: {policy['name']} = {policy['base_strategy']} with "
+          f"num_speculative_tokens_per_batch_size {policy['map']}")
+    print(f"base strategy: {policy['base_strategy']} ({policy['base_choice']}; score "
+          + ", ".join(f"{s} {v['score']:.3f}" for s, v in policy["bases"].items())
+          + f"; k per band {b['ks']})")
+    for note in policy["notes"]:
+        print(f"note: {note}")
+    print_table("policy bands (goodput and k measured at each band's tier; boundaries "
+                "midpoint or predicted)", pol.policy_rows(policy),
+                ["batch", "k", "measured_as", "tiers", "users", "typical_batch",
+                 "goodput_tok_s", "best_fixed", "upper_bound"])
+
+
+def _add_crossover(args, policy: dict, results, quiet: bool) -> None:
+    """``--cost-curve``: each strategy's speedup against concurrency on that device and its
+    crossover per k (``policy["crossover"]``), printed unless ``quiet``."""
+    from analysis.decide import crossover
+    from analysis.decide.plan import load_curve
+
+    ccurve, meta, path = load_curve(args.cost_curve)
+    policy["crossover"] = {"curve": str(path), "assumption": crossover.describe(path, meta, ccurve),
+                           "rows": crossover.crossover_rows(ccurve, results)}
+    if not quiet:
+        print(f"speedup vs autoregressive against concurrency N ({policy['crossover']['assumption']}):")
+        for line in crossover.format_rows(policy["crossover"]["rows"]):
+            print(line)
+
+
+def _emit(args, parser, policy: dict, base, quiet: bool) -> None:
+    """``--emit-serve-config``: write the Serve config deploying the policy; an error exits 2
+    naming the flag."""
+    from analysis.decide import policy as pol
+
+    try:
+        cfg = pol.emit_serve_config(policy, base)
+    except (pol.PolicyError, ValueError, OSError) as exc:
+        parser.error(f"--emit-serve-config: {exc}")
+    path = pol.write_serve_config(cfg, args.emit_serve_config, policy)
+    policy["serve_config"] = str(path)
+    if not quiet:
+        print(f"serve config: {path} (serve deploy {path} | python -m cluster up --config {path})")
+
+
 def run_policy(args, parser, print_table) -> int:
     """The CLI body: derive, print, emit, validate. ``parser.error`` (exit 2) names the flag."""
-    from pathlib import Path
-
     from analysis.data.load import load_results
     from analysis.data.slo import resolve_slos
     from analysis.decide import policy as pol
@@ -82,52 +150,14 @@ def run_policy(args, parser, print_table) -> int:
     slos = resolve_slos(tiers, results.manifest_config, args.slo_ttft_ms, args.slo_tpot_ms)
     base = args.base_config or (pol.DEFAULT_VLLM_BASE_CONFIG if args.backend == "vllm"
                                 else pol.DEFAULT_BASE_CONFIG)
-    try:
-        policy = pol.derive_policy(results, slos, base_strategy=args.base_strategy,
-                                   output_class=args.output, base_config=base, seed=args.seed,
-                                   predict=args.boundaries == "model")
-    except pol.PolicyError as exc:
-        msg = str(exc)
-        flag = ("--base-strategy" if "base strategy" in msg else "--output" if "output class" in msg
-                else "--base-config" if str(base) in msg else "RESULTS_DIR")
-        parser.error(f"{flag}: {msg}")
-    if args.backend:
-        policy["backend"] = args.backend
-        if args.backend == "vllm" and not policy["name"].startswith("vllm-"):
-            policy["name"] = f"vllm-{policy['name']}"
+    policy = _derive(args, parser, results, slos, base)
     quiet = args.json == "-"
     if not quiet:
-        b = policy["bases"][policy["base_strategy"]]
-        print(f"policy: {policy['name']} = {policy['base_strategy']} with "
-              f"num_speculative_tokens_per_batch_size {policy['map']}")
-        print(f"base strategy: {policy['base_strategy']} ({policy['base_choice']}; score "
-              + ", ".join(f"{s} {v['score']:.3f}" for s, v in policy["bases"].items())
-              + f"; k per band {b['ks']})")
-        for note in policy["notes"]:
-            print(f"note: {note}")
-        print_table("policy bands (goodput and k measured at each band's tier; boundaries "
-                    "midpoint or predicted)", pol.policy_rows(policy),
-                    ["batch", "k", "measured_as", "tiers", "users", "typical_batch",
-                     "goodput_tok_s", "best_fixed", "upper_bound"])
+        _print_policy(policy, print_table)
     if args.cost_curve:
-        from analysis.decide import crossover
-        from analysis.decide.plan import load_curve
-        ccurve, meta, path = load_curve(args.cost_curve)
-        policy["crossover"] = {"curve": str(path), "assumption": crossover.describe(path, meta, ccurve),
-                               "rows": crossover.crossover_rows(ccurve, results)}
-        if not quiet:
-            print(f"speedup vs autoregressive against concurrency N ({policy['crossover']['assumption']}):")
-            for line in crossover.format_rows(policy["crossover"]["rows"]):
-                print(line)
+        _add_crossover(args, policy, results, quiet)
     if args.emit_serve_config:
-        try:
-            cfg = pol.emit_serve_config(policy, base)
-        except (pol.PolicyError, ValueError, OSError) as exc:
-            parser.error(f"--emit-serve-config: {exc}")
-        path = pol.write_serve_config(cfg, args.emit_serve_config, policy)
-        policy["serve_config"] = str(path)
-        if not quiet:
-            print(f"serve config: {path} (serve deploy {path} | python -m cluster up --config {path})")
+        _emit(args, parser, policy, base, quiet)
     if args.validate:
         return _validate(args, parser, policy, results, slos, base, print_table)
     if args.json:
@@ -142,6 +172,7 @@ def run_policy(args, parser, print_table) -> int:
 def _validate(args, parser, policy, results, slos, base, print_table) -> int:
     from pathlib import Path
 
+    from analysis.campaigns.policy_validation import validate_policy
     from analysis.decide import policy_validate as pv
     from analysis.decide.policy import PolicyError
     from configs.jsonio import dumps, write_json
@@ -152,7 +183,7 @@ def _validate(args, parser, policy, results, slos, base, print_table) -> int:
         pv.level_plan(policy)
     except PolicyError as exc:
         parser.error(f"--validate: {exc}")
-    res = pv.validate_policy(policy, manifest, slos, out_dir,
+    res = validate_policy(policy, manifest, slos, out_dir,
                              duration_s=args.validate_duration or DEFAULT_VALIDATE_DURATION_S,
                              output=args.output or "all", base_config=base)
     res["derived"] = {"bands": [{k: b[k] for k in ("lo", "hi", "k", "strategy", "tiers", "users",

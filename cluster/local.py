@@ -96,9 +96,9 @@ def load_config(path: Path, port: int) -> dict:
 
     The whole config is validated first, as the deployment would (the application
     args and every strategy's engine section, ``strategy_options`` included:
-    ``loadgen.run.service.check_serve_config``), so a typo fails here, before Ray starts.
+    ``cluster.config_check.check_serve_config``), so a typo fails here, before Ray starts.
     Raises ConfigError naming the file and the first error."""
-    from loadgen.run.service import check_serve_config
+    from cluster.config_check import check_serve_config
 
     try:
         cfg = check_serve_config(path)
@@ -414,25 +414,75 @@ def wait_ready(base_url: str, strategies: list[str], dashboard: str | None,
             time.sleep(1)
 
 
+def _reuse(base_url: str, health: dict, direct_ingress: bool) -> None:
+    """Say that the running service at ``base_url`` is reused, with its direct ingress state
+    (and that ``--[no-]direct-ingress`` only applies to a head ``up`` starts)."""
+    try:
+        running = bool(_get(base_url + "/specload/routes").json().get("direct"))
+    except Exception:  # noqa: BLE001 - a service without the page: no listeners
+        running = False
+    log(f"reusing the service at {base_url} (strategies {health['strategies']}; direct "
+        f"ingress {'on' if running else 'off'})"
+        + ("" if running == direct_ingress else
+           f"; --{'' if direct_ingress else 'no-'}direct-ingress applies to a Ray head "
+           "`cluster up` starts: `python -m cluster down` first to change it"))
+
+
+def _connect_ray(state: dict, port: int, address: str | None, dashboard: str | None,
+                 num_cpus: int | None, direct_ingress: bool) -> None:
+    """Use the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else start a head
+    (``start_head``), recorded in the state file at once so ``down`` can clean up; wait for
+    its dashboard. ``state`` gets "address", "dashboard" (and the head's facts)."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        dashboard = dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS", f"http://{HOST}:8265")
+        state.update(address=address, dashboard=dashboard)
+        log(f"using the Ray cluster at {address} (dashboard {dashboard})")
+        wait_dashboard(dashboard, None, 60)
+        return
+    head = start_head(num_cpus, direct_ingress)
+    if direct_ingress:
+        log("Serve's direct ingress is on: each strategy replica also answers HTTP on a "
+            "port of its own (GET /specload/routes lists them as `direct`; off with "
+            "--no-direct-ingress)")
+    state.update(head, started_ray=True)
+    write_json(state_file(port), state)   # so `down` can clean up
+    try:
+        wait_dashboard(head["dashboard"], head["ray_pid"], 120)
+    except SystemExit:
+        log(Path(head["log"]).read_text()[-3000:])
+        down(port)
+        raise
+
+
+def _deploy_and_wait(state: dict, cfg: dict, base_url: str, strategies: list[str],
+                     timeout_s: float) -> None:
+    """Check resources, deploy the one-hop config, wait until every strategy answers; a
+    failure stops the Ray head this command started (nothing left running) and re-raises."""
+    try:
+        check_resources(state["dashboard"], cfg, may_autoscale=not state["started_ray"]
+                        and has_autoscaler(state["dashboard"]))
+        deploy(state["dashboard"], one_hop_config(cfg))
+        wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
+    except BaseException:   # a failed `up` leaves nothing running: stop the head it started
+        if state["started_ray"]:
+            log("bring-up failed: stopping the Ray head this command started")
+            down(state["port"])
+        raise
+
+
 def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | None = None,
        dashboard: str | None = None, num_cpus: int | None = None,
        timeout_s: float = 600, direct_ingress: bool = True) -> str:
     """Bring the service up (or reuse it); returns the base URL. ``direct_ingress`` (default
     on; ``cluster up --no-direct-ingress``): the head this starts runs Serve's direct ingress
     (``start_head``; on a cluster given by ``address`` set ``DIRECT_INGRESS_ENV`` where
-    ``ray start`` runs)."""
+    ``ray start`` runs). Raises ConfigError (``--config``), PortInUse (``--port``), SystemExit
+    naming what failed during the bring-up."""
     base_url = f"http://{HOST}:{port}"
     health = service_health(base_url)
     if health is not None:
-        try:
-            running = bool(_get(base_url + "/specload/routes").json().get("direct"))
-        except Exception:  # noqa: BLE001 - a service without the page: no listeners
-            running = False
-        log(f"reusing the service at {base_url} (strategies {health['strategies']}; direct "
-            f"ingress {'on' if running else 'off'})"
-            + ("" if running == direct_ingress else
-               f"; --{'' if direct_ingress else 'no-'}direct-ingress applies to a Ray head "
-               "`cluster up` starts: `python -m cluster down` first to change it"))
+        _reuse(base_url, health, direct_ingress)
         return base_url
     cfg = load_config(Path(config), port)
     if port_in_use(port, HOST):   # nothing specload answers there, yet the port is taken
@@ -444,38 +494,10 @@ def up(config: Path = DEFAULT_CONFIG, port: int = DEFAULT_PORT, address: str | N
         raise SystemExit("no strategy in the config can be served here (see warnings above)")
     state: dict = {"port": port, "base_url": base_url, "config": str(config),
                    "started_ray": False}
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        dashboard = dashboard or os.environ.get("RAY_DASHBOARD_ADDRESS", f"http://{HOST}:8265")
-        state.update(address=address, dashboard=dashboard)
-        log(f"using the Ray cluster at {address} (dashboard {dashboard})")
-        wait_dashboard(dashboard, None, 60)
-    else:
-        head = start_head(num_cpus, direct_ingress)
-        if direct_ingress:
-            log("Serve's direct ingress is on: each strategy replica also answers HTTP on a "
-                "port of its own (GET /specload/routes lists them as `direct`; off with "
-                "--no-direct-ingress)")
-        state.update(head, started_ray=True)
-        write_json(state_file(port), state)   # so `down` can clean up
-        try:
-            wait_dashboard(head["dashboard"], head["ray_pid"], 120)
-        except SystemExit:
-            log(Path(head["log"]).read_text()[-3000:])
-            down(port)
-            raise
+    _connect_ray(state, port, address, dashboard, num_cpus, direct_ingress)
     write_json(state_file(port), state)
     log(f"deploying {config} on port {port}: {strategies}")
-    try:
-        check_resources(state["dashboard"], cfg, may_autoscale=not state["started_ray"]
-                        and has_autoscaler(state["dashboard"]))
-        deploy(state["dashboard"], one_hop_config(cfg))
-        wait_ready(base_url, strategies, state["dashboard"], timeout_s, ingress_api_key(cfg))
-    except BaseException:   # a failed `up` leaves nothing running: stop the head it started
-        if state["started_ray"]:
-            log("bring-up failed: stopping the Ray head this command started")
-            down(port)
-        raise
+    _deploy_and_wait(state, cfg, base_url, strategies, timeout_s)
     return base_url
 
 

@@ -20,6 +20,9 @@ Definitions follow docs/design.md ("Metric definitions"):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
 # --- strategies --------------------------------------------------------------
 AUTOREGRESSIVE = "autoregressive"
 DRAFT_MODEL = "draft_model"
@@ -180,10 +183,55 @@ ROUTE_DIRECT, ROUTE_STRATEGY, ROUTE_MODEL_FIELD = "direct", "strategy", "model-f
 # (summary speedups, step labels) and in the analysis (cell table, stability, faults,
 # recommendation), uses these columns, so two sampling settings of one tier x output class
 # are two cells.
-CELL_KEY = (REQ_STRATEGY, REQ_TIER, REQ_OUTPUT_CLASS, REQ_SAMPLING, REQ_USERS)
+GREEDY = "greedy"                              # sampling label of temperature 0
+
+
+class CellKey(NamedTuple):
+    """A cell's identity, the one key type of the load generator (cells run, results
+    written, racing) and the report: strategy (served name), tier, output class, sampling
+    label and users. Its field names are the request columns (``CELL_KEY``), so
+    ``CellKey.of(row)`` reads a request row, a ``CellSummary`` or a cell-table record alike.
+    Frozen and hashable (a tuple): a dict key, equal to the plain tuple of its values."""
+
+    strategy: str
+    tier: str
+    output_class: str
+    sampling: str | None = GREEDY   # None: not recorded (rows older than the column, an unresolved spec)
+    users: int | None = None
+
+    @classmethod
+    def of(cls, obj: Any) -> "CellKey":
+        """The key of a mapping (a request row, a record) or an object with these attributes
+        (``CellSummary``, ``CellSpec``); a missing or empty sampling label is None."""
+        get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
+        users, sampling = get(REQ_USERS), get(REQ_SAMPLING)
+        return cls(str(get(REQ_STRATEGY)), str(get(REQ_TIER)), str(get(REQ_OUTPUT_CLASS)),
+                   str(sampling) if sampling else None,
+                   None if users is None or users != users else int(users))
+
+    def baseline(self, strategy: str) -> "CellKey":
+        """The same cell run by ``strategy`` (speedup's reference: autoregressive's cell)."""
+        return self._replace(strategy=strategy)
+
+    def decision(self) -> tuple[str, ...]:
+        """The cell a racing decision is about: (tier, output class, sampling), the
+        ``analysis.decide.race.DECISION_KEY`` columns as far as recorded (users and strategy
+        left out; a key without a sampling label is (tier, output class), as the decisions
+        of rows without the column)."""
+        return (self.tier, self.output_class) + (() if self.sampling is None else (self.sampling,))
+
+    def label(self) -> str:
+        """``strategy tier/output_class[/sampling][ u<users>]``: the console's name of the
+        cell (greedy, the default, left out)."""
+        samp = "" if self.sampling in (GREEDY, "", None) else f"/{self.sampling}"
+        users = "" if self.users is None else f" u{self.users}"
+        return f"{self.strategy} {self.tier}/{self.output_class}{samp}{users}"
+
+
+CELL_KEY = CellKey._fields   # the columns: (strategy, tier, output_class, sampling, users)
+assert CELL_KEY == (REQ_STRATEGY, REQ_TIER, REQ_OUTPUT_CLASS, REQ_SAMPLING, REQ_USERS)
 # the same cell without the strategy: what speedup compares against (autoregressive's cell)
 CELL_KEY_NO_STRATEGY = tuple(k for k in CELL_KEY if k != REQ_STRATEGY)
-GREEDY = "greedy"                              # sampling label of temperature 0
 
 # request status values (REQ_STATUS)
 STATUS_OK = "ok"

@@ -48,7 +48,7 @@ Versions (``SCHEMA_VERSION``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from configs import metric_names as M
 
@@ -197,6 +197,107 @@ STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_SAMPLING, "string", doc="cell's sampling label"),
 )
 STEP_COLUMNS: tuple[Column, ...] = ENGINE_STEP_COLUMNS + STEP_LABEL_COLUMNS
+
+
+# --- typed rows ----------------------------------------------------------------
+# The same columns as TypedDicts, for the code that builds rows (the engines' step rows,
+# the load generator's request rows) and reads them. Keys are the column names above
+# (``tests/test_results_schema.py`` checks they stay equal); values are the column
+# types in Python (int32 / int64 -> int, float64 -> float, list<int64> -> list[int]).
+
+
+class StepRow(TypedDict):
+    """One engine step-log row (``ENGINE_STEP_COLUMNS`` = ``metric_names.STEP_LOG_COLUMNS``):
+    what ``LLMEngine`` and ``VllmEngine`` hand to ``on_step`` every step (the Serve step
+    log adds ``seq``; the load generator adds ``STEP_LABEL_COLUMNS``). Every key is
+    always present; ``k_batch_size`` is None when k is fixed (and from vLLM). Units as the
+    columns': times in ms, ``ts`` unix seconds, counts in tokens / requests."""
+
+    ts: float
+    strategy: str
+    model: str
+    replica: str
+    batch_size: int
+    prefill_tokens: int
+    verification_tokens: int
+    num_draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+    prefill_emitted_tokens: int
+    step_ms: float
+    draft_ms: float
+    verify_ms: float
+    num_waiting: int
+    padded_tokens: int
+    context_tokens: int
+    cpu_ms: float
+    verify_cpu_ms: float
+    num_speculative_tokens: int
+    speculation_off: str
+    degraded_requests: int
+    k_batch_size: int | None
+    forward_path: str
+
+
+class RequestRow(TypedDict, total=False):
+    """One request row of ``requests.parquet`` (``REQUEST_COLUMNS``), as the load generator
+    builds it (in parts: timing, identity, spec stats; ``coerce_row`` fills the missing
+    columns with their defaults). None where the column is null (a failed request's TTFT,
+    a closed loop's rate). Times in ms, ``*_ts`` unix seconds."""
+
+    run_id: str | None
+    strategy: str
+    tier: str
+    output_class: str
+    dataset: str | None
+    prompt_id: str | None
+    users: int
+    arrival: str | None
+    request_rate_rps: float | None
+    request_index: int | None
+    max_tokens: int | None
+    scheduled_ts: float | None
+    sent_ts: float | None
+    first_token_ts: float | None
+    end_ts: float
+    ttft_ms: float | None
+    tpot_ms: float | None
+    itl_ms_p50: float | None
+    itl_ms_p99: float | None
+    itl_ms_p90: float | None
+    itl_ms_mean: float | None
+    itl_source: str | None
+    tokens_per_chunk: float | None
+    multi_token_chunks: int | None
+    chunk_gap_ms_p50: float | None
+    engine_accept_length: float | None
+    e2e_ms: float | None
+    output_tokens: int
+    prompt_tokens: int | None
+    num_chunks: int | None
+    finish_reason: str | None
+    status: str | None
+    error: str | None
+    num_drafts: int | None
+    num_draft_tokens: int | None
+    num_accepted_tokens: int | None
+    num_accepted_tokens_per_pos: list[int] | None
+    acceptance_length: float | None
+    draft_ms: float | None
+    verify_ms: float | None
+    queue_ms: float | None
+    repeat: int | None
+    retries: int | None
+    spec_source: str | None
+    num_spec_tokens: int | None
+    acceptance_histogram: list[int] | None
+    degraded_reason: str | None
+    sampling: str | None
+    temperature: float | None
+    ignore_eos: int | None
+    min_tokens: int | None
+    route: str | None
+    category: str | None
 
 # --- server metric rows: server_metrics.parquet, one row per sample of one series ----
 # The target's own Prometheus series (configs.metric_names SERVER_METRIC_NAMES), kept for

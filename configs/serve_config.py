@@ -35,14 +35,14 @@ is rejected.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from configs import metric_names as mn
 
 # EngineConfig defaults, repeated here so this schema loads without torch.
-_ENGINE_DEFAULT_MAX_NUM_SEQS = 32
+ENGINE_DEFAULT_MAX_NUM_SEQS = 32
 _ENGINE_DEFAULT_MAX_WAITING = 1024
 # The Serve HTTP proxy's environment (it is Ray's, not an application's): the proxy
 # talks to ingress replicas over gRPC instead of Ray actor calls. Measured on the
@@ -136,55 +136,65 @@ def parse_spec_schedule(value: Any, max_k: int | None = None, why: str = "",
     not ``"a-b"`` with integers 1 <= a <= b, overlapping ranges, a first range
     not starting at 1, an empty map, or k not an integer in ``0..max_k``.
     """
-    def bad(what: str, got: Any, expected: str, fix: str = "") -> ValueError:
-        return ValueError(f"{key}{what}: expected {expected}; got {got!r}"
-                          + (f"; fix: {fix}" if fix else ""))
-
-    if isinstance(value, dict):
-        if not value:
-            raise bad("", value, "a non-empty map such as {'1-16': 3, '17-4096': 0} "
-                      "(null turns the schedule off)")
-        items = []
-        for rng, k in value.items():
-            text = str(rng).strip()
-            lo_s, sep, hi_s = text.partition("-")
-            try:
-                lo, hi = int(lo_s), int(hi_s if sep else lo_s)
-            except ValueError:
-                raise bad(f"[{rng!r}]", rng, "a batch-size range 'a-b' of integers, "
-                          "e.g. '1-16'") from None
-            items.append((f"[{rng!r}]", lo, hi, k))
-    elif isinstance(value, (list, tuple)):
-        if not value:
-            raise bad("", value, "a non-empty list such as [[1, 16, 3], [17, 4096, 0]] "
-                      "(null turns the schedule off)")
-        items = []
-        for i, e in enumerate(value):
-            if not isinstance(e, (list, tuple)) or len(e) != 3 or not all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in e[:2]):
-                raise bad(f"[{i}]", e, "[first batch size, last batch size, k] integers")
-            items.append((f"[{i}]", e[0], e[1], e[2]))
-    else:
-        raise bad("", value, "a map {'a-b': k} of batch-size ranges to k, or null")
     out = []
-    for where, lo, hi, k in items:
+    for where, lo, hi, k in _spec_schedule_items(value, key):
         if not 1 <= lo <= hi:
-            raise bad(where, f"{lo}-{hi}", "a range a-b with 1 <= a <= b")
+            raise _schedule_error(key, where, f"{lo}-{hi}", "a range a-b with 1 <= a <= b")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0 or (
                 max_k is not None and k > max_k):
             top = f"0..{max_k}" if max_k is not None else ">= 0"
-            raise bad(where, k, f"k an integer in {top}{f' ({why})' if why else ''}",
-                      f"lower k to {top} (0 turns speculation off for those batch sizes)")
+            raise _schedule_error(key, where, k, f"k an integer in {top}{f' ({why})' if why else ''}",
+                                  f"lower k to {top} (0 turns speculation off for those batch sizes)")
         out.append((lo, hi, k))
     out.sort()
     for (lo0, hi0, _), (lo1, hi1, _) in zip(out, out[1:]):
         if lo1 <= hi0:
-            raise bad("", f"{lo0}-{hi0} and {lo1}-{hi1}", "non-overlapping ranges")
+            raise _schedule_error(key, "", f"{lo0}-{hi0} and {lo1}-{hi1}", "non-overlapping ranges")
     if out[0][0] != 1:
-        raise bad("", f"first range {out[0][0]}-{out[0][1]}",
-                  "the first range to start at batch size 1 (as vLLM requires: every "
-                  "batch size then has a defined k)")
+        raise _schedule_error(key, "", f"first range {out[0][0]}-{out[0][1]}",
+                              "the first range to start at batch size 1 (as vLLM requires: every "
+                              "batch size then has a defined k)")
     return tuple(out)
+
+
+def _schedule_error(key: str, what: str, got: Any, expected: str, fix: str = "") -> ValueError:
+    """``parse_spec_schedule``'s error: ``<key><what>: expected ...; got ...[; fix: ...]``."""
+    return ValueError(f"{key}{what}: expected {expected}; got {got!r}"
+                      + (f"; fix: {fix}" if fix else ""))
+
+
+def _spec_schedule_items(value: Any, key: str) -> list[tuple[str, int, int, Any]]:
+    """A schedule's ranges as (where, first batch size, last, k), unchecked beyond their
+    form: the dict form's ``"a-b"`` / ``"a"`` keys parsed, the list form's triples taken.
+    Raises ValueError (``_schedule_error``) for an empty map or list, a key that is not
+    a range of integers, a list entry that is not three integers, or another type."""
+    if isinstance(value, dict):
+        if not value:
+            raise _schedule_error(key, "", value, "a non-empty map such as {'1-16': 3, "
+                                  "'17-4096': 0} (null turns the schedule off)")
+        items = []
+        for rng, k in value.items():
+            lo_s, sep, hi_s = str(rng).strip().partition("-")
+            try:
+                lo, hi = int(lo_s), int(hi_s if sep else lo_s)
+            except ValueError:
+                raise _schedule_error(key, f"[{rng!r}]", rng, "a batch-size range 'a-b' of "
+                                      "integers, e.g. '1-16'") from None
+            items.append((f"[{rng!r}]", lo, hi, k))
+        return items
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise _schedule_error(key, "", value, "a non-empty list such as [[1, 16, 3], "
+                                  "[17, 4096, 0]] (null turns the schedule off)")
+        items = []
+        for i, e in enumerate(value):
+            if not isinstance(e, (list, tuple)) or len(e) != 3 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in e[:2]):
+                raise _schedule_error(key, f"[{i}]", e, "[first batch size, last batch size, "
+                                      "k] integers")
+            items.append((f"[{i}]", e[0], e[1], e[2]))
+        return items
+    raise _schedule_error(key, "", value, "a map {'a-b': k} of batch-size ranges to k, or null")
 
 
 def spec_schedule_k(schedule: SpecSchedule, batch_size: int) -> int:
@@ -265,20 +275,7 @@ def resolve_rejection_sample(engine: dict, k: int | None, key: str = "engine"
                          "synthetic_acceptance_rates or synthetic_acceptance_length (got "
                          f"{'both' if rates is not None else 'neither'})")
     if rates is not None:
-        if not isinstance(rates, (list, tuple)) or not all(
-                isinstance(r, (int, float)) and not isinstance(r, bool) for r in rates):
-            raise ValueError(f"{key}.synthetic_acceptance_rates must be a list of numbers, "
-                             f"got {rates!r}")
-        rates = [float(r) for r in rates]
-        if k is not None and len(rates) != k:
-            raise ValueError(f"{key}.synthetic_acceptance_rates must have length {k} "
-                             f"(num_speculative_tokens), got {rates}")
-        if not all(0.0 <= r <= 1.0 for r in rates):
-            raise ValueError(f"{key}.synthetic_acceptance_rates entries must be in [0, 1], "
-                             f"got {rates}")
-        if any(rates[i] > rates[i - 1] for i in range(1, len(rates))):
-            raise ValueError(f"{key}.synthetic_acceptance_rates must be non-increasing "
-                             f"(unconditional per-position rates), got {rates}")
+        rates = _checked_synthetic_rates(rates, k, key)
         return rates if k is not None else None
     if not isinstance(length, (int, float)) or isinstance(length, bool):
         raise ValueError(f"{key}.synthetic_acceptance_length must be a number, got {length!r}")
@@ -287,6 +284,27 @@ def resolve_rejection_sample(engine: dict, k: int | None, key: str = "engine"
         raise ValueError(f"{key}.synthetic_acceptance_length must be in [1, {top}] "
                          f"(num_speculative_tokens {k} + 1), got {length}")
     return acceptance_length_to_rates(float(length), k) if k is not None else None
+
+
+def _checked_synthetic_rates(rates: Any, k: int | None, key: str) -> list[float]:
+    """``synthetic_acceptance_rates`` as floats [k], checked as vLLM 0.32 does: a list of
+    numbers, k long (when k is known), each in [0, 1], non-increasing (unconditional
+    per-position rates). Raises ValueError naming ``<key>.synthetic_acceptance_rates``."""
+    if not isinstance(rates, (list, tuple)) or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) for r in rates):
+        raise ValueError(f"{key}.synthetic_acceptance_rates must be a list of numbers, "
+                         f"got {rates!r}")
+    rates = [float(r) for r in rates]
+    if k is not None and len(rates) != k:
+        raise ValueError(f"{key}.synthetic_acceptance_rates must have length {k} "
+                         f"(num_speculative_tokens), got {rates}")
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        raise ValueError(f"{key}.synthetic_acceptance_rates entries must be in [0, 1], "
+                         f"got {rates}")
+    if any(rates[i] > rates[i - 1] for i in range(1, len(rates))):
+        raise ValueError(f"{key}.synthetic_acceptance_rates must be non-increasing "
+                         f"(unconditional per-position rates), got {rates}")
+    return rates
 
 
 class AutoscalingConfig(BaseModel):
@@ -383,7 +401,7 @@ class StrategyEntry(BaseModel):
             resolve_rejection_sample(                       # the strategy's default k
                 self.engine, k if isinstance(k, int) and not isinstance(k, bool) else None,
                 key=f"strategy {self.name!r}: engine")
-        seqs = int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
+        seqs = int(self.engine.get("max_num_seqs", ENGINE_DEFAULT_MAX_NUM_SEQS))
         if self.max_ongoing_requests != "auto" and self.max_ongoing_requests < seqs:
             raise ValueError(
                 f"strategy {self.name!r}: max_ongoing_requests={self.max_ongoing_requests} is "
@@ -395,7 +413,7 @@ class StrategyEntry(BaseModel):
         """max_num_seqs + max_waiting + CONTROL_HEADROOM when 'auto' (module docstring)."""
         if self.max_ongoing_requests != "auto":
             return int(self.max_ongoing_requests)
-        return (int(self.engine.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS))
+        return (int(self.engine.get("max_num_seqs", ENGINE_DEFAULT_MAX_NUM_SEQS))
                 + int(self.engine.get("max_waiting", _ENGINE_DEFAULT_MAX_WAITING))
                 + CONTROL_HEADROOM)
 
@@ -502,9 +520,24 @@ def drafter_max_k(engine: dict) -> tuple[int, str] | None:
     return block - 1, f"its drafter ({rel}) was trained with block_size {block}"
 
 
+class VariantRecord(TypedDict):
+    """What ``variant_config`` says of one deployment of its config (``variants[name]``):
+    the entry it came from, the engine's strategy id, k (draft tokens per step; 0 for
+    autoregressive, None: the strategy's default), its candidate count, its forced
+    acceptance length (None: a real deployment), whether it is synthetic, its engine block."""
+
+    base_strategy: str
+    strategy: str
+    k: int | None
+    top_k_candidates: int | None
+    synthetic_acceptance_length: float | None
+    synthetic: bool
+    engine: dict[str, Any]
+
+
 def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None,
-                   candidates: list[int] | None,
-                   acceptance_lengths: list[float] | None = None) -> tuple[dict, dict[str, dict]]:
+                   candidates: list[int] | None, acceptance_lengths: list[float] | None = None
+                   ) -> tuple[dict, dict[str, VariantRecord]]:
     """A Serve config deploying variants of ``cfg``'s strategies; returns (config, variants).
 
     ``strategies``: served names to keep (None or []: every entry); the ``autoregressive``
@@ -531,8 +564,62 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
     """
     import copy
 
-    ks = list(ks or [])
+    ks, candidates = list(ks or []), list(candidates or [])
     als = [float(a) for a in (acceptance_lengths or [])]
+    _check_variant_args(ks, candidates, als)
+    out = copy.deepcopy(cfg)
+    variants: dict[str, VariantRecord] = {}
+    for app in out.get("applications") or []:
+        if app.get("import_path") == "actors.serve.app:build_app":
+            entries = _vary_app(app, strategies, ks, candidates, als, variants)
+            app["args"] = {**(app.get("args") or {}), "strategies": entries}
+            ServeAppConfig.model_validate(app["args"])   # names unique, entries valid
+    speculating = any(v["strategy"] != mn.AUTOREGRESSIVE for v in variants.values())
+    used_candidates = any(v["top_k_candidates"] is not None for v in variants.values())
+    if als and not speculating:
+        raise VariantError("--acceptance-length: no selected strategy speculates (autoregressive "
+                           "has no accept decision to force); add a speculative one to --strategies")
+    if candidates and not used_candidates:
+        raise VariantError(f"--top-k-candidates: no selected strategy picks among candidates "
+                           f"(only {', '.join(mn.CANDIDATE_STRATEGIES)} does); add one to --strategies")
+    return out, variants
+
+
+def _vary_app(app: dict, strategies: list[str] | None, ks: list[int], candidates: list[int],
+              als: list[float], variants: dict[str, VariantRecord]) -> list[dict]:
+    """The strategy entries of one ``build_app`` application for ``variant_config``: the
+    baseline as it is, each kept speculative entry as its variants (records added to
+    ``variants``). Raises VariantError naming ``--strategies`` for a name it does not deploy."""
+    args = ServeAppConfig.model_validate(app.get("args") or {})
+    unknown = [x for x in (strategies or []) if x not in [e.name for e in args.strategies]]
+    if unknown:
+        raise VariantError(f"--strategies: {unknown} not in the Serve config (it deploys "
+                           f"{[e.name for e in args.strategies]})")
+    entries: list[dict] = []
+    for e in args.strategies:
+        strategy = e.engine["strategy"]
+        # the baseline (served as "autoregressive") is always kept; another autoregressive
+        # deployment (vllm-autoregressive) only when asked for
+        baseline = strategy == mn.AUTOREGRESSIVE and e.name == mn.AUTOREGRESSIVE
+        if strategies and e.name not in strategies and not baseline:
+            continue
+        raw = e.model_dump(exclude_none=True)
+        raw["engine"] = dict(e.engine)
+        if strategy == mn.AUTOREGRESSIVE:
+            entries.append(raw)
+            variants[str(e.name)] = _variant_record(e.name, strategy, 0, None, None, raw["engine"])
+            continue
+        cands = candidates if (candidates and strategy in mn.CANDIDATE_STRATEGIES) else [None]
+        for v, rec in _speculative_variants(e, raw, ks, cands, als):
+            entries.append(v)
+            variants[v["name"]] = rec
+    return entries
+
+
+def _check_variant_args(ks: list[int], candidates: list[int], als: list[float]) -> None:
+    """``variant_config``'s flag checks that need no config: acceptance lengths in
+    [1, k + 1], each k in 1..MAX_K, each candidate count in 1..MAX_CANDIDATES; raises
+    VariantError naming the flag."""
     bad = [a for a in als if not a >= 1.0]
     if bad:
         raise VariantError(f"--acceptance-length: {bad} below 1; an acceptance length counts the "
@@ -542,7 +629,6 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
         raise VariantError(f"--acceptance-length: {max(als):g} above k + 1 for k = {bad}; a step "
                            f"of k drafts emits at most k + 1 tokens (use values <= {min(bad) + 1} "
                            "or larger --k)")
-    candidates = list(candidates or [])
     bad = [k for k in ks if not 1 <= k <= MAX_K]
     if bad:
         raise VariantError(f"--k: {bad} out of range; each k (num_speculative_tokens) must be "
@@ -550,75 +636,52 @@ def variant_config(cfg: dict, strategies: list[str] | None, ks: list[int] | None
     bad = [c for c in candidates if not 1 <= c <= MAX_CANDIDATES]
     if bad:
         raise VariantError(f"--top-k-candidates: {bad} out of range; each must be 1..{MAX_CANDIDATES}")
-    out = copy.deepcopy(cfg)
-    variants: dict[str, dict] = {}
-    used_candidates = False
-    speculating = False
-    for app in out.get("applications") or []:
-        if app.get("import_path") != "actors.serve.app:build_app":
-            continue
-        args = ServeAppConfig.model_validate(app.get("args") or {})
-        unknown = [x for x in (strategies or []) if x not in [e.name for e in args.strategies]]
-        if unknown:
-            raise VariantError(f"--strategies: {unknown} not in the Serve config (it deploys "
-                               f"{[e.name for e in args.strategies]})")
-        entries: list[dict] = []
-        for e in args.strategies:
-            strategy = e.engine["strategy"]
-            # the baseline (served as "autoregressive") is always kept; another autoregressive
-            # deployment (vllm-autoregressive) only when asked for
-            baseline = strategy == mn.AUTOREGRESSIVE and e.name == mn.AUTOREGRESSIVE
-            if strategies and e.name not in strategies and not baseline:
-                continue
-            raw = e.model_dump(exclude_none=True)
-            raw["engine"] = dict(e.engine)
-            if strategy == mn.AUTOREGRESSIVE:
-                entries.append(raw)
-                variants[str(e.name)] = {"base_strategy": e.name, "strategy": strategy, "k": 0,
-                                         "top_k_candidates": None, "synthetic_acceptance_length": None,
-                                         "synthetic": False, "engine": raw["engine"]}
-                continue
-            kk = [k if k is not None else e.engine.get("num_speculative_tokens") for k in (ks or [None])]
-            over = [k for k in kk if als and isinstance(k, int) and max(als) > k + 1]
-            if over:
-                raise VariantError(f"--acceptance-length: {max(als):g} above k + 1 for {e.name} "
-                                   f"(num_speculative_tokens {over[0]}): a step of k drafts emits at "
-                                   f"most k + 1 tokens; use values <= {over[0] + 1} or set --k")
-            speculating = True
-            limit = drafter_max_k(e.engine)
-            over = [k for k in ks if limit and k > limit[0]]
-            if over:
-                raise VariantError(f"--k: {over} too large for {e.name}: {limit[1]}, so it drafts at "
-                                   f"most {limit[0]} tokens per step; use --k values <= {limit[0]} "
-                                   f"(or leave {e.name} out of --strategies)")
-            cands = candidates if (candidates and strategy in mn.CANDIDATE_STRATEGIES) else [None]
-            used_candidates |= cands != [None]
-            combos = [(k, c, a) for k in (ks or [None]) for c in cands for a in (als or [None])]
-            cpus = e.ray_actor_options.num_cpus / len(combos)
-            for k, c, a in combos:
-                v = copy.deepcopy(raw)
-                v["name"] = mn.variant_name(str(e.name), k, c, a)
-                if k is not None:   # a k variant fixes k: no per-batch-size schedule
-                    v["engine"]["num_speculative_tokens"] = k
-                    v["engine"].pop("num_speculative_tokens_per_batch_size", None)
-                if c is not None:
-                    v["engine"]["strategy_options"] = {**v["engine"].get("strategy_options", {}), "top_k": c}
-                if a is not None:   # forced acceptance (vLLM's speculative_config names)
-                    v["engine"]["rejection_sample_method"] = "synthetic"
-                    v["engine"]["synthetic_acceptance_length"] = a
-                    v["engine"].pop("synthetic_acceptance_rates", None)
-                v["ray_actor_options"] = {**raw.get("ray_actor_options", {}), "num_cpus": round(cpus, 4)}
-                entries.append(v)
-                variants[v["name"]] = {"base_strategy": e.name, "strategy": strategy,
-                                       "k": k if k is not None else e.engine.get("num_speculative_tokens"),
-                                       "top_k_candidates": c, "synthetic_acceptance_length": a,
-                                       "synthetic": a is not None, "engine": v["engine"]}
-        app["args"] = {**(app.get("args") or {}), "strategies": entries}
-        ServeAppConfig.model_validate(app["args"])   # names unique, entries valid
-    if als and not speculating:
-        raise VariantError("--acceptance-length: no selected strategy speculates (autoregressive "
-                           "has no accept decision to force); add a speculative one to --strategies")
-    if candidates and not used_candidates:
-        raise VariantError(f"--top-k-candidates: no selected strategy picks among candidates "
-                           f"(only {', '.join(mn.CANDIDATE_STRATEGIES)} does); add one to --strategies")
-    return out, variants
+
+
+def _variant_record(base: str, strategy: str, k: int | None, c: int | None, a: float | None,
+                    engine: dict[str, Any]) -> VariantRecord:
+    """One ``variants`` value of ``variant_config`` (its docstring names the keys)."""
+    return {"base_strategy": base, "strategy": strategy, "k": k, "top_k_candidates": c,
+            "synthetic_acceptance_length": a, "synthetic": a is not None, "engine": engine}
+
+
+def _speculative_variants(e: StrategyEntry, raw: dict, ks: list[int], cands: list[int | None],
+                          als: list[float]) -> list[tuple[dict, VariantRecord]]:
+    """The deployments (entry dict, ``variants`` record) of one speculative strategy entry
+    ``e`` (``raw``: its dump): one per k x candidate count x acceptance length, its
+    ``num_cpus`` divided among them. Raises VariantError naming ``--acceptance-length``
+    (A above k + 1 for the entry's own k) or ``--k`` (above its drafter's limit)."""
+    import copy
+
+    strategy = e.engine["strategy"]
+    kk = [k if k is not None else e.engine.get("num_speculative_tokens") for k in (ks or [None])]
+    over = [k for k in kk if als and isinstance(k, int) and max(als) > k + 1]
+    if over:
+        raise VariantError(f"--acceptance-length: {max(als):g} above k + 1 for {e.name} "
+                           f"(num_speculative_tokens {over[0]}): a step of k drafts emits at "
+                           f"most k + 1 tokens; use values <= {over[0] + 1} or set --k")
+    limit = drafter_max_k(e.engine)
+    over = [k for k in ks if limit and k > limit[0]]
+    if over:
+        raise VariantError(f"--k: {over} too large for {e.name}: {limit[1]}, so it drafts at "
+                           f"most {limit[0]} tokens per step; use --k values <= {limit[0]} "
+                           f"(or leave {e.name} out of --strategies)")
+    combos = [(k, c, a) for k in (ks or [None]) for c in cands for a in (als or [None])]
+    cpus = e.ray_actor_options.num_cpus / len(combos)
+    out = []
+    for k, c, a in combos:
+        v = copy.deepcopy(raw)
+        v["name"] = mn.variant_name(str(e.name), k, c, a)
+        if k is not None:   # a k variant fixes k: no per-batch-size schedule
+            v["engine"]["num_speculative_tokens"] = k
+            v["engine"].pop("num_speculative_tokens_per_batch_size", None)
+        if c is not None:
+            v["engine"]["strategy_options"] = {**v["engine"].get("strategy_options", {}), "top_k": c}
+        if a is not None:   # forced acceptance (vLLM's speculative_config names)
+            v["engine"]["rejection_sample_method"] = "synthetic"
+            v["engine"]["synthetic_acceptance_length"] = a
+            v["engine"].pop("synthetic_acceptance_rates", None)
+        v["ray_actor_options"] = {**raw.get("ray_actor_options", {}), "num_cpus": round(cpus, 4)}
+        out.append((v, _variant_record(e.name, strategy, k if k is not None else
+                                       e.engine.get("num_speculative_tokens"), c, a, v["engine"])))
+    return out

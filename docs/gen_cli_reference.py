@@ -32,17 +32,20 @@ COMMANDS: list[tuple[list[str], str]] = [
     (["cluster", "up"], "start (or reuse) the local service on a Ray head"),
     (["cluster", "down"], "stop what `cluster up` started"),
     (["actors.generate"], "generate with one strategy from a prompts file (no server)"),
-    (["actors.evaluate"], "position-by-position evaluation of the speculative strategies"),
-    (["actors.bench"], "engine benchmarks: ratios vs transformers and vs autoregressive"),
-    (["actors.step_curve"], "the embedded target's step-cost curve (tokens per step 1..256) and "
-                            "each strategy's step-log table at batch 1"),
-    (["actors.gpu_check"], "the prepared device check: the engine per strategy and dtype, "
-                           "step-cost curves of real shapes (JSON + PNG)"),
-    (["actors.bench_serve"], "HTTP + Serve vs the engine alone"),
-    (["actors.bench_vs_vllm"], "specload next to a real vLLM: engine alone and served, "
-                               "closed-loop cells"),
     (["loadgen.tools.soak"], "a long mixed run: errors, memory and fds over time"),
-    (["loadgen.tools.bench_scale"], "scale limits of the load generator and the results files"),
+    # the benchmarks (bench/): each measures one thing
+    (["bench.engine_speedup"], "the engine's tokens/s: ratios vs transformers and vs autoregressive"),
+    (["bench.acceptance"], "position-by-position acceptance of the speculative strategies"),
+    (["bench.step_cost"], "step-cost grid of real model sizes (random weights), or the engine's "
+                          "profile (--engine)"),
+    (["bench.step_cost_embedded"], "the embedded target's step-cost curve (tokens per step "
+                                   "1..256) and each strategy's step-log table at batch 1"),
+    (["bench.device_check"], "the prepared device check: the engine per strategy and dtype, "
+                             "step-cost curves of real shapes (JSON + PNG)"),
+    (["bench.serving_overhead"], "HTTP + Serve vs the engine alone"),
+    (["bench.vs_vllm"], "specload next to a real vLLM: engine alone and served, closed-loop cells"),
+    (["bench.loadgen_timing"], "the load generator's client-side timing error vs a fake server"),
+    (["bench.loadgen_scale"], "scale limits of the load generator and the results files"),
 ]
 
 

@@ -144,7 +144,7 @@ if __name__ == "__main__":   # python -m tests.peer_client: the side-by-side tab
     import tempfile
     import time
 
-    from actors.vllm_server import NGRAM, VllmServer, find_vllm_python, start_servers
+    from cluster.vllm_server import NGRAM, VllmServer, find_vllm_python, start_servers
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--users", default="1,4,16")

@@ -14,6 +14,7 @@ from analysis import cli
 from analysis.data.load import load_results
 from analysis.data.slo import resolve_slos
 from analysis.decide import policy as pol
+from analysis.campaigns.policy_validation import validate_policy
 from analysis.decide import policy_validate as pv
 from configs import metric_names as mn
 from configs.serve_config import SPEC_SCHEDULE_KEY, ServeAppConfig, spec_schedule_k
@@ -192,7 +193,7 @@ def test_validation_compares_policy_and_best_fixed_per_tier(tmp_path):
                            tiers={tier: A.TIERS[tier]})
 
     slos = {t: Slo(**v) for t, v in A.SLO.items()}
-    res = pv.validate_policy(p, None, slos, tmp_path / "out", duration_s=3.0, deploy=deploy,
+    res = validate_policy(p, None, slos, tmp_path / "out", duration_s=3.0, deploy=deploy,
                              drive=drive, log=lambda m: None)
     assert calls[0] == ("deploy", ["dflash-policy", "dflash", "ngram", "autoregressive"])
     assert calls[1:] == [("low", ["dflash-policy", "dflash"]), ("mid", ["ngram", "dflash-policy"]),
@@ -227,7 +228,7 @@ def test_validation_keeps_going_when_a_tier_fails(tmp_path):
         return A.write_run(tmp_path / "v" / run_id, run_id=run_id, strats=strats,
                            tiers={tier: A.TIERS[tier]})
 
-    res = pv.validate_policy(p, None, {t: Slo(**v) for t, v in A.SLO.items()}, tmp_path / "o",
+    res = validate_policy(p, None, {t: Slo(**v) for t, v in A.SLO.items()}, tmp_path / "o",
                              deploy=lambda cfg: ("http://127.0.0.1:1", lambda: stopped.append(1)),
                              drive=drive, log=lambda m: None)
     assert stopped == [1] and "loadgen failed" in res["errors"]["mid"]
@@ -267,7 +268,7 @@ def test_validation_on_the_local_service_switches_k_by_batch(tmp_path):
     p = _derive(run)
     assert p["map"] == {"1-1": 4, "2-32": 0}
     slos = {t: Slo(ttft_ms=20000, tpot_ms=5000) for t in tiers}
-    res = pv.validate_policy(p, manifest, slos, tmp_path / "val", duration_s=3.0, output="short",
+    res = validate_policy(p, manifest, slos, tmp_path / "val", duration_s=3.0, output="short",
                              log=lambda m: None)
     assert not res["errors"], res["errors"]
     rows = {r["tier"]: r for r in res["rows"]}

@@ -104,7 +104,7 @@ def test_capacity_and_acceptance_tables(report):
     pos = a.positions[a.positions[mn.REQ_STRATEGY].eq(mn.DFLASH)].set_index("position")
     assert list(pos["uncond"]) == pytest.approx(list(syn.DFLASH.accept_rates))
     assert pos.loc[2, "cond"] == pytest.approx(0.8 / 0.9)
-    assert "top1_cov" not in pos.columns  # coverage is offline only (actors.evaluate)
+    assert "top1_cov" not in pos.columns  # coverage is offline only (bench.acceptance)
     cells = a.cells.set_index([mn.REQ_STRATEGY, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS])
     c = cells.loc[(mn.DFLASH, "mid", "short")]
     assert c["slo_attainment"] == pytest.approx(0.5)

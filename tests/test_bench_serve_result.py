@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from actors.bench_serve import (DIRECT, DIRECT_INGRESS, MODEL_FIELD, STRATEGY_ROUTE, _result,
+from bench.serving_overhead import (DIRECT, DIRECT_INGRESS, MODEL_FIELD, STRATEGY_ROUTE, _result,
                                 summarize)
 
 

@@ -1,11 +1,11 @@
-"""actors.bench_vs_vllm and its worker: what they count (no speed thresholds here)."""
+"""bench.vs_vllm and its worker: what they count (no speed thresholds here)."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors import bench_closed_loop as bcl
-from actors import bench_vs_vllm as bvv
+from bench import closed_loop_worker as bcl
+from bench import vs_vllm as bvv
 
 
 def test_prompts_are_the_load_generators_mixed_corpus():

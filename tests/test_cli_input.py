@@ -1,7 +1,7 @@
 """Bad command-line input: exit 2, one error line naming the flag, no traceback, nothing started.
 
 Covers ``python -m loadgen``, ``python -m analysis``, ``python -m cluster up/down`` and
-``python -m actors.bench_serve``: non-finite and out-of-range numbers, ports, path flags
+``python -m bench.serving_overhead``: non-finite and out-of-range numbers, ports, path flags
 (missing, a directory for a file, a file for a directory, a missing parent), run ids that
 exist or escape ``--results``, and Serve configs that fail validation (checked before Ray
 starts). Most cases call the parser in-process; a few run the real command as a subprocess
@@ -226,7 +226,7 @@ def test_cluster_up_port_in_use(capsys):
     (["--json", "/nonexistent/out.json"], "--json"),
 ])
 def test_bench_serve_bad_flag(capsys, argv, flag):
-    from actors.bench_serve import main
+    from bench.serving_overhead import main
 
     _exit2(capsys, main, argv, flag)
 

@@ -1,4 +1,4 @@
-"""``python -m actors.bench cost-curve`` on a tiny shape (CPU), the preset table, and
+"""``python -m bench.step_cost`` on a tiny shape (CPU), the preset table, and
 ``analysis plan --cost-curve`` reading the grid file."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from actors.bench import main as bench_main
-from actors.cost_curve import SHAPES, shape_config
+from bench.step_cost import main as step_cost_main
+from bench.step_cost import SHAPES, shape_config
 from actors.engine.model import CausalLM, ModelConfig
 from analysis.decide.plan import PointsCurve
 
@@ -31,7 +31,7 @@ def test_presets_have_the_published_sizes():
 
 def test_cost_curve_tiny_on_cpu_and_plan_reads_it(tmp_path, capsys):
     out = tmp_path / "curve.json"
-    rc = bench_main(["cost-curve", "--shape", "tiny", "--random-weights", "--device", "cpu",
+    rc = step_cost_main(["--shape", "tiny", "--random-weights", "--device", "cpu",
                      "--batches", "1,3", "--tokens-per-row", "1,4", "--contexts", "16,40",
                      "--repeats", "2", "--out", str(out)])
     assert rc == 0
@@ -51,9 +51,9 @@ def test_cost_curve_tiny_on_cpu_and_plan_reads_it(tmp_path, capsys):
 
 def test_cost_curve_bad_flags_exit_2(tmp_path):
     with pytest.raises(SystemExit) as e:
-        bench_main(["cost-curve", "--shape", "nope", "--random-weights", "--out", str(tmp_path / "x")])
+        step_cost_main(["--shape", "nope", "--random-weights", "--out", str(tmp_path / "x")])
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
-        bench_main(["cost-curve", "--shape", "tiny", "--random-weights", "--contexts", "5000",
+        step_cost_main(["--shape", "tiny", "--random-weights", "--contexts", "5000",
                     "--out", str(tmp_path / "x")])
     assert e.value.code == 2

@@ -116,7 +116,7 @@ def test_variant_config_names_and_engine_settings(tmp_path):
         "base_strategy": "dflash2", "strategy": "dflash2", "k": 7, "top_k_candidates": 4, "engine": None,
         "synthetic_acceptance_length": None, "synthetic": False}
     # the whole config validates the way `cluster up` does (EngineConfig + strategy_options)
-    from loadgen.run.service import check_serve_config
+    from cluster.config_check import check_serve_config
 
     path = tmp_path / "v.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -146,7 +146,7 @@ def test_prometheus_counts_degraded_requests_by_reason():
     """The replica's ``specload_degraded_requests`` counter (Ray exports it as
     ``ray_specload_degraded_requests``) goes up once per finished degraded request,
     labelled with its reason, next to the spec_decode counters."""
-    from actors.serve.deployments import _Metrics
+    from actors.serve.deployments import ReplicaMetrics
 
     class Counter:
         def __init__(self):
@@ -155,7 +155,7 @@ def test_prometheus_counts_degraded_requests_by_reason():
         def inc(self, value=1.0, tags=None):
             self.calls.append((value, tags))
 
-    m = _Metrics.__new__(_Metrics)   # the instruments without a Ray cluster
+    m = ReplicaMetrics.__new__(ReplicaMetrics)   # the instruments without a Ray cluster
     for name in ("num_drafts", "num_draft_tokens", "num_accepted", "per_pos", "degraded",
                  "requests_finished", "generation_tokens"):
         setattr(m, name, Counter())

@@ -201,7 +201,7 @@ def test_vllm_serves_the_export_losslessly_with_specloads_acceptance():
     taus = []
     for i in range(len(prompts)):
         for other in (v_ar[i]["ids"], s_sd[i]["ids"]):
-            j = chk._first_diff(v_sd[i]["ids"], other)
+            j = chk.first_diff(v_sd[i]["ids"], other)
             if j is not None:
                 assert j < min(len(other), len(v_sd[i]["ids"])), "lengths differ"
                 gap = chk.top2_gap(target, v_ar[i]["prompt_ids"], v_sd[i]["ids"][:j])

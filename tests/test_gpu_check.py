@@ -1,4 +1,4 @@
-"""The prepared device check (``python -m actors.gpu_check``) on CPU with its tiny shape:
+"""The prepared device check (``python -m bench.device_check``) on CPU with its tiny shape:
 the same code path a GPU loan runs, so it is known to work before device time is spent."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from actors import gpu_check
+from bench import device_check as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,15 +26,15 @@ class _Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, _Block())
 import runpy
-sys.argv = ['actors.gpu_check'] + sys.argv[1:]
-runpy.run_module('actors.gpu_check', run_name='__main__', alter_sys=True)
+sys.argv = ['bench.device_check'] + sys.argv[1:]
+runpy.run_module('bench.device_check', run_name='__main__', alter_sys=True)
 """
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run([sys.executable, "-m", "actors.gpu_check", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.device_check", "--out", str(out),
                            "--device", "cpu", "--tiny"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -74,7 +74,7 @@ def test_stack_equals_the_op_by_op_forward(model_type):
     per-row and last-only logits: the stack call's logits and cache writes equal the
     op-by-op flat forward's, and a plain forward without a cache."""
     model = _bf16_model(model_type)
-    assert model.packable() and not model.model.layers[0]._folded
+    assert model.packable() and not model.model.layers[0].norm_folded
     ctxs, slots, new, rows = _batch(model.config.vocab_size)
     stack, ops = ModelRunner(model, 6, 64), ModelRunner(model, 6, 64)
     ops.STACK_KERNEL = False
@@ -162,7 +162,7 @@ def test_out_of_range_slot_or_position_is_refused_before_anything_is_computed():
     k0 = runner.cache.k[0].clone()
     x = model.model.embed_tokens(torch.tensor([5, 6]))
     x0 = x.clone()
-    cos, sin = model._rope(torch.tensor([0, 1]), torch.float32, signed=True)
+    cos, sin = model.rotary(torch.tensor([0, 1]), torch.float32, signed=True)
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
     for slot, pos in (([0, 2], [0, 1]), ([0, -1], [0, 1]), ([0, 0], [0, stack.L])):
         with pytest.raises(ValueError, match="outside"):

@@ -66,9 +66,9 @@ def test_embedded_checkpoints_run_packed_and_unfolded(path):
     m = CausalLM.from_pretrained(path)
     assert m.packable()
     layer = m.model.layers[0]
-    assert not layer._folded
+    assert not layer.norm_folded
     att, mlp = layer.self_attn, layer.mlp
-    for t in (att._qkv_p, att._o_p, mlp._gate_up_p, mlp._down_p, m._lm_p):
+    for t in (att.qkv_packed, att.o_packed, mlp.gate_up_packed, mlp.down_packed, m.lm_packed):
         assert t is not None and t.dtype == torch.bfloat16
     ids = torch.randint(1, m.config.vocab_size, (4, 1))
     with torch.inference_mode():
@@ -87,8 +87,8 @@ def test_float32_weights_stay_folded_on_mm():
     torch.manual_seed(0)
     m = CausalLM(cfg).eval()
     m.fuse()
-    assert not m.packable() and m.model.layers[0]._folded and m._lm_p is None
-    assert m.model.layers[0].self_attn._qkv_p is None
+    assert not m.packable() and m.model.layers[0].norm_folded and m.lm_packed is None
+    assert m.model.layers[0].self_attn.qkv_packed is None
 
 
 def test_without_a_compiler_the_kernel_is_none(tmp_path, monkeypatch):

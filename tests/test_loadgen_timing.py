@@ -287,8 +287,12 @@ def test_user_jsonl_and_errors(tmp_path):
 
 
 def test_local_service_bring_up_is_stubbable(monkeypatch):
-    """`python -m cluster up` prints the URL last; failures name the command and the way out."""
+    """`python -m cluster up` prints the URL last; failures name the command and the way out.
+    The load generator reaches it through the bring-up layer (``cluster.launch``)."""
+    import cluster.launch as launch
     import loadgen.run.service as svc
+
+    assert svc.start_local_service is launch.start_local_service   # loadgen's name for it
 
     import io
 
@@ -306,13 +310,13 @@ def test_local_service_bring_up_is_stubbable(monkeypatch):
 
         return Proc
 
-    monkeypatch.setattr(svc.subprocess, "Popen", fake_popen("starting...\nhttp://127.0.0.1:8000/\n"))
-    assert svc.start_local_service() == "http://127.0.0.1:8000"
-    svc.start_local_service(port=8123, config="my.yaml", direct_ingress=False)
+    monkeypatch.setattr(launch.subprocess, "Popen", fake_popen("starting...\nhttp://127.0.0.1:8000/\n"))
+    assert launch.start_local_service() == "http://127.0.0.1:8000"
+    launch.start_local_service(port=8123, config="my.yaml", direct_ingress=False)
     # direct ingress on unless asked off (the load generator's default route loads it)
     assert calls[0][-3:] == ["cluster", "up", "--direct-ingress"]
     assert calls[1][-5:] == ["--port", "8123", "--config", "my.yaml", "--no-direct-ingress"]
-    monkeypatch.setattr(svc.subprocess, "Popen", fake_popen("", rc=1))
+    monkeypatch.setattr(launch.subprocess, "Popen", fake_popen("", rc=1))
     with pytest.raises(svc.ServiceError, match="--target"):
-        svc.start_local_service()
+        launch.start_local_service()
     assert svc.fetch_step_log("http://127.0.0.1:9", "x", 0.0, timeout_s=2) == []   # nothing listening

@@ -287,17 +287,17 @@ def test_every_private_ray_sets_the_loopback_switch_before_importing_ray():
                 or (isinstance(f, ast.Name) and f.id == "serve_app"))
 
     sources = {path: path.read_text() for d in ("actors", "loadgen", "analysis", "cluster",
-                                                "configs")
+                                                "configs", "bench")
                for path in (REPO / d).rglob("*.py")}
     starters = [path for path, text in sources.items()
                 if any(isinstance(n, ast.Call) and starts_ray(n)
                        for n in ast.walk(ast.parse(text)))]
     names = sorted(str(p.relative_to(REPO)) for p in starters)
-    assert names == ["actors/bench_serve.py", "actors/bench_vs_vllm.py",
+    assert names == ["bench/serving_overhead.py", "bench/vs_vllm.py",
                      "loadgen/run/ray_workers.py"], names   # a new one: give it the switch too
     for path in starters:
         assert "use_loopback_env()" in sources[path], path
-    code = ("import sys, actors.bench_serve, actors.bench_vs_vllm, loadgen.run.ray_workers; "
+    code = ("import sys, bench.serving_overhead, bench.vs_vllm, loadgen.run.ray_workers; "
             "print('ray' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in RAY_SINGLE_NODE_LOOPBACK_ENV}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
@@ -306,14 +306,14 @@ def test_every_private_ray_sets_the_loopback_switch_before_importing_ray():
 
 
 def test_bench_serve_private_ray_listens_on_loopback_only():
-    """``python -m actors.bench_serve`` (its own Ray, Serve, proxy, replica with direct
+    """``python -m bench.serving_overhead`` (its own Ray, Serve, proxy, replica with direct
     ingress), run without the suite's loopback switch: every listener of its process tree
     is on 127.0.0.1 (before the fix: GCS, raylet and agents on every interface and on the
     host's address)."""
     pytest.importorskip("ray")
     from tests.socket_audit import run_audited
 
-    p, heard = run_audited([sys.executable, "-m", "actors.bench_serve", "--concurrency", "1",
+    p, heard = run_audited([sys.executable, "-m", "bench.serving_overhead", "--concurrency", "1",
                             "--max-tokens", "4", "--reps", "1", "--waves", "1",
                             "--stream-intervals", "", "--enforce-eager"], timeout=400, cwd=REPO)
     kinds = {x.name.split()[0] for x in heard}

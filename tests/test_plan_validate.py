@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from analysis.campaigns.plan_validation import validate_plan
 from analysis.decide import validate as va
 from configs import metric_names as mn
 from configs.serve_config import ServeAppConfig
@@ -91,7 +92,7 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
         _rows(200, share[n], spacing=0.5).to_parquet(d / "requests.parquet")
         return d
 
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 2.0, "high", SLO, 0.9,
+    res = validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 2.0, "high", SLO, 0.9,
                            32, tmp_path / "out", duration_s=100, warmup_s=0.0, deploy=deploy,
                            drive=drive, log=lambda m: None)
     assert deployed == [(mn.AUTOREGRESSIVE, 2), (mn.AUTOREGRESSIVE, 1)]
@@ -107,7 +108,7 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
     assert va.cpu_share(tmp_path / "sd") == pytest.approx(10.0 / 40.0)
     # a one-replica plan: N - 1 = 0 replicas serve nothing
     share[1] = 0.97
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 1, 2.0), 2.0, "high", SLO, 0.9,
+    res = validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 1, 2.0), 2.0, "high", SLO, 0.9,
                            32, tmp_path / "out1", duration_s=100, warmup_s=0.0, deploy=deploy,
                            drive=lambda url, rid: drive(url, rid + "-b"), log=lambda m: None)
     assert res["attainment_minus_one"] == 0.0 and res["requests_minus_one"] == 0 and res["holds"]
@@ -118,7 +119,7 @@ def test_validate_verdict_with_n_and_n_minus_one(tmp_path):
             raise RuntimeError("ray head timed out")
         return deploy(strategy, n)
     share[2] = 0.95
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 2.0, "high", SLO, 0.9,
+    res = validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 2.0, "high", SLO, 0.9,
                            32, tmp_path / "out2", duration_s=100, warmup_s=0.0, deploy=flaky,
                            drive=lambda url, rid: drive(url, rid + "-c"), log=lambda m: None)
     assert res["attainment"] == pytest.approx(0.95) and res["holds"]
@@ -157,7 +158,7 @@ def test_arrivals_are_qps_times_duration_and_a_stale_run_is_refused(tmp_path):
     stale = tmp_path / "stale"
     stale.mkdir()
     _rows(292, 1.0, spacing=1 / 6.5).to_parquet(stale / "requests.parquet")
-    res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 9.0, "high", SLO, 0.9,
+    res = validate_plan(va.Choice(mn.AUTOREGRESSIVE, "long", 2, 1.0), 9.0, "high", SLO, 0.9,
                            32, tmp_path / "out", duration_s=45, warmup_s=0.0, deploy=deploy,
                            drive=lambda url, rid: stale, log=lambda m: None)
     assert res["attainment"] is None and res["holds"] is None
@@ -168,7 +169,7 @@ def test_arrivals_are_qps_times_duration_and_a_stale_run_is_refused(tmp_path):
 def test_validate_drives_open_loop_load_through_loadgen(tmp_path):
     from loadgen.tools import fake_server
     with fake_server.running("--ttft-ms", "20", "--gap-ms", "5", "--tokens-per-chunk", "2") as url:
-        res = va.validate_plan(va.Choice(mn.AUTOREGRESSIVE, "short", 2, 5.0), 8.0, "low", SLO, 0.9,
+        res = validate_plan(va.Choice(mn.AUTOREGRESSIVE, "short", 2, 5.0), 8.0, "low", SLO, 0.9,
                                8, tmp_path / "out", duration_s=2.0, warmup_s=0.0,
                                deploy=lambda s, n: (url, lambda: None), log=lambda m: None)
     # the fake server has no capacity limit: both counts meet the SLO

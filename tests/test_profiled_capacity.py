@@ -182,10 +182,10 @@ def test_row_basis_from_the_operating_point(tmp_path):
 
 
 def test_engine_profile_of_the_embedded_engine_is_read_back(tmp_path):
-    """``python -m actors.cost_curve --engine`` on a tiny grid: every grid point, the prefill
+    """``python -m bench.step_cost --engine`` on a tiny grid: every grid point, the prefill
     points and the engine's own steps at each batch; ``parts_from_profile`` interpolates it
     (the forward at a grid point is the file's CPU time there); an unknown strategy exits 2."""
-    from actors.cost_curve import main as cost_curve_main
+    from bench.step_cost import main as cost_curve_main
 
     out = tmp_path / "cost_curve.json"
     rc = cost_curve_main(["--engine", "--strategies", mn.AUTOREGRESSIVE, "--batches", "1,2",

@@ -1,4 +1,4 @@
-"""The tests' side of ``actors.vllm_server``: the vLLM venv or a skip.
+"""The tests' side of ``cluster.vllm_server``: the vLLM venv or a skip.
 
 Without the vLLM venv the tests skip, saying how to make it; with
 ``SPECLOAD_REQUIRE_VLLM=1`` (``.ci/run`` sets it) they fail instead.
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from actors.vllm_server import (DRAFT, DRAFT_MODEL, ENV_PYTHON, NGRAM, REPO, TARGET,  # noqa: F401
+from cluster.vllm_server import (DRAFT, DRAFT_MODEL, ENV_PYTHON, NGRAM, REPO, TARGET,  # noqa: F401
                                 VllmServer,
                                 find_vllm_python)
-from actors.vllm_server import start_servers as _start_servers
+from cluster.vllm_server import start_servers as _start_servers
 
 ENV_REQUIRE = "SPECLOAD_REQUIRE_VLLM"
 # What the tests' vLLM servers start with: no torch.compile warm-up (--enforce-eager) and the
 # model in the engine-core process (no worker process). They read what vLLM reports and
-# returns, not its speed; actors.bench_vs_vllm keeps vLLM's defaults.
+# returns, not its speed; bench.vs_vllm keeps vLLM's defaults.
 FAST_START = {"extra": ["--enforce-eager"], "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
@@ -34,5 +34,5 @@ def vllm_python() -> str:
 
 
 def start_servers(servers: list[VllmServer], log_dir: Path) -> list[VllmServer]:
-    """``actors.vllm_server.start_servers`` with the venv found (or the test skipped)."""
+    """``cluster.vllm_server.start_servers`` with the venv found (or the test skipped)."""
     return _start_servers(servers, log_dir, vllm_python())

@@ -135,10 +135,10 @@ def write_card(out: Path, card: dict) -> None:
         lines += ["The `dflash` strategy drafts by independent top-1 and ignores the path "
                   "selector stored here; the selector was trained on detached backbone features "
                   "(the backbone is pure DFlash) and serves the `dflash2_selector_only` ablation "
-                  "of `actors.evaluate`.", ""]
+                  "of `bench.acceptance`.", ""]
     if cfg["method"] == "dflash" and cfg["num_layers"] > 1:
         lines += [f"A {cfg['num_layers']}-layer DFlash for the depth ablation (`dflash_deep` in "
-                  "`actors.evaluate`, the scaled-down \"5 vs 15 layers\" comparison).", ""]
+                  "`bench.acceptance`, the scaled-down \"5 vs 15 layers\" comparison).", ""]
     if card.get("calibration"):
         c = card["calibration"]
         lines += [f"- confidence calibration (Platt) on {c['positions']} positions of {c['split']}: "
@@ -159,5 +159,5 @@ def write_card(out: Path, card: dict) -> None:
                          f"{m['confidence']['brier']} | mean pred {m['confidence']['mean_pred']} "
                          f"vs accepted {m['confidence']['mean_accept']} | | |")
     lines += ["", "Engine-measured figures (acceptance length, speedups) come from "
-              "`python -m actors.evaluate`.", ""]
+              "`python -m bench.acceptance`.", ""]
     (out / "README.md").write_text("\n".join(lines))

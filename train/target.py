@@ -33,7 +33,8 @@ def make_config(vocab_size: int, eos: int, shape: dict, max_pos: int = 1024) -> 
                        bos_token_id=eos, rms_norm_eps=1e-6, **shape)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The training flags (defaults: the shipped target's run)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     ap.add_argument("--out", type=Path, default=Path("models/target"))
@@ -46,7 +47,11 @@ def main() -> None:
     ap.add_argument("--code-weight", type=float, default=0.6)
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from this checkpoint instead of a random init")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
     rng, tok, train, held = setup_run(a, a.out, 48)
     cfg = make_config(len(tok), tok.eos_token_id, TARGET_SHAPE)
     if a.init is not None:

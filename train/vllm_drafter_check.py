@@ -122,7 +122,7 @@ def top2_gap(model: str, prompt_ids: list[int], prefix: list[int]) -> float:
 _TARGET: dict = {}
 
 
-def _first_diff(a: list[int], b: list[int]) -> int | None:
+def first_diff(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    from actors.vllm_server import TARGET, find_vllm_python
+    from cluster.vllm_server import TARGET, find_vllm_python
     from train.export_vllm import export
 
     python = find_vllm_python()
@@ -196,24 +196,52 @@ def main(argv: list[str] | None = None) -> int:
     s_ar = specload_side(str(TARGET), "autoregressive", 0, prompts, a.max_tokens)
     s_sd = specload_side(str(TARGET), meta["method"], k, prompts, a.max_tokens,
                          drafter=meta["source"])
+    per = compare_outputs(str(TARGET), rows, v_ar, v_sd, s_ar, s_sd, a.tie_gap)
+    summary = summarise(rows, per, s_sd, v_sd)
+    for r in per:
+        print(json.dumps(r))
+    print(json.dumps({"drafter": a.drafter, "k": k, "max_tokens": a.max_tokens,
+                      "summary": summary}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"per_prompt": per, "summary": summary, "drafter": a.drafter, "k": k,
+                       "max_tokens": a.max_tokens}, f, indent=1)
+    return 0
+
+
+PAIRS = ("vllm_sd=vllm_ar", "specload_sd=specload_ar", "vllm_ar=specload_ar",
+         "vllm_sd=specload_sd")
+
+
+def compare_outputs(target: str, rows: list[dict], v_ar: list[dict], v_sd: list[dict],
+                    s_ar: list[dict], s_sd: list[dict], tie_gap: float) -> list[dict]:
+    """Per prompt: tau of both engines' speculative runs and, for each pair of ``PAIRS``,
+    "same", "length a vs b", or "tie|DIFF at j (gap g)": the first differing token j and
+    the target's top-2 logit gap there (below ``tie_gap``: a numerical tie)."""
     per = []
     for i, row in enumerate(rows):
         pid = v_ar[i]["prompt_ids"]
         rec = {"id": row["id"], "domain": row["domain"],
                "tau_specload": tau(s_sd[i]), "tau_vllm": tau(v_sd[i])}
-        for name, (x, y) in {"vllm_sd=vllm_ar": (v_sd[i]["ids"], v_ar[i]["ids"]),
-                             "specload_sd=specload_ar": (s_sd[i]["ids"], s_ar[i]["ids"]),
-                             "vllm_ar=specload_ar": (v_ar[i]["ids"], s_ar[i]["ids"]),
-                             "vllm_sd=specload_sd": (v_sd[i]["ids"], s_sd[i]["ids"])}.items():
-            j = _first_diff(x, y)
+        outs = {"vllm_sd": v_sd[i]["ids"], "vllm_ar": v_ar[i]["ids"],
+                "specload_sd": s_sd[i]["ids"], "specload_ar": s_ar[i]["ids"]}
+        for name in PAIRS:
+            x, y = (outs[side] for side in name.split("="))
+            j = first_diff(x, y)
             if j is None:
                 rec[name] = "same"
             elif j >= min(len(x), len(y)):
                 rec[name] = f"length {len(x)} vs {len(y)}"
             else:
-                gap = top2_gap(str(TARGET), pid, x[:j])
-                rec[name] = f"{'tie' if gap < a.tie_gap else 'DIFF'} at {j} (gap {gap:.2e})"
+                gap = top2_gap(target, pid, x[:j])
+                rec[name] = f"{'tie' if gap < tie_gap else 'DIFF'} at {j} (gap {gap:.2e})"
         per.append(rec)
+    return per
+
+
+def summarise(rows: list[dict], per: list[dict], s_sd: list[dict], v_sd: list[dict]) -> dict:
+    """Per domain: prompts, mean tau of each engine, same / tie / diff counts per pair,
+    and tau pooled over all tokens (ratio of sums) of each engine."""
     summary = {}
     for dom in ("code", "prose"):
         rs = [r for r in per if r["domain"] == dom]
@@ -222,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[dom] = {"prompts": len(rs),
                         "tau_specload_mean": round(sum(ts) / len(ts), 3) if ts else None,
                         "tau_vllm_mean": round(sum(tv) / len(tv), 3) if tv else None}
-        for name in ("vllm_sd=vllm_ar", "specload_sd=specload_ar", "vllm_ar=specload_ar",
-                     "vllm_sd=specload_sd"):
+        for name in PAIRS:
             summary[dom][name] = {
                 "same": sum(r[name] == "same" for r in rs),
                 "tie": sum(r[name].startswith("tie") for r in rs),
@@ -235,15 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             d = sum(res[i]["drafts"] for i in idx)
             acc = sum(res[i]["accepted"] for i in idx)
             summary[dom][f"tau_{side}_pooled"] = round(1 + acc / d, 3) if d else None
-    for r in per:
-        print(json.dumps(r))
-    print(json.dumps({"drafter": a.drafter, "k": k, "max_tokens": a.max_tokens,
-                      "summary": summary}, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"per_prompt": per, "summary": summary, "drafter": a.drafter, "k": k,
-                       "max_tokens": a.max_tokens}, f, indent=1)
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Calibration of the confidence head (DSpark, arXiv 2607.05147, confidence-scheduled verification).
 
-Shared by training (``train.drafter_card``) and evaluation (``actors.evaluate``).
+Shared by training (``train.drafter_card``) and evaluation (``bench.acceptance``).
 """
 
 from __future__ import annotations

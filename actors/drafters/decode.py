@@ -164,20 +164,7 @@ def markov_walk(model, hd: torch.Tensor, base: torch.Tensor, anchor_ids: torch.T
     tok0 = host[:B].tolist()
     cand_h = host[B:B + cand.numel()].view(B, n - 1, K).tolist()
     nxt_h = host[B + cand.numel():].view(B, n - 1, K).tolist()
-    toks = [[t] for t in tok0]
-    pick = [[0] * (n - 1) for _ in range(B)]
-    miss: list[tuple[int, int]] = []  # (row, first position not in the table)
-    for b in range(B):
-        prev = tok0[b]
-        for i in range(1, n):
-            row = cand_h[b][i - 1]
-            if prev not in row:
-                miss.append((b, i))
-                break
-            c = row.index(prev)
-            pick[b][i - 1] = c
-            prev = nxt_h[b][i - 1][c]
-            toks[b].append(prev)
+    toks, pick, miss = _table_walk(tok0, cand_h, nxt_h, n)
     idx = torch.tensor(pick, device=base.device)[..., None, None]  # [B, n-1, 1, 1]
     logits = torch.cat([l0[:, None], lc.gather(2, idx.expand(-1, -1, 1, V))[:, :, 0]], 1)
     zs = torch.cat([z0[:, None], zc.gather(2, idx.expand(-1, -1, 1, zc.shape[-1]))[:, :, 0]], 1)
@@ -189,6 +176,29 @@ def markov_walk(model, hd: torch.Tensor, base: torch.Tensor, anchor_ids: torch.T
             toks[b].append(int(prev))
             zs[b, i], logits[b, i] = z[0], li[0]
     return torch.tensor(toks, device=base.device), zs, logits
+
+
+def _table_walk(tok0: list[int], cand_h: list, nxt_h: list, n: int
+                ) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int]]]:
+    """``markov_walk``'s host-side walk over the candidate table: row b starts at
+    ``tok0[b]``; at position i its previous token is looked up among ``cand_h[b][i-1]``
+    (K candidates) and the argmax for that candidate, ``nxt_h[b][i-1][c]``, is taken.
+    Returns (tokens per row, so far; pick [B, n-1] the candidate index per position (0
+    past a miss); miss: (row, first position whose previous token is not a candidate))."""
+    toks = [[t] for t in tok0]
+    pick = [[0] * (n - 1) for _ in range(len(tok0))]
+    miss: list[tuple[int, int]] = []
+    for b, prev in enumerate(tok0):
+        for i in range(1, n):
+            row = cand_h[b][i - 1]
+            if prev not in row:
+                miss.append((b, i))
+                break
+            c = row.index(prev)
+            pick[b][i - 1] = c
+            prev = nxt_h[b][i - 1][c]
+            toks[b].append(prev)
+    return toks, pick, miss
 
 
 @torch.no_grad()

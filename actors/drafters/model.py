@@ -289,8 +289,8 @@ class BlockDrafter(nn.Module):
         if W.device.type != "cpu":
             return F.linear(h.to(W.dtype), W).float()
         target = self._target_ref[0] if self._target_ref else None
-        wt = getattr(target, "_lm_wt", None)
-        packed = getattr(target, "_lm_p", None)     # the target's bf16 copy: the C kernel
+        wt = getattr(target, "lm_head_t", None)
+        packed = getattr(target, "lm_packed", None)     # the target's bf16 copy: the C kernel
         if wt is None or wt.shape != W.shape[::-1]:
             key = (W.data_ptr(), W._version)
             if getattr(self, "_lm_t_key", None) != key:

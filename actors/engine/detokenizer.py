@@ -66,6 +66,24 @@ class Detokenizer:
         Returns how many were kept (>= 1 when ``tokens`` is not empty).
         logprobs: [len(tokens)] entries (``logprobs.emitted_logprobs``) when the
         request asked for them; kept and cut together with the ids."""
+        kept = self._take(r, tokens, logprobs)
+        ids = r.output_ids
+        if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop" \
+                and r.stop_reason is None:
+            ids = ids[:-1]  # EOS is not part of the text
+        elif r.stop_reason is not None and not r.params.include_stop_str_in_output:
+            ids = ids[:-1]  # nor a stop token (vLLM's), unless include_stop_str_in_output
+        text = self._text(r, ids)
+        if r.params.stop and len(r.output_ids) > r.params.min_tokens:
+            text, kept = self._stop_strings(r, text, kept)
+        r.text = text
+        return kept
+
+    def _take(self, r: Request, tokens: list[int], logprobs: list[RawLogprob] | None) -> int:
+        """Append ``tokens`` (and their logprobs) to ``r`` up to the first that ends it:
+        EOS (unless ``ignore_eos``) or a ``stop_token_ids`` entry past ``min_tokens``
+        ("stop"), ``max_tokens`` or the context (``max_model_len``: "length"). Returns how
+        many were kept; each gets the same emit time (unix s)."""
         kept = 0
         now = time.time()
         for i, t in enumerate(tokens):
@@ -88,39 +106,39 @@ class Detokenizer:
             if len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
                 r.finish_reason = "length"
                 break
-        ids = r.output_ids
-        if ids and ids[-1] == self.eos_token_id and r.finish_reason == "stop" \
-                and r.stop_reason is None:
-            ids = ids[:-1]  # EOS is not part of the text
-        elif r.stop_reason is not None and not r.params.include_stop_str_in_output:
-            ids = ids[:-1]  # nor a stop token (vLLM's), unless include_stop_str_in_output
-        text = self._text(r, ids)
-        m = r.params.min_tokens
-        if r.params.stop and len(r.output_ids) > m:
-            # The earlier text held no stop string, so a new match ends in the new text:
-            # search from (longest stop - 1) characters before where that stable text
-            # ended (a trailing U+FFFD is an incomplete character that may change).
-            longest = max(len(s) for s in r.params.stop)
-            frm = max(0, len(r.text.rstrip("\ufffd")) - longest + 1)
-            # min_tokens: a match must end after the text of the first m tokens
-            floor = len(self._text(r, r.output_ids[:m]).rstrip("\ufffd")) if m else 0
-            hit = self.find_stop(text, r.params.stop, frm, floor)
-            if hit is not None:   # (wins over a stop token that ended this step, as vLLM)
-                matched = next(s for s in r.params.stop if text.startswith(s, hit))
-                text = text[:hit + (len(matched) if r.params.include_stop_str_in_output else 0)]
-                r.stop_reason = matched
-                # keep the shortest id prefix whose text reaches the stop string
-                for j in range(max(len(r.output_ids) - kept + 1, m + 1), len(r.output_ids) + 1):
-                    if self.find_stop(self._text(r, r.output_ids[:j]), r.params.stop,
-                                      frm, floor) is not None:
-                        kept -= len(r.output_ids) - j
-                        del r.output_ids[j:]
-                        del r.token_ts[j:]
-                        del r.logprobs[j:]
-                        break
-                r.finish_reason = "stop"
-        r.text = text
         return kept
+
+    def _stop_strings(self, r: Request, text: str, kept: int) -> tuple[str, int]:
+        """Cut ``text`` at the first of ``r.params.stop`` it newly holds (wins over a stop
+        token that ended this step, as vLLM): the stop string kept with
+        ``include_stop_str_in_output``, ``r.output_ids`` (and times, logprobs) cut to the
+        shortest prefix whose text reaches it, ``finish_reason`` "stop". Returns (text,
+        tokens of this step still kept)."""
+        m = r.params.min_tokens
+        # The earlier text held no stop string, so a new match ends in the new text:
+        # search from (longest stop - 1) characters before where that stable text
+        # ended (a trailing U+FFFD is an incomplete character that may change).
+        longest = max(len(s) for s in r.params.stop)
+        frm = max(0, len(r.text.rstrip("\ufffd")) - longest + 1)
+        # min_tokens: a match must end after the text of the first m tokens
+        floor = len(self._text(r, r.output_ids[:m]).rstrip("\ufffd")) if m else 0
+        hit = self.find_stop(text, r.params.stop, frm, floor)
+        if hit is None:
+            return text, kept
+        matched = next(s for s in r.params.stop if text.startswith(s, hit))
+        text = text[:hit + (len(matched) if r.params.include_stop_str_in_output else 0)]
+        r.stop_reason = matched
+        # keep the shortest id prefix whose text reaches the stop string
+        for j in range(max(len(r.output_ids) - kept + 1, m + 1), len(r.output_ids) + 1):
+            if self.find_stop(self._text(r, r.output_ids[:j]), r.params.stop,
+                              frm, floor) is not None:
+                kept -= len(r.output_ids) - j
+                del r.output_ids[j:]
+                del r.token_ts[j:]
+                del r.logprobs[j:]
+                break
+        r.finish_reason = "stop"
+        return text, kept
 
     @staticmethod
     def find_stop(text: str, stops: tuple[str, ...], frm: int, floor: int = 0) -> int | None:

@@ -228,11 +228,11 @@ class Stack:
         self.keep, rows = [], []
         for i, layer in enumerate(model.model.layers):
             at, mlp = layer.self_attn, layer.mlp
-            qk_w = at._qk_norm_w.contiguous() if at.qk_norm else None
+            qk_w = at.qk_norm_weight.contiguous() if at.qk_norm else None
             ts = dict(w_in=layer.input_layernorm.weight.detach().contiguous(),
                       w_post=layer.post_attention_layernorm.weight.detach().contiguous(),
-                      qkv_b=at._qkv_b, qk_w=qk_w, qkv=at._qkv_p, o=at._o_p,
-                      gate_up=mlp._gate_up_p, down=mlp._down_p, ck=cache.k[i], cv=cache.v[i])
+                      qkv_b=at.qkv_bias, qk_w=qk_w, qkv=at.qkv_packed, o=at.o_packed,
+                      gate_up=mlp.gate_up_packed, down=mlp.down_packed, ck=cache.k[i], cv=cache.v[i])
             self.keep.append(ts)
             rows.append(LayerW(**{k: _ptr(v) for k, v in ts.items()}))
         self.layers = (LayerW * len(rows))(*rows)
@@ -254,9 +254,9 @@ class Stack:
             return False
         for i, layer in enumerate(layers):
             at, mlp = layer.self_attn, layer.mlp
-            if getattr(layer, "_folded", True) or any(
+            if getattr(layer, "norm_folded", True) or any(
                     getattr(m, n, None) is None for m, n in
-                    ((at, "_qkv_p"), (at, "_o_p"), (mlp, "_gate_up_p"), (mlp, "_down_p"))):
+                    ((at, "qkv_packed"), (at, "o_packed"), (mlp, "gate_up_packed"), (mlp, "down_packed"))):
                 return False
             ck, cv = cache.k[i], cache.v[i]
             if ck.dtype != torch.float32 or ck.device.type != "cpu" or not (
@@ -283,14 +283,14 @@ def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
     lib = load()
     if lib is None:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
-    lm = getattr(model, "_lm_p", None)
+    lm = getattr(model, "lm_packed", None)
     if lm is None or n < 1 or not tokens:
         return None
     emb = model.model.embed_tokens.weight
     if emb.dtype != torch.float32 or not emb.is_contiguous():
         return None
-    model._rope(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
-    _, cos_t, _, sin_t = model._rope_table
+    model.rotary(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
+    _, cos_t, _, sin_t = model.rope_table
     if not (cos_t.is_contiguous() and sin_t.is_contiguous()) or cos_t.dtype != torch.float32:
         return None
     B = len(tokens)
@@ -317,7 +317,7 @@ def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torc
               ) -> torch.Tensor | None:
     """Every layer of ``stack`` over a flat batch, in place: x [T, H] float32 contiguous
     (the embeddings; the last layer's output on return), cos, sin_signed [T, D] float32
-    contiguous (``CausalLM._rope``'s table rows, signed sin), slot, pos [T] int64
+    contiguous (``CausalLM.rotary``'s table rows, signed sin), slot, pos [T] int64
     contiguous: each token's K/V go to slot[t], position pos[t], and it attends positions
     0..pos[t] of that slot. Returns the outputs of ``aux_layers`` (layer indices) side by
     side in layer order, [T, len(aux_layers) * H] (``CausalLM.forward``'s ``aux_hidden``),

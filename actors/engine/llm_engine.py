@@ -34,10 +34,11 @@ from actors.engine.logprobs import emitted_logprobs
 from actors.engine.sampling import make_generator, mask_min_tokens
 from actors.engine.scheduler import Request, ScheduledDecode, ScheduledPrefill, Scheduler
 from actors.engine.strategies import get_proposer_class
-from actors.engine.types import (DraftProposal, ProposeInput, RequestOutput, SamplingParams,
-                                 VerificationResult)
+from actors.engine.types import (DraftProposal, MemoryReport, ProposeInput, RequestOutput,
+                                 SamplingParams, VerificationResult)
 from actors.engine.verifier import verify_batch
 from configs import metric_names as M
+from configs.results_schema import StepRow
 from configs.serve_config import spec_schedule_k, unconditional_to_conditional_rates
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class LLMEngine:
     # forward, sample, detokenize); whatever it raises is that request's fault.
     fault_hook: Callable[[str, str], None] | None = None
 
-    def __init__(self, config: EngineConfig, on_step: Callable[[dict], None] | None = None):
+    def __init__(self, config: EngineConfig, on_step: Callable[[StepRow], None] | None = None):
         if config.backend != "embedded":
             raise ValueError(f"backend {config.backend!r}: this is the embedded engine; vLLM's "
                              "runs in its venv (actors.engine.vllm_backend.make_vllm_engine, "
@@ -146,6 +147,7 @@ class LLMEngine:
         if not config.enforce_eager and not self.aux_layers:
             self.compiled = self.runner.compile()
             self.proposer.compile()
+        logger.info("target forward route: %s", self.runner.route.name)
         self.prefix_cache = PrefixCache(self.runner.cache, config.prefix_cache_tokens) \
             if config.enable_prefix_caching and not self.aux_layers else None
         self.served_model_name = config.served_model_name or config.strategy
@@ -156,10 +158,18 @@ class LLMEngine:
                                    config.max_waiting, None if self.spec_schedule is None else
                                    functools.partial(spec_schedule_k, self.spec_schedule))
         self.draft_deadline_ms = config.draft_deadline_ms
-        # accept rule (vLLM's rejection_sample_method): standard | synthetic | block.
-        # synthetic: per-position unconditional rates [k] -> conditional ones; greedy
-        # requests (no generator of their own) draw the forced decisions from one
-        # engine-level generator (seed 0: a run is reproducible)
+        self._init_accept_rule(config)
+        # reason (M.DEGRADE_REASONS) -> requests degraded to autoregressive since start
+        self.degraded_requests: collections.Counter[str] = collections.Counter()
+        self.requests: dict[str, Request] = {}
+        self.on_step = on_step
+        self._memory_static = self._static_memory()
+
+    def _init_accept_rule(self, config: EngineConfig) -> None:
+        """The accept rule (vLLM's ``rejection_sample_method``): standard | synthetic |
+        block. synthetic: per-position unconditional rates [k] -> conditional ones; greedy
+        requests (no generator of their own) draw the forced decisions from one
+        engine-level generator (seed 0: a run is reproducible)."""
         self.rejection_sample_method = config.rejection_sample_method
         rates = config.synthetic_rates()
         self.synthetic_acceptance_rates = rates
@@ -167,11 +177,6 @@ class LLMEngine:
             unconditional_to_conditional_rates(rates) if rates is not None else None
         self._synthetic_generator = torch.Generator().manual_seed(0) \
             if rates is not None else None
-        # reason (M.DEGRADE_REASONS) -> requests degraded to autoregressive since start
-        self.degraded_requests: collections.Counter[str] = collections.Counter()
-        self.requests: dict[str, Request] = {}
-        self.on_step = on_step
-        self._memory_static = self._static_memory()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -261,7 +266,7 @@ class LLMEngine:
                 logger.exception("proposer.remove_request(%s) failed", req.request_id)
 
     # -- memory -----------------------------------------------------------------
-    def _static_memory(self) -> dict:
+    def _static_memory(self) -> MemoryReport:
         cfg, cache = self.model.config, self.runner.cache
         out = {"strategy": self.config.strategy, "replica": self.config.replica_id,
                "device": str(self.device), "dtype": str(cache.k[0].dtype).replace("torch.", ""),
@@ -277,7 +282,7 @@ class LLMEngine:
         out.update(self.proposer.memory())
         return out
 
-    def memory(self) -> dict:
+    def memory(self) -> MemoryReport:
         """This replica's memory, bytes unless named otherwise.
 
         Static: target / draft weight bytes (parameters and buffers, shared
@@ -754,8 +759,8 @@ class LLMEngine:
                 self._release(r)
         return outputs
 
-    def _step_row(self, stats: "_StepCounters", t0: float, c0: float) -> dict:
-        """The step-log row (``configs.results_schema.STEP_SCHEMA``)."""
+    def _step_row(self, stats: "_StepCounters", t0: float, c0: float) -> StepRow:
+        """The step-log row (``configs.results_schema.StepRow``: ``ENGINE_STEP_COLUMNS``)."""
         return {
             M.STEP_TS: time.time(), M.STEP_STRATEGY: self.config.strategy,
             M.STEP_MODEL: self.served_model_name,

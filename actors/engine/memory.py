@@ -49,7 +49,7 @@ def fused_tensors(module: nn.Module) -> list[torch.Tensor]:
     out = []
     for m in module.modules():
         for name, v in vars(m).items():
-            if isinstance(v, torch.Tensor) and not name.startswith("_rope") \
+            if isinstance(v, torch.Tensor) and not name.startswith(("_rope", "rope_")) \
                     and not isinstance(v, nn.Parameter):
                 out.append(v)
     return out

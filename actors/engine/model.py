@@ -283,27 +283,44 @@ class Attention(nn.Module):
         self._qkv_w = transposed(w if norm_weight is None else w * norm_weight[None, :])  # [H, out]
         # o_proj transposed too on a CPU (linear_t's faster layout; a GPU keeps F.linear)
         self._o_wt = transposed(self.o_proj.weight) if w.device.type == "cpu" else None
-        self._qkv_p = linear_kernel.pack(self._qkv_w) if packed else None
-        self._o_p = linear_kernel.pack(self._o_wt) if packed and self._o_wt is not None else None
-        self._qkv_b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-                       if self.q_proj.bias is not None else None)
+        self.qkv_packed = linear_kernel.pack(self._qkv_w) if packed else None
+        self.o_packed = linear_kernel.pack(self._o_wt) if packed and self._o_wt is not None else None
+        self.qkv_bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+                         if self.q_proj.bias is not None else None)
         self._fused_norm = norm_weight is not None
         if self.qk_norm:
-            self._qk_norm_w = torch.cat([self.q_norm.weight.expand(self.h, self.d),
-                                         self.k_norm.weight.expand(self.kvh, self.d)])
+            self.qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.h, self.d),
+                                             self.k_norm.weight.expand(self.kvh, self.d)])
 
     def forward(self, x, cos, sin, mask, cache_kv=None, meta: BatchMeta | None = None):
         """x: [B, Q, H]; mask: bool [B, 1, Q, K] (True = attend) or None for causal."""
         B, Q, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        if cache_kv is not None and (meta.segments is not None or meta.flat):
+            out = (self._flat_attention if meta.flat else self._packed_attention)(
+                q, k, v, cache_kv, meta)
+            return self._out_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
+        full_mask = mask
+        if cache_kv is not None:
+            k, v, mask = self._padded_cache_kv(q, k, v, mask, cache_kv, meta)
+        out = self._padded_attention(q, k, v, mask, cache_kv is not None)
+        if cache_kv is not None and meta.long_rows:
+            self._long_rows_attention(out, q, cache_kv, meta, full_mask)
+        return self._out_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
+
+    def _qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, h, Q, D], k [B, kvh, Q, D] (q/k-normed where the model has it, rotated)
+        and v [B, kvh, Q, D] of x [B, Q, H]. Inference: one GEMM over the fused q|k|v
+        weight, one q/k norm, rope in three kernels (cos, sin signed: ``CausalLM.rotary``'s
+        table); training: the three projections."""
+        B, Q, _ = x.shape
         h, kvh, d = self.h, self.kvh, self.d
         if not self.training and getattr(self, "_qkv_w", None) is not None:
-            # inference: one GEMM, one q/k norm, rope in three kernels (cos, sin_signed:
-            # CausalLM._rope's signed table)
-            qkv = linear_t(x, self._qkv_w, self._qkv_b, getattr(self, "_qkv_p", None))
+            qkv = linear_t(x, self._qkv_w, self.qkv_bias, getattr(self, "qkv_packed", None))
             qkv = qkv.view(B, Q, h + 2 * kvh, d)
             qk, v = qkv[:, :, :h + kvh], qkv[:, :, h + kvh:]
             if self.qk_norm:
-                qk = rms_unweighted(qk, self.q_norm.eps) * self._qk_norm_w
+                qk = rms_unweighted(qk, self.q_norm.eps) * self.qk_norm_weight
             qk = apply_rope_signed(qk.transpose(1, 2), cos, sin)
         else:
             q = self.q_proj(x).view(B, Q, h, d)
@@ -312,75 +329,85 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # one rope call
-        q, k = qk[:, :h], qk[:, h:]
-        v = v.transpose(1, 2)
-        if cache_kv is not None and (meta.segments is not None or meta.flat):
-            out = (self._flat_attention if meta.flat else self._packed_attention)(
-                q, k, v, cache_kv, meta)
-            out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
-            o_wt = getattr(self, "_o_wt", None)
-            return self.o_proj(out) if o_wt is None or self.training else linear_t(
-                out, o_wt, packed=getattr(self, "_o_p", None))
-        if cache_kv is not None:
-            ck, cv = cache_kv
-            same = ck.dtype == q.dtype
-            if meta.single is not None:  # batch 1: slice views instead of index gathers
-                slot, st = meta.single
-                ck[slot, st:st + Q] = k[0].transpose(0, 1)
-                cv[slot, st:st + Q] = v[0].transpose(0, 1)
-                k = ck[slot, :meta.kv_len].transpose(0, 1)[None]
-                v = cv[slot, :meta.kv_len].transpose(0, 1)[None]
+        return qk[:, :h], qk[:, h:], v.transpose(1, 2)
+
+    def _out_proj(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of attention's [B, Q, h * D]: the fused transposed
+        (or packed) weight at inference, ``o_proj`` in training."""
+        o_wt = getattr(self, "_o_wt", None)
+        return self.o_proj(out) if o_wt is None or self.training else linear_t(
+            out, o_wt, packed=getattr(self, "o_packed", None))
+
+    def _padded_cache_kv(self, q, k, v, mask, cache_kv, meta: BatchMeta):
+        """A padded batch's cache step: write k, v [B, kvh, Q, D] at each row's positions
+        and read back every row's context [B, kvh, K, D] (a slice view for one row or
+        consecutive slots, else a gather), in q's dtype. K is the longest context but
+        the rows that attend alone (``meta.long_rows``: up to ``meta.kv_short``), the
+        mask cut to it. Returns (k, v, mask)."""
+        Q = q.shape[2]
+        ck, cv = cache_kv
+        if meta.single is not None:  # batch 1: slice views instead of index gathers
+            slot, st = meta.single
+            ck[slot, st:st + Q] = k[0].transpose(0, 1)
+            cv[slot, st:st + Q] = v[0].transpose(0, 1)
+            k = ck[slot, :meta.kv_len].transpose(0, 1)[None]
+            v = cv[slot, :meta.kv_len].transpose(0, 1)[None]
+        else:
+            ck[meta.write_rows, meta.write_pos] = k.transpose(1, 2).to(ck.dtype)
+            cv[meta.write_rows, meta.write_pos] = v.transpose(1, 2).to(cv.dtype)
+            # rows with a context far longer than the rest (meta.long_rows) attend
+            # alone (``_long_rows_attention``); the batch reads only the others' longest
+            kl = meta.kv_short or meta.kv_len
+            if kl < meta.kv_len:
+                mask = mask[..., :kl]
+            if meta.slot_range is not None:  # consecutive slots: a view, no copy
+                lo, hi = meta.slot_range
+                k = ck[lo:hi, :kl].transpose(1, 2)
+                v = cv[lo:hi, :kl].transpose(1, 2)
             else:
-                ck[meta.write_rows, meta.write_pos] = k.transpose(1, 2).to(ck.dtype)
-                cv[meta.write_rows, meta.write_pos] = v.transpose(1, 2).to(cv.dtype)
-                # rows with a context far longer than the rest (meta.long_rows) attend
-                # alone below; the batch reads only the others' longest context
-                kl = meta.kv_short or meta.kv_len
-                if kl < meta.kv_len:
-                    full_mask, mask = mask, mask[..., :kl]
-                if meta.slot_range is not None:  # consecutive slots: a view, no copy
-                    lo, hi = meta.slot_range
-                    k = ck[lo:hi, :kl].transpose(1, 2)
-                    v = cv[lo:hi, :kl].transpose(1, 2)
-                else:
-                    k = ck[meta.slots, :kl].transpose(1, 2)
-                    v = cv[meta.slots, :kl].transpose(1, 2)
-            if not same:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-        # mask None: causal from position 0 without a cache; with a cache it means
-        # "attend to everything" (one new token of one row).
+                k = ck[meta.slots, :kl].transpose(1, 2)
+                v = cv[meta.slots, :kl].transpose(1, 2)
+        if ck.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        return k, v, mask
+
+    def _padded_attention(self, q, k, v, mask, cached: bool) -> torch.Tensor:
+        """SDPA of a padded batch: q [B, h, Q, D] over k, v [B, kvh, K, D] -> [B, h, Q, D].
+        mask None: causal from position 0 without a cache; with a cache it means "attend
+        to everything" (one new token of one row). A cached batch of short rows folds the
+        g query heads of a KV head into g x Q query rows of one head, so each K/V row is
+        read once per KV head, not once per query head (0.28 -> 0.21 ms per layer at 16
+        rows x 250 positions, one CPU thread); one row alone is faster unfolded."""
+        B, _, Q, _ = q.shape
         g = self.h // self.kvh
-        if cache_kv is not None and g > 1 and B > 1 and Q <= self.FOLD_MAX_Q:
-            # decode / verify of a batch (one row alone is faster unfolded): the g query heads of a KV head as g x Q query rows of one
-            # head, so each K/V row is read once per KV head, not once per query head
-            # (0.28 -> 0.21 ms per layer at 16 rows x 250 positions, one CPU thread)
+        if cached and g > 1 and B > 1 and Q <= self.FOLD_MAX_Q:
             qf = q.reshape(B, self.kvh, g * Q, self.d)
             mf = mask if mask is None or Q == 1 else \
                 mask[:, :, None].expand(B, 1, g, Q, mask.shape[-1]).reshape(B, 1, g * Q, -1)
-            out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf).view(B, self.h, Q, self.d)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and cache_kv is None,
-                enable_gqa=self.h != self.kvh)
-        if cache_kv is not None and meta.long_rows:
-            for b, slot, n in meta.long_rows:   # the long rows, each on its own cache view
-                kb = ck[slot, :n].transpose(0, 1)[None].to(q.dtype)
-                vb = cv[slot, :n].transpose(0, 1)[None].to(q.dtype)
-                mb = full_mask[b:b + 1, :, :, :n]
-                if g > 1 and Q <= self.FOLD_MAX_Q:
-                    mb = mb if Q == 1 else mb[:, :, None].expand(1, 1, g, Q, n).reshape(
-                        1, 1, g * Q, n)
-                    ob = F.scaled_dot_product_attention(
-                        q[b:b + 1].reshape(1, self.kvh, g * Q, self.d), kb, vb,
-                        attn_mask=mb).view(1, self.h, Q, self.d)
-                else:
-                    ob = F.scaled_dot_product_attention(q[b:b + 1], kb, vb, attn_mask=mb,
-                                                        enable_gqa=self.h != self.kvh)
-                out[b] = ob[0]
-        out = out.transpose(1, 2).reshape(B, Q, self.h * self.d)
-        o_wt = getattr(self, "_o_wt", None)
-        return self.o_proj(out) if o_wt is None or self.training else linear_t(
-                out, o_wt, packed=getattr(self, "_o_p", None))
+            return F.scaled_dot_product_attention(qf, k, v, attn_mask=mf).view(B, self.h, Q, self.d)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and not cached,
+            enable_gqa=self.h != self.kvh)
+
+    def _long_rows_attention(self, out, q, cache_kv, meta: BatchMeta, full_mask) -> None:
+        """The rows of ``meta.long_rows`` (row, slot, context) attend alone on their own
+        cache view [1, kvh, n, D], with their full mask; written into out [B, h, Q, D]."""
+        ck, cv = cache_kv
+        Q, g = q.shape[2], self.h // self.kvh
+        for b, slot, n in meta.long_rows:
+            kb = ck[slot, :n].transpose(0, 1)[None].to(q.dtype)
+            vb = cv[slot, :n].transpose(0, 1)[None].to(q.dtype)
+            mb = full_mask[b:b + 1, :, :, :n]
+            if g > 1 and Q <= self.FOLD_MAX_Q:
+                mb = mb if Q == 1 else mb[:, :, None].expand(1, 1, g, Q, n).reshape(
+                    1, 1, g * Q, n)
+                ob = F.scaled_dot_product_attention(
+                    q[b:b + 1].reshape(1, self.kvh, g * Q, self.d), kb, vb,
+                    attn_mask=mb).view(1, self.h, Q, self.d)
+            else:
+                ob = F.scaled_dot_product_attention(q[b:b + 1], kb, vb, attn_mask=mb,
+                                                    enable_gqa=self.h != self.kvh)
+            out[b] = ob[0]
 
     def _flat_attention(self, q, k, v, cache_kv, meta: BatchMeta) -> torch.Tensor:
         """Attention of a flat batch (``BatchMeta.flat``): every token's K/V written to
@@ -474,16 +501,16 @@ class MLP(nn.Module):
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         self._gate_up_w = transposed(w if norm_weight is None else w * norm_weight[None, :])
         self._down_wt = transposed(self.down_proj.weight) if w.device.type == "cpu" else None
-        self._gate_up_p = linear_kernel.pack(self._gate_up_w) if packed else None
-        self._down_p = linear_kernel.pack(self._down_wt) if packed and self._down_wt is not None else None
+        self.gate_up_packed = linear_kernel.pack(self._gate_up_w) if packed else None
+        self.down_packed = linear_kernel.pack(self._down_wt) if packed and self._down_wt is not None else None
 
     def forward(self, x):
         if not self.training and getattr(self, "_gate_up_w", None) is not None:
             gate, up = linear_t(x, self._gate_up_w,
-                                packed=getattr(self, "_gate_up_p", None)).chunk(2, dim=-1)
+                                packed=getattr(self, "gate_up_packed", None)).chunk(2, dim=-1)
             act = F.silu(gate) * up
             return self.down_proj(act) if self._down_wt is None else linear_t(
-                act, self._down_wt, packed=getattr(self, "_down_p", None))
+                act, self._down_wt, packed=getattr(self, "down_packed", None))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -503,10 +530,10 @@ class DecoderLayer(nn.Module):
         fold = self.input_layernorm.weight.dtype == torch.float32 and not packed
         self.self_attn.fuse(self.input_layernorm.weight if fold else None, packed=packed)
         self.mlp.fuse(self.post_attention_layernorm.weight if fold else None, packed=packed)
-        self._folded = fold
+        self.norm_folded = fold
 
     def forward(self, x, cos, sin, mask, cache_kv=None, meta=None):
-        if not self.training and getattr(self, "_folded", False) \
+        if not self.training and getattr(self, "norm_folded", False) \
                 and getattr(self.self_attn, "_qkv_w", None) is not None:
             eps = self.input_layernorm.eps
             x = x + self.self_attn(rms_unweighted(x, eps), cos, sin, mask, cache_kv, meta)
@@ -550,6 +577,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # bumped by every ``fuse``: a ``ModelRunner`` re-chooses its forward route (and
+        # rebuilds its stack over the new packed copies) when it changed
+        self.weights_version = 0
 
     # -- loading / saving -------------------------------------------------
     @classmethod
@@ -591,20 +621,21 @@ class CausalLM(nn.Module):
     def fuse(self, enabled: bool = True) -> None:
         """Build fused inference weights (qkv, gate|up) used in eval mode. Call
         again after changing weights, or ``fuse(False)`` before training."""
+        self.weights_version += 1
         with torch.no_grad():
             packed = enabled and self.packable()
             for layer in self.model.layers:
                 if enabled:
                     layer.fuse(packed=packed)
                 else:
-                    layer.self_attn._qkv_w = layer.self_attn._qkv_b = layer.self_attn._o_wt = None
-                    layer.self_attn._qkv_p = layer.self_attn._o_p = None
+                    layer.self_attn._qkv_w = layer.self_attn.qkv_bias = layer.self_attn._o_wt = None
+                    layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
                     layer.mlp._gate_up_w = layer.mlp._down_wt = None
-                    layer.mlp._gate_up_p = layer.mlp._down_p = None
-                    layer._folded = False
+                    layer.mlp.gate_up_packed = layer.mlp.down_packed = None
+                    layer.norm_folded = False
             w = self.lm_head.weight
-            self._lm_wt = transposed(w) if enabled and w.device.type == "cpu" else None
-            self._lm_p = linear_kernel.pack(self._lm_wt) if packed and self._lm_wt is not None else None
+            self.lm_head_t = transposed(w) if enabled and w.device.type == "cpu" else None
+            self.lm_packed = linear_kernel.pack(self.lm_head_t) if packed and self.lm_head_t is not None else None
 
     def packable(self) -> bool:
         """Whether the eager few-row forwards read bfloat16-packed weights
@@ -629,7 +660,7 @@ class CausalLM(nn.Module):
         d["torch_dtype"] = str(dtype).replace("torch.", "")
         (path / "config.json").write_text(json.dumps(d, indent=2))
 
-    def _rope(self, pos: torch.Tensor, dtype: torch.dtype, signed: bool = False,
+    def rotary(self, pos: torch.Tensor, dtype: torch.dtype, signed: bool = False,
               max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, Q, D] from a table built once per device/dtype (positions < max).
 
@@ -637,7 +668,7 @@ class CausalLM(nn.Module):
         max_pos: the largest position when the caller knows it (no device sync).
         """
         key = (pos.device, dtype)
-        table = getattr(self, "_rope_table", None)
+        table = getattr(self, "rope_table", None)
         if table is None or table[0] != key:
             n = self.config.max_position_embeddings
             all_pos = torch.arange(n, device=pos.device)[None]
@@ -645,7 +676,7 @@ class CausalLM(nn.Module):
             c, s_ = c[0, 0], s_[0, 0]  # [n, D] each
             half = s_.shape[-1] // 2
             table = (key, c, s_, torch.cat([-s_[:, :half], s_[:, half:]], -1))
-            self._rope_table = table
+            self.rope_table = table
         top = int(pos.max()) if max_pos is None else max_pos
         if top >= table[1].shape[0]:  # past the table: compute directly
             c, s_ = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
@@ -675,12 +706,12 @@ class CausalLM(nn.Module):
         from actors.engine import layer_kernel
 
         x = self.model.embed_tokens(input_ids[0])                       # [T, H], a new tensor
-        cos, sin = self._rope(pos, x.dtype, signed=True,
+        cos, sin = self.rotary(pos, x.dtype, signed=True,
                               max_pos=int(pos.max()) if max_pos is None else max_pos)
         aux = layer_kernel.run_stack(stack, x, cos[:, 0].contiguous(), sin[:, 0].contiguous(),
                                      slots, pos, aux_layers)
         h = self.model.norm(x)
-        logits = linear_t(h[logits_index[0]], self._lm_wt, packed=self._lm_p)
+        logits = linear_t(h[logits_index[0]], self.lm_head_t, packed=self.lm_packed)
         return ForwardOutput(logits[None], h[None], None if aux is None else aux[None])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -722,7 +753,7 @@ class CausalLM(nn.Module):
                 mask = (kpos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, K]
         fused = not self.training and getattr(self.model.layers[0].self_attn, "_qkv_w",
                                               None) is not None
-        cos, sin = self._rope(pos, x.dtype, signed=fused,
+        cos, sin = self.rotary(pos, x.dtype, signed=fused,
                               max_pos=meta.kv_len - 1 if cache is not None else None)
         aux = []
         for i, layer in enumerate(self.model.layers):
@@ -733,7 +764,7 @@ class CausalLM(nn.Module):
         h = self.model.norm(x)
         hs = h if logits_index is None else torch.gather(
             h, 1, logits_index[..., None].expand(-1, -1, h.shape[-1]))
-        lm_wt = getattr(self, "_lm_wt", None)
+        lm_wt = getattr(self, "lm_head_t", None)
         logits = self.lm_head(hs) if lm_wt is None or self.training else linear_t(
-            hs, lm_wt, packed=getattr(self, "_lm_p", None))
+            hs, lm_wt, packed=getattr(self, "lm_packed", None))
         return ForwardOutput(logits, h, torch.cat(aux, -1) if aux else None)

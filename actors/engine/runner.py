@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,38 @@ class RowInput:
     slot: int
     start: int
     token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ForwardRoute:
+    """The forwards a ``ModelRunner`` runs, chosen when the model loads (``select_route``):
+    which one serves a batch then depends on its shape only.
+
+    stack_tokens: batches of at most this many tokens run every layer in one C call
+    (``FORWARD_PATH_STACK``); 0: no stack call (no packed weights, the kernel not built).
+    flat: the flat forward of batches of short rows past the stack (``run_flat`` on the
+    compiled graph, ``FORWARD_PATH_COMPILED``, or eager with the C attention kernel,
+    ``FORWARD_PATH_OPS``), None: none; it returns None for a batch the compiled graph
+    refuses. flat_max_q / flat_max_tokens: its longest row / most tokens.
+    Every other batch runs packed (``run_packed``: prompt chunks, uneven verifies) or
+    padded (``run_padded``), by ``ModelRunner.pack``.
+    weights_version: the model's ``weights_version`` the route was chosen for.
+    flat_kind: "compiled" | "eager" | "" (no flat forward)."""
+
+    stack_tokens: int
+    flat: Callable[..., tuple | None] | None
+    flat_max_q: int
+    flat_max_tokens: int
+    weights_version: int
+    flat_kind: str = ""
+
+    @property
+    def name(self) -> str:
+        """The route in words, e.g. ``stack<=16 + compiled<=1024 + packed|padded``."""
+        parts = [f"stack<={self.stack_tokens}"] if self.stack_tokens else []
+        if self.flat is not None:
+            parts.append(f"{self.flat_kind}<={self.flat_max_tokens}")
+        return " + ".join(parts + ["packed|padded"])
 
 
 class ModelRunner:
@@ -62,6 +95,40 @@ class ModelRunner:
             from actors.engine import attention_kernel
 
             self.eager_flat = attention_kernel.load() is not None
+        self.route = self.select_route()
+
+    # attributes the route depends on: setting one (``compile``, a test switching a path
+    # off) chooses the route again, so ``run`` never re-derives it per step
+    ROUTE_INPUTS = frozenset({"_flat", "flat_kernel", "eager_flat", "STACK_KERNEL",
+                              "STACK_MAX_TOKENS", "FLAT_MAX_Q", "FLAT_MAX_TOKENS",
+                              "FLAT_KERNEL_MAX_Q", "FLAT_KERNEL_MAX_TOKENS", "EAGER_FLAT_MAX_Q"})
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in self.ROUTE_INPUTS and "route" in self.__dict__:
+            object.__setattr__(self, "route", self.select_route())
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        if name in self.ROUTE_INPUTS and "route" in self.__dict__:
+            object.__setattr__(self, "route", self.select_route())
+
+    def select_route(self) -> ForwardRoute:
+        """Choose the forward of each batch shape class (``ForwardRoute``) from what loaded:
+        the stack call where the packed weights and the layer kernel are there, the
+        compiled flat forward after ``compile``, else the eager flat one where the C
+        attention kernel built. Called at load, after ``compile`` and when the model's
+        weights were fused again (``CausalLM.weights_version``); not per step."""
+        stack_tokens = self.stack_max_tokens if self.stack() is not None else 0
+        if self._flat is not None:
+            flat, kind, (max_q, max_tokens) = self._run_flat_past_stack, "compiled", self.flat_limits
+        elif self.eager_flat:
+            flat, kind, max_q, max_tokens = (self._run_flat_past_stack, "eager",
+                                             self.EAGER_FLAT_MAX_Q, self.FLAT_KERNEL_MAX_TOKENS)
+        else:
+            flat, kind, max_q, max_tokens = None, "", 0, 0
+        return ForwardRoute(stack_tokens, flat, max_q, max_tokens, self.model.weights_version,
+                            kind)
 
     # Without a compiled forward, batches of rows of at most this many tokens (decodes,
     # verifies) still run flat (``run_flat``, eager): each token attends its own slot up to
@@ -202,7 +269,7 @@ class ModelRunner:
         if not self.STACK_KERNEL:
             return None
         layer0 = self.model.model.layers[0].self_attn
-        key = getattr(layer0, "_qkv_p", None)
+        key = getattr(layer0, "qkv_packed", None)
         if self._stack_key is not key or key is None:
             from actors.engine import layer_kernel
 
@@ -210,21 +277,22 @@ class ModelRunner:
             self._stack_key = key
         return self._stack
 
+    def current_route(self) -> ForwardRoute:
+        """``route``, chosen again first when the model's weights were fused since."""
+        route = self.route
+        if route.weights_version != self.model.weights_version:
+            route = self.route = self.select_route()
+        return route
+
     def flat(self, lens: list[int]) -> bool:
         """Whether a batch with these row lengths runs flat (``run_flat``): in one C call
         (``stack``: at most ``stack_max_tokens`` tokens), on the compiled forward,
         or eager with the C attention kernel (``eager_flat``)."""
         if not lens:
             return False
-        if sum(lens) <= self.stack_max_tokens and self.stack() is not None:
-            return True
-        if self._flat is not None:
-            max_q, max_tokens = self.flat_limits
-        elif self.eager_flat:
-            max_q, max_tokens = self.EAGER_FLAT_MAX_Q, self.FLAT_KERNEL_MAX_TOKENS
-        else:
-            return False
-        return max(lens) <= max_q and sum(lens) <= max_tokens
+        route, n = self.current_route(), sum(lens)
+        return n <= route.stack_tokens or (route.flat is not None and max(lens) <= route.flat_max_q
+                                           and n <= route.flat_max_tokens)
 
     @property
     def flat_limits(self) -> tuple[int, int]:
@@ -248,10 +316,12 @@ class ModelRunner:
         ``aux_layers`` or None when no aux layers were asked for.
         """
         lens = [len(r.token_ids) for r in rows]
-        if aux_layers and sum(lens) <= self.stack_max_tokens and self.stack() is not None:
-            return self.run_flat(rows, last_only, aux_layers=aux_layers)
-        if not aux_layers and self.flat(lens):
-            got = self.run_flat(rows, last_only)
+        route, n = self.current_route(), sum(lens)
+        if n <= route.stack_tokens:
+            return self._run_stack(rows, last_only, aux_layers)
+        if not aux_layers and route.flat is not None and max(lens) <= route.flat_max_q \
+                and n <= route.flat_max_tokens:
+            got = route.flat(rows, last_only)
             if got is not None:
                 return got
         if isinstance(last_only, (list, tuple)):     # per row (a decode + prefill batch)
@@ -340,6 +410,49 @@ class ModelRunner:
                 (torch.tensor(b, dtype=torch.long, device=dev), max(2, n[-1]))), \
             torch.tensor(back, dtype=torch.long, device=dev)
 
+    @staticmethod
+    def _flat_inputs(rows: list[RowInput], last_only: bool | list[bool]
+                     ) -> tuple[list[bool], list[int], list[int], list[int], list[int]]:
+        """A flat batch's host lists: (flags [R] last-only per row, ids [T], pos [T],
+        slots [T], sel: the token indexes whose logits are wanted), T = sum(len_i)."""
+        flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
+        ids, pos, slots, sel = [], [], [], []
+        for r, lo in zip(rows, flags):
+            n = len(r.token_ids)
+            sel.extend([len(ids) + n - 1] if lo else range(len(ids), len(ids) + n))
+            ids.extend(r.token_ids)
+            pos.extend(range(r.start, r.start + n))
+            slots.extend([r.slot] * n)
+        return flags, ids, pos, slots, sel
+
+    @torch.inference_mode()
+    def _run_stack(self, rows: list[RowInput], last_only: bool | list[bool] = False,
+                   aux_layers: tuple[int, ...] = ()
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The route's stack call (``FORWARD_PATH_STACK``): every layer in one C call over
+        this cache (``stack``); as ``run``, with ``aux_layers`` outputs per row [len_i, A * H]."""
+        dev = self.device
+        flags, ids, pos, slots, sel = self._flat_inputs(rows, last_only)
+        self.paths.append(M.FORWARD_PATH_STACK)
+        out = self.model.forward_stack(
+            torch.tensor([ids], dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev), self._stack,
+            torch.tensor([sel], dtype=torch.long, device=dev), max(pos), aux_layers)
+        aux, at = None, 0
+        if aux_layers:
+            aux = []
+            for r in rows:
+                aux.append(out.aux_hidden[0, at:at + len(r.token_ids)])
+                at += len(r.token_ids)
+        return self._flat_rows(out, rows, flags), aux
+
+    def _run_flat_past_stack(self, rows: list[RowInput], last_only: bool | list[bool] = False
+                             ) -> tuple[list[torch.Tensor], None] | None:
+        """The route's flat forward of a batch past the stack call (compiled or eager:
+        ``run_flat`` without the stack); None when the compiled graph refuses it."""
+        return self.run_flat(rows, last_only, stack=False)
+
     @torch.inference_mode()
     def run_flat(self, rows: list[RowInput], last_only: bool | list[bool] = False,
                  strict: bool = True, stack: bool = True, aux_layers: tuple[int, ...] = ()
@@ -352,31 +465,12 @@ class ModelRunner:
         eager. ``aux_layers`` (the stack call only): their outputs per row, [len_i, A * H],
         as ``run``'s aux. Returns None (nothing written) when the batch would need a graph the
         warm-up did not build (``strict``; the caller runs it eager)."""
-        dev = self.device
-        flags = last_only if isinstance(last_only, list) else [bool(last_only)] * len(rows)
-        ids, pos, slots, sel = [], [], [], []
-        for r, lo in zip(rows, flags):
-            n = len(r.token_ids)
-            sel.extend([len(ids) + n - 1] if lo else range(len(ids), len(ids) + n))
-            ids.extend(r.token_ids)
-            pos.extend(range(r.start, r.start + n))
-            slots.extend([r.slot] * n)
-        if stack and len(ids) <= self.stack_max_tokens and self.stack() is not None:
-            self.paths.append(M.FORWARD_PATH_STACK)
-            out = self.model.forward_stack(
-                torch.tensor([ids], dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev),
-                torch.tensor(slots, dtype=torch.long, device=dev), self._stack,
-                torch.tensor([sel], dtype=torch.long, device=dev), max(pos), aux_layers)
-            aux, at = None, 0
-            if aux_layers:
-                aux = []
-                for r in rows:
-                    aux.append(out.aux_hidden[0, at:at + len(r.token_ids)])
-                    at += len(r.token_ids)
-            return self._flat_rows(out, rows, flags), aux
+        if stack and sum(len(r.token_ids) for r in rows) <= self.stack_max_tokens \
+                and self.stack() is not None:
+            return self._run_stack(rows, last_only, aux_layers)
         if aux_layers:
             raise ValueError("run_flat: aux layers need the stack call")
+        flags, ids, pos, slots, sel = self._flat_inputs(rows, last_only)
         # one graph: T and R are never 1 (a size-1 dim would be specialised into a graph of
         # its own). A lone token is sent twice (the same K/V written twice to the same
         # place, the same attention), a lone logits row asked twice; the copies are dropped.
@@ -385,6 +479,22 @@ class ModelRunner:
             ids, pos, slots = ids * 2, pos * 2, slots * 2
         if compiled and len(sel) == 1:
             sel = sel * 2
+        dev = self.device
+        meta = self._flat_meta(pos, slots, compiled)
+        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        idx = torch.tensor([sel], dtype=torch.long, device=dev)
+        if not compiled:             # eager_flat
+            self.paths.append(M.FORWARD_PATH_OPS)
+            out = self.model(ids_t, cache=self.cache, meta=meta, logits_index=idx)
+            return self._flat_rows(out, rows, flags), None
+        out = self._run_compiled(ids_t, meta, idx, strict)
+        return None if out is None else (self._flat_rows(out, rows, flags), None)
+
+    def _flat_meta(self, pos: list[int], slots: list[int], compiled: bool) -> BatchMeta:
+        """The ``BatchMeta`` of a flat batch: tokens at ``pos`` [T] of ``slots`` [T]; the C
+        attention kernel (eager, or ``flat_kernel`` in the graph) or the two context groups
+        of the compiled torch attention (``flat_groups``)."""
+        dev = self.device
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = BatchMeta(slots=slots_t, starts=pos_t, kv_len=max(pos) + 1, flat=True,
@@ -394,33 +504,31 @@ class ModelRunner:
             meta.flat_kernel = True
         else:
             meta.flat_groups, meta.flat_back = self.flat_groups(pos)
-        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
-        idx = torch.tensor([sel], dtype=torch.long, device=dev)
-        if not compiled:             # eager_flat
-            self.paths.append(M.FORWARD_PATH_OPS)
-            out = self.model(ids_t, cache=self.cache, meta=meta, logits_index=idx)
-            return self._flat_rows(out, rows, flags), None
+        return meta
+
+    def _run_compiled(self, ids_t: torch.Tensor, meta: BatchMeta, idx: torch.Tensor,
+                      strict: bool) -> ForwardOutput | None:
+        """The compiled flat forward (``FORWARD_PATH_COMPILED``) on ids [1, T] and logits
+        index [1, R], every size marked dynamic; with ``strict`` a batch that would compile
+        again returns None (counted in ``flat_fallbacks``, nothing written)."""
         from torch._dynamo import mark_dynamic      # (loaded by ``compile`` already)
 
-        for t, dim in ((ids_t, 1), (pos_t, 0), (slots_t, 0), (idx, 1),
+        for t, dim in ((ids_t, 1), (meta.starts, 0), (meta.slots, 0), (idx, 1),
                        *(((meta.flat_back, 0), *((i, 0) for i, _ in meta.flat_groups))
                          if meta.flat_groups is not None else ())):
             mark_dynamic(t, dim)
         self.paths.append(M.FORWARD_PATH_COMPILED)
-        if strict:
-            try:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    out: ForwardOutput = self._flat(ids_t, cache=self.cache, meta=meta,
-                                                    logits_index=idx)
-            except RuntimeError as exc:
-                if "recompile" not in str(exc):
-                    raise
-                self.flat_fallbacks += 1
-                self.paths.pop()
-                return None
-        else:
-            out = self._flat(ids_t, cache=self.cache, meta=meta, logits_index=idx)
-        return self._flat_rows(out, rows, flags), None
+        if not strict:
+            return self._flat(ids_t, cache=self.cache, meta=meta, logits_index=idx)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._flat(ids_t, cache=self.cache, meta=meta, logits_index=idx)
+        except RuntimeError as exc:
+            if "recompile" not in str(exc):
+                raise
+            self.flat_fallbacks += 1
+            self.paths.pop()
+            return None
 
     @staticmethod
     def _flat_rows(out: ForwardOutput, rows: list[RowInput], flags: list[bool]) -> list[torch.Tensor]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from actors.engine.errors import InvalidRequest
+from configs.results_schema import StepRow
 
 if TYPE_CHECKING:  # annotations only: the Serve replicas import these types without torch
     import torch
@@ -300,3 +301,48 @@ class RequestOutput:
     # [len(new_token_ids)] when the request asked for logprobs, else None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None
+
+
+# A replica's memory report (``LLMEngine.memory`` / ``VllmEngine.memory``): field name ->
+# bytes or tokens (ints), the device (str), shares (floats); None where a field is unknown.
+MemoryReport = dict[str, "int | float | str | None"]
+
+
+@runtime_checkable
+class SyncEngine(Protocol):
+    """What the Serve side (``actors.serve.engine_core``, ``actors.serve.async_engine``)
+    calls on a synchronous engine: the embedded ``actors.engine.llm_engine.LLMEngine`` and
+    ``actors.engine.vllm_backend.VllmEngine`` both implement it (``tests/test_typed_seams.py``
+    checks the two classes' signatures against it). Only the engine thread (or the engine
+    process) calls it; nothing here is thread-safe.
+
+    max_model_len: tokens of context (prompt + output) a request may hold.
+    on_step: called once per engine step with that step's row (``StepRow``; the columns
+    of ``configs.results_schema.ENGINE_STEP_COLUMNS``), None: no step log.
+    ``add_request`` raises ``InvalidRequest`` (a ValueError naming the field) for a bad
+    request and ``QueueFull`` beyond the engine's waiting limit; returns the prompt's
+    length in tokens. ``step`` runs one engine step (schedule, propose, forward, verify)
+    and returns one ``RequestOutput`` delta per request that emitted or finished.
+    """
+
+    max_model_len: int
+    on_step: Callable[[StepRow], None] | None
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> int: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def memory(self) -> MemoryReport: ...
+
+    def reset_peak_memory(self) -> None: ...

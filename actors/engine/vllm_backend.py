@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from actors.engine.types import MemoryReport, RequestOutput, SamplingParams, SyncEngine
+from configs.results_schema import StepRow
+
 ENV_VLLM_PYTHON = "SPECLOAD_VLLM_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 VLLM_FACTORY = "actors.engine.vllm_backend:make_vllm_engine"
@@ -176,6 +179,41 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
         raise ValueError("draft_deadline_ms: an embedded-engine feature; backend vllm does "
                          "not take it (leave it unset)")
     k = cfg.get("num_speculative_tokens")
+    spec = _speculative_config(cfg, strategy, k)
+    if spec is not None:
+        _add_speculative_extras(cfg, spec, strategy)
+    else:
+        _check_no_speculation(cfg, strategy, k)
+    dtype, device = cfg.get("dtype", "auto"), cfg.get("device", "auto")
+    on_cuda = device == "cuda" or (device == "auto" and cuda)
+    out: dict[str, Any] = {
+        "model": cfg["model"],
+        "dtype": dtype if dtype != "auto" else ("bfloat16" if on_cuda else "float32"),
+        "max_num_seqs": cfg.get("max_num_seqs", 32),
+        "max_num_batched_tokens": max(int(cfg.get("max_num_batched_tokens", 2048)),
+                                      int(cfg.get("max_model_len") or 0)),
+        "speculative_config": spec, "disable_log_stats": False,
+        "enable_logging_iteration_details": True,   # per-step prefill / decode tokens
+        "per_request_spec_decode_metrics": "summary" if spec else "none",
+        "served_model_name": cfg.get("served_model_name") or strategy,
+        "seed": 0,
+        # the engine field, as the embedded engine reads it (vLLM's own default is on)
+        "enable_prefix_caching": bool(cfg.get("enable_prefix_caching", False)),
+    }
+    if cfg.get("max_model_len"):
+        out["max_model_len"] = cfg["max_model_len"]
+    # (vLLM picks its device from the build it is: CPU or CUDA; engine.device only
+    # resolves dtype "auto" here)
+    out.update(kwargs)
+    return out
+
+
+def _speculative_config(cfg: dict, strategy: str, k: int | None) -> dict | None:
+    """vLLM's ``speculative_config`` for specload's strategy (``vllm_engine_args``'s
+    docstring: ngram, draft_model, the block drafters), an explicit
+    ``engine.speculative_config`` merged over it; None for autoregressive. Raises
+    ValueError naming ``draft_model`` or ``speculative_config`` when vLLM cannot run the
+    strategy from these settings."""
     opts = cfg.get("strategy_options") or {}
     spec: dict | None = None
     if strategy == "ngram":
@@ -207,61 +245,62 @@ def vllm_engine_args(cfg: dict, cuda: bool = False) -> dict:
         spec = {**(spec or {}), **cfg["speculative_config"]}
         if k is not None:
             spec.setdefault("num_speculative_tokens", k)
+    return spec
+
+
+def _check_no_speculation(cfg: dict, strategy: str, k: int | None) -> None:
+    """An autoregressive deployment (no ``speculative_config``) must set none of the
+    speculative fields: raises ValueError naming ``num_speculative_tokens_per_batch_size``,
+    ``enable_adaptive_verification``, ``num_speculative_tokens`` (> 0) or
+    ``rejection_sample_method`` (forced acceptance), in that order."""
+    from configs.serve_config import SPEC_SCHEDULE_KEY
+
+    if cfg.get(SPEC_SCHEDULE_KEY) is not None:
+        raise ValueError(f"{SPEC_SCHEDULE_KEY}: needs a speculative strategy "
+                         "(autoregressive drafts nothing)")
+    if cfg.get("enable_adaptive_verification"):
+        raise ValueError("enable_adaptive_verification: vLLM 0.32 supports it for "
+                         f"speculative method dspark only (got {strategy!r})")
+    if strategy == "autoregressive" and k:
+        raise ValueError("num_speculative_tokens: autoregressive takes no drafts (0 or unset)")
+    method = cfg.get("rejection_sample_method") or "standard"
+    if method != "standard" or cfg.get("synthetic_acceptance_length") is not None \
+            or cfg.get("synthetic_acceptance_rates") is not None:
+        raise ValueError(f"rejection_sample_method: {method!r} needs a speculative "
+                         "strategy (autoregressive verifies nothing)")
+
+
+def _add_speculative_extras(cfg: dict, spec: dict, strategy: str) -> None:
+    """Put the engine fields vLLM takes inside ``speculative_config`` into ``spec`` (in
+    place): ``num_speculative_tokens_per_batch_size`` (checked, vLLM's list form),
+    ``enable_adaptive_verification`` (dspark only) and the forced-acceptance fields
+    (``rejection_sample_method``, ``synthetic_acceptance_length`` / ``_rates``, passed
+    through). Raises ValueError naming the field."""
     sched = cfg.get("num_speculative_tokens_per_batch_size")
     if sched is not None:
         from configs.serve_config import SPEC_SCHEDULE_KEY, parse_spec_schedule
 
-        if spec is None:
-            raise ValueError(f"{SPEC_SCHEDULE_KEY}: needs a speculative strategy "
-                             "(autoregressive drafts nothing)")
         max_k = spec.get("num_speculative_tokens")
         ranges = parse_spec_schedule(sched, max_k, f"num_speculative_tokens={max_k}"
                                      if max_k is not None else "")
         spec[SPEC_SCHEDULE_KEY] = [list(r) for r in ranges]   # vLLM's list form
     if cfg.get("enable_adaptive_verification"):
-        if spec is None or spec.get("method") != "dspark":
+        if spec.get("method") != "dspark":
             raise ValueError("enable_adaptive_verification: vLLM 0.32 supports it for "
                              "speculative method dspark only (got "
-                             f"{(spec or {}).get('method') or strategy!r})")
+                             f"{spec.get('method') or strategy!r})")
         spec["enable_adaptive_verification"] = True
-    if strategy == "autoregressive" and spec is None and k:
-        raise ValueError("num_speculative_tokens: autoregressive takes no drafts (0 or unset)")
     method = cfg.get("rejection_sample_method") or "standard"
     if method != "standard" or cfg.get("synthetic_acceptance_length") is not None \
             or cfg.get("synthetic_acceptance_rates") is not None:
-        if spec is None:
-            raise ValueError(f"rejection_sample_method: {method!r} needs a speculative "
-                             "strategy (autoregressive verifies nothing)")
         # vLLM 0.32's speculative_config fields, passed through as they are
         spec["rejection_sample_method"] = method
         for key in ("synthetic_acceptance_length", "synthetic_acceptance_rates"):
             if cfg.get(key) is not None:
                 spec[key] = cfg[key]
-    dtype, device = cfg.get("dtype", "auto"), cfg.get("device", "auto")
-    on_cuda = device == "cuda" or (device == "auto" and cuda)
-    out: dict[str, Any] = {
-        "model": cfg["model"],
-        "dtype": dtype if dtype != "auto" else ("bfloat16" if on_cuda else "float32"),
-        "max_num_seqs": cfg.get("max_num_seqs", 32),
-        "max_num_batched_tokens": max(int(cfg.get("max_num_batched_tokens", 2048)),
-                                      int(cfg.get("max_model_len") or 0)),
-        "speculative_config": spec, "disable_log_stats": False,
-        "enable_logging_iteration_details": True,   # per-step prefill / decode tokens
-        "per_request_spec_decode_metrics": "summary" if spec else "none",
-        "served_model_name": cfg.get("served_model_name") or strategy,
-        "seed": 0,
-        # the engine field, as the embedded engine reads it (vLLM's own default is on)
-        "enable_prefix_caching": bool(cfg.get("enable_prefix_caching", False)),
-    }
-    if cfg.get("max_model_len"):
-        out["max_model_len"] = cfg["max_model_len"]
-    # (vLLM picks its device from the build it is: CPU or CUDA; engine.device only
-    # resolves dtype "auto" here)
-    out.update(kwargs)
-    return out
 
 
-def vllm_sampling_kwargs(params: Any, max_tokens: int) -> dict:
+def vllm_sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict:
     """``vllm.SamplingParams`` keywords for a specload ``SamplingParams`` (output
     as deltas; ``max_tokens`` already resolved: None means the rest of the context)."""
     return {"max_tokens": max_tokens, "temperature": 0.0 if params.greedy else params.temperature,
@@ -276,7 +315,7 @@ def vllm_sampling_kwargs(params: Any, max_tokens: int) -> dict:
 
 def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms: float,
              details: Any, spec: Any, num_waiting: int, emitted: int, prefill_emitted: int,
-             batch_size: int, k: int, context_before: int = 0) -> dict:
+             batch_size: int, k: int, context_before: int = 0) -> StepRow:
     """One step-log row (``configs.metric_names.STEP_LOG_COLUMNS``) from vLLM's stats.
 
     details: ``SchedulerIterationDetails`` (num_ctx_tokens = prompt tokens this step,
@@ -425,7 +464,7 @@ class VllmEngine:
     too-long prompt or out-of-vocabulary token ids, QueueFull beyond ``max_waiting``.
     """
 
-    def __init__(self, cfg: dict, on_step: Callable[[dict], None] | None = None):
+    def __init__(self, cfg: dict, on_step: Callable[[StepRow], None] | None = None):
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine as VLLMEngine
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -508,7 +547,8 @@ class VllmEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: Any) -> int:
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> int:
         """Queue a request; returns its prompt length in tokens (module docstring)."""
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
@@ -552,11 +592,9 @@ class VllmEngine:
         self.llm.abort_request([request_id])
 
     # -- the step ------------------------------------------------------------------
-    def step(self) -> list:
+    def step(self) -> list[RequestOutput]:
         """One vLLM engine step; returns specload ``RequestOutput`` deltas (one chunk
         per engine step) and appends one step-log row via ``on_step``."""
-        from actors.engine.types import RequestOutput
-
         t0, c0, w0 = time.perf_counter(), time.thread_time(), time.time()
         self._stats.clear()
         outs = self.llm.step()
@@ -633,7 +671,7 @@ class VllmEngine:
         return out
 
     # -- memory --------------------------------------------------------------------
-    def _static_memory(self) -> dict:
+    def _static_memory(self) -> MemoryReport:
         vc = self.llm.vllm_config
         mc, cc = vc.model_config, vc.cache_config
         dtype = str(mc.dtype).replace("torch.", "")
@@ -664,7 +702,7 @@ class VllmEngine:
                 "draft_kv_allocated_bytes": blocks * bs * draft_tok,
                 "draft_kv_bytes_per_token": draft_tok}
 
-    def memory(self) -> dict:
+    def memory(self) -> MemoryReport:
         """The embedded engine's memory report, from vLLM: weights (the checkpoints'
         tensors at the serving dtype), KV allocated (vLLM's block pool, split between
         the target's and a draft model's layers), KV used now and at peak (vLLM's
@@ -686,7 +724,7 @@ class VllmEngine:
         self._kv_peak_usage = self._kv_usage
 
 
-def run_requests(engine: Any, requests: list, batch_size: int = 1) -> dict[str, dict]:
+def run_requests(engine: SyncEngine, requests: list, batch_size: int = 1) -> dict[str, dict]:
     """``actors.engine.llm_engine.run_requests`` for any engine of this API (tests,
     offline use): id -> {token_ids, text, finish_reason, stats}."""
     pending = list(requests)

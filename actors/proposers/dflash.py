@@ -34,7 +34,7 @@ class DFlashOptions(ProposerOptions):
     candidates kept per position (dflash2 selects among them; with a trace
     they give the top-k coverage); record_trace: keep every block's path,
     top-1, top-k candidates and confidences (tensors) in ``proposer.trace``
-    (for ``actors.evaluate``; confidences the step did not need are computed
+    (for ``bench.acceptance``; confidences the step did not need are computed
     by ``finish_trace``, after the timed run)."""
 
     drafter: str | None = None

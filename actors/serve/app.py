@@ -211,7 +211,7 @@ def split_application(app: dict[str, Any]) -> list[dict[str, Any]]:
 def run_applications(args: dict[str, Any], name: str = "specload", route_prefix: str = "/",
                      one_hop: bool = True) -> None:
     """``serve.run`` the application of ``args`` (``ServeAppConfig`` fields) from Python
-    (tests, ``actors.bench_serve``), in the one-hop layout (``split_application``)
+    (tests, ``bench.serving_overhead``), in the one-hop layout (``split_application``)
     or as one application; returns when every application is running. Raises what
     ``build_app`` / Serve raise."""
     from ray import serve

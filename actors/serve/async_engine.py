@@ -36,10 +36,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from actors.engine.errors import EngineDead
-from actors.engine.types import RequestOutput, SamplingParams, SpecStats
+from actors.engine.types import MemoryReport, RequestOutput, SamplingParams, SpecStats, SyncEngine
+from configs.results_schema import StepRow
+
+if TYPE_CHECKING:   # annotations only: pydantic's config model is the engine's to import
+    from actors.engine.config import EngineConfig
 from configs import metric_names as mn
 
 logger = logging.getLogger(__name__)
@@ -82,9 +86,8 @@ def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None 
 
 
 class AsyncLLMEngine:
-    """Asyncio front of one synchronous engine (``actors.engine.llm_engine.LLMEngine`` or any
-    object with the same API: add_request, abort_request, step,
-    has_unfinished_requests, num_waiting, num_running, on_step, max_model_len).
+    """Asyncio front of one synchronous engine (``actors.engine.types.SyncEngine``:
+    ``actors.engine.llm_engine.LLMEngine``, ``actors.engine.vllm_backend.VllmEngine``).
 
     engine: the synchronous engine, owned by this object from now on.
     step_log_capacity: rows kept in the ring buffer (older rows are dropped).
@@ -92,7 +95,7 @@ class AsyncLLMEngine:
     exceptions are logged and swallowed).
     """
 
-    def __init__(self, engine: Any, *, step_log_capacity: int = DEFAULT_STEP_LOG_CAPACITY,
+    def __init__(self, engine: SyncEngine, *, step_log_capacity: int = DEFAULT_STEP_LOG_CAPACITY,
                  step_sink: Callable[[dict], None] | None = None):
         self.engine = engine
         self._init_common(step_log_capacity, step_sink)
@@ -115,7 +118,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, config: Any, **kwargs) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
         """Build the real engine from an ``EngineConfig`` and wrap it.
 
         Torch threads are the hosting process's to set (``StrategyServer`` in
@@ -162,7 +165,7 @@ class AsyncLLMEngine:
         if not self.is_alive:
             raise EngineDeadError(f"engine thread stopped: {self._error!r}")
 
-    async def memory(self, reset_peak: bool = False) -> dict:
+    async def memory(self, reset_peak: bool = False) -> MemoryReport:
         """The engine's memory report (``LLMEngine.memory``; ``{}`` for an engine
         without one); ``reset_peak`` restarts its peak counters afterwards."""
         report = self.engine.memory() if hasattr(self.engine, "memory") else {}
@@ -259,7 +262,7 @@ class AsyncLLMEngine:
             self._commands.append(cmd)
             self._cv.notify()
 
-    def _on_step(self, row: dict) -> None:
+    def _on_step(self, row: StepRow) -> None:
         self._step_seq += 1
         row = dict(row, seq=self._step_seq)
         with self._step_lock:
@@ -410,7 +413,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         return (self._thread.is_alive() and self._error is None and not self._stop
                 and self._core.alive())
 
-    async def memory(self, reset_peak: bool = False) -> dict:
+    async def memory(self, reset_peak: bool = False) -> MemoryReport:
         self.check_health()
         report = await self._call("memory") or {}
         if reset_peak:

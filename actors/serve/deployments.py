@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -32,13 +33,14 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from actors.engine.errors import InvalidRequest, QueueFull
-from actors.engine.types import SamplingParams
+from actors.engine.types import MemoryReport, RequestOutput, SamplingParams, SyncEngine
 from actors.serve.engine_core import import_object
 from actors.serve.openai_request import (API_KEY_ENV, api_key_error, error_response,
                                          install_error_handlers, read_request, request_id)
 from actors.serve.openai_response import health_response, model_card, respond
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
+from configs.results_schema import StepRow
 from configs.serve_config import (DEFAULT_ENGINE_FACTORY, DEFAULT_STREAM_INTERVAL_MS,
                                   resolve_engine_process)
 
@@ -54,7 +56,50 @@ BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
-class _Metrics:
+
+@dataclass
+class _Chunk:
+    """The tokens of one request not yet sent (``StrategyServer.generate``): ids, their
+    engine emit times (unix s), text pieces and logprobs (kept when ``want_lps``)."""
+
+    want_lps: bool
+    ids: list[int] = field(default_factory=list)
+    ts: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    lps: list = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.ids.extend(out.new_token_ids)
+        self.ts.extend(out.token_ts or [])
+        self.text.append(out.new_text)
+        self.lps.extend(out.logprobs or [])
+
+    def delta(self) -> Delta:
+        """The held tokens as one ``Delta``; the chunk starts empty again."""
+        d = Delta(self.ids, "".join(self.text), self.ts, self.lps if self.want_lps else None)
+        self.ids, self.ts, self.text, self.lps = [], [], [], []
+        return d
+
+
+async def _next_batch(queue: asyncio.Queue, deadline: float | None) -> tuple[list, bool]:
+    """The engine outputs queued for a request: wait for one (until ``deadline``,
+    ``time.monotonic()`` seconds, when tokens are held; None: no limit), then take what
+    queued up meanwhile. Returns (outputs, whether the wait ran out: the held tokens leave)."""
+    if deadline is not None:
+        try:
+            batch = [await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))]
+        except asyncio.TimeoutError:
+            batch = []
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            return batch, True
+    else:
+        batch = [await queue.get()]
+    while not queue.empty():       # coalesce what queued up meanwhile
+        batch.append(queue.get_nowait())
+    return batch, False
+
+class ReplicaMetrics:
     """The replica's Prometheus instruments (created inside the replica process)."""
 
     def __init__(self, strategy: str):
@@ -94,7 +139,7 @@ class _Metrics:
                              "finished requests whose drafter was dropped (they decoded "
                              "autoregressively from then on), by reason", ("reason",))
 
-    def observe_step(self, row: dict) -> None:
+    def observe_step(self, row: StepRow) -> None:
         self.batch_size.observe(row.get(mn.STEP_BATCH_SIZE, 0))
         self.verif_tokens.observe(row.get(mn.STEP_VERIFICATION_TOKENS, 0))
         self.step_ms.observe(row.get(mn.STEP_MS, 0.0))
@@ -235,16 +280,19 @@ class StrategyReplica:
         self._retry_after_s = retry_after_s
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._created = int(time.time())
-        self._metrics = _Metrics(strategy)
+        self._metrics = ReplicaMetrics(strategy)
         self._pending_rows: collections.deque[dict] = collections.deque(maxlen=100_000)
         capacity = max(step_log_capacity, 1)
+        # the asyncio side of a ``SyncEngine`` (``actors.engine.types``): in its own process
+        # or on a thread of this one
+        self.engine: AsyncLLMEngine
         if engine_process:   # the engine step in its own process: no GIL shared with HTTP
             self.engine = ProcessAsyncLLMEngine(engine_factory, cfg, torch_threads=threads,
                                                 step_log_capacity=capacity,
                                                 step_sink=self._pending_rows.append,
                                                 python=python)
         else:
-            factory: Callable[[dict], Any] = import_object(engine_factory)
+            factory: Callable[[dict], SyncEngine] = import_object(engine_factory)
             self.engine = AsyncLLMEngine(factory(cfg), step_log_capacity=capacity,
                                          step_sink=self._pending_rows.append)
         self._store = step_store
@@ -340,7 +388,7 @@ class StrategyReplica:
                 "step_log_capacity": self.engine.step_log_capacity,
                 "pending_step_rows": len(self._pending_rows)}
 
-    async def memory(self, reset_peak: bool = False) -> dict:
+    async def memory(self, reset_peak: bool = False) -> MemoryReport:
         """This replica's memory report (``LLMEngine.memory``: weight, KV-cache and process
         bytes); ``reset_peak`` restarts the peak counters afterwards. ``{}`` for an engine
         without a memory report (fake engines)."""
@@ -376,79 +424,74 @@ class StrategyReplica:
         other requests go on). Cancelling the consumer aborts the request
         (frees its batch slot and KV cache).
         """
-        try:
-            sp = SamplingParams(**params)
-            n_prompt, queue = await self.engine.add_request(request_id, prompt, sp)
-        except TypeError as exc:  # an unexpected SamplingParams keyword
-            yield ErrorMessage(400, str(exc), "invalid_request_error")
+        admitted = await self._add_request(request_id, prompt, params)
+        if isinstance(admitted, ErrorMessage):
+            yield admitted
             return
-        except Exception as exc:  # InvalidRequest 400, QueueFull 429, EngineDead 503
-            if not isinstance(exc, (InvalidRequest, QueueFull)):
-                logger.exception("add_request failed")
-            yield ErrorMessage.from_exception(exc, self.strategy)
-            return
+        sp, n_prompt, queue = admitted
         yield Admitted(n_prompt)
         if stream_interval is None and stream_interval_ms is None:
             interval, every_s = chunk_rule(self.stream_interval, self.stream_interval_ms)
         else:
             interval, every_s = chunk_rule(stream_interval or 1, stream_interval_ms)
         finished = False
-        ids: list[int] = []
-        ts: list[float] = []
-        text: list[str] = []
-        want_lps = sp.logprobs is not None
-        lps: list = []
+        chunk = _Chunk(want_lps=sp.logprobs is not None)
         sent_any, last_sent = False, time.monotonic()
         try:
             while not finished:
-                window_over = False
-                if ids and every_s is not None:   # held tokens leave by the window's end
-                    wait_s = last_sent + every_s - time.monotonic()
-                    try:
-                        batch = [await asyncio.wait_for(queue.get(), max(wait_s, 0.0))]
-                    except asyncio.TimeoutError:
-                        batch, window_over = [], True
-                else:
-                    batch = [await queue.get()]
-                while not queue.empty():       # coalesce what queued up meanwhile
-                    batch.append(queue.get_nowait())
-                msg: ReplicaMessage | None = None
-                for out in batch:
-                    if isinstance(out, BaseException):
-                        msg = ErrorMessage.from_exception(out, self.strategy)
-                        break
-                    if out.finish_reason == "error":
-                        msg = ErrorMessage(500, f"{self.strategy}: generation failed: "
-                                           f"{out.error}", "server_error", None,
-                                           "engine_error")
-                        break
-                    ids.extend(out.new_token_ids)
-                    ts.extend(out.token_ts or [])
-                    text.append(out.new_text)
-                    lps.extend(out.logprobs or [])
-                    if out.finished:
-                        stats = out.stats.to_dict()
-                        self._metrics.observe_request(stats, out.num_output_tokens)
-                        msg = Finished(ids, "".join(text), ts, lps if want_lps else None,
-                                       finish_reason=out.finish_reason,
-                                       num_output_tokens=out.num_output_tokens,
-                                       spec_decode=stats,
-                                       stop_reason=getattr(out, "stop_reason", None))
-                        break
+                batch, window_over = await _next_batch(
+                    queue, last_sent + every_s if chunk.ids and every_s is not None else None)
+                msg = self._absorb(batch, chunk)
                 finished = msg is not None
                 if finished:
                     yield msg
                     break
                 now = time.monotonic()
-                if sent_any and len(ids) < interval and not window_over and not (
+                if sent_any and len(chunk.ids) < interval and not window_over and not (
                         every_s is not None and now - last_sent >= every_s):
                     continue                    # hold the tokens for a fuller chunk
-                yield Delta(ids, "".join(text), ts, lps if want_lps else None)
+                yield chunk.delta()
                 sent_any, last_sent = True, now
-                ids, ts, text, lps = [], [], [], []
         finally:
             if not finished:
                 self.engine.abort(request_id)
+
+    async def _add_request(self, request_id: str, prompt: str | list[int], params: dict
+                           ) -> tuple[SamplingParams, int, asyncio.Queue] | ErrorMessage:
+        """Queue the request in the engine: (its SamplingParams, prompt tokens, its output
+        queue), or the ``ErrorMessage`` to answer (400 a bad keyword or value, 429 queue
+        full, 503 engine dead)."""
+        try:
+            sp = SamplingParams(**params)
+            n_prompt, queue = await self.engine.add_request(request_id, prompt, sp)
+        except TypeError as exc:  # an unexpected SamplingParams keyword
+            return ErrorMessage(400, str(exc), "invalid_request_error")
+        except Exception as exc:  # InvalidRequest 400, QueueFull 429, EngineDead 503
+            if not isinstance(exc, (InvalidRequest, QueueFull)):
+                logger.exception("add_request failed")
+            return ErrorMessage.from_exception(exc, self.strategy)
+        return sp, n_prompt, queue
+
+    def _absorb(self, batch: list, chunk: "_Chunk") -> ReplicaMessage | None:
+        """Add a batch of engine outputs (``RequestOutput`` deltas, or the exception that
+        ended the request) to ``chunk``; returns the last message when the request ended
+        (``Finished``, with its stats observed, or an ``ErrorMessage``), else None."""
+        for out in batch:
+            if isinstance(out, BaseException):
+                return ErrorMessage.from_exception(out, self.strategy)
+            if out.finish_reason == "error":
+                return ErrorMessage(500, f"{self.strategy}: generation failed: {out.error}",
+                                    "server_error", None, "engine_error")
+            chunk.add(out)
+            if out.finished:
+                stats = out.stats.to_dict()
+                self._metrics.observe_request(stats, out.num_output_tokens)
+                return Finished(chunk.ids, "".join(chunk.text), chunk.ts,
+                                chunk.lps if chunk.want_lps else None,
+                                finish_reason=out.finish_reason,
+                                num_output_tokens=out.num_output_tokens,
+                                spec_decode=stats, stop_reason=getattr(out, "stop_reason", None))
+        return None
 
     def __del__(self):
         engine = getattr(self, "engine", None)

@@ -45,6 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from actors.engine.errors import EngineDead
+from actors.engine.types import SyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def import_object(path: str) -> Any:
     return obj
 
 
-def make_llm_engine(engine_config: dict) -> Any:
+def make_llm_engine(engine_config: dict) -> SyncEngine:
     """Default engine factory: ``EngineConfig(**engine_config)`` -> ``LLMEngine``."""
     from actors.engine.config import EngineConfig
     from actors.engine.llm_engine import LLMEngine
@@ -82,7 +83,7 @@ def picklable(exc: BaseException) -> BaseException:
 
 
 # ---------------------------------------------------------------- child side
-def _apply(engine: Any, msg: tuple, conn: Connection) -> bool:
+def _apply(engine: SyncEngine, msg: tuple, conn: Connection) -> bool:
     """Apply one command; False on ``shutdown``."""
     kind = msg[0]
     if kind == "add":
@@ -111,7 +112,7 @@ def _apply(engine: Any, msg: tuple, conn: Connection) -> bool:
     return True
 
 
-def core_loop(engine: Any, conn: Connection) -> None:
+def core_loop(engine: SyncEngine, conn: Connection) -> None:
     """The child's loop: commands between steps, one message per step.
 
     Returns on ``shutdown``; raises EOFError / OSError when the parent is gone

@@ -34,4 +34,5 @@ class Analysis:
     claims: list[dict] = field(default_factory=list)    # analysis.decide.claims.claims_check rows
     figures: dict[str, bytes | None] = field(default_factory=dict)
     checks: dict[str, list[str]] = field(default_factory=dict)  # analysis.decide.checks: {figure: [sentences]}
+    checks_run: int = 0                                 # comparisons the model checks made (failed or not)
     server: dict = field(default_factory=dict)         # analysis.report.server_section output

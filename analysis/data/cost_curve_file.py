@@ -1,4 +1,4 @@
-"""Read a measured cost-curve file written by ``python -m actors.bench cost-curve``.
+"""Read a measured cost-curve file written by ``python -m bench.step_cost``.
 
 Format: ``{"shape", "device", "points": [{"batch_size", "tokens_per_row",
 "context_len", "step_ms"}, ...]}``. The plan needs step ms as a function of the
@@ -29,7 +29,7 @@ class GridPoint(BaseModel):
 
 
 class GridCurveFile(BaseModel):
-    """The ``actors.bench cost-curve`` file (extra keys such as config are kept aside)."""
+    """The ``bench.step_cost`` file (extra keys such as config are kept aside)."""
 
     shape: str
     device: str

@@ -91,10 +91,10 @@ def read_requests(path: Path) -> pd.DataFrame:
     ``requests.parquet``."""
     cells = _cell_files(path)
     if cells:
-        frames = [_read(p) for p in cells]
+        frames = [read_results_parquet(p) for p in cells]
         frames = [f for f in frames if len(f)]
-        return pd.concat(frames, ignore_index=True) if frames else _read(cells[0])
-    return _read(path / REQUESTS_FILE)
+        return pd.concat(frames, ignore_index=True) if frames else read_results_parquet(cells[0])
+    return read_results_parquet(path / REQUESTS_FILE)
 
 
 def _check_version(path: Path, version: int | None) -> None:
@@ -103,7 +103,7 @@ def _check_version(path: Path, version: int | None) -> None:
                            f"analysis reads ({S.SCHEMA_VERSION}); upgrade specload.")
 
 
-def _read(path: Path) -> pd.DataFrame:
+def read_results_parquet(path: Path) -> pd.DataFrame:
     """A Parquet file as a DataFrame; raises ResultsError for a newer schema_version."""
     import pyarrow.parquet as pq
 
@@ -190,7 +190,7 @@ def load_run(path: Path) -> Run:
                   and raw[mn.REQ_RUN_ID].notna().any() else path.name))
     requests = add_dimensions(_normalise_requests(raw, run_id, path), manifest)
     steps_path = path / STEPS_FILE
-    steps = (_normalise_steps(_read(steps_path), run_id) if steps_path.is_file()
+    steps = (_normalise_steps(read_results_parquet(steps_path), run_id) if steps_path.is_file()
              else _normalise_steps(pd.DataFrame(columns=list(mn.STEP_LOG_COLUMNS)), run_id))
     if mn.REQ_SAMPLING not in steps.columns:   # runs before schema 4: the profile's one setting
         steps[mn.REQ_SAMPLING] = None

@@ -218,7 +218,7 @@ def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFr
     Columns: ``by``, position (1-based draft position), accepted (count),
     uncond (accepted_i / drafts), cond (accepted_i / accepted_{i-1}, position 1
     divides by drafts). (Drafter top-k coverage is an offline measurement:
-    ``python -m actors.evaluate``; load runs do not carry it.)
+    ``python -m bench.acceptance``; load runs do not carry it.)
     """
     rows = []
     ok = requests[requests[mn.REQ_STATUS].eq("ok")]
@@ -240,7 +240,7 @@ def per_position(requests: pd.DataFrame, by: str = mn.REQ_STRATEGY) -> pd.DataFr
 
 # curves over users levels: one per strategy x output class x sampling label (a temperature's
 # cells never mix into another's curve)
-_CURVE = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING]
+CURVE_KEY = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_SAMPLING]
 
 
 def curve_tau(flagged: pd.DataFrame) -> pd.DataFrame:
@@ -249,8 +249,8 @@ def curve_tau(flagged: pd.DataFrame) -> pd.DataFrame:
     each sampling setting, never another setting's."""
     flagged = with_sampling(flagged)
     ok = flagged[flagged[mn.REQ_STATUS].eq(mn.STATUS_OK)]
-    rows = [(*key, pooled_tau(g)) for key, g in ok.groupby(_CURVE, sort=True)]
-    return pd.DataFrame(rows, columns=[*_CURVE, "tau"])
+    rows = [(*key, pooled_tau(g)) for key, g in ok.groupby(CURVE_KEY, sort=True)]
+    return pd.DataFrame(rows, columns=[*CURVE_KEY, "tau"])
 
 
 def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
@@ -265,7 +265,7 @@ def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
     rows = []
     cells = with_sampling(cells)
     spec = cells[~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells[SPEEDUP].notna()]
-    for (strategy, oc, samp), g in spec.groupby(_CURVE, sort=True):
+    for (strategy, oc, samp), g in spec.groupby(CURVE_KEY, sort=True):
         curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
         users, s = curve.index.to_numpy(dtype=float), curve.to_numpy(dtype=float)
         status, value = "never", None
@@ -280,7 +280,7 @@ def crossover_measured(cells: pd.DataFrame) -> pd.DataFrame:
         rows.append({mn.REQ_STRATEGY: strategy, mn.REQ_OUTPUT_CLASS: oc, mn.REQ_SAMPLING: samp,
                      "crossover_users": value, "status": status,
                      "levels": ", ".join(f"{int(u)}:{v:.2f}x" for u, v in zip(users, s))})
-    return pd.DataFrame(rows, columns=[*_CURVE, "crossover_users", "status", "levels"])
+    return pd.DataFrame(rows, columns=[*CURVE_KEY, "crossover_users", "status", "levels"])
 
 
 def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
@@ -293,7 +293,7 @@ def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
     """
     rows = []
     cells = with_sampling(cells)
-    for (strategy, oc, samp), g in cells.groupby(_CURVE, sort=True):
+    for (strategy, oc, samp), g in cells.groupby(CURVE_KEY, sort=True):
         curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
         curve = curve.dropna()
         if curve.empty:
@@ -304,5 +304,5 @@ def throughput_latency_knee(cells: pd.DataFrame) -> pd.DataFrame:
                      "knee_users": int(knee),
                      "knee_tokens_per_s": float(curve.loc[knee, OUTPUT_TOKENS_PER_S]),
                      "knee_e2e_ms_p50": float(curve.loc[knee, "e2e_ms_p50"])})
-    return pd.DataFrame(rows, columns=[*_CURVE, "knee_users",
+    return pd.DataFrame(rows, columns=[*CURVE_KEY, "knee_users",
                                        "knee_tokens_per_s", "knee_e2e_ms_p50"])

@@ -202,8 +202,8 @@ def missing_figures(results, srv: pd.DataFrame) -> list[str]:
     """Sentences: which counter the server did not expose and what could not be computed."""
     notes = []
     for facts in server_facts(results):
-        if facts.get("error"):
-            notes.append(f"run {facts['run_id']}: server metrics not read ({facts['error']})")
+        if facts.get("error") and not facts.get("skipped"):   # skipped: not needed, not a failure
+            notes.append(f"run {facts['run_id']}: server metrics not available ({facts['error']})")
     if srv.empty:
         return notes
     for figure, needs in NEEDS.items():
@@ -310,9 +310,9 @@ def merge_capacity(cap: pd.DataFrame, srv: pd.DataFrame) -> pd.DataFrame:
 def timeseries(results) -> pd.DataFrame:
     """Every run's ``server_metrics.parquet`` (the sampled series), concatenated; empty
     when no run wrote one. Raises ``analysis.data.load.ResultsError`` for a newer schema."""
-    from analysis.data.load import _read
+    from analysis.data.load import read_results_parquet
 
-    frames = [_read(run.path / SERVER_METRICS_FILE) for run in results.runs
+    frames = [read_results_parquet(run.path / SERVER_METRICS_FILE) for run in results.runs
               if (run.path / SERVER_METRICS_FILE).is_file()]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -17,7 +17,8 @@ line for evidence:
 
 ``model_checks`` returns ``{figure key: [sentences]}`` (keys of
 ``analysis.report.build.make_figures``); every sentence also appears in the report's
-"Model checks" section.
+"Model checks" section. Each check function takes an optional ``tally`` list and appends one
+entry per comparison it made (failed or not), so the report can say "3 of 16 fail".
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _num(v) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame) -> list[str]:
+def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame,
+                     tally: list | None = None) -> list[str]:
     """Predicted crossover (``predicted_crossover_users``) against the measured speedups."""
     out: list[str] = []
     if crossover is None or crossover.empty or "predicted_crossover_users" not in crossover:
@@ -61,6 +63,9 @@ def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame) -> list[str]:
             continue
         curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
         predicted = _num(row.get("predicted_crossover_users"))
+        if tally is not None and (predicted is not None
+                                  or _num(row.get("model_tau", row.get("tau"))) is not None):
+            tally.append(("speedup", strategy, oc))
         if predicted is not None:
             above = curve[(curve.index >= predicted) & (curve >= 1.0)]
             if len(above):
@@ -78,7 +83,7 @@ def crossover_checks(cells: pd.DataFrame, crossover: pd.DataFrame) -> list[str]:
     return out
 
 
-def backtest_checks(bt: dict | None) -> dict[str, list[str]]:
+def backtest_checks(bt: dict | None, tally: list | None = None) -> dict[str, list[str]]:
     """Backtest rows whose prediction disagrees with the measurement, by figure key."""
     out: dict[str, list[str]] = {}
     for r in (bt or {}).get("rows", []):
@@ -86,6 +91,8 @@ def backtest_checks(bt: dict | None) -> dict[str, list[str]]:
         if p is None or m is None:
             continue
         key = f"backtest_speedup_{r.get('output_class')}"
+        if tally is not None:
+            tally.append((key, r.get("strategy"), r.get("metric"), r.get("users")))
         what = f"{r.get('strategy')} {r.get('metric')} at {r.get('users')} users ({r.get('output_class')})"
         if r.get("metric") == SPEEDUP and (p >= 1.0) != (m >= 1.0):
             out.setdefault(key, []).append(
@@ -103,7 +110,7 @@ LOO_WORST_MAX = 0.20         # ... and the worst one
 R2_HOLDOUT_MIN = 0.9         # the step model's r² on the steps of held-out levels
 
 
-def loo_checks(bt: dict | None) -> dict[str, list[str]]:
+def loo_checks(bt: dict | None, tally: list | None = None) -> dict[str, list[str]]:
     """The leave-one-level-out backtest (``analysis.model.backtest.loo_backtest``) against a
     forecaster's bar: median absolute error <= 10 % and worst <= 20 % for tokens/s and TPOT,
     the step model's hold-out r² >= 0.9."""
@@ -113,6 +120,8 @@ def loo_checks(bt: dict | None) -> dict[str, list[str]]:
         if metric == SPEEDUP:
             continue
         med, worst = _num(o.get("median_abs_error")), _num(o.get("worst_abs_error"))
+        if tally is not None and med is not None and worst is not None:
+            tally.append(("loo", metric))
         if med is not None and worst is not None and (med > LOO_MEDIAN_MAX or worst > LOO_WORST_MAX):
             bad = max((r for r in loo.get("rows", []) if r.get("metric") == metric),
                       key=lambda r: r.get("abs_error") or 0.0, default=None)
@@ -123,6 +132,8 @@ def loo_checks(bt: dict | None) -> dict[str, list[str]]:
                 f"{worst:.0%}{where}; the bar is {LOO_MEDIAN_MAX:.0%} / {LOO_WORST_MAX:.0%}.")
     for strategy, r2 in sorted((loo.get("r2_holdout") or {}).items()):
         r2, ceil = _num(r2), _num((loo.get("r2_ceiling") or {}).get(strategy))
+        if tally is not None and r2 is not None:
+            tally.append(("r2_holdout", strategy))
         if r2 is not None and r2 < R2_HOLDOUT_MIN:
             why = (f"; the step's own shape (B, T, prefill, context) explains at most r² {ceil:.2f} in sample "
                    f"(the rest, {1 - ceil:.0%} of the variance, is step-to-step noise the model "
@@ -134,11 +145,13 @@ def loo_checks(bt: dict | None) -> dict[str, list[str]]:
     return out
 
 
-def fit_checks(a: "Analysis") -> dict[str, list[str]]:
+def fit_checks(a: "Analysis", tally: list | None = None) -> dict[str, list[str]]:
     """Fits with r² < R2_MIN, by figure key."""
     out: dict[str, list[str]] = {}
     for strategy, m in sorted((a.capacity_model or {}).get("step_models", {}).items()):
         r2 = _num(getattr(m, "r2_step", None))
+        if tally is not None and r2 is not None:
+            tally.append(("r2_step", strategy))
         if r2 is not None and r2 < R2_MIN:
             out.setdefault("step_residuals", []).append(
                 f"The step model of {strategy} has r² {r2:.2f} (< {R2_MIN}): its predictions "
@@ -146,14 +159,15 @@ def fit_checks(a: "Analysis") -> dict[str, list[str]]:
     return out
 
 
-def model_checks(a: "Analysis") -> dict[str, list[str]]:
-    """``{figure key: [sentences]}`` for every contradiction and weak fit found."""
+def model_checks(a: "Analysis", tally: list | None = None) -> dict[str, list[str]]:
+    """``{figure key: [sentences]}`` for every contradiction and weak fit found; ``tally``
+    (optional) gets one entry per comparison made, failed or not."""
     out: dict[str, list[str]] = {}
-    cross = crossover_checks(a.cells, a.crossover)
+    cross = crossover_checks(a.cells, a.crossover, tally)
     if cross:
         out["speedup"] = cross
     bt = (a.capacity_model or {}).get("backtest")
-    for part in (backtest_checks(bt), loo_checks(bt), fit_checks(a)):
+    for part in (backtest_checks(bt, tally), loo_checks(bt, tally), fit_checks(a, tally)):
         for k, v in part.items():
             out.setdefault(k, []).extend(v)
     return out

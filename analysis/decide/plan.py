@@ -103,7 +103,7 @@ class PointsCurve:
     @classmethod
     def from_file(cls, path: str | Path) -> "PointsCurve":
         """Read ``{"gpu", "model", "points": [{"batch_tokens", "step_ms"}]}`` or an
-        ``actors.bench cost-curve`` grid file (``analysis.data.cost_curve_file``)."""
+        ``bench.step_cost`` grid file (``analysis.data.cost_curve_file``)."""
         from analysis.data import cost_curve_file
         data = json.loads(Path(path).read_text())
         if cost_curve_file.is_grid_file(data):
@@ -207,35 +207,47 @@ def gpu_plan(curve, flagged: pd.DataFrame, steps: pd.DataFrame, qps: float, tier
             feasible = np.nonzero((tpot <= slo.tpot_ms) & (ttft <= slo.ttft_ms))[0]
             row = {"strategy": strategy, "output_class": oc, "tau": tau, "v": v, "draft_ratio": r,
                    "prompt_tokens": prompt, "output_tokens": out}
-            cap = (mem_caps or {}).get((strategy, oc))
-            limit = "compute/SLO"
-            if cap is not None:
-                row["max_seqs_memory"] = cap
-                if feasible.size and feasible[-1] + 1 > cap:
-                    limit = "memory"
-                    compute_n = int(feasible[-1]) + 1
-                    feasible = feasible[feasible < cap]
-            row["limit"] = limit
-            if cap == 0:
-                row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
-                           capacity_rps=None, tokens_per_s=None, replicas=None,
-                           note="weights leave no memory for a KV cache")
-            elif feasible.size == 0:
-                row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
-                           capacity_rps=None, tokens_per_s=None, replicas=None,
-                           note="SLO not met even at batch 1")
-            else:
-                i = int(feasible[-1])
-                w = (ttft[i] + max(out - 1.0, 0.0) * tpot[i]) / 1000.0
-                x = n[i] / w
-                row.update(users=int(n[i]), tpot_ms=float(tpot[i]), ttft_ms=float(ttft[i]),
-                           capacity_rps=x, tokens_per_s=float(n[i] * tau / step[i] * 1000.0),
-                           replicas=math.ceil(qps / x - 1e-9),
-                           note=(f"memory-bound: the KV cache fits {cap} sequences; compute and "
-                                 f"the SLOs would allow {compute_n}" if limit == "memory" else
-                                 "capped by max_batch" if i == max_batch - 1 else ""))
+            _size_gpu_row(row, (mem_caps or {}).get((strategy, oc)), feasible, n, step, tpot, ttft,
+                          qps, max_batch)
             rows.append(row)
     return rows
+
+
+def _size_gpu_row(row: dict, mem_cap: int | None, feasible: np.ndarray, n: np.ndarray,
+                  step: np.ndarray, tpot: np.ndarray, ttft: np.ndarray, qps: float,
+                  max_batch: int) -> None:
+    """Fill one ``gpu_plan`` row in place: the largest batch meeting both SLOs within the KV
+    cache's ``mem_cap`` sequences (None: memory not modelled), its TPOT / TTFT (ms), capacity
+    (req/s), tokens/s and the replicas for ``qps``; ``limit`` says whether memory or
+    compute / the SLOs bound it. ``n``: batch sizes 1..max_batch; ``step``, ``tpot``,
+    ``ttft``: the modelled ms at each; ``feasible``: indices of ``n`` meeting the SLOs."""
+    tau, out = row["tau"], row["output_tokens"]
+    limit = "compute/SLO"
+    if mem_cap is not None:
+        row["max_seqs_memory"] = mem_cap
+        if feasible.size and feasible[-1] + 1 > mem_cap:
+            limit = "memory"
+            compute_n = int(feasible[-1]) + 1
+            feasible = feasible[feasible < mem_cap]
+    row["limit"] = limit
+    if mem_cap == 0:
+        row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
+                   capacity_rps=None, tokens_per_s=None, replicas=None,
+                   note="weights leave no memory for a KV cache")
+    elif feasible.size == 0:
+        row.update(users=None, tpot_ms=float(tpot[0]), ttft_ms=float(ttft[0]),
+                   capacity_rps=None, tokens_per_s=None, replicas=None,
+                   note="SLO not met even at batch 1")
+    else:
+        i = int(feasible[-1])
+        w = (ttft[i] + max(out - 1.0, 0.0) * tpot[i]) / 1000.0
+        x = n[i] / w
+        row.update(users=int(n[i]), tpot_ms=float(tpot[i]), ttft_ms=float(ttft[i]),
+                   capacity_rps=x, tokens_per_s=float(n[i] * tau / step[i] * 1000.0),
+                   replicas=math.ceil(qps / x - 1e-9),
+                   note=(f"memory-bound: the KV cache fits {mem_cap} sequences; compute and "
+                         f"the SLOs would allow {compute_n}" if limit == "memory" else
+                         "capped by max_batch" if i == max_batch - 1 else ""))
 
 
 def _one_sampling(results):

@@ -1,13 +1,12 @@
 """``python -m analysis policy RUN --validate``: run the derived policy against the best fixed
 strategy at every tier of the run.
 
-One Serve config carries the policy deployment (``<base>-policy``, its
+One Serve config (``validation_config``) carries the policy deployment (``<base>-policy``, its
 ``num_speculative_tokens_per_batch_size`` map: vLLM PR #32374) and, beside it, every
 tier's best fixed deployment as measured (``analysis.decide.policy.fixed_entry``), each
-one replica as in the measurement. It is deployed with ``python -m cluster up`` on a
-private Ray head and a free loopback port (``analysis.decide.validate._cluster_up``:
-the plan validation's bring-up), then each tier is driven in turn with
-``python -m loadgen --target URL --tier T`` against the policy and that tier's best
+one replica as in the measurement. It is deployed on a private Ray head and a free
+loopback port (``cluster.launch.deploy_private``: the plan validation's bring-up), then
+each tier is driven in turn with ``python -m loadgen --target URL --tier T`` against the policy and that tier's best
 fixed deployment(s) (the order alternates from tier to tier, so a drift in the machine's
 load favours neither): closed loop, the run's own profile (users, max_tokens, SLOs;
 written from the run manifest's ``profile``), every cell cut to ``duration_s`` seconds
@@ -21,31 +20,22 @@ measurement run's SLOs), and for the policy the k its engine actually used
 median running batch. Nothing is estimated here: every figure is measured on the
 validation run.
 
-``deploy(config) -> (url, stop)`` and ``drive(url, tier, strategies, run_id) -> run_dir``
-can be substituted (tests use a fake server). Errors: ``PolicyError`` when the run has
-no tier the profile knows; a tier whose load run fails gets no figure and its error
-under ``errors`` (the other tiers go on).
+The campaign itself (deploy, drive, stop) is ``analysis.campaigns.policy_validation``;
+this module holds what it decides with, no process of its own. Errors: ``PolicyError``
+when the run has no tier the profile knows.
 """
 
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-import tempfile
-import time
-import uuid
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
-import yaml
 
 from analysis.data import metrics
 from analysis.data.load import load_results
 from analysis.decide.policy import PolicyError, emit_serve_config, fixed_entry
 from configs import metric_names as mn
-from configs.paths import PACKAGE_ROOT
 from configs.tiers import TIER_NAMES, Slo, load_tiers, parse_tiers
 
 DEFAULT_DURATION_S = 12.0
@@ -87,7 +77,7 @@ def level_plan(policy: dict) -> list[dict]:
     return sorted(rows, key=lambda r: TIER_NAMES.index(r["tier"]))
 
 
-def _steps_k(run_dir: Path, name: str) -> dict:
+def steps_k(run_dir: Path, name: str) -> dict:
     """{"k_share": {k: share of decode steps}, "batch_p50", "steps"} of ``name`` in a run."""
     path = Path(run_dir) / "steps.parquet"
     if not path.is_file():
@@ -138,103 +128,39 @@ def validation_config(policy: dict, plan: list[dict], base_config) -> dict:
     return emit_serve_config(policy, base_config, extra)
 
 
-def _loadgen(url: str, tier: str, strategies: list[str], outputs: str, tiers_path: Path | None,
-             profile: str | None, duration_s: float, results: Path, run_id: str) -> Path:
-    cmd = [sys.executable, "-m", "loadgen", "--tier", tier, "--output", outputs, "--target", url,
-           "--strategies", ",".join(strategies), "--duration", f"{duration_s:g}",
-           "--results", str(results), "--run-id", run_id]
-    if tiers_path is not None:
-        cmd += ["--tiers-file", str(tiers_path)]
-    if profile:
-        cmd += ["--profile", profile]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=PACKAGE_ROOT)
-    run_dir = results / run_id
-    if p.returncode != 0 or not (run_dir / "requests.parquet").is_file():
-        raise RuntimeError(f"loadgen failed (exit {p.returncode}) or wrote no requests: "
-                           f"{(p.stdout + p.stderr)[-1500:]}")
-    return run_dir
+def run_order(policy: dict, row: dict, i: int) -> list[str]:
+    """The deployments tier ``row`` (the ``i``-th of ``level_plan``) drives: the policy and the
+    tier's best fixed ones, the first rotated to the end on every other tier, so a drift in the
+    machine's load favours neither."""
+    names = [policy["name"]] + [s for s in dict.fromkeys(row["fixed"].values())
+                                if s != policy["name"]]
+    return names[1:] + names[:1] if i % 2 else names
 
 
-def validate_policy(policy: dict, manifest: dict | None, slos: dict[str, Slo], out_dir: Path,
-                    duration_s: float = DEFAULT_DURATION_S, output: str = "all",
-                    base_config=None, deploy: Callable | None = None,
-                    drive: Callable | None = None, log=print) -> dict:
-    """Deploy the policy beside the best fixed deployments, drive every tier; returns the
-    ``--validate --json`` dict {"policy": {"name", "base_strategy", "map"}, "duration_s",
-    "deployed", "runs": {tier: run dir}, "rows": [{"tier", "output_class", "users", "band",
-    "k", "policy": {...measure..., "strategy", "k_share", "batch_p50"}, "best_fixed":
-    {...measure..., "strategy"}, "tokens_ratio", "goodput_ratio"}], "errors": {tier: msg}}.
-    ``output``: "short", "long" or "all" (the run's output classes)."""
-    from analysis.decide.policy import DEFAULT_BASE_CONFIG
-    from analysis.decide.validate import _cluster_up
-
-    base_config = base_config or DEFAULT_BASE_CONFIG
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plan = level_plan(policy)
-    cfg = validation_config(policy, plan, base_config)
-    deployed = [e["name"] for e in cfg["applications"][0]["args"]["strategies"]]
-    doc, profile = tiers_file(manifest)
-    tiers_path = None
-    if doc is not None:
-        tiers_path = out_dir / "policy-validate-tiers.yaml"
-        tiers_path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    (out_dir / "policy-validate-serve.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    work = Path(tempfile.mkdtemp(prefix="specload-policy-"))
-    if deploy is None:
-        def deploy(config):
-            return _cluster_up(config, work)
-    if drive is None:
-        def drive(url, tier, strategies, run_id):
-            return _loadgen(url, tier, strategies, output, tiers_path, profile, duration_s,
-                            out_dir, run_id)
-    result = {"policy": {"name": policy["name"], "base_strategy": policy["base_strategy"],
-                         "map": policy["map"]},
-              "duration_s": duration_s, "deployed": deployed, "profile": profile,
-              "serve_config": str(out_dir / "policy-validate-serve.yaml"),
-              "runs": {}, "rows": [], "errors": {}}
-    log(f"validate: deploying {', '.join(deployed)} (one replica each) on a private Ray head")
-    url, stop = deploy(cfg)
-    try:
-        for i, row in enumerate(plan):
-            names = [policy["name"]] + [s for s in dict.fromkeys(row["fixed"].values())
-                                        if s != policy["name"]]
-            if i % 2:   # alternate who runs first, so a drift in machine load favours neither
-                names = names[1:] + names[:1]
-            run_id = (f"policy-{row['tier']}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-"
-                      f"{uuid.uuid4().hex[:6]}")
-            log(f"validate: tier {row['tier']} ({row['users']} users, policy band {row['band']} "
-                f"k={row['k']}): {', '.join(names)}, {duration_s:g} s per cell")
-            try:
-                run_dir = Path(drive(url, row["tier"], names, run_id))
-                got = measure(run_dir, slos)
-            except (RuntimeError, OSError, ValueError) as exc:
-                result["errors"][row["tier"]] = str(exc)[-500:]
-                log(f"validate: tier {row['tier']}: no figure: {str(exc)[-300:]}")
-                continue
-            result["runs"][row["tier"]] = str(run_dir)
-            ksteps = _steps_k(run_dir, policy["name"])
-            for oc, fixed in row["fixed"].items():
-                if output != "all" and oc != output:
-                    continue
-                p, f = got.get((policy["name"], oc)), got.get((fixed, oc))
-                if p is None or f is None:
-                    result["errors"][f"{row['tier']}/{oc}"] = (
-                        f"no requests for {'the policy' if p is None else fixed} in {run_dir}")
-                    continue
-                result["rows"].append({
-                    "tier": row["tier"], "output_class": oc, "users": row["users"],
-                    "band": row["band"], "k": row["k"],
-                    "policy": {"strategy": policy["name"], **p, **ksteps},
-                    "best_fixed": {"strategy": fixed, **f},
-                    "measurement_run": _measured_before(policy, row["tier"], oc),
-                    "tokens_ratio": p["tokens_per_s"] / f["tokens_per_s"]
-                    if f["tokens_per_s"] else None,
-                    "goodput_ratio": p["goodput_tok_s"] / f["goodput_tok_s"]
-                    if f["goodput_tok_s"] else None})
-    finally:
-        stop()
-    return result
+def tier_rows(policy: dict, row: dict, got: dict, ksteps: dict, output: str,
+              run_dir: Path) -> tuple[list[dict], dict[str, str]]:
+    """One tier's result rows (policy against its best fixed deployment, per output class;
+    ``validate_policy``'s "rows") and errors ({"tier/oc": why}) from ``measure``'s ``got`` and
+    the policy's ``steps_k`` figures. ``output``: "short", "long" or "all"."""
+    rows, errors = [], {}
+    for oc, fixed in row["fixed"].items():
+        if output != "all" and oc != output:
+            continue
+        p, f = got.get((policy["name"], oc)), got.get((fixed, oc))
+        if p is None or f is None:
+            errors[f"{row['tier']}/{oc}"] = (
+                f"no requests for {'the policy' if p is None else fixed} in {run_dir}")
+            continue
+        rows.append({
+            "tier": row["tier"], "output_class": oc, "users": row["users"],
+            "band": row["band"], "k": row["k"],
+            "policy": {"strategy": policy["name"], **p, **ksteps},
+            "best_fixed": {"strategy": fixed, **f},
+            "measurement_run": _measured_before(policy, row["tier"], oc),
+            "tokens_ratio": p["tokens_per_s"] / f["tokens_per_s"] if f["tokens_per_s"] else None,
+            "goodput_ratio": p["goodput_tok_s"] / f["goodput_tok_s"]
+            if f["goodput_tok_s"] else None})
+    return rows, errors
 
 
 def _measured_before(policy: dict, tier: str, oc: str) -> dict:

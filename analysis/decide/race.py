@@ -210,18 +210,38 @@ def _window(end_ts: float, cutoffs: list[float] | None) -> int:
     return len(cutoffs)
 
 
+def _repeat_blocks(reps: dict[str, list[Replicate]]) -> dict[int, int]:
+    """Without racing looks, the passes are the repeat indices (``--repeats K --interleave``
+    runs every strategy once per repeat, mirrored): repeat -> block. A repeat that only one
+    strategy ran (the A/A's second baseline, repeat 1 of a one-repeat pass) joins the block
+    before it, so the A/A still measures the noise."""
+    by: dict[int, set[str]] = {}
+    for s, v in reps.items():
+        for r in v:
+            by.setdefault(r.repeat, set()).add(s)
+    out, cur = {}, None
+    for k in sorted(by):
+        if cur is None or len(by[k]) >= 2:
+            cur = k
+        out[k] = cur
+    return out
+
+
 def _observations(reps: dict[str, list[Replicate]], cutoffs: list[float] | None,
                   upto: int | None) -> list[tuple[str, int, float]]:
-    """(strategy, pass, ln goodput) of every replicate in passes <= ``upto`` (None: all); a
-    replicate without a good token at ZERO_FLOOR of the cell's best."""
+    """(strategy, pass, ln goodput) of every replicate in looks <= ``upto`` (None: all); a
+    replicate without a good token at ZERO_FLOOR of the cell's best. The pass (the block of
+    the design): a raced run's look window (``_window``), else its repeat (``_repeat_blocks``):
+    drift shared by the strategies of one pass cancels out of every comparison."""
     best = max((r.goodput for v in reps.values() for r in v), default=0.0)
     floor = max(best * ZERO_FLOOR, 1e-9)
+    blocks = None if cutoffs else _repeat_blocks(reps)
     out = []
     for s, v in reps.items():
         for r in v:
             w = _window(r.end_ts, cutoffs)
             if upto is None or w <= upto:
-                out.append((s, w, math.log(max(r.goodput, floor))))
+                out.append((s, w if blocks is None else blocks[r.repeat], math.log(max(r.goodput, floor))))
     return out
 
 

@@ -33,6 +33,54 @@ TIE = "tie"
 RECOMMENDATION_SCHEMA_VERSION = 4
 
 
+def _race_fields(d: "race.Decision") -> dict:
+    """The decision's own fields every recommendation carries (status, contenders, dropped,
+    intervals, repeats, time, noise, alpha per look, looks, why)."""
+    return {"status": d.status, "contenders": list(d.contenders), "dropped": dict(d.dropped),
+            "equivalent": list(d.equivalent), "win_probability": dict(d.win_probability),
+            "relative_interval": dict(d.relative_interval),
+            "repeats": max(d.repeats.values()), "repeats_by_strategy": dict(d.repeats),
+            "time_s": d.time_s, "decided_at_repeat": d.decided_at_repeat,
+            "noise": dict(d.noise), "alpha": list(d.alpha), "looks": d.rounds,
+            "needs_repeats": d.needs_repeats, "reason": d.reason, "level": d.level}
+
+
+def _runner_up(d: "race.Decision", best: str, ranked: list[str]):
+    """(runner-up, leader's goodput, runner-up's goodput; tokens/s). The runner-up: the best
+    other contender (same repeats as the leader), else the dropped strategy closest to the
+    leader over the repeats both ran (their own means are of different times); both goodputs
+    over those same repeats where paired."""
+    point = d.goodput
+    others = [s for s in d.contenders if s != best and s in point] or sorted(
+        (s for s in ranked[1:] if s in d.paired),
+        key=lambda s: -(d.paired[s][0] / d.paired[s][1] if d.paired[s][1] > 0 else 0.0)) or ranked[1:]
+    runner = others[0] if others else None
+    lead_gp = point[best]
+    runner_gp = point[runner] if runner else None
+    if runner is not None and runner in d.paired and best == d.leader:
+        runner_gp, lead_gp = d.paired[runner][0], d.paired[runner][1]
+    return runner, lead_gp, runner_gp
+
+
+def _status_note(d: "race.Decision", best: str, note: str) -> tuple[list[str], str]:
+    """(tied strategies, the note extended by the status): undecided names the contenders
+    left and what would separate them; equivalent says to run any of them."""
+    tied: list[str] = []
+    margin_pct = f"{100 * d.bootstrap.get('effective_margin', d.bootstrap.get('equivalence_margin', race.DEFAULT_MARGIN)):.0f}%"
+    level = f"{100 * d.bootstrap.get('confidence', TIE_CONFIDENCE):.0f}%"
+    if d.status == race.UNDECIDED and d.goodput[best] > 0:
+        tied = list(d.contenders)
+        note = (note + "; " if note else "") + (
+            f"tie: {best} leads {', '.join(tied[1:])} but not at {level} and they are not within "
+            f"+-{margin_pct}: {d.reason}; run --repeats, a longer --budget or a quieter machine "
+            f"to separate {', '.join(tied)}")
+    elif d.status == race.EQUIVALENT:
+        note = (note + "; " if note else "") + (
+            f"equivalent: {', '.join(d.equivalent)} are within +-{margin_pct} of each other's goodput "
+            f"at {level} (run any of them)")
+    return tied, note
+
+
 def from_decision(d: "race.Decision") -> dict:
     """The recommendation dict of one cell from its race decision.
 
@@ -52,13 +100,7 @@ def from_decision(d: "race.Decision") -> dict:
     ranked = sorted(point, key=lambda s: (-point[s], s != mn.AUTOREGRESSIVE, s))
     best = d.leader
     ranked = [best] + [s for s in ranked if s != best]
-    race_fields = {"status": d.status, "contenders": list(d.contenders), "dropped": dict(d.dropped),
-                   "equivalent": list(d.equivalent), "win_probability": dict(d.win_probability),
-                   "relative_interval": dict(d.relative_interval),
-                   "repeats": max(d.repeats.values()), "repeats_by_strategy": dict(d.repeats),
-                   "time_s": d.time_s, "decided_at_repeat": d.decided_at_repeat,
-                   "noise": dict(d.noise), "alpha": list(d.alpha), "looks": d.rounds,
-                   "needs_repeats": d.needs_repeats, "reason": d.reason, "level": d.level}
+    race_fields = _race_fields(d)
     note = ""
     if point[best] <= 0:
         if mn.AUTOREGRESSIVE not in point:
@@ -71,30 +113,8 @@ def from_decision(d: "race.Decision") -> dict:
         best = mn.AUTOREGRESSIVE
         ranked = [best] + [s for s in ranked if s != best]
         note = "no strategy met the SLOs; showing the baseline"
-    # the runner-up: the best other contender (same repeats as the leader), else the dropped
-    # strategy closest to the leader over the repeats both ran (their own means are of
-    # different times); its margin over those same repeats
-    others = [s for s in d.contenders if s != best and s in point] or sorted(
-        (s for s in ranked[1:] if s in d.paired),
-        key=lambda s: -(d.paired[s][0] / d.paired[s][1] if d.paired[s][1] > 0 else 0.0)) or ranked[1:]
-    runner = others[0] if others else None
-    lead_gp = point[best]
-    runner_gp = point[runner] if runner else None
-    if runner is not None and runner in d.paired and best == d.leader:
-        runner_gp, lead_gp = d.paired[runner][0], d.paired[runner][1]
-    tied: list[str] = []
-    margin_pct = f"{100 * d.bootstrap.get('effective_margin', d.bootstrap.get('equivalence_margin', race.DEFAULT_MARGIN)):.0f}%"
-    level = f"{100 * d.bootstrap.get('confidence', TIE_CONFIDENCE):.0f}%"
-    if d.status == race.UNDECIDED and point[best] > 0:
-        tied = list(d.contenders)
-        note = (note + "; " if note else "") + (
-            f"tie: {best} leads {', '.join(tied[1:])} but not at {level} and they are not within "
-            f"+-{margin_pct}: {d.reason}; run --repeats, a longer --budget or a quieter machine "
-            f"to separate {', '.join(tied)}")
-    elif d.status == race.EQUIVALENT:
-        note = (note + "; " if note else "") + (
-            f"equivalent: {', '.join(d.equivalent)} are within +-{margin_pct} of each other's goodput "
-            f"at {level} (run any of them)")
+    runner, lead_gp, runner_gp = _runner_up(d, best, ranked)
+    tied, note = _status_note(d, best, note)
     return {
         "strategy": TIE if tied else best,
         "leader": best,
@@ -283,9 +303,10 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
             lines.append(f"{head} no strategy met the SLOs; nothing to recommend")
         elif r.get("strategy") == TIE:
             why = f"undecided{f', {undecided_reason}' if undecided_reason else ''}: " if status else "a tie: "
-            need = percent(r["level"], 1) if r.get("level") else level   # the last look's level
+            # the leader's P(lead) must reach the one-sided end of the look's two-sided interval
+            need = percent(1 - (1 - r["level"]) / 2, 1) if r.get("level") else level
             lines.append(f"{head} run any of {', '.join(r.get('tied', []))} ({why}{r.get('leader')} leads "
-                         f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 0)} "
+                         f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 1)} "
                          f"short of the {need} its look needed{effort})")
         elif status == race.EQUIVALENT:
             b = r.get("bootstrap", {})

@@ -1,11 +1,11 @@
-"""``python -m analysis plan ... --validate``: prove a capacity plan by running it.
+"""Judging a capacity plan by a real run (``python -m analysis plan ... --validate``).
 
 A plan says "N replicas of strategy S serve Q requests/s of this tier's traffic
-within the SLOs". The check deploys exactly that (a Serve app with S only,
-``num_replicas`` N, via ``python -m cluster up`` on a private Ray head and a
-free port), drives open-loop Poisson arrivals at Q (``python -m loadgen``
-with an open-loop tier file: latency from the scheduled send time, so an
-overloaded service cannot hide queueing), then repeats with N - 1 replicas.
+within the SLOs". The campaign (``analysis.campaigns.plan_validation``) deploys exactly
+that (a Serve app with S only, ``num_replicas`` N: ``serve_config``), drives open-loop
+Poisson arrivals at Q (an open-loop tier file: ``tiers_file``; latency from the scheduled
+send time, so an overloaded service cannot hide queueing), then repeats with N - 1
+replicas. This module holds what the campaign needs to decide, no process of its own.
 
 SLO attainment = requests meeting both SLOs / requests scheduled (errors,
 timeouts and requests still in flight at the end count as misses); requests
@@ -20,25 +20,16 @@ requests must be a plausible Poisson count for qps x duration
 (``arrivals_check``), else that replica count gets no figure.
 The plan holds when attainment(N) >= target; it is tight when
 attainment(N - 1) < target. N - 1 = 0 replicas serve nothing: attainment 0.
-
-The deploy and load steps run as subprocesses (``cluster`` and ``loadgen``
-sit above ``analysis`` in the layer order); ``validate_plan`` takes them as
-callables so tests can substitute a fake server.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -46,7 +37,7 @@ import yaml
 
 from analysis.data import metrics
 from configs import metric_names as mn
-from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
+from configs.paths import CONFIGS_DIR
 from configs.tiers import TIER_NAMES, Slo
 
 ARRIVALS_SIGMAS = 5.0       # a Poisson count further than this from qps x duration is wrong
@@ -230,117 +221,42 @@ def run_max_tokens(manifest: dict | None, tier: str, output_class: str):
         return load_tiers().profile(None).cell(t, output_class).max_tokens.model_dump()
 
 
-def _cluster_up(config: dict, workdir: Path, attempts: int = 3) -> tuple[str, Callable[[], None]]:
-    """Deploy ``config`` on a private Ray head and a free port; returns (url, stop).
-
-    An overloaded machine can time a Ray head out during start-up; each attempt
-    takes a new port. Raises RuntimeError with the last stderr tail after ``attempts``."""
-    from configs.net import free_port
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(PACKAGE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    env.pop("RAY_ADDRESS", None)   # never deploy onto somebody else's cluster
-    for attempt in range(attempts):
-        port = free_port()
-        path = workdir / f"serve-{port}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        p = subprocess.run([sys.executable, "-m", "cluster", "up", "--config", str(path), "--port",
-                            str(port)], capture_output=True, text=True, timeout=1200, env=env,
-                           cwd=PACKAGE_ROOT)
-        lines = [ln.strip() for ln in p.stdout.splitlines() if ln.strip()]
-        if p.returncode == 0 and lines:
-            break
-        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=PACKAGE_ROOT)
-        if attempt == attempts - 1:
-            raise RuntimeError(f"cluster up failed {attempts} times (last exit {p.returncode}): "
-                               f"{p.stderr[-1500:]}")
-
-    def stop() -> None:
-        subprocess.run([sys.executable, "-m", "cluster", "down", "--port", str(port)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=PACKAGE_ROOT)
-    return lines[-1], stop
+def new_result(choice: Choice, qps: float, tier: str, slo: Slo, target: float,
+               duration_s: float, warmup_s: float, acceptance_length: float | None) -> dict:
+    """The ``--validate --json`` dict before any run: {"strategy", "output_class", "tier",
+    "replicas", "qps", "slo_target", "slo", "duration_s", "warmup_s", "runs", "arrivals",
+    "cpu_share", "goodput_tok_s", "acceptance_length", "measured_acceptance_length"} (the
+    per-count mappings empty; ``record_count`` fills them)."""
+    return {"strategy": choice.strategy, "output_class": choice.output_class, "tier": tier,
+            "replicas": choice.replicas, "qps": qps, "slo_target": target,
+            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+            "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}, "arrivals": {},
+            "cpu_share": {}, "goodput_tok_s": {}, "acceptance_length": acceptance_length,
+            "measured_acceptance_length": {}}
 
 
-def _loadgen(url: str, strategy: str, tier: str, output_class: str, tiers_path: Path,
-             results: Path, run_id: str) -> Path:
-    p = subprocess.run([sys.executable, "-m", "loadgen", "--tier", tier, "--output", output_class,
-                        "--target", url, "--strategies", strategy, "--tiers-file", str(tiers_path),
-                        "--profile", "validate", "--results", str(results), "--run-id", run_id],
-                       capture_output=True, text=True, timeout=3600, cwd=PACKAGE_ROOT)
-    run_dir = results / run_id
-    if p.returncode != 0 or not (run_dir / "requests.parquet").is_file():
-        raise RuntimeError(f"loadgen failed (exit {p.returncode}) or wrote no requests: "
-                           f"{(p.stdout + p.stderr)[-1500:]}")
-    return run_dir
+def record_count(result: dict, n: int, key: str, req: pd.DataFrame, run_dir: Path, slo: Slo,
+                 warmup_s: float, duration_s: float) -> tuple[float, int, float | None]:
+    """Put one replica count's figures into ``result``: ``key`` (attainment) and its request
+    count, goodput, the measured acceptance length (speculative runs), the run dir and the
+    CPU share. Returns (attainment, requests counted, cpu share or None)."""
+    count_key = "requests" if key == "attainment" else "requests_minus_one"
+    att, count = attainment(req, slo, warmup_s)
+    result[key], result[count_key] = att, count
+    result["goodput_tok_s"][str(n)] = goodput(req, slo, warmup_s, duration_s)
+    if mn.NUM_DRAFTS in req and req[mn.NUM_DRAFTS].fillna(0).sum() > 0:
+        ok = req[req[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+        result["measured_acceptance_length"][str(n)] = metrics.pooled_tau(ok)
+    result["runs"][str(n)] = str(run_dir)
+    share = cpu_share(Path(run_dir))
+    result["cpu_share"][str(n)] = share
+    return att, count, share
 
 
-def validate_plan(choice: Choice, qps: float, tier: str, slo: Slo, target: float,
-                  max_tokens, out_dir: Path, duration_s: float = DEFAULT_DURATION_S,
-                  warmup_s: float = DEFAULT_WARMUP_S, deploy=None, drive=None,
-                  log=print, acceptance_length: float | None = None) -> dict:
-    """Run the plan with N and N - 1 replicas; returns the ``--validate --json`` dict:
-    {"strategy", "replicas", "qps", "attainment", "attainment_minus_one", "slo_target",
-    "output_class", "tier", "holds", "tight", "requests", "requests_minus_one",
-    "duration_s", "warmup_s", "runs", "arrivals": {N: arrivals_check dict}, "cpu_share":
-    {N: ``cpu_share`` or None}}; a replica
-    count that could not be deployed or driven (``check_run`` failed) gets attainment
-    None (holds / tight None) and its error under "errors".
-
-    ``deploy(strategy, replicas) -> (url, stop)`` and ``drive(url, run_id) -> run_dir``
-    default to ``python -m cluster up`` and ``python -m loadgen`` subprocesses."""
-    out_dir = Path(out_dir).resolve()   # the load generator runs with its own cwd
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tiers_path = out_dir / "validate-tiers.yaml"
-    tiers_path.write_text(yaml.safe_dump(tiers_file(tier, choice.output_class, qps, duration_s,
-                                                    slo, max_tokens)))
-    work = Path(tempfile.mkdtemp(prefix="specload-validate-"))
-    if deploy is None:
-        def deploy(strategy, replicas):
-            return _cluster_up(serve_config(strategy, replicas,
-                                            acceptance_length=acceptance_length), work)
-    if drive is None:
-        def drive(url, run_id):
-            return _loadgen(url, choice.strategy, load_tier(tier), choice.output_class,
-                            tiers_path, out_dir, run_id)
-    result = {"strategy": choice.strategy, "output_class": choice.output_class, "tier": tier,
-              "replicas": choice.replicas, "qps": qps, "slo_target": target,
-              "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-              "duration_s": duration_s, "warmup_s": warmup_s, "runs": {}, "arrivals": {},
-              "cpu_share": {}, "goodput_tok_s": {}, "acceptance_length": acceptance_length,
-              "measured_acceptance_length": {}}
-    for n, key in ((choice.replicas, "attainment"), (choice.replicas - 1, "attainment_minus_one")):
-        count_key = "requests" if key == "attainment" else "requests_minus_one"
-        if n < 1:
-            result[key], result[count_key] = 0.0, 0
-            continue
-        log(f"validate: {choice.strategy} x {n} replica(s), {qps:g} req/s Poisson for "
-            f"{duration_s:g} s ({tier}/{choice.output_class})")
-        try:
-            url, stop = deploy(choice.strategy, n)
-            try:
-                run_dir = drive(url, run_id_for(choice.strategy, n))
-            finally:
-                stop()
-            req = pd.read_parquet(Path(run_dir) / "requests.parquet")
-            result["arrivals"][str(n)] = check_run(req, qps, duration_s)
-        except RuntimeError as exc:  # keep what was measured; say why this count has no figure
-            result[key], result[count_key] = None, 0
-            result.setdefault("errors", {})[str(n)] = str(exc)[-500:]
-            log(f"validate: {n} replica(s): no figure: {str(exc)[-300:]}")
-            continue
-        att, count = attainment(req, slo, warmup_s)
-        result[key], result[count_key] = att, count
-        result["goodput_tok_s"][str(n)] = goodput(req, slo, warmup_s, duration_s)
-        if mn.NUM_DRAFTS in req and req[mn.NUM_DRAFTS].fillna(0).sum() > 0:
-            ok = req[req[mn.REQ_STATUS].eq(mn.STATUS_OK)]
-            result["measured_acceptance_length"][str(n)] = metrics.pooled_tau(ok)
-        result["runs"][str(n)] = str(run_dir)
-        share = cpu_share(Path(run_dir))
-        result["cpu_share"][str(n)] = share
-        log(f"validate: {n} replica(s): attainment {att:.1%} over {count} requests"
-            + (f"; the replicas' engine threads ran {share:.0%} of their wall time" if share else ""))
+def verdict(result: dict, target: float) -> dict:
+    """``result`` with "holds" (attainment(N) >= target) and "tight" (attainment(N - 1) <
+    target); None where that count has no figure."""
     att, att_m1 = result["attainment"], result["attainment_minus_one"]
     result["holds"] = None if att is None else bool(np.isfinite(att) and att >= target)
     result["tight"] = None if att_m1 is None else bool(att_m1 < target)
     return result
-

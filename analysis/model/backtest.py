@@ -431,7 +431,7 @@ def _repeat_spread(flagged: pd.DataFrame) -> pd.DataFrame | None:
 
 
 def _r2(y: np.ndarray, p: np.ndarray) -> float:
-    return stepcost._r2(np.asarray(y, float), np.asarray(p, float)) if len(y) >= 2 else float("nan")
+    return stepcost.r2_score(np.asarray(y, float), np.asarray(p, float)) if len(y) >= 2 else float("nan")
 
 
 def loo_backtest(results: Results, profile: dict | None | bool = True) -> dict:

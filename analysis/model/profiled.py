@@ -1,5 +1,5 @@
 """The profiled step cost: a strategy's step model from the engine profile
-(``python -m actors.cost_curve --engine``), calibrated on a run's step log.
+(``python -m bench.step_cost --engine``), calibrated on a run's step log.
 
 Where the capacity model used to fit ``analysis.model.stepcost.DecodeCost`` on the
 steps of the run and extrapolate it to batches the run never reached, the step cost
@@ -259,7 +259,7 @@ def calibrate(parts: ProfiledParts, steps: pd.DataFrame, strategy: str = "") -> 
     pure = f[(f["B"] > 0) & (f["P"] == 0)]
     overhead = float(pure["rest_ms"].median()) if not pure.empty else 0.0
     decode = ProfiledDecode(parts, c_v, kind_v)
-    decode = dataclasses.replace(decode, r2=stepcost._r2(dec["verify_ms"].to_numpy(float),
+    decode = dataclasses.replace(decode, r2=stepcost.r2_score(dec["verify_ms"].to_numpy(float),
                                                          decode(bb, dec["T"], dec["A"])),
                                  n_steps=len(dec))
     model = stepcost.StepModel(strategy, decode, ScaledCurve(parts.prefill, s_p), overhead,
@@ -267,7 +267,7 @@ def calibrate(parts: ProfiledParts, steps: pd.DataFrame, strategy: str = "") -> 
                                source="profiled")
     pred = np.asarray(model.step_ms(f["B"], f["T"], f["A"], f["P"]))
     y = f["step_ms"].to_numpy(float)
-    return dataclasses.replace(model, r2_step=stepcost._r2(y, pred), n_steps=len(f),
+    return dataclasses.replace(model, r2_step=stepcost.r2_score(y, pred), n_steps=len(f),
                                residuals=y - pred, fitted=pred, is_prefill=(f["P"] > 0).to_numpy())
 
 
@@ -289,7 +289,7 @@ def find_profile(results, explicit: str | Path | None = None) -> tuple[dict | No
         p = Path(explicit)
         data = json.loads(p.read_text())
         if data.get("kind") != PROFILE_KIND:
-            raise ValueError(f"{p} is not an engine profile (python -m actors.cost_curve --engine)")
+            raise ValueError(f"{p} is not an engine profile (python -m bench.step_cost --engine)")
         return data, str(p)
     for run in getattr(results, "runs", ()):
         cands.append(Path(run.path) / PROFILE_FILE)

@@ -203,16 +203,16 @@ def engine_limits(strategy: str, base=None) -> tuple[int, int]:
     import yaml
 
     from configs.paths import CONFIGS_DIR
-    from configs.serve_config import _ENGINE_DEFAULT_MAX_NUM_SEQS
+    from configs.serve_config import ENGINE_DEFAULT_MAX_NUM_SEQS
 
     cfg = yaml.safe_load(Path(base or CONFIGS_DIR / "serve.yaml").read_text(encoding="utf-8"))
     for app in cfg.get("applications") or []:
         for e in (app.get("args") or {}).get("strategies") or []:
             eng = e.get("engine") or {}
             if eng.get("strategy") == strategy:
-                return (int(eng.get("max_num_seqs", _ENGINE_DEFAULT_MAX_NUM_SEQS)),
+                return (int(eng.get("max_num_seqs", ENGINE_DEFAULT_MAX_NUM_SEQS)),
                         int(eng.get("max_waiting", DEFAULT_MAX_WAITING)))
-    return _ENGINE_DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING
+    return ENGINE_DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING
 
 
 def fit_replica_models(results, flagged: pd.DataFrame, cells: pd.DataFrame,

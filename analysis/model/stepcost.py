@@ -62,7 +62,7 @@ class DecodeCost:
                 + self.attn_ms * np.asarray(attn, float))
 
 
-def _r2(y: np.ndarray, pred: np.ndarray) -> float:
+def r2_score(y: np.ndarray, pred: np.ndarray) -> float:
     sst = float(np.sum((y - y.mean()) ** 2))
     return 1.0 - float(np.sum((y - pred) ** 2)) / sst if sst > 0 else 1.0
 
@@ -104,7 +104,7 @@ def fit_decode_cost(rows, tokens, ms, attn=None) -> DecodeCost:
     fit = DecodeCost(floor_ms=float(icpt), row_ms=float(coef[0]), token_ms=float(coef[1]),
                      knee_tokens=k if coef[1] > 0 else float(t.max()), attn_ms=attn_ms,
                      n_steps=int(y.size))
-    return DecodeCost(**{**asdict(fit), "r2": _r2(y, fit(b, t, a))})
+    return DecodeCost(**{**asdict(fit), "r2": r2_score(y, fit(b, t, a))})
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def fit_strategy(steps: pd.DataFrame, strategy: str = "") -> StepModel:
     pred = model.step_ms(f["B"], f["T"], f["A"], f["P"])
     y = f["step_ms"].to_numpy(float)
     return StepModel(strategy, decode, prefill, overhead, model.draft,
-                     r2_step=_r2(y, np.asarray(pred)), n_steps=len(f),
+                     r2_step=r2_score(y, np.asarray(pred)), n_steps=len(f),
                      residuals=y - np.asarray(pred), fitted=np.asarray(pred),
                      is_prefill=(f["P"] > 0).to_numpy())
 
@@ -244,7 +244,7 @@ def cpu_fit(steps: pd.DataFrame) -> dict | None:
         curve = fit_cost_curve(f.loc[pre, "P"], (rest - line)[pre])
         pre_part = np.where(pre, curve(f["P"]), 0.0)
     pred = np.where(dec, decode(f["B"], f["T"], f["A"]), 0.0) + line + pre_part
-    return {"r2_step_cpu": _r2(cpu.to_numpy(), pred), "r2_decode_cpu": decode.r2,
+    return {"r2_step_cpu": r2_score(cpu.to_numpy(), pred), "r2_decode_cpu": decode.r2,
             "cpu_share": float(cpu.sum() / f["step_ms"].sum()) if f["step_ms"].sum() > 0 else np.nan}
 
 

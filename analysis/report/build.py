@@ -121,6 +121,55 @@ def prepare(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     return results, warmup_s, dropped, slos, flagged, srv, cells
 
 
+def crossover_table(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """The crossover table: measured per sampling label (speedup and tau); the model's columns
+    are fitted over every label of a strategy x output class (model_tau, verification per
+    request, prediction)."""
+    return metrics.crossover_measured(cells).merge(
+        metrics.curve_tau(flagged), on=metrics.CURVE_KEY, how="left").merge(
+        predict_crossovers(results, flagged, cells).rename(columns={"tau": "model_tau"}),
+        on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], how="outer")
+
+
+def question_sections(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
+                      warmup_s: float, dropped: int) -> dict:
+    """The "questions" part of the report: output consistency, memory and stability
+    (``questions_section``), speedup / tau against k and temperature when varied
+    (``dimensions_section``), the verification-cost surface of synthetic deployments
+    (``surface_section``, with a top-of-report flag naming them). Returns
+    {"tables", "figures", "flags", "diverging", ...}."""
+    answers = questions_section(results, flagged, warmup_s, dropped)
+    dims = dimensions_section(cells)
+    answers.setdefault("tables", []).extend(dims["tables"])
+    answers.setdefault("figures", {}).update({k: v for k, v in dims["figures"].items() if v})
+    surf = surface_section(results)   # --acceptance-length: the verification-cost surface
+    answers["tables"].extend(surf["tables"])
+    answers["figures"].update(surf["figures"])
+    synthetic = sorted(surf["data"]["surface"]["strategy"].unique()) if not surf["data"]["surface"].empty else []
+    if synthetic:
+        answers.setdefault("flags", []).append(
+            f"SYNTHETIC deployments ({len(synthetic)}: {', '.join(synthetic[:6])}"
+            f"{', ...' if len(synthetic) > 6 else ''}): forced acceptance (--acceptance-length), "
+            "their text is not the target's; they measure the verification-cost surface and are "
+            "never recommended or consistency-checked.")
+    return answers
+
+
+def baseline_degradation(baseline, results: Results, slos: dict, flagged: pd.DataFrame,
+                         cells: pd.DataFrame, slo_ttft_ms, slo_tpot_ms,
+                         threshold: float) -> pd.DataFrame | None:
+    """``report --baseline``: the baseline's acceptance length and goodput against this run's
+    (``analysis.data.degradation.compare``), under the same SLOs; None without a baseline."""
+    if baseline is None:
+        return None
+    base = load_results(baseline)
+    base_slos = {t: slos.get(t) or resolve_slos([t], results.manifest_config,
+                                                slo_ttft_ms, slo_tpot_ms)[t]
+                 for t in base.requests[mn.REQ_TIER].unique()}
+    base_flagged = metrics.with_slo_flags(base.requests, base_slos)
+    return compare(flagged, cells, base_flagged, metrics.cell_table(base_flagged), threshold)
+
+
 def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
             baseline: str | Path | None = None, threshold: float = DEFAULT_THRESHOLD,
             warmup_s: float | None = None) -> Analysis:
@@ -135,46 +184,20 @@ def analyse(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
     results, warmup_s, dropped, slos, flagged, srv, cells = prepare(results, slo_ttft_ms, slo_tpot_ms,
                                                                     warmup_s)
     cap = server_data.merge_capacity(capacity.capacity_table(results.steps), srv)
-    # measured per sampling label (speedup and tau); the model's columns are fitted over every
-    # label of a strategy x output class (model_tau, verification per request, prediction)
-    crossover = metrics.crossover_measured(cells).merge(
-        metrics.curve_tau(flagged), on=metrics._CURVE, how="left").merge(
-        predict_crossovers(results, flagged, cells).rename(columns={"tau": "model_tau"}),
-        on=[mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS], how="outer")
     settings = race_settings(results)
     settings["scope"] = run_scope([r.manifest for r in results.runs], warmup_s)
     rec = recommend_by_sampling(flagged, cells, slos, confidence=settings["confidence"],
                                 margin=settings["equivalence_margin"], looks=settings["looks"])
     outage = faults.outages(uncut)
     faults.annotate_degraded(rec, outage)
-    answers = questions_section(results, flagged, warmup_s, dropped)
-    dims = dimensions_section(cells)   # speedup / tau vs k and vs temperature (when varied)
-    answers.setdefault("tables", []).extend(dims["tables"])
-    answers.setdefault("figures", {}).update({k: v for k, v in dims["figures"].items() if v})
-    surf = surface_section(results)   # --acceptance-length: the verification-cost surface
-    answers["tables"].extend(surf["tables"])
-    answers["figures"].update(surf["figures"])
-    synthetic = sorted(surf["data"]["surface"]["strategy"].unique()) if not surf["data"]["surface"].empty else []
-    if synthetic:
-        answers.setdefault("flags", []).append(
-            f"SYNTHETIC deployments ({len(synthetic)}: {', '.join(synthetic[:6])}"
-            f"{', ...' if len(synthetic) > 6 else ''}): forced acceptance (--acceptance-length), "
-            "their text is not the target's; they measure the verification-cost surface and are "
-            "never recommended or consistency-checked.")
+    answers = question_sections(results, flagged, cells, warmup_s, dropped)
     annotate_recommendation(rec, answers["diverging"])
-    degradation = None
-    if baseline is not None:
-        base = load_results(baseline)
-        base_slos = {t: slos.get(t) or resolve_slos([t], results.manifest_config,
-                                                    slo_ttft_ms, slo_tpot_ms)[t]
-                     for t in base.requests[mn.REQ_TIER].unique()}
-        base_flagged = metrics.with_slo_flags(base.requests, base_slos)
-        degradation = compare(flagged, cells, base_flagged, metrics.cell_table(base_flagged),
-                              threshold)
+    degradation = baseline_degradation(baseline, results, slos, flagged, cells, slo_ttft_ms,
+                                       slo_tpot_ms, threshold)
     from analysis.report.capacity_section import capacity_section
     return Analysis(results=results, slos=slos, flagged=flagged, cells=cells,
                     positions=server_data.merge_positions(metrics.per_position(flagged), srv),
-                    crossover=crossover,
+                    crossover=crossover_table(results, flagged, cells),
                     knees=metrics.throughput_latency_knee(cells), capacity=cap,
                     recommendation=rec, degradation=degradation,
                     outages=outage, timeline=faults.timeline(uncut),
@@ -231,7 +254,9 @@ def build_report(results_dir, out_dir=None, baseline=None, slo_ttft_ms=None, slo
     results = load_results(results_dir)
     a = analyse(results, slo_ttft_ms, slo_tpot_ms, baseline, warmup_s=warmup_s)
     a.figures = make_figures(a)
-    a.checks = model_checks(a)
+    tally: list = []
+    a.checks = model_checks(a, tally)
+    a.checks_run = len(tally)
     out = Path(out_dir) if out_dir is not None else default_out_dir(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "report.md", "html": out / "report.html",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from analysis.model import backtest as bt_mod
-from analysis.report.plots import _axes, _png, strategy_color
+from analysis.report.plots import figure_axes, figure_png, strategy_color
 from configs import metric_names as mn
 
 
@@ -16,7 +16,7 @@ def residual_plot(step_models: dict) -> bytes | None:
     models = [m for m in step_models.values() if m.residuals.size]
     if not models:
         return None
-    fig, axes = _axes(len(models), width=3.4, height=3.0)
+    fig, axes = figure_axes(len(models), width=3.4, height=3.0)
     for ax, m in zip(axes, models):
         pre = m.is_prefill.astype(bool)
         ax.scatter(m.fitted[~pre], m.residuals[~pre], s=4, alpha=0.4, label="decode")
@@ -28,7 +28,7 @@ def residual_plot(step_models: dict) -> bytes | None:
         ax.set_xlabel("predicted step ms")
     axes[0].set_ylabel("residual ms (measured - predicted)")
     axes[0].legend(fontsize=7)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def backtest_speedup(bt: dict, output_class: str) -> bytes | None:
@@ -39,7 +39,7 @@ def backtest_speedup(bt: dict, output_class: str) -> bytes | None:
                  & ~cells[mn.REQ_STRATEGY].eq(mn.AUTOREGRESSIVE) & cells["speedup"].notna()]
     if spec.empty:
         return None
-    fig, axes = _axes(1, width=6.0, height=4.0)
+    fig, axes = figure_axes(1, width=6.0, height=4.0)
     ax = axes[0]
     top = bt["holdout_users"]
     grid = np.geomspace(1.0, top * 2.0, 200)
@@ -57,4 +57,4 @@ def backtest_speedup(bt: dict, output_class: str) -> bytes | None:
     ax.set_ylabel("speedup vs autoregressive")
     ax.set_title(f"{output_class} outputs: fit on users < {top}, predict {top}", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
-    return _png(fig)
+    return figure_png(fig)

@@ -101,7 +101,7 @@ def temperature_table(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def _png(fig) -> bytes:
-    from analysis.report.plots import _png as png
+    from analysis.report.plots import figure_png as png
 
     return png(fig)
 

@@ -36,14 +36,14 @@ def strategy_color(strategy: str) -> str:
     return _SPARE_COLORS[sum(map(ord, str(strategy))) % len(_SPARE_COLORS)]
 
 
-def _png(fig: Figure) -> bytes:
+def figure_png(fig: Figure) -> bytes:
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     return buf.getvalue()
 
 
-def _axes(n: int, width: float = 5.0, height: float = 3.6):
+def figure_axes(n: int, width: float = 5.0, height: float = 3.6):
     # constrained layout keeps tick labels, titles and legends from overlapping
     fig = Figure(figsize=(width * max(n, 1), height), layout="constrained")
     axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
@@ -57,7 +57,7 @@ def speedup_vs_users(cells: pd.DataFrame, crossover: pd.DataFrame) -> bytes | No
     if spec.empty:
         return None
     classes = sorted(spec[mn.REQ_OUTPUT_CLASS].unique())
-    fig, axes = _axes(len(classes))
+    fig, axes = figure_axes(len(classes))
     for ax, oc in zip(axes, classes):
         for strategy, g in spec[spec[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
             curve = g.groupby(mn.REQ_USERS)[SPEEDUP].mean().sort_index()
@@ -72,7 +72,7 @@ def speedup_vs_users(cells: pd.DataFrame, crossover: pd.DataFrame) -> bytes | No
         ax.set(title=f"speedup vs concurrency ({oc} outputs)", xlabel="users (requested concurrency)",
                ylabel="speedup vs autoregressive (x)")
         ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None:
@@ -81,7 +81,7 @@ def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None
         return None
     cells = primary_sampling(cells)
     classes = sorted(cells[mn.REQ_OUTPUT_CLASS].unique())
-    fig, axes = _axes(len(classes))
+    fig, axes = figure_axes(len(classes))
     for ax, oc in zip(axes, classes):
         for strategy, g in cells[cells[mn.REQ_OUTPUT_CLASS].eq(oc)].groupby(mn.REQ_STRATEGY):
             curve = g.groupby(mn.REQ_USERS)[[OUTPUT_TOKENS_PER_S, "e2e_ms_p50"]].mean().sort_index()
@@ -94,7 +94,7 @@ def throughput_latency(cells: pd.DataFrame, knees: pd.DataFrame) -> bytes | None
         ax.set(title=f"throughput vs latency ({oc}); * = knee", xlabel="output tokens/s",
                ylabel="e2e latency p50 (ms)")
         ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def latency_ecdf(flagged: pd.DataFrame) -> bytes | None:
@@ -123,14 +123,14 @@ def latency_ecdf(flagged: pd.DataFrame) -> bytes | None:
             ax.set_xscale("log")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def goodput_bars(rec_rows: list[dict], rec: dict) -> bytes | None:
     """Goodput (tokens/s meeting the SLOs) per strategy for every tier x output class."""
     if not rec_rows:
         return None
-    fig, axes = _axes(len(rec_rows), width=3.6)
+    fig, axes = figure_axes(len(rec_rows), width=3.6)
     for ax, row in zip(axes, rec_rows):
         r = rec[row["tier"]][row["output_class"]]
         if row.get("sampling") and r.get("sampling") not in (None, row["sampling"]):
@@ -144,7 +144,7 @@ def goodput_bars(rec_rows: list[dict], rec: dict) -> bytes | None:
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
         samp = f" / {row['sampling']}" if row.get("sampling") not in (None, mn.GREEDY) else ""
         ax.set(title=f"{row['tier']} / {row['output_class']}{samp}", ylabel="goodput (tokens/s)")
-    return _png(fig)
+    return figure_png(fig)
 
 
 def acceptance_hist(flagged: pd.DataFrame) -> bytes | None:
@@ -152,7 +152,7 @@ def acceptance_hist(flagged: pd.DataFrame) -> bytes | None:
     taus = flagged[flagged[mn.REQ_STATUS].eq("ok") & flagged[mn.NUM_DRAFTS].gt(0)]
     if taus.empty:
         return None
-    fig, axes = _axes(1, width=6.0)
+    fig, axes = figure_axes(1, width=6.0)
     ax = axes[0]
     for strategy, g in taus.groupby(mn.REQ_STRATEGY):
         ax.hist(g[mn.ACCEPTANCE_LENGTH].dropna(), bins=20, alpha=0.5, label=strategy,
@@ -160,7 +160,7 @@ def acceptance_hist(flagged: pd.DataFrame) -> bytes | None:
     ax.set(title="acceptance length per request", xlabel="tau = 1 + accepted / drafts",
            ylabel="requests")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def per_position_plot(pos: pd.DataFrame) -> bytes | None:
@@ -168,7 +168,7 @@ def per_position_plot(pos: pd.DataFrame) -> bytes | None:
     pos = pos[pos["accepted"].notna()]
     if pos.empty:
         return None
-    fig, axes = _axes(2)
+    fig, axes = figure_axes(2)
     for strategy, g in pos.groupby(mn.REQ_STRATEGY):
         axes[0].plot(g["position"], g["uncond"], marker="o", label=strategy, color=strategy_color(strategy))
         axes[1].plot(g["position"], g["cond"], marker="o", label=strategy, color=strategy_color(strategy))
@@ -178,7 +178,7 @@ def per_position_plot(pos: pd.DataFrame) -> bytes | None:
                 ylabel="acceptance rate", ylim=(0, 1.05))
     for ax in axes:
         ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
@@ -186,7 +186,7 @@ def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
     df = step_table(steps)
     if df.empty:
         return None
-    fig, axes = _axes(1, width=6.0)
+    fig, axes = figure_axes(1, width=6.0)
     ax = axes[0]
     for strategy, g in df.groupby(mn.STEP_STRATEGY):
         curve = g.groupby(mn.STEP_BATCH_SIZE)[mn.STEP_VERIFICATION_TOKENS].mean()
@@ -194,7 +194,7 @@ def verification_vs_batch(steps: pd.DataFrame) -> bytes | None:
     ax.set(title="verification tokens per step vs batch size", xlabel="batch size (requests)",
            ylabel="verification tokens / step")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def step_cost(steps: pd.DataFrame) -> bytes | None:
@@ -203,7 +203,7 @@ def step_cost(steps: pd.DataFrame) -> bytes | None:
     df = step_table(steps, decode_only=False)
     if df.empty:
         return None
-    fig, axes = _axes(1, width=6.0)
+    fig, axes = figure_axes(1, width=6.0)
     ax = axes[0]
     for strategy, g in df.groupby(mn.STEP_STRATEGY):
         g = g.sample(min(len(g), 2000), random_state=0)
@@ -212,7 +212,7 @@ def step_cost(steps: pd.DataFrame) -> bytes | None:
     ax.set(title="step time vs batch tokens (verification + prefill)", xlabel="batch tokens",
            ylabel="step time (ms)")
     ax.legend(fontsize=8)
-    return _png(fig)
+    return figure_png(fig)
 
 
 def outage_timeline(timeline: pd.DataFrame | None, outages: pd.DataFrame | None) -> bytes | None:
@@ -249,7 +249,7 @@ def outage_timeline(timeline: pd.DataFrame | None, outages: pd.DataFrame | None)
         lines2 = err.get_legend_handles_labels()
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
     axes[-1].set_xlabel("seconds since the run's first request")
-    return _png(fig)
+    return figure_png(fig)
 
 
 def server_timeline(ts: pd.DataFrame) -> bytes | None:
@@ -260,7 +260,7 @@ def server_timeline(ts: pd.DataFrame) -> bytes | None:
     if gauges.empty:
         return None
     t0 = float(ts["ts"].min())
-    fig, axes = _axes(2)
+    fig, axes = figure_axes(2)
     for ax, metric, title in ((axes[0], mn.SRV_RUNNING, "running requests (server gauge)"),
                               (axes[1], mn.SRV_WAITING, "waiting requests (server gauge)")):
         for model, g in gauges[gauges["metric"].eq(metric)].groupby("model"):
@@ -275,4 +275,4 @@ def server_timeline(ts: pd.DataFrame) -> bytes | None:
     for (_, row) in cells.iterrows():
         for ax in axes:
             ax.axvspan(row["min"] - t0, row["max"] - t0, color="#888", alpha=0.08)
-    return _png(fig)
+    return figure_png(fig)

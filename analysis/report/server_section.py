@@ -14,7 +14,9 @@ from analysis.report.plots import server_timeline
 def server_section(results, srv: pd.DataFrame) -> dict:
     """{"tables": [(title, text, rows)], "notes": [str], "figures": {name: png}}."""
     out: dict = {"tables": [], "notes": [], "figures": {}}
-    facts = server.server_facts(results)
+    # a run that did not need the page (specload's own service: its step log has it all) is
+    # said once on the first screen (render.server_metrics_line), not listed as a failure here
+    facts = [f for f in server.server_facts(results) if not f.get("skipped")]
     if not facts:
         return out
     out["notes"] = server.missing_figures(results, srv) + server.attribution_notes(srv)
@@ -29,7 +31,8 @@ def server_section(results, srv: pd.DataFrame) -> dict:
           "models": ", ".join(f"{k}: {v}" for k, v in (f.get("model_labels") or {}).items()),
           "exposed": ", ".join(f.get("exposed") or []), "missing": ", ".join(f.get("missing") or []),
           "samples": f.get("samples"), "failed_scrapes": f.get("failed_scrapes"),
-          "error": f.get("error")} for f in facts]))
+          "status": f"not available ({f['error']})" if f.get("error") else "read"}
+         for f in facts]))
     if srv.empty:
         return out
     out["tables"].append((

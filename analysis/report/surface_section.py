@@ -35,12 +35,60 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
+def _surface_contour(ax, g: pd.DataFrame, norm):
+    """One panel's speedup over acceptance length A (x) and users (y, log2): filled contours
+    with the speedup-1.0 line where the grid has 2 x 2 points, the measured points annotated.
+    Returns (the colour mappable, A values, users values)."""
+    grid = g.pivot_table(index=mn.REQ_USERS, columns=sf.A, values=SPEEDUP, aggfunc="mean")
+    a, u = grid.columns.to_numpy(dtype=float), grid.index.to_numpy(dtype=float)
+    if a.size >= 2 and u.size >= 2:
+        z = np.ma.masked_invalid(grid.to_numpy(dtype=float))
+        ax.contourf(a, u, z, levels=12, cmap="RdBu", norm=norm)
+        try:
+            ax.contour(a, u, z, levels=[1.0], colors="black", linewidths=2)
+        except ValueError:
+            pass
+    mappable = ax.scatter(g[sf.A], g[mn.REQ_USERS], c=g[SPEEDUP], cmap="RdBu", norm=norm,
+                          edgecolors="black", s=30, zorder=3)
+    for _, r in g.iterrows():
+        if not math.isnan(r[SPEEDUP]):
+            ax.annotate(f"{r[SPEEDUP]:.2f}", (r[sf.A], r[mn.REQ_USERS]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    return mappable, a, u
+
+
+def _surface_marks(ax, line: tuple, k: int, be: pd.DataFrame, pts: pd.DataFrame,
+                   cats: pd.DataFrame) -> None:
+    """One panel's marks: the break-even line (dashed), A = k + 1 (dotted), the real
+    deployments at their measured acceptance length (stars) and per prompt category (top ticks)."""
+    from analysis.report.plots import strategy_color
+
+    b = be[(be["k"] == k) & be["base_strategy"].eq(line[0])
+           & be[mn.REQ_OUTPUT_CLASS].eq(line[1]) & be[mn.REQ_SAMPLING].eq(line[2])]
+    b = b[b["break_even_acceptance_length"].notna()].sort_values(mn.REQ_USERS)
+    if not b.empty:
+        ax.plot(b["break_even_acceptance_length"], b[mn.REQ_USERS], "k--", lw=1.2,
+                marker="x", label="break-even (speedup 1.0)")
+    ax.axvline(k + 1, color="gray", lw=0.8, ls=":")
+    p = pts[(pd.to_numeric(pts["k"], errors="coerce") == k)
+            & pts[mn.REQ_OUTPUT_CLASS].eq(line[1])] if not pts.empty else pts
+    for name, pg in (p.groupby("strategy") if not p.empty else []):
+        ax.plot(pg[mn.ACCEPTANCE_LENGTH], pg[mn.REQ_USERS], marker="*", ms=12, ls="none",
+                color=strategy_color(name), markeredgecolor="black", label=f"{name} (measured)")
+    c = cats[pd.to_numeric(cats["k"], errors="coerce") == k] if not cats.empty else cats
+    for _, r in (c.iterrows() if not c.empty else []):
+        ax.axvline(r[mn.ACCEPTANCE_LENGTH], ymin=0.92, ymax=1.0,
+                   color=strategy_color(r["strategy"]), lw=2)
+        ax.annotate(f"{r['strategy']}/{r[mn.REQ_CATEGORY]}",
+                    (r[mn.ACCEPTANCE_LENGTH], 1.0), xycoords=("data", "axes fraction"),
+                    fontsize=6, rotation=90, va="top", ha="right")
+
+
 def surface_figure(t: dict) -> bytes | None:
     """The surface plot (module docstring) from ``analysis.decide.surface.analyse_surface``'s
-    dict; None without a surface."""
+    dict: one panel per (base strategy, output class, sampling) line x k; None without a
+    surface."""
     from matplotlib.colors import TwoSlopeNorm
-
-    from analysis.report.plots import strategy_color
 
     surf, be = t["surface"], t["break_even"]
     if surf.empty:
@@ -64,42 +112,10 @@ def surface_figure(t: dict) -> bytes | None:
             ax.set_yscale("log", base=2)
             if g.empty:
                 continue
-            grid = g.pivot_table(index=mn.REQ_USERS, columns=sf.A, values=SPEEDUP, aggfunc="mean")
-            a, u = grid.columns.to_numpy(dtype=float), grid.index.to_numpy(dtype=float)
-            if a.size >= 2 and u.size >= 2:
-                z = np.ma.masked_invalid(grid.to_numpy(dtype=float))
-                mappable = ax.contourf(a, u, z, levels=12, cmap="RdBu", norm=norm)
-                try:
-                    ax.contour(a, u, z, levels=[1.0], colors="black", linewidths=2)
-                except ValueError:
-                    pass
-            mappable = ax.scatter(g[sf.A], g[mn.REQ_USERS], c=g[SPEEDUP], cmap="RdBu", norm=norm,
-                                  edgecolors="black", s=30, zorder=3)
-            for _, r in g.iterrows():
-                if not math.isnan(r[SPEEDUP]):
-                    ax.annotate(f"{r[SPEEDUP]:.2f}", (r[sf.A], r[mn.REQ_USERS]), fontsize=7,
-                                xytext=(3, 3), textcoords="offset points")
-            b = be[(be["k"] == k) & be["base_strategy"].eq(line[0])
-                   & be[mn.REQ_OUTPUT_CLASS].eq(line[1]) & be[mn.REQ_SAMPLING].eq(line[2])]
-            b = b[b["break_even_acceptance_length"].notna()].sort_values(mn.REQ_USERS)
-            if not b.empty:
-                ax.plot(b["break_even_acceptance_length"], b[mn.REQ_USERS], "k--", lw=1.2,
-                        marker="x", label="break-even (speedup 1.0)")
-            ax.axvline(k + 1, color="gray", lw=0.8, ls=":")
+            mappable, a, u = _surface_contour(ax, g, norm)
+            _surface_marks(ax, line, k, be, pts, cats)
             ax.set_ylim(float(u.min()) / 1.4, float(u.max()) * 1.4)   # edge markers visible
             ax.set_xlim(float(a.min()) - 0.15, max(float(a.max()), k + 1.0) + 0.15)
-            p = pts[(pd.to_numeric(pts["k"], errors="coerce") == k)
-                    & pts[mn.REQ_OUTPUT_CLASS].eq(line[1])] if not pts.empty else pts
-            for name, pg in (p.groupby("strategy") if not p.empty else []):
-                ax.plot(pg[mn.ACCEPTANCE_LENGTH], pg[mn.REQ_USERS], marker="*", ms=12, ls="none",
-                        color=strategy_color(name), markeredgecolor="black", label=f"{name} (measured)")
-            c = cats[pd.to_numeric(cats["k"], errors="coerce") == k] if not cats.empty else cats
-            for _, r in (c.iterrows() if not c.empty else []):
-                ax.axvline(r[mn.ACCEPTANCE_LENGTH], ymin=0.92, ymax=1.0,
-                           color=strategy_color(r["strategy"]), lw=2)
-                ax.annotate(f"{r['strategy']}/{r[mn.REQ_CATEGORY]}",
-                            (r[mn.ACCEPTANCE_LENGTH], 1.0), xycoords=("data", "axes fraction"),
-                            fontsize=6, rotation=90, va="top", ha="right")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7, loc="lower right")
     if mappable is not None:

@@ -29,189 +29,175 @@ DEFAULT_MARGIN = 0.03        # analysis.decide.race.DEFAULT_MARGIN
 WARMUP_SHARE, WARMUP_CAP_S = 0.1, 2.0   # default warm-up cut: 10% of the shortest cell, <= 2 s
 
 
-def _add_cell_flags(ap: argparse.ArgumentParser) -> None:
-    """Flags choosing the cells: tier, repeats, sweep, output class."""
-    ap.add_argument("--tier", default=None, metavar="{low,mid,high,all}[,...]",
-                    help="tier(s) to run: one, a comma-separated list (low,high) or all (required "
-                         "unless --sweep; with --sweep: the one template tier whose duration, "
-                         "max_tokens and SLOs the sweep cells use, default high)")
-    ap.add_argument("--repeats", type=number(int, ge=1), default=1,
-                    help="run each cell K times back to back (request column `repeat`, 0-based)")
-    ap.add_argument("--interleave", action="store_true",
-                    help="cell-major order: per tier, output class and repeat, every strategy in "
-                         "turn, odd repeats mirrored (A r0, B r0, B r1, A r1: ABBA), so drift on a "
-                         "shared box hits every strategy alike; for side-by-side runs with --repeats "
-                         "(a raced run, --budget, always runs its first pass this way)")
-    ap.add_argument("--budget", type=duration_s(allow=(BUDGET_AUTO,)), default=BUDGET_AUTO,
-                    metavar="T",
-                    help="racing to a decision: wall time for the whole run (first pass included), "
-                         "e.g. 15m, 900s, 1h; after the first pass, repeat the contending strategies' "
-                         "cells (interleaved) until each cell is decided or equivalent, or the next "
-                         "round does not fit. 0 = off; default auto = "
-                         f"{DEFAULT_BUDGET_S / 60:g}m for the main job (--tier all on the packaged "
-                         "tiers file), else off")
-    ap.add_argument("--confidence", type=number(gt=0.5, le=0.999), default=DEFAULT_CONFIDENCE,
-                    help="racing: a strategy is dropped when the leader beats it in this share of "
-                         "bootstrap replicates, and equivalence is judged on this central interval "
-                         f"(default {DEFAULT_CONFIDENCE:g})")
-    ap.add_argument("--aa", action=argparse.BooleanOptionalAction, default=None,
-                    help="the run's A/A: the baseline (autoregressive) runs twice in every cell of "
-                         "the first pass, at both ends of the cell's strategies, to measure this "
-                         "box's cell-to-cell noise, which the decisions use (default: on when "
-                         "racing, --budget; --no-aa: off)")
-    ap.add_argument("--equivalence-margin", type=number(gt=0, le=0.5), default=DEFAULT_MARGIN,
-                    metavar="FRACTION",
-                    help="racing: contenders whose relative goodput difference to the leader lies "
-                         "inside +-FRACTION (at --confidence) are equivalent: run any of them "
-                         f"(default {DEFAULT_MARGIN:g} = {100 * DEFAULT_MARGIN:.0f}%%)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="concurrency sweep: users grow geometrically per strategy until its speedup "
-                         "vs autoregressive falls below 1 or it saturates (tier label `sweep`)")
-    ap.add_argument("--sweep-start", type=number(int, ge=1), default=1, help="first sweep users level (default 1)")
-    ap.add_argument("--sweep-factor", type=number(gt=1), default=2.0, help="users growth per level (default 2)")
-    ap.add_argument("--sweep-max-users", type=number(int, ge=1), default=64, help="last sweep users level (default 64)")
-    ap.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",))
+DESCRIPTION = "Run tier traffic against every strategy a target serves; write a run directory."
+USAGE = "python -m loadgen (--tier T[,T] | --sweep) [options]"
+# five real examples: tests/test_loadgen_help.py parses each with this parser
+EXAMPLES = (
+    ("the main job: local service, every tier, raced, with the report",
+     "python -m loadgen --tier all --report"),
+    ("show the plan (cells, routes, time) without sending a request",
+     "python -m loadgen --tier all --dry-run"),
+    ("two strategies, one tier, 3 repeats of 10 s cells",
+     "python -m loadgen --tier low --strategies autoregressive,ngram --repeats 3 --duration 10"),
+    ("your own OpenAI-compatible server (vLLM, SGLang), its key from $OPENAI_API_KEY",
+     "python -m loadgen --target http://127.0.0.1:8100 --tier low --report"),
+    ("concurrency sweep to the crossover, at most 16 users",
+     "python -m loadgen --sweep --tier high --sweep-max-users 16"),
+)
+EPILOG = ("examples:\n" + "\n".join(f"  # {what}\n  {cmd}" for what, cmd in EXAMPLES)
+          + "\n\nEvery flag in detail: docs/loadgen.md; the reference: docs/reference/cli.md.")
+
+
+class FlagError(Exception):
+    """A bad value found after parsing; ``flag`` is the option to fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag, self.message = flag, message
+
+
+def _add_load_flags(ap: argparse.ArgumentParser) -> None:
+    """What to load: tiers, output classes, strategies and their variants, prompts, sweep."""
+    g = ap.add_argument_group("what to load")
+    g.add_argument("--tier", default=None, metavar="T[,T]",
+                   help="low, mid, high, a list (low,high) or all; required unless --sweep "
+                        "(then the template tier, default high)")
+    g.add_argument("--output", default="all", choices=OUTPUT_CLASSES + ("all",),
+                   help="output classes: short or long max_tokens, or all (default)")
+    g.add_argument("--strategies", default=None, metavar="A,B",
+                   help="strategies to run (default: every one the target serves)")
+    g.add_argument("--k", type=number_list(int, ge=1, le=64), default=None, metavar="K[,K]",
+                   help="draft lengths: a deployment <strategy>-k<K> per k")
+    g.add_argument("--top-k-candidates", type=number_list(int, ge=1, le=256), default=None,
+                   metavar="C[,C]", help="dflash2's candidates per position: one deployment per count")
+    g.add_argument("--acceptance-length", type=number_list(float, ge=1, le=65), default=None,
+                   metavar="A[,A]", help="forced acceptance lengths: synthetic, never recommended")
+    g.add_argument("--temperature", type=number_list(float, ge=0, le=2), default=None, metavar="T[,T]",
+                   help="sampling temperatures, a cell each (default: the tier file's)")
+    g.add_argument("--dataset", "--prompts", dest="dataset", default=DEFAULT_DATASET, metavar="NAME",
+                   help="humaneval, docs, stdlib, mixed, FILE.jsonl or - (standard input)")
+    g.add_argument("--max-prompt-chars", type=number(int, ge=1), default=None, metavar="N",
+                   help="cut prompts at N characters (default: the profile's)")
+    g.add_argument("--profile", default="", metavar="NAME",
+                   help="tier profile (default: the tier file's default_profile)")
+    g.add_argument("--tiers-file", default="", type=existing_file(), metavar="FILE",
+                   help="tier definitions (default: the packaged configs/tiers.yaml)")
+    g.add_argument("--sweep", action="store_true",
+                   help="concurrency sweep: users grow until speedup falls below 1")
+    g.add_argument("--sweep-start", type=number(int, ge=1), default=1, metavar="N",
+                   help="first sweep users level (default 1)")
+    g.add_argument("--sweep-factor", type=number(gt=1), default=2.0, metavar="F",
+                   help="users growth per sweep level (default 2)")
+    g.add_argument("--sweep-max-users", type=number(int, ge=1), default=64, metavar="N",
+                   help="last sweep users level (default 64)")
 
 
 def _add_target_flags(ap: argparse.ArgumentParser) -> None:
-    """Flags naming the target: strategies, URL or local service, route, workers."""
-    ap.add_argument("--strategies", default=None,
-                    help="comma-separated; default: the target's /v1/models")
-    ap.add_argument("--k", type=number_list(int, ge=1, le=64), default=None, metavar="K[,K...]",
-                    help="draft lengths (num_speculative_tokens) to measure: every speculative strategy "
-                         "runs once per k as its own deployment <strategy>-k<K> (local service: "
-                         "deployed from the Serve config; --target: those names must be served). A "
-                         "block drafter refuses k above its trained block_size - 1")
-    ap.add_argument("--top-k-candidates", type=number_list(int, ge=1, le=256), default=None,
-                    metavar="C[,C...]",
-                    help="dflash2's candidates per position (strategy_options.top_k) to measure: one "
-                         "deployment per count, <strategy>[-k<K>]-c<C>")
-    ap.add_argument("--acceptance-length", type=number_list(float, ge=1, le=65), default=None,
-                    metavar="A[,A...]",
-                    help="forced acceptance lengths (tokens per verify step, the target's own token "
-                         "counted; vLLM's synthetic_acceptance_length, in [1, k+1]): every speculative "
-                         "strategy runs once per (k, A) as its own deployment <strategy>[-k<K>]-al<A> "
-                         "beside autoregressive, drafter and verify real, only the accept decision set. "
-                         "Synthetic: its text is not the target's, never recommended, no consistency "
-                         "check; `python -m analysis surface RUN` reads the speedup surface")
-    ap.add_argument("--temperature", type=number_list(float, ge=0, le=2), default=None,
-                    metavar="T[,T...]",
-                    help="sampling settings to run, overriding the tier file's (0 = greedy): each "
-                         "temperature is its own cell (label greedy / t0.7), request seeds from the "
-                         "profile's sampling seed")
-    ap.add_argument("--target", default="", help="base URL of an OpenAI-compatible server; "
-                                                 "default: start/reuse the local service")
-    ap.add_argument("--local-port", type=port(), default=8000,
-                    help="without --target: port of the local service to start or reuse (default 8000)")
-    ap.add_argument("--local-config", default="", type=existing_file(),
-                    help="without --target: Serve config the local service deploys "
-                         "(default: the packaged configs/serve.yaml)")
-    ap.add_argument("--model", default="", help="'model' field sent with every request (default: the strategy)")
-    ap.add_argument("--route", default=ROUTE_AUTO,
-                    choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD, ROUTE_DIRECT),
-                    help="HTTP route of the load: direct = the strategy's one-hop route on its "
-                         "replica's own listener, no Serve proxy in the path (Ray Serve's direct "
-                         "ingress, on in `python -m cluster up` by default); strategy = each "
-                         "strategy's own one-hop route through the Serve proxy "
-                         "(<target>/strategies/<name>/v1/...; the strategy replica answers it without "
-                         "a second Ray hop); model-field = <target>/v1/... with the model field "
-                         "(through the ingress); auto (default) = per strategy direct when the target "
-                         "lists one replica listener for it that answers from here (GET "
-                         "/specload/routes), a user moving to its proxy route when the listener "
-                         "refuses or drops its connection (a replaced replica), else strategy when listed, else "
-                         "model-field. manifest.json routes records the choice per strategy, the "
-                         "request rows' route column the route each request was answered on")
-    ap.add_argument("--duration", type=number(gt=0), default=None, help="override every cell's duration_s, seconds")
-    ap.add_argument("--workers", type=number(int, ge=0), default=0, help="Locust workers as Ray actors; 0 = in-process")
-    ap.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
-                    help="with --workers: Ray SPREAD over the nodes (default), per-node (worker i on "
-                         "node i mod nodes: --workers = number of nodes gives one per node), or pack")
-    ap.add_argument("--ray-address", default="", help="with --workers: Ray cluster to place the workers on "
-                    "('auto', host:port; default $RAY_ADDRESS, else a private local Ray instance)")
+    """Against what: the target URL or the local service, the route, load workers, metrics."""
+    g = ap.add_argument_group("against what target")
+    g.add_argument("--target", default="", metavar="URL",
+                   help="an OpenAI-compatible server (default: the local service)")
+    g.add_argument("--local-port", type=port(), default=8000, metavar="PORT",
+                   help="without --target: the local service's port (default 8000)")
+    g.add_argument("--local-config", default="", type=existing_file(), metavar="FILE",
+                   help="without --target: its Serve config (default configs/serve.yaml)")
+    g.add_argument("--model", default="", metavar="NAME",
+                   help="'model' field of every request (default: the strategy's name)")
+    g.add_argument("--route", default=ROUTE_AUTO,
+                   choices=(ROUTE_AUTO, ROUTE_STRATEGY, ROUTE_MODEL_FIELD, ROUTE_DIRECT),
+                   help="HTTP route of each strategy's load (docs/loadgen.md); default auto: "
+                        "direct, else strategy, else model-field")
+    g.add_argument("--workers", type=number(int, ge=0), default=0, metavar="N",
+                   help="Locust workers as Ray actors (default 0: in this process)")
+    g.add_argument("--worker-placement", default="spread", choices=("spread", "per-node", "pack"),
+                   help="with --workers: their placement on the Ray nodes")
+    g.add_argument("--ray-address", default="", metavar="ADDR",
+                   help="with --workers: Ray cluster (default $RAY_ADDRESS)")
+    g.add_argument("--server-metrics", default="auto", type=server_metrics_arg, metavar="auto|URL|off",
+                   help="the target's Prometheus page, read during each cell")
+    g.add_argument("--server-metrics-interval-s", type=number(ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S),
+                   default=DEFAULT_INTERVAL_S, metavar="S",
+                   help=f"seconds between scrapes ({MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g}; "
+                        f"default {DEFAULT_INTERVAL_S:g})")
 
 
-def _add_input_flags(ap: argparse.ArgumentParser) -> None:
-    """Flags choosing the inputs and outputs: profile, dataset, results, run id."""
-    ap.add_argument("--profile", default="", help="tier profile (default: the tier file's default_profile)")
-    ap.add_argument("--dataset", "--prompts", dest="dataset", default=DEFAULT_DATASET,
-                    help="humaneval|docs|stdlib|mixed, FILE.jsonl, or - for JSON lines on standard "
-                         "input (kept as prompts.jsonl in the run directory)")
-    ap.add_argument("--max-prompt-chars", type=number(int, ge=1), default=None, help="override the profile's prompt cut")
-    ap.add_argument("--results", default="results", type=output_dir(), help="results directory (a run_id folder goes inside)")
-    ap.add_argument("--tiers-file", default="", type=existing_file(), help="default configs/tiers.yaml")
-    ap.add_argument("--run-id", default="", type=path_component(), help="default: <date>-<time>-<tier>-<random>")
+def _add_time_flags(ap: argparse.ArgumentParser) -> None:
+    """How long: cell duration, repeats, warm-up, order, racing to a decision."""
+    g = ap.add_argument_group("how long, racing")
+    g.add_argument("--duration", type=number(gt=0), default=None, metavar="S",
+                   help="seconds per cell (default: the tier file's duration_s)")
+    g.add_argument("--repeats", type=number(int, ge=1), default=1, metavar="K",
+                   help="run each cell K times (request column repeat; default 1)")
+    g.add_argument("--interleave", action="store_true",
+                   help="cell-major order, odd repeats mirrored (ABBA)")
+    g.add_argument("--budget", type=duration_s(allow=(BUDGET_AUTO,)), default=BUDGET_AUTO, metavar="T",
+                   help="race to a decision within T (15m, 900s; 0 = off; default auto: "
+                        f"{DEFAULT_BUDGET_S / 60:g}m for --tier all on the packaged tiers, else off)")
+    g.add_argument("--confidence", type=number(gt=0.5, le=0.999), default=DEFAULT_CONFIDENCE, metavar="C",
+                   help=f"racing: confidence to drop a strategy (default {DEFAULT_CONFIDENCE:g})")
+    g.add_argument("--equivalence-margin", type=number(gt=0, le=0.5), default=DEFAULT_MARGIN,
+                   metavar="F", help=f"racing: within +-F of the leader is equivalent (default {DEFAULT_MARGIN:g})")
+    g.add_argument("--aa", action=argparse.BooleanOptionalAction, default=None,
+                   help="the baseline twice per cell: the noise (default: when racing)")
+    g.add_argument("--warmup-s", type=number(ge=0), default=None, metavar="S",
+                   help=f"seconds cut from each cell's start (default 10%%, <= {WARMUP_CAP_S:g} s)")
+    g.add_argument("--warmup-requests", type=number(int, ge=0), default=4, metavar="N",
+                   help="unmeasured requests per strategy first (default 4)")
+    g.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="POST /reset_prefix_cache before each cell: no cell reuses the prompts "
+                        "an earlier one cached (vLLM: needs VLLM_SERVER_DEV_MODE=1; default on)")
+
+
+def _add_results_flags(ap: argparse.ArgumentParser) -> None:
+    """Where results go, and the checks and report that follow the cells."""
+    g = ap.add_argument_group("where results go, checks after the cells")
+    g.add_argument("--results", default="results", type=output_dir(), metavar="DIR",
+                   help="results directory, a folder per run (default results)")
+    g.add_argument("--run-id", default="", type=path_component(), metavar="ID",
+                   help="the run's folder name (default <date>-<time>-<tier>-<random>)")
+    g.add_argument("--report", action="store_true",
+                   help="write the report into the run, print the recommendation")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the plan (cells, routes, ETA); send and write nothing")
+    g.add_argument("--consistency", type=number(int, ge=0), default=DEFAULT_SAMPLES, metavar="N",
+                   help=f"greedy outputs compared with the baseline's (default {DEFAULT_SAMPLES})")
+    g.add_argument("--consistency-sampled", type=number(int, ge=0), default=0, metavar="N",
+                   help="also compare first-token distributions over N sampled requests")
+    g.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE, metavar="NAME",
+                   help="strategy the checks compare with (default autoregressive)")
+    g.add_argument("--consistency-baseline-target", default="", metavar="URL",
+                   help="serve that baseline from this server instead of --target")
+    g.add_argument("--consistency-dtype", default="float32", choices=sorted(TIE_TOLERANCE), metavar="DTYPE",
+                   help=f"{', '.join(sorted(TIE_TOLERANCE))}: the tie tolerance (default float32)")
+    g.add_argument("--consistency-tie-tolerance", type=number(float, ge=0), default=None,
+                   metavar="NATS", help="the tie tolerance itself (overrides --consistency-dtype)")
 
 
 def _add_http_flags(ap: argparse.ArgumentParser) -> None:
-    """Flags of every HTTP request: credentials, headers, TLS, 429 retries."""
-    ap.add_argument("--api-key", default=None,
-                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY); never written "
-                         "to the manifest or logs")
-    ap.add_argument("--header", action="append", default=[], metavar="'K: V'",
-                    help="extra HTTP header on every request, repeatable ('X-Team: a' or 'X-Team:a'); "
-                         "values are never written to the manifest or logs")
-    ap.add_argument("--insecure", action="store_true",
-                    help="https targets: skip TLS certificate verification (off by default)")
-    ap.add_argument("--retry", type=number(int, ge=0), default=0, metavar="N",
-                    help="re-send a request answered 429 up to N times (exponential backoff from "
-                         "--retry-backoff-s, never sooner than Retry-After); the row's `retries` column "
-                         "counts re-sends; default 0: a 429 is recorded as `rejected` at once")
-    ap.add_argument("--retry-backoff-s", type=number(ge=0), default=0.5, help="first retry delay, seconds (doubles)")
-
-
-def _add_after_flags(ap: argparse.ArgumentParser) -> None:
-    """Flags of what follows the cells: consistency checks, warm-up cut, report."""
-    ap.add_argument("--consistency", type=number(int, ge=0), default=DEFAULT_SAMPLES, metavar="N",
-                    help="after the cells, send N greedy requests (the run's first N prompts) to every "
-                         "strategy and compare each output token by token with the baseline's; "
-                         f"writes consistency.json (default {DEFAULT_SAMPLES}; 0 = off)")
-    ap.add_argument("--consistency-sampled", type=number(int, ge=0), default=0, metavar="N",
-                    help="also compare each strategy's first-token distributions with the baseline's "
-                         "over N seeded sampled requests (chi-square; default 0 = off)")
-    ap.add_argument("--consistency-baseline", default=M.AUTOREGRESSIVE,
-                    help="strategy the consistency checks compare with (default autoregressive)")
-    ap.add_argument("--consistency-baseline-target", default="", metavar="URL",
-                    help="serve the baseline from this server instead of --target (e.g. "
-                         "specload's fp32 engine as the baseline of a vLLM bf16 target)")
-    ap.add_argument("--consistency-dtype", default="float32", choices=sorted(TIE_TOLERANCE),
-                    help="compute dtype of the engines compared: sets the tolerance under "
-                         "which a first divergence is a numerical tie, not a violation "
-                         f"({', '.join(f'{k} {v:g}' for k, v in sorted(TIE_TOLERANCE.items()))} "
-                         "nats of the baseline's logprob)")
-    ap.add_argument("--consistency-tie-tolerance", type=number(float, ge=0), default=None,
-                    metavar="NATS", help="the tie tolerance itself (overrides --consistency-dtype)")
-    ap.add_argument("--warmup-s", type=number(ge=0), default=None,
-                    help="seconds at the start of every cell excluded as warm-up by the racing "
-                         "decisions and the report (stored in manifest.json; default: 10%% of the "
-                         f"shortest cell, at most {WARMUP_CAP_S:g} s; 0 = keep everything)")
-    ap.add_argument("--warmup-requests", type=number(int, ge=0), default=4, metavar="N",
-                    help="before the first cell, warm each strategy with N unmeasured greedy "
-                         "requests, half one at a time, half at once (default 4; 0 = off)")
-    ap.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                    help="POST /reset_prefix_cache before each cell: no cell reuses the prompts "
-                         "an earlier one cached (vLLM: needs VLLM_SERVER_DEV_MODE=1; default on)")
-    ap.add_argument("--server-metrics", default="auto", type=server_metrics_arg, metavar="auto|URL|off",
-                    help="read the target's own Prometheus metrics while each cell runs (vLLM, SGLang, "
-                         "specload's names: configs/metric_names.py): auto (default) = <target>/metrics "
-                         "when it answers, URL = that page (it must answer), off = none. Per-cell "
-                         "deltas go to manifest.json and summary.csv (server_*), the time series to "
-                         "server_metrics.parquet")
-    ap.add_argument("--server-metrics-interval-s", type=number(ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S),
-                    default=DEFAULT_INTERVAL_S,
-                    help=f"seconds between scrapes ({MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g}, i.e. 1 to 4 Hz; "
-                         f"default {DEFAULT_INTERVAL_S:g}); each cell also gets a scrape at its start and end")
-    ap.add_argument("--report", action="store_true",
-                    help="after the run, write the analysis report (python -m analysis report) "
-                         "into the run directory and print the recommendation table")
+    """Credentials and the HTTP settings of every request: key, headers, TLS, 429 retries."""
+    g = ap.add_argument_group("credentials, HTTP")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="bearer token (default $OPENAI_API_KEY); never written")
+    g.add_argument("--header", action="append", default=[], metavar="'K: V'",
+                   help="extra HTTP header, repeatable; values never written")
+    g.add_argument("--insecure", action="store_true",
+                   help="https: skip certificate verification")
+    g.add_argument("--retry", type=number(int, ge=0), default=0, metavar="N",
+                   help="re-send a request answered 429 up to N times (default 0)")
+    g.add_argument("--retry-backoff-s", type=number(ge=0), default=0.5, metavar="S",
+                   help="first retry delay, doubling (default 0.5)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__.split("\n\n")[0])
-    _add_cell_flags(ap)
+    """The parser: five argument groups and an epilog of examples (``EXAMPLES``)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m loadgen", usage=USAGE, description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=34))
+    _add_load_flags(ap)
     _add_target_flags(ap)
-    _add_input_flags(ap)
+    _add_time_flags(ap)
+    _add_results_flags(ap)
     _add_http_flags(ap)
-    _add_after_flags(ap)
     return ap
 
 

@@ -161,21 +161,15 @@ def greedy_check(base_url: str, strategies: list[str], prompts: list[list[Any]],
     parts: dict[str, list[dict]] = {s: [] for s in everyone}
     modes: dict[str, str] = {}
     for oc, mt in max_tokens_by_class.items():
-        keys = [f"{p[0]}#{i}" for i, p in enumerate(sample)]
-        outputs: dict[str, dict[str, Any]] = {}
-        errors: dict[str, int] = {}
+        outputs, errors = {}, {}
         for s in everyone:
+            # the baseline's top logprobs classify a divergence as a tie or a violation
             top = {"logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True} \
                 if s == baseline and tolerance is not None else {}
-            # return_token_ids: vLLM sends the ids only when asked (specload always does)
-            bodies = [{**(extra_body or {}), "model": model_of(s), "prompt": p[1],
-                       "max_tokens": _max_tokens(mt, seed, i, p[2]), "temperature": 0.0,
-                       "seed": seed, "return_token_ids": True, **top}
-                      for i, p in enumerate(sample)]
             url = baseline_url if s == baseline and baseline_url else base_url
-            res = _run_all(url, bodies, timeout_s, concurrency, headers, insecure)
-            outputs[s] = {k: r for k, r in zip(keys, res) if r is not None}
-            errors[s] = sum(r is None for r in res)
+            outputs[s], errors[s] = _greedy_outputs(
+                url, sample, {**(extra_body or {}), "model": model_of(s), **top}, mt, seed,
+                timeout_s, concurrency, headers, insecure)
         base = outputs[baseline]
         tops = {k: r[2] for k, r in base.items()} if tolerance is not None else None
         for s in everyone:
@@ -199,6 +193,21 @@ def greedy_check(base_url: str, strategies: list[str], prompts: list[list[Any]],
             entry["baseline_self"] = True
         out[s] = entry
     return out
+
+
+def _greedy_outputs(url: str, sample: list[list[Any]], fields: dict, max_tokens: dict, seed: int,
+                    timeout_s: float, concurrency: int, headers: dict[str, str] | None,
+                    insecure: bool) -> tuple[dict[str, Any], int]:
+    """One strategy's greedy completions of ``sample`` (``fields``: model, extra body, top
+    logprobs) at one output class's ``max_tokens`` (a MaxTokens dump). Returns
+    ({"<prompt_id>#<i>": (token ids, text, top logprobs)}, requests that failed)."""
+    keys = [f"{p[0]}#{i}" for i, p in enumerate(sample)]
+    # return_token_ids: vLLM sends the ids only when asked (specload always does)
+    bodies = [{**fields, "prompt": p[1], "max_tokens": _max_tokens(max_tokens, seed, i, p[2]),
+               "temperature": 0.0, "seed": seed, "return_token_ids": True}
+              for i, p in enumerate(sample)]
+    res = _run_all(url, bodies, timeout_s, concurrency, headers, insecure)
+    return {k: r for k, r in zip(keys, res) if r is not None}, sum(r is None for r in res)
 
 
 def sampled_check(base_url: str, strategies: list[str], prompts: list[list[Any]], n: int,
@@ -266,7 +275,7 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     tolerance / baseline_url: as in ``greedy_check`` (the sampled check needs the
     baseline at ``target``).
     """
-    from analysis.data.consistency import SYNTHETIC_SKIP, diverges
+    from analysis.data.consistency import SYNTHETIC_SKIP
 
     synthetic = [s for s in strategies if M.parse_acceptance_length(s) is not None]
     strategies = [s for s in strategies if s not in synthetic]   # forced acceptance: not the target's text
@@ -299,6 +308,15 @@ def run_checks(target: str, strategies: list[str], prompts: list[list[Any]], pro
     if synthetic:
         say(f"consistency: {len(synthetic)} synthetic deployment(s) skipped ({SYNTHETIC_SKIP})")
     write_consistency(run_dir, result)
+    return _summarize_checks(result, baseline, say)
+
+
+def _summarize_checks(result: dict[str, dict], baseline: str, say: Callable[[str], None]) -> dict:
+    """One console line per compared strategy, a warning naming the diverging ones; the
+    manifest's summary {strategy: {"compared", "identical", ties/violations/tolerance,
+    "diverges"}}."""
+    from analysis.data.consistency import diverges
+
     bad = sorted(s for s, e in result.items() if diverges(e))
     for s, e in result.items():
         if s != baseline and not e.get("synthetic"):

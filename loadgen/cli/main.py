@@ -1,18 +1,15 @@
 """``python -m loadgen``: run tier traffic against every strategy and write a run directory.
 
-    python -m loadgen --tier low|mid|high|all [--output short|long|all] [--strategies a,b] [--repeats K]
-    python -m loadgen --sweep [--tier TEMPLATE] [--sweep-max-users N] [--sweep-factor F] ...
-        [--target URL] [--route auto|direct|strategy|model-field] [--model NAME] [--duration SECONDS]
-        [--workers N] [--profile cpu|gpu]
-        [--dataset NAME|FILE.jsonl] [--results DIR] [--tiers-file FILE]
-
-Without ``--target`` the embedded local service is started or reused
-(``python -m cluster up``). Strategies default to the target's ``/v1/models``.
-Each strategy runs every selected cell in turn (strategy-major order), with the
-same prompts, max_tokens and seeds. Output: ``RESULTS_DIR/<run_id>/`` with
-``requests.parquet``, ``steps.parquet`` (specload targets) and ``manifest.json``.
+The run's phases, in order: read the inputs (tier file, profile, prompts, variants: a bad
+value names its flag, exit 2); discover the target (``_discover``: the local service started
+or reused without ``--target``, its strategies and routes); build the plan
+(``loadgen.cli.plan.build_plan``, a frozen value; ``--dry-run`` prints it and stops); open
+the run directory (the plan in ``manifest.json``); drive the plan's cells (warm-up, each cell
+offered and summarised, the racing rounds appended to the plan); check consistency; close
+(``steps.parquet``, the final manifest); print the cell table and the answer
+(``loadgen.cli.outcome``). Output: ``RESULTS_DIR/<run_id>/`` with ``requests.parquet``,
+``steps.parquet`` (specload targets), ``summary.csv`` and ``manifest.json``.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -28,33 +25,36 @@ from typing import Any
 
 from configs import metric_names as M
 from configs.results_schema import SCHEMA_VERSION as RESULTS_SCHEMA_VERSION
-from configs.tiers import OUTPUT_CLASSES, TIER_NAMES, TierConfigError, load_tiers
+from configs.tiers import TierConfigError, load_tiers
 from loadgen.run import service
-from loadgen.cli.args import check_local_strategy_names, manifest_args, parse_args, tier_list
+from loadgen.cli.args import (FlagError as _FlagError, check_local_strategy_names, manifest_args,
+                              parse_args, resolve_warmup, tier_list)
+from loadgen.cli.plan import RunPlan, build_plan, outputs_of, plan_lines
+from loadgen.cli.plan import samplings as _samplings
+from loadgen.cli.variants import resolve_variants as _variants
 from loadgen.run.cells import CellPlan, shuffled_prompts
 from configs.jsonio import STDIN
 from loadgen.run.datasets import PROMPTS_FILE, DatasetError, load_dataset, write_prompts
 from loadgen.run.server_metrics import ServerMetricsError
 from loadgen.results.progress import Progress
-from loadgen.results.summary import SUMMARY_CSV, clock
-from loadgen.run.sweep import SWEEP_TIER, SweepState, grid_cells, sweep_cells, sweep_levels
+from loadgen.results.summary import SUMMARY_CSV, clock, eta_seconds
+from loadgen.cli.outcome import EXIT_INTERRUPTED, print_outcome
+from loadgen.run.sweep import SWEEP_TIER, SweepState, sweep_cells
 
-WARMUP_MAX_TOKENS = 32   # tokens per warm-up completion (--warmup-requests)
 from loadgen.cli.target import (
     ROUTE_AUTO,
-    ROUTE_DIRECT,
-    ROUTE_MODEL_FIELD,
     Auth,
     choose_routes,
-    connect,
+    discover,
+    local_discovery,
+    reachable,
     route_name,
     route_names,
     route_url,
+    target_hint,
 )
 
 EXIT_CONFIG = 2
-EXIT_INTERRUPTED = 130
-EXIT_NO_SUCCESS = 1  # every cell failed (all requests errored)
 # one version for the run directory (manifest, request rows, step rows): configs/results_schema.py
 MANIFEST_SCHEMA_VERSION = RESULTS_SCHEMA_VERSION
 
@@ -77,119 +77,57 @@ def _label_steps(rows: list[dict], run_id: str, cells: list[dict]) -> list[dict]
     return rows
 
 
-
-
-
-
-class _FlagError(Exception):
-    """A bad value found after parsing; ``flag`` is the option to fix."""
-
-    def __init__(self, flag: str, message: str) -> None:
-        super().__init__(f"{flag}: {message}")
-        self.flag, self.message = flag, message
-
-
-def _variants(args: argparse.Namespace) -> dict[str, dict]:
-    """``--k`` / ``--top-k-candidates``: served name -> {"base_strategy", "strategy", "k",
-    "top_k_candidates", "engine"} of every deployment to drive ({} without those flags).
-
-    Without ``--target`` the local service's Serve config (``--local-config``, default
-    ``configs/serve.yaml``) is rewritten with the variants (``configs.serve_config.variant_config``:
-    one deployment per strategy x k x candidates, autoregressive kept as the baseline), saved
-    to a temp file that ``args.local_config`` then names. With ``--target`` the variants of
-    the ``--strategies`` names must already be served there. ``args.strategies`` becomes the
-    variant names (``args.base_strategies`` keeps what was asked). Raises _FlagError naming
-    the flag (a k over a block drafter's block size names ``--k``)."""
-    als = getattr(args, "acceptance_length", None)
-    if not (args.k or args.top_k_candidates or als):
-        return {}
-    import hashlib
-    import tempfile
-
-    import yaml
-
-    from configs.paths import CONFIGS_DIR
-    from configs.serve_config import VariantError, variant_config
-
-    asked = [x.strip() for x in args.strategies.split(",") if x.strip()]
-    flag = "--k" if args.k else "--top-k-candidates" if args.top_k_candidates else "--acceptance-length"
-    if args.target:
-        if not asked:
-            raise _FlagError(flag, "with --target, name the strategies (--strategies a,b): their "
-                                   "variants (<strategy>-k<K>) must be served there")
-        variants: dict[str, dict] = {}
-        for name in asked:
-            parsed = M.parse_variant_name(name)
-            strategy = parsed[0] if parsed else name
-            if strategy == M.AUTOREGRESSIVE:
-                variants[name] = {"base_strategy": name, "strategy": strategy, "k": 0,
-                                  "top_k_candidates": None, "synthetic_acceptance_length": None,
-                                  "synthetic": False, "engine": None}
-                continue
-            cands = (args.top_k_candidates if args.top_k_candidates and strategy in M.CANDIDATE_STRATEGIES
-                     else [None])
-            over = [k for k in (args.k or []) if als and max(als) > k + 1]
-            if over:
-                raise _FlagError("--acceptance-length", f"{max(als):g} above k + 1 for k = {over}; a "
-                                 "step of k drafts emits at most k + 1 tokens")
-            for k in args.k or [None]:
-                for c in cands:
-                    for a in als or [None]:
-                        variants[M.variant_name(name, k, c, a)] = {
-                            "base_strategy": name, "strategy": strategy, "k": k,
-                            "top_k_candidates": c, "synthetic_acceptance_length": a,
-                            "synthetic": a is not None, "engine": None}
-        if als and not any(v["synthetic"] for v in variants.values()):
-            raise _FlagError("--acceptance-length", "no selected strategy speculates (autoregressive "
-                             "has no accept decision to force); add a speculative one to --strategies")
-    else:
-        base = Path(args.local_config or CONFIGS_DIR / "serve.yaml")
-        try:
-            cfg, variants = variant_config(yaml.safe_load(base.read_text()), asked, args.k,
-                                           args.top_k_candidates, als)
-        except VariantError as err:
-            bad, _, msg = str(err).partition(": ")
-            raise _FlagError(bad, msg) from None
-        text = (f"# generated by python -m loadgen from {base} with --k {args.k} "
-                f"--top-k-candidates {args.top_k_candidates} --acceptance-length {als}\n"
-                + yaml.safe_dump(cfg, sort_keys=False))
-        path = Path(tempfile.gettempdir()) / (
-            f"specload-variants-{os.getuid()}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml")
-        path.write_text(text)
-        try:
-            service.check_serve_config(path)
-        except ValueError as err:
-            if als and ("rejection_sample_method" in str(err) or "synthetic_acceptance" in str(err)):
-                flag = "--acceptance-length"   # the forced acceptance is what the engine refused
-            raise _FlagError(flag, f"the variants' Serve config does not validate: {err}") from None
-        args.local_config = str(path)
-    args.base_strategies = args.strategies
-    args.strategies = ",".join(variants)
-    return variants
-
-
-def _samplings(args: argparse.Namespace, profile: Any) -> dict[tuple[str, str], list]:
-    """(tier, output class) -> its sampling settings (``configs.tiers.Sampling``), each its own
-    cell: ``--temperature T,...`` (the profile's sampling with each temperature) for every
-    cell, else the tier file's (``Profile.samplings_for``)."""
-    if args.temperature:
-        base = profile.sampling
-        lst = [base.model_copy(update={"temperature": float(t), "label": None}) for t in args.temperature]
-        return {(t, oc): lst for t in TIER_NAMES for oc in OUTPUT_CLASSES}
-    return {(t, oc): profile.samplings_for(t, oc) for t in TIER_NAMES for oc in OUTPUT_CLASSES}
-
-
 def _flag_error(message: str) -> None:
     """A flag's error before anything ran, as argparse writes its own: one line on stderr,
     ``python -m loadgen: error: <flag>: <what>`` (the caller exits 2)."""
     print(f"python -m loadgen: error: {message}", file=sys.stderr, flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a run reads before it reaches the target: the tier profile
+    (``configs.tiers.Profile``), the prompts (shuffled once), the deployments of ``--k`` /
+    ``--top-k-candidates`` / ``--acceptance-length`` (``_variants``) and each tier x output
+    class's sampling settings (``loadgen.cli.plan.samplings``)."""
+
+    profile: Any
+    prompts: list
+    variants: dict[str, dict]
+    samplings: dict[tuple[str, str], list]
+
+
+def _read_inputs(args: argparse.Namespace) -> _Inputs:
+    """Tier file, profile, dataset, Serve config, warm-up cut (``args.warmup_s`` resolved) and
+    variants, in that order. Raises _FlagError naming the flag of the first bad one (a
+    KeyError's text is its repr: its message is taken)."""
+    try:
+        tiers = load_tiers(args.tiers_file or None)
+    except TierConfigError as err:
+        raise _FlagError("--tiers-file", str(err)) from None
+    try:
+        profile = tiers.profile(args.profile or None)
+    except KeyError as err:
+        raise _FlagError("--profile", str(err.args[0] if err.args else err)) from None
+    max_chars = args.max_prompt_chars or profile.max_prompt_chars
+    try:
+        prompts = shuffled_prompts(load_dataset(args.dataset, max_chars), profile.seed)
+    except DatasetError as err:
+        raise _FlagError("--dataset", str(err)) from None
+    if not args.target and args.local_config:   # a bad Serve config: before anything starts
+        try:
+            service.check_serve_config(args.local_config)
+        except ValueError as err:
+            raise _FlagError("--local-config", str(err)) from None
+    args.warmup_s = resolve_warmup(args, profile, tier_list(args.tier or "high"), outputs_of(args))
+    variants = _variants(args)   # --k / --top-k-candidates: one deployment per variant
+    return _Inputs(profile, prompts, variants, _samplings(args, profile))
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole run; returns the exit code. Locust is imported here (gevent already patched).
 
-    Whenever the local service was started or reused (no ``--target``), every exit
-    path, errors included, ends with the hint that stops it.
+    ``--dry-run`` prints the plan and stops. Whenever the local service was started or
+    reused (no ``--target``), every exit path, errors included, ends with the hint that stops it.
     """
     from rich.console import Console
 
@@ -199,65 +137,65 @@ def run(args: argparse.Namespace) -> int:
     if err:
         _flag_error(err)
         return EXIT_CONFIG
-    try:   # each failure names its flag (a KeyError's text is its repr: take the message)
-        try:
-            tiers = load_tiers(args.tiers_file or None)
-        except TierConfigError as err:
-            raise _FlagError("--tiers-file", str(err)) from None
-        try:
-            profile = tiers.profile(args.profile or None)
-        except KeyError as err:
-            raise _FlagError("--profile", str(err.args[0] if err.args else err)) from None
-        max_chars = args.max_prompt_chars or profile.max_prompt_chars
-        try:
-            prompts = shuffled_prompts(load_dataset(args.dataset, max_chars), profile.seed)
-        except DatasetError as err:
-            raise _FlagError("--dataset", str(err)) from None
-        if not args.target and args.local_config:   # a bad Serve config: before anything starts
-            try:
-                service.check_serve_config(args.local_config)
-            except ValueError as err:
-                raise _FlagError("--local-config", str(err)) from None
-        from loadgen.cli.args import resolve_warmup
-
-        args.warmup_s = resolve_warmup(args, profile, tier_list(args.tier or "high"),
-                                       list(OUTPUT_CLASSES) if args.output == "all" else [args.output])
-        variants = _variants(args)   # --k / --top-k-candidates: one deployment per variant
-        samplings = _samplings(args, profile)
+    try:
+        inputs = _read_inputs(args)
     except _FlagError as err:
         _flag_error(f"{err.flag}: {err.message}")
         return EXIT_CONFIG
+    if args.dry_run:
+        return _dry_run(args, console, inputs)
     local: dict[str, Any] = {"url": None}
     try:
-        return _run(args, console, tty, profile, prompts, local, variants, samplings)
+        return _run(args, console, tty, inputs, local)
     finally:
         if not args.target:
-            down = "python -m cluster down" + (f" --port {args.local_port}" if args.local_port != 8000 else "")
-            if local["url"]:
-                console.print(f"the local service is still up at {local['url']} (reused by the next run); "
-                              f"stop it with `{down}`", highlight=False)
-            else:
-                console.print("if `python -m cluster up` left anything running, stop it with "
-                              f"`{down}`", highlight=False)
-            sys.stdout.flush()
+            _say_local_service(args, console, local)
+
+
+def _say_local_service(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> None:
+    """The hint that stops the local service (started or reused: ``local["url"]``)."""
+    down = "python -m cluster down" + (f" --port {args.local_port}" if args.local_port != 8000 else "")
+    if local["url"]:
+        console.print(f"the local service is still up at {local['url']} (reused by the next run); "
+                      f"stop it with `{down}`", highlight=False)
+    else:
+        console.print("if `python -m cluster up` left anything running, stop it with "
+                      f"`{down}`", highlight=False)
+    sys.stdout.flush()
+
+
+def _dry_run(args: argparse.Namespace, console: Any, inputs: _Inputs) -> int:
+    """``--dry-run``: the plan (``loadgen.cli.plan.plan_lines``) and nothing else: no load, no
+    run directory. With ``--target`` the target is asked for its strategies and routes;
+    without, no service is started: the strategies are the local Serve config's and the
+    routes are chosen at run time."""
+    try:
+        discovery = discover(args, console, {"url": None})[0] if args.target else local_discovery(args)
+    except service.ServiceError as err:
+        console.print(f"[red]target error:[/] {err}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    plan = build_plan(args, inputs.profile, discovery)
+    for line in plan_lines(plan.to_dict()):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    console.print("dry run: no request sent, nothing written", highlight=False)
+    return 0
 
 
 @dataclasses.dataclass
 class _RunState:
-    """Everything one run accumulates, shared by its phases."""
+    """A run as it goes: its plan (``loadgen.cli.plan.RunPlan``, a frozen value; racing
+    replaces it by an extended one) and what the phases accumulate: the routes as they are
+    now (a replaced replica's listener moves them, ``_relisten``), the open writer, the
+    manifest, summaries, step rows, counters."""
 
     args: argparse.Namespace
     console: Any
     profile: Any
     prompts: list
-    target: str
-    strategies: list[str]
+    plan: RunPlan
     auth: Auth
-    prefixes: dict[str, str | None]   # strategy -> one-hop route path (None: the model field)
+    prefixes: dict[str, str | None]   # strategy -> one-hop route path now (None: the model field)
     fallbacks: dict[str, str]   # strategy on the direct route -> its proxy route path (its listener failed)
-    tiers: list[str]
-    outputs: list[str]
-    levels: list[int]
     variants: dict[str, dict] = dataclasses.field(default_factory=dict)   # --k: served name -> settings
     samplings: dict[tuple[str, str], list] = dataclasses.field(default_factory=dict)
     run_id: str = ""
@@ -274,70 +212,57 @@ class _RunState:
     stop: dict[str, bool] = dataclasses.field(default_factory=lambda: {"stop": False})
     server: Any = None   # loadgen.run.server_metrics.RunServerMetrics (--server-metrics)
     race_rows: list[dict] = dataclasses.field(default_factory=list)   # request rows (racing only)
-    race_cells: dict = dataclasses.field(default_factory=dict)  # cell key -> {strategy: CellSpec}
-    cell_seconds: dict = dataclasses.field(default_factory=dict)  # (cell key, strategy) -> [s, ...]
+    race_cells: dict = dataclasses.field(default_factory=dict)  # decision key -> {strategy: CellSpec}
+    cell_seconds: dict = dataclasses.field(default_factory=dict)  # (decision key, strategy) -> [s, ...]
+
+    @property
+    def target(self) -> str:
+        return self.plan.target
+
+    @property
+    def strategies(self) -> list[str]:
+        return list(self.plan.strategies)
 
 
-def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompts: list,
-         local: dict[str, Any], variants: dict[str, dict] | None = None,
-         samplings: dict[tuple[str, str], list] | None = None) -> int:
-    """Phases: connect -> open the run directory -> drive every cell -> close -> print."""
+def _start_runner(st: _RunState) -> Any:
+    """The load runner (``loadgen.run.locust_runner.LoadRunner``); with ``--workers`` the
+    workers' pids and nodes go to the manifest at once (fault tests kill one by pid)."""
+    from loadgen.run.locust_runner import LoadRunner
+    from loadgen.results.writer import write_manifest
+
+    args = st.args
+    runner = LoadRunner(args.workers, on_row=st.writer.add, should_stop=lambda: st.stop["stop"],
+                        ray_address=args.ray_address, worker_placement=args.worker_placement)
+    if args.workers > 0:
+        st.manifest["load_workers"] = runner.worker_info
+        st.manifest["worker_placement"] = args.worker_placement
+        write_manifest(st.run_dir / "manifest.json", st.manifest)
+    return runner
+
+
+def _run(args: argparse.Namespace, console: Any, tty: bool, inputs: _Inputs, local: dict[str, Any]) -> int:
+    """Phases: discover the target -> plan -> open the run directory -> drive every cell ->
+    close -> print."""
     try:
-        target, strategies, auth = connect(args, console, local)
-        routes = ({} if args.route == ROUTE_MODEL_FIELD else
-                  service.strategy_routes(target, headers=auth.headers, insecure=auth.insecure))
-        direct = (service.direct_listeners(target, headers=auth.headers, insecure=auth.insecure)
-                  if args.route == ROUTE_DIRECT or (args.route == ROUTE_AUTO and routes
-                                                    and not args.model) else None)
-        prefixes = choose_routes(args.route, strategies, routes, args.model, direct)
-        dead = [s for s, p in prefixes.items() if not _reachable(p, auth)]
-        if dead and args.route == ROUTE_DIRECT:
-            raise service.ServiceError(
-                f"--route direct: the replica listener of {dead} does not answer from here "
-                f"({', '.join(prefixes[s] + '/health' for s in dead)}); use --route strategy")
-        if dead:
-            console.print(f"the replica listeners of {dead} do not answer from here: their load "
-                          "takes the Serve proxy's route", highlight=False)
-            prefixes.update({s: routes[s] for s in dead})
+        discovery, auth = discover(args, console, local)
     except service.ServiceError as err:
-        hint = ""
-        if args.route == ROUTE_DIRECT and not args.target and "--route direct" in str(err):
-            hint = ("; a running local service was reused: stop it with `python -m cluster down` "
-                    "or pick another --local-port")
-        if variants and "not served" in str(err):
-            hint = ("; --k/--top-k-candidates: the variants are not deployed there" +
-                    ("" if args.target else " (a running local service was reused: stop it with "
-                     "`python -m cluster down` or pick another --local-port)"))
-        console.print(f"[red]target error:[/] {err}{hint}", highlight=False, soft_wrap=True)
+        console.print(f"[red]target error:[/] {err}{target_hint(args, err, inputs.variants)}",
+                      highlight=False, soft_wrap=True)
         return EXIT_CONFIG
-    st = _RunState(args, console, profile, prompts, target, strategies, auth, prefixes,
-                   fallbacks={s: routes[s] for s, p in prefixes.items()
-                              if route_name(p) == ROUTE_DIRECT},
-                   tiers=tier_list(args.tier),
-                   outputs=list(OUTPUT_CLASSES) if args.output == "all" else [args.output],
-                   levels=sweep_levels(args.sweep_start, args.sweep_factor, args.sweep_max_users)
-                   if args.sweep else [], variants=dict(variants or {}),
-                   samplings=dict(samplings or {}))
+    plan = build_plan(args, inputs.profile, discovery)
+    st = _RunState(args, console, inputs.profile, inputs.prompts, plan, auth, dict(discovery.prefixes),
+                   dict(discovery.fallbacks), variants=dict(inputs.variants), samplings=dict(inputs.samplings))
     try:
         _open_server_metrics(st)
     except ServerMetricsError as err:
         _flag_error(f"--server-metrics: {err}")
         return EXIT_CONFIG
-    n_cells, planned_cell_s = _open_run(st)
+    _open_run(st)
     _catch_signals(st.stop)
     runner = None
     try:
-        from loadgen.run.locust_runner import LoadRunner
-
-        runner = LoadRunner(args.workers, on_row=st.writer.add, should_stop=lambda: st.stop["stop"],
-                            ray_address=args.ray_address, worker_placement=args.worker_placement)
-        if args.workers > 0:   # pids and nodes of the load workers (fault tests kill one by pid)
-            from loadgen.results.writer import write_manifest
-
-            st.manifest["load_workers"] = runner.worker_info
-            st.manifest["worker_placement"] = args.worker_placement
-            write_manifest(st.run_dir / "manifest.json", st.manifest)
-        with Progress(console, n_cells, planned_cell_s, live=tty, at_most=bool(args.sweep)) as progress:
+        runner = _start_runner(st)
+        with Progress(console, len(plan.cells), plan.cell_s, live=tty, at_most=plan.at_most) as progress:
             _drive(st, runner, progress)
         _check_consistency(st)
     except KeyboardInterrupt:
@@ -346,8 +271,6 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, profile: Any, prompt
     finally:
         _close_run(st, runner)
     return _print_outcome(st)
-
-
 
 
 def _open_server_metrics(st: _RunState) -> None:
@@ -362,11 +285,14 @@ def _open_server_metrics(st: _RunState) -> None:
     st.server.open()
     f = st.server.facts
     if f.get("error") and (not args.target or any(st.prefixes.values())):
-        # specload's own service: no Prometheus page on the Serve proxy; its step log has it all
+        # specload's own service: no Prometheus page on the Serve proxy; its step log has it all.
+        # Not an error: `skipped` set beside the probe's `error`, the report (which reads `skipped`
+        # first) and the console say "not available (not needed: ...)" alike
         f["skipped"] = "a specload service: its engine step log (/specload/step_log) is read instead"
-        st.console.print(f"server metrics: not needed ({f['skipped']})", highlight=False, soft_wrap=True)
+        st.console.print(f"server metrics: not available (not needed: {f['skipped']})", highlight=False,
+                         soft_wrap=True)
     elif f.get("error"):
-        st.console.print(f"server metrics: none ({f['error']}); pass --server-metrics URL to read "
+        st.console.print(f"server metrics: not available ({f['error']}); pass --server-metrics URL to read "
                          "another page", highlight=False, soft_wrap=True)
     elif st.server.active:
         st.console.print(f"server metrics: {f['engine']} series at {f['url']} every {f['interval_s']:g} s "
@@ -381,43 +307,49 @@ def _read_once(dataset: str) -> bool:
     return dataset == STDIN or (Path(dataset).exists() and not Path(dataset).is_file())
 
 
-def _open_run(st: _RunState) -> tuple[int, float]:
-    """Create the run directory, the request writer and the first manifest; print the plan.
-    Returns (cells planned, planned seconds per cell)."""
-    from loadgen.results.writer import RowSink, environment_info, write_manifest
+def _open_run(st: _RunState) -> None:
+    """Create the run directory, the request writer and the first manifest (the plan in it);
+    print the run's one-line plan."""
+    from loadgen.results.writer import RowSink, write_manifest
 
-    args, profile, tiers, outputs = st.args, st.profile, st.tiers, st.outputs
+    args, plan = st.args, st.plan
     label = SWEEP_TIER if args.sweep else args.tier
     st.run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{uuid.uuid4().hex[:6]}"
     st.run_dir = Path(args.results) / st.run_id
     st.run_dir.mkdir(parents=True, exist_ok=False)
     if _read_once(args.dataset):   # stdin or a pipe: keep what was read, for the analysis
         write_prompts(st.run_dir / PROMPTS_FILE, st.prompts)
-    # cells to run (a sweep stops early: its count is an upper bound) and the planned time per cell:
-    # offered load + half the drain timeout (the ETA uses it until cells have finished)
-    if args.sweep:
-        n_cells = len(st.strategies) * len(outputs) * len(st.levels) * args.repeats
-        durations = [args.duration or profile.cell(tiers[0], oc).duration_s for oc in outputs]
-    else:
-        from loadgen.cli.race import aa_cells
-
-        n_cells = (len(st.strategies) * args.repeats + aa_cells(st.strategies, args.repeats, args.aa)) * sum(
-            len(st.samplings.get((t, oc)) or [None]) for t in tiers for oc in outputs)
-        durations = [args.duration or profile.cell(t, oc).duration_s for t in tiers for oc in outputs]
-    planned_cell_s = sum(durations) / len(durations) + 0.5 * profile.drain_timeout_s
-    st.console.print(f"specload run [bold]{st.run_id}[/]: {len(st.strategies)} strategies, {n_cells} cells"
-                     f"{' at most' if args.sweep else ''} against {st.target} (route: {route_names(st.prefixes)}), about "
-                     f"{clock(n_cells * planned_cell_s)} planned"
+    n = len(plan.cells)
+    # one time estimate: the ETA of every cell line (loadgen.results.summary.eta_seconds), before any cell
+    st.console.print(f"specload run [bold]{st.run_id}[/]: {len(plan.strategies)} strategies, {n} cells"
+                     f"{' at most' if plan.at_most else ''} against {plan.target} (route: "
+                     f"{route_names(st.prefixes)}), ETA {clock(eta_seconds(0, n, 0.0, plan.cell_s))}"
                      + (f", then racing the undecided cells to a decision within a {clock(args.budget_s)} budget"
-                        if args.budget_s > 0 and not args.sweep else "")
+                        if plan.racing is not None else "")
                      + f"; results in {st.run_dir}", highlight=False)
     st.writer = RowSink(st.run_dir)
-    st.manifest = {
+    st.manifest = _first_manifest(st)
+    if args.local_config and st.variants and not args.target:   # the generated Serve config, kept
+        import shutil
+
+        shutil.copyfile(args.local_config, st.run_dir / "serve_config.yaml")
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
+
+
+def _first_manifest(st: _RunState) -> dict[str, Any]:
+    """``manifest.json`` as the run opens: the plan, the target and routes, arguments,
+    profile, dataset, SLOs, sampling and output-length settings, variants, environment."""
+    from loadgen.results.writer import environment_info
+
+    args, profile, plan = st.args, st.profile, st.plan
+    tiers, outputs = list(plan.tiers), list(plan.outputs)
+    manifest = {
         "run_id": st.run_id, "started_ts": time.time(), "finished_ts": None, "status": "running",
-        "target": st.target, "strategies": st.strategies, "tiers": tiers, "outputs": outputs,
+        "target": plan.target, "strategies": list(plan.strategies), "tiers": tiers, "outputs": outputs,
+        "plan": plan.to_dict(),
         # the HTTP route each strategy was measured on: its own (one hop) or the model field
         "routes": {s: {"route": route_name(p),
-                       "base_url": route_url(st.target, p)} for s, p in st.prefixes.items()},
+                       "base_url": route_url(plan.target, p)} for s, p in st.prefixes.items()},
         "args": manifest_args(args), "profile_name": args.profile or "default", "profile": profile.model_dump(),
         "dataset": args.dataset, "num_prompts": len(st.prompts), "cells": [],
         "dataset_file": PROMPTS_FILE if _read_once(args.dataset) else None,
@@ -438,16 +370,11 @@ def _open_run(st: _RunState) -> tuple[int, float]:
         # --k / --top-k-candidates: every deployment's base strategy, k, candidates and engine
         "variants": st.variants,
         **environment_info()}
-    if args.local_config and st.variants and not args.target:   # the generated Serve config, kept
-        import shutil
-
-        shutil.copyfile(args.local_config, st.run_dir / "serve_config.yaml")
     if args.sweep:
-        st.manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
-        st.manifest["sweep"] = {"template_tier": tiers[0], "levels": st.levels, "factor": args.sweep_factor,
-                                "stopped": {}}
-    write_manifest(st.run_dir / "manifest.json", st.manifest)
-    return n_cells, planned_cell_s
+        manifest["config"]["slo"][SWEEP_TIER] = profile.cell(tiers[0], outputs[0]).slo.model_dump()
+        manifest["sweep"] = {"template_tier": tiers[0], "levels": list(plan.sweep_levels),
+                             "factor": args.sweep_factor, "stopped": {}}
+    return manifest
 
 
 def _catch_signals(stop: dict[str, bool]) -> None:
@@ -464,24 +391,16 @@ def _catch_signals(stop: dict[str, bool]) -> None:
 
 
 def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
-    """Run every cell in order (a sweep decides its next cell from the last results); then
-    each strategy's replica memory report (peaks reset first: this run's only)."""
-    for strategy in st.strategies:
-        service.fetch_memory(st.target, strategy, reset_peak=True, headers=st.auth.headers,
-                             insecure=st.auth.insecure)
+    """Run the plan's cells in order (a sweep decides its next cell from the last results:
+    ``loadgen.run.sweep.sweep_cells``, a prefix of each level of the plan), then race
+    (``--budget``); around them each strategy's replica memory report (peaks reset first:
+    this run's only)."""
+    plan = st.plan
+    _memory_reports(st, reset_peak=True)
     _warm_strategies(st)
-    if st.args.sweep:
-        sweep = SweepState()
-        order = sweep_cells(st.strategies, st.outputs, st.tiers[0], st.levels, sweep, st.args.repeats)
-    else:
-        labels = {k: [x.name for x in v] for k, v in st.samplings.items()}
-        sweep, order = None, grid_cells(st.strategies, st.tiers, st.outputs, st.args.repeats, labels)
-        if st.args.budget_s > 0 or st.args.interleave or st.args.aa:
-            # cell-major (racing's first pass, or --interleave): drift hits a cell's strategies alike
-            from loadgen.cli.race import first_pass
-
-            order = first_pass(st.strategies, st.tiers, st.outputs, st.args.repeats, labels,
-                               aa=st.args.aa)
+    sweep = SweepState() if plan.at_most else None
+    order = (sweep_cells(list(plan.strategies), list(plan.outputs), plan.tiers[0], list(plan.sweep_levels),
+                         sweep, plan.repeats) if sweep is not None else plan.cells)
     for spec in order:
         s, cell_t0 = _run_cell(st, spec, runner, progress)
         if sweep is not None:
@@ -490,65 +409,50 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         _record_cell(st, s, sweep)
         # per cell: the replica's step ring buffer holds minutes, not a whole run
         _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
-    if st.args.budget_s > 0 and sweep is None:
+    if plan.racing is not None:
         _race(st, runner, progress)
     for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
         _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
-        report = service.fetch_memory(st.target, strategy, headers=st.auth.headers,
+    _memory_reports(st, reset_peak=False)
+
+
+def _memory_reports(st: _RunState, reset_peak: bool) -> None:
+    """Each strategy's replica memory report (``service.fetch_memory``): with ``reset_peak``
+    the peaks are reset (the run's start); else the report (weights, KV cache, process
+    memory; specload targets only) goes to the manifest's ``memory``."""
+    for strategy in st.strategies:
+        report = service.fetch_memory(st.target, strategy, reset_peak=reset_peak, headers=st.auth.headers,
                                       insecure=st.auth.insecure)
-        if report:  # weights, KV cache, process memory (specload targets only)
+        if report and not reset_peak:
             st.manifest.setdefault("memory", {})[strategy] = report
 
 
 def _warm_strategies(st: _RunState) -> None:
-    """Warm every strategy before its first measured cell (``--warmup-requests`` N): N short
-    greedy completions on its own route, half one at a time, half at once, not recorded as
-    requests. The seconds each took go to the manifest (``warmup``); a failure is a warning."""
-    import json
-    import urllib.error
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
+    """Warm every strategy before its first measured cell (``loadgen.cli.warmup``, the plan's
+    ``warmup_requests`` each, on its route now); the seconds each took and any failure go to
+    the manifest (``warmup``)."""
+    from loadgen.cli.warmup import warm_strategies
 
-    n = st.args.warmup_requests
-    st.manifest["warmup"] = {"requests_per_strategy": n, "cut_s": st.args.warmup_s, "seconds": {},
+    n, plan = st.plan.warmup_requests, st.plan
+    st.manifest["warmup"] = {"requests_per_strategy": n, "cut_s": plan.warmup_s, "seconds": {},
                              "failed": {}}
     if n <= 0 or not st.prompts:
         return
-    timeout = float(st.profile.request_timeout_s)
-
-    def one(strategy: str, i: int) -> None:
-        """One streamed completion (the load's own path), read to its end."""
-        url = route_url(st.target, st.prefixes.get(strategy))
-        body = {"model": st.args.model or strategy, "prompt": st.prompts[i % len(st.prompts)].text,
-                "max_tokens": WARMUP_MAX_TOKENS, "temperature": 0.0, "stream": True}
-        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={**st.auth.headers, "Content-Type": "application/json"},
-                                     method="POST")
-        ctx = service.ssl_context(st.auth.insecure) if url.startswith("https://") else None
-        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:  # noqa: S310
-            resp.read()
-
-    for strategy in st.strategies:
-        t0 = time.monotonic()
-        try:
-            for i in range((n + 1) // 2):
-                one(strategy, i)
-            with ThreadPoolExecutor(max_workers=max(1, n // 2)) as pool:
-                list(pool.map(lambda i: one(strategy, i), range((n + 1) // 2, n)))
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            st.manifest["warmup"]["failed"][strategy] = str(err)[:300]
-            st.console.print(f"[yellow]warning[/] warm-up of {strategy} failed: {err}", highlight=False)
-        st.manifest["warmup"]["seconds"][strategy] = round(time.monotonic() - t0, 3)
-    st.console.print(f"warmed {len(st.strategies)} strategies ({n} requests each, "
+    st.manifest["warmup"].update(warm_strategies(
+        {s: route_url(plan.target, st.prefixes.get(s)) for s in plan.strategies},
+        {s: st.args.model or s for s in plan.strategies}, [p.text for p in st.prompts], n, st.auth,
+        float(st.profile.request_timeout_s), lambda m: st.console.print(m, highlight=False)))
+    st.console.print(f"warmed {len(plan.strategies)} strategies ({n} requests each, "
                      f"{sum(st.manifest['warmup']['seconds'].values()):.1f} s, not measured); "
-                     f"each cell's first {st.args.warmup_s:g} s is cut as warm-up", highlight=False)
+                     f"each cell's first {plan.warmup_s:g} s is cut as warm-up", highlight=False)
 
 
 def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
     """Racing to a decision (``--budget``): after the first pass, rounds of repeats of the
     undecided cells' contending strategies (``loadgen.cli.race``), each cell's contenders
     run back to back in a rotating order, until every cell is decided or equivalent, or the
-    next round would end past the budget (wall time since the run started). The decisions
+    next round would end past the budget (wall time since the run started). Each round
+    extends the plan (``RunPlan.extend``; the counters read done / planned). The decisions
     go to the manifest (``race``) and the console."""
     from loadgen.cli import race as race_mod
     from loadgen.results.writer import write_manifest
@@ -557,13 +461,13 @@ def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
     racer = race_mod.Racer(budget_s=args.budget_s, confidence=args.confidence,
                            margin=args.equivalence_margin, first_pass_repeats=args.repeats,
                            started_ts=st.manifest["started_ts"], run_id=st.run_id,
-                           manifest_config=st.manifest["config"], warmup_s=args.warmup_s)
+                           manifest_config=st.manifest["config"], warmup_s=st.plan.warmup_s)
     st.manifest["race"] = racer.manifest_entry()
     say = lambda m: st.console.print(m, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     try:
-        for plan in racer.rounds(st.race_rows, st.race_cells, st.cell_seconds, say):
-            progress.total += len(plan)
-            for key, spec in plan:
+        for round_cells in racer.rounds(st.race_rows, st.race_cells, st.cell_seconds, say):
+            _extend_plan(st, progress, [spec for _, spec in round_cells], say)
+            for _, spec in round_cells:
                 s, cell_t0 = _run_cell(st, spec, runner, progress)
                 _record_cell(st, s, None)
                 _fetch_steps(st, spec.strategy, max(cell_t0 - 1.0, st.fetched.get(spec.strategy, 0.0)))
@@ -576,6 +480,15 @@ def _race(st: _RunState, runner: Any, progress: "Progress") -> None:
         say(line)
     st.manifest["race"] = racer.manifest_entry()
     write_manifest(st.run_dir / "manifest.json", st.manifest)
+
+
+def _extend_plan(st: _RunState, progress: "Progress", cells: list, say: Any) -> None:
+    """A racing round's cells appended to the plan (a new value, in the manifest's ``plan``);
+    the progress total follows, and the console says so before the round's first cell line."""
+    st.plan = st.plan.extend(cells)
+    st.manifest["plan"] = st.plan.to_dict()
+    progress.total = len(st.plan.cells)
+    say(f"plan: {len(cells)} cell(s) added, {progress.finished} of {progress.total} done")
 
 
 def _check_consistency(st: _RunState) -> None:
@@ -591,7 +504,7 @@ def _check_consistency(st: _RunState) -> None:
     try:
         st.manifest["consistency"] = run_checks(
             st.target, st.strategies, [[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
-            st.profile, st.tiers[0], st.outputs, st.run_dir, args.consistency,
+            st.profile, st.plan.tiers[0], list(st.plan.outputs), st.run_dir, args.consistency,
             args.consistency_sampled, args.consistency_baseline,
             say=lambda m: st.console.print(m, highlight=False),
             headers=st.auth.headers, insecure=st.auth.insecure,
@@ -631,99 +544,139 @@ def _reset_prefix_cache(st: _RunState, strategy: str) -> None:
 
 def _run_cell(st: _RunState, spec: Any, runner: Any, progress: "Progress") -> tuple[Any, float]:
     """Offer one cell's load and summarise it; returns (CellSummary, cell start unix s)."""
-    from loadgen.results.summary import add_speedups, summarize_cell
+    from loadgen.results.summary import add_speedups
 
-    args, profile = st.args, st.profile
-    strategy, tier, oc = spec.strategy, spec.tier, spec.output_class
-    cell = profile.cell(spec.template_tier, oc)
-    _reset_prefix_cache(st, strategy)
-    options = _cell_samplings(st, spec.template_tier, oc)
+    cell = st.profile.cell(spec.template_tier, spec.output_class)
+    _reset_prefix_cache(st, spec.strategy)
+    plan = _cell_plan(st, spec, cell)
+    key = M.CellKey(spec.strategy, spec.tier, spec.output_class, plan.sampling_label,
+                    plan.users if st.args.sweep else None)
+    rep = f" r{spec.repeat}" if st.args.repeats > 1 or spec.repeat else ""
+    progress.new_cell(key.label() + rep, plan)
+    cell_run, cell_t0, server = _offer(st, spec, plan, cell, runner, progress)
+    s = _summarize(st, spec, plan, cell, cell_run, server)
+    _worker_warnings(s, runner, plan.cell_id)
+    if plan.route == M.ROUTE_DIRECT:
+        moved = sum(1 for r in cell_run.rows if r.get(M.REQ_ROUTE) == M.ROUTE_STRATEGY)
+        if moved:
+            s.warnings.append(f"{moved} request(s) went by the Serve proxy's route: the replica's own listener "
+                              "refused or dropped connections (replaced or gone)"
+                              f"{_relisten(st, spec.strategy, moved)}")
+    st.summaries.append(s)
+    add_speedups(st.summaries)
+    progress.done(s)
+    samp = "" if plan.sampling_label == M.GREEDY else f"/{plan.sampling_label}"
+    for w in s.warnings:
+        st.console.print(f"[yellow]warning[/] {spec.strategy}/{spec.tier}/{spec.output_class}{samp}: {w}",
+                         highlight=False)
+    return s, cell_t0
+
+
+def _cell_plan(st: _RunState, spec: Any, cell: Any) -> CellPlan:
+    """The ``CellPlan`` the load processes run for ``spec``: its route now, its sampling
+    setting, users, start and deadline (a second ahead with Ray workers), prompts, credentials."""
+    args, profile, strategy = st.args, st.profile, spec.strategy
+    options = _cell_samplings(st, spec.template_tier, spec.output_class)
     sampling = next((x for x in options if x.name == spec.sampling), options[0])
-    label = sampling.name
     users = spec.users if spec.users is not None else cell.users
-    duration = args.duration if args.duration else cell.duration_s
     t0 = time.time() + (0.2 if args.workers <= 0 else 1.0)
-    plan = CellPlan(
-        run_id=st.run_id, strategy=strategy, model=args.model or strategy, tier=tier,
-        output_class=oc, dataset=args.dataset, base_url=route_url(st.target, st.prefixes.get(strategy)),
-        route=route_name(st.prefixes.get(strategy)),
+    return CellPlan(
+        run_id=st.run_id, strategy=strategy, model=args.model or strategy, tier=spec.tier,
+        output_class=spec.output_class, dataset=args.dataset,
+        base_url=route_url(st.target, st.prefixes.get(strategy)), route=route_name(st.prefixes.get(strategy)),
         fallback_url=route_url(st.target, st.fallbacks[strategy]) if strategy in st.fallbacks else "",
-        arrival=cell.arrival,
-        users=users, rate_rps=cell.rate_rps, start_ts=t0, deadline_ts=t0 + duration,
+        arrival=cell.arrival, users=users, rate_rps=cell.rate_rps, start_ts=t0,
+        deadline_ts=t0 + (args.duration if args.duration else cell.duration_s),
         prompts=[[p.prompt_id, p.text, p.max_tokens] for p in st.prompts],
         categories={p.prompt_id: p.category for p in st.prompts if p.category},
         max_tokens=cell.max_tokens.model_dump(), seed=profile.seed,
         sampling=sampling.model_dump(), extra_body=dict(profile.extra_body),
-        sampling_label=label, ignore_eos=cell.ignore_eos, min_tokens=cell.min_tokens,
+        sampling_label=sampling.name, ignore_eos=cell.ignore_eos, min_tokens=cell.min_tokens,
         request_timeout_s=profile.request_timeout_s, repeat=spec.repeat,
-        cell_id=f"{strategy}/{tier}/{oc}/{label}/{users}/{spec.repeat}/{uuid.uuid4().hex[:6]}",
+        cell_id=f"{strategy}/{spec.tier}/{spec.output_class}/{sampling.name}/{users}/{spec.repeat}/"
+                f"{uuid.uuid4().hex[:6]}",
         headers=st.auth.headers, insecure=st.auth.insecure,
         max_retries=args.retry, retry_backoff_s=args.retry_backoff_s)
-    rep = f" r{spec.repeat}" if args.repeats > 1 or spec.repeat else ""
-    sweep_users = f" u{users}" if args.sweep else ""
-    samp = "" if label == M.GREEDY else f"/{label}"
-    progress.new_cell(f"{strategy} {tier}/{oc}{samp}{sweep_users}{rep}", plan)
+
+
+def _offer(st: _RunState, spec: Any, plan: CellPlan, cell: Any, runner: Any,
+           progress: "Progress") -> tuple[Any, float, dict | None]:
+    """Run the cell: its rows go to the writer process as they complete
+    (cells/NNN-...parquet, a row group a second; no Arrow conversion in this gevent loop, which
+    would delay in-flight chunks' timestamps); the server's scrapes around it, its window, and
+    for racing its rows and seconds under its decision key. Returns (CellRun, start unix s,
+    the server's figures or None)."""
+    strategy, label = spec.strategy, plan.sampling_label
     cell_t0 = st.server.begin_cell() if st.server is not None else time.time()
-    # rows go to the writer process as they complete (cells/NNN-...parquet, a row group a second);
-    # no Arrow conversion in this gevent loop, which would delay in-flight chunks' timestamps
     st.cell_no += 1
-    st.writer.start_cell(f"{st.cell_no:03d}-{strategy}-{tier}-{oc}{'' if label == M.GREEDY else '-' + label}"
-                         f"-u{users}-r{spec.repeat}")
+    st.writer.start_cell(f"{st.cell_no:03d}-{strategy}-{spec.tier}-{spec.output_class}"
+                         f"{'' if label == M.GREEDY else '-' + label}-u{plan.users}-r{spec.repeat}")
     try:
-        cell_run = runner.run_cell(plan, cell.spawn_rate, profile.drain_timeout_s, progress.tick)
+        cell_run = runner.run_cell(plan, cell.spawn_rate, st.profile.drain_timeout_s, progress.tick)
     finally:
         st.writer.end_cell()
         _record_losses(st, runner)
     server = st.server.end_cell(strategy, cell_t0, cell_run.rows) if st.server is not None else None
-    st.cell_windows.append({"strategy": strategy, "tier": tier, "output_class": oc, "users": users,
-                            "repeat": spec.repeat, "sampling": label, "t0": cell_t0, "t1": time.time()})
-    if args.budget_s > 0 and not args.sweep:   # racing decides on these rows (loadgen.cli.race)
+    st.cell_windows.append({"strategy": strategy, "tier": spec.tier, "output_class": spec.output_class,
+                            "users": plan.users, "repeat": spec.repeat, "sampling": label,
+                            "t0": cell_t0, "t1": time.time()})
+    if st.plan.racing is not None:   # racing decides on these rows (loadgen.cli.race)
         from loadgen.cli.race import cell_key
 
         st.race_rows.extend(cell_run.rows)
         key = cell_key(cell_run.rows, spec)
         st.race_cells.setdefault(key, {}).setdefault(strategy, spec)
         st.cell_seconds.setdefault((key, strategy), []).append(time.time() - cell_t0)
-    s = summarize_cell(cell_run.rows, strategy=strategy, tier=tier, output_class=oc,
-                       arrival=cell.arrival, users=users, rate_rps=cell.rate_rps,
+    return cell_run, cell_t0, server
+
+
+def _summarize(st: _RunState, spec: Any, plan: CellPlan, cell: Any, cell_run: Any,
+               server: dict | None) -> Any:
+    """The cell's ``CellSummary`` (``loadgen.results.summary.summarize_cell``) with its
+    repeat, sampling label, forced acceptance length, per-worker stats and the server's figures."""
+    from loadgen.results.summary import summarize_cell
+
+    s = summarize_cell(cell_run.rows, strategy=spec.strategy, tier=spec.tier, output_class=spec.output_class,
+                       arrival=cell.arrival, users=plan.users, rate_rps=cell.rate_rps,
                        slo=cell.slo, window=cell_run.window, cpu_samples=cell_run.cpu_samples)
     s.repeat = spec.repeat
-    s.sampling = label
-    forced = (st.variants.get(strategy) or {}).get("synthetic_acceptance_length")
+    s.sampling = plan.sampling_label
+    forced = (st.variants.get(spec.strategy) or {}).get("synthetic_acceptance_length")
     if forced is not None:
         s.synthetic_acceptance_length = float(forced)
     if server is not None:
         s.server_metrics = server
-        if server.get("unattributed_drafts") and not server.get("requests_without_stats"):
-            s.warnings.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
-                              "cell's requests report: other traffic reached the engine during the cell "
-                              "(its counters cannot tell it apart)")
-        elif server.get("unattributed_drafts"):
-            s.warnings.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
-                              f"cell's requests report; {server['requests_without_stats']} request(s) ended "
-                              "without stats (cancelled at the cell's end or failed) and drafted too, so "
-                              "other traffic cannot be told from them")
-        if server.get("counter_resets"):
-            s.warnings.append(f"{server['counter_resets']} server counter reset(s) during the cell (a "
-                              "restart?): counted from 0 after each")
+        s.warnings.extend(_server_warnings(server))
+    s.workers = cell_run.workers   # per Locust worker: node, CPU %, achieved users, rows
+    return s
+
+
+def _server_warnings(server: dict) -> list[str]:
+    """Warnings from the server's counters over a cell: drafts no request of the cell reports
+    (other traffic), counter resets (a restart)."""
+    out = []
+    if server.get("unattributed_drafts") and not server.get("requests_without_stats"):
+        out.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
+                   "cell's requests report: other traffic reached the engine during the cell "
+                   "(its counters cannot tell it apart)")
+    elif server.get("unattributed_drafts"):
+        out.append(f"the server counted {server['unattributed_drafts']} drafts more than this "
+                   f"cell's requests report; {server['requests_without_stats']} request(s) ended "
+                   "without stats (cancelled at the cell's end or failed) and drafted too, so "
+                   "other traffic cannot be told from them")
+    if server.get("counter_resets"):
+        out.append(f"{server['counter_resets']} server counter reset(s) during the cell (a "
+                   "restart?): counted from 0 after each")
+    return out
+
+
+def _worker_warnings(s: Any, runner: Any, cell_id: str) -> None:
+    """A warning per load worker lost during the cell ``cell_id``."""
     for loss in runner.worker_losses:
-        if loss["cell_id"] == plan.cell_id:
+        if loss["cell_id"] == cell_id:
             s.warnings.append(f"load worker {loss['worker_index']} lost: its {loss['in_flight_at_last_report']} "
                               f"in-flight request(s) have no row ({loss['rows_delivered']} rows it sent are "
                               "kept); the cell finished on the other workers")
-    s.workers = cell_run.workers   # per Locust worker: node, CPU %, achieved users, rows
-    if plan.route == M.ROUTE_DIRECT:
-        moved = sum(1 for r in cell_run.rows if r.get(M.REQ_ROUTE) == M.ROUTE_STRATEGY)
-        if moved:
-            s.warnings.append(f"{moved} request(s) went by the Serve proxy's route: the replica's own listener "
-                              "refused or dropped connections (replaced or gone)"
-                              f"{_relisten(st, strategy, moved)}")
-    st.summaries.append(s)
-    add_speedups(st.summaries)
-    progress.done(s)
-    for w in s.warnings:
-        st.console.print(f"[yellow]warning[/] {strategy}/{tier}/{oc}{samp}: {w}", highlight=False)
-    return s, cell_t0
 
 
 def _relisten(st: _RunState, strategy: str, moved: int) -> str:
@@ -737,7 +690,7 @@ def _relisten(st: _RunState, strategy: str, moved: int) -> str:
     old, proxy = st.prefixes[strategy], st.fallbacks[strategy]
     listed = service.direct_listeners(st.target, headers=st.auth.headers, insecure=st.auth.insecure)
     new = choose_routes(ROUTE_AUTO, [strategy], {strategy: proxy}, direct=listed)[strategy]
-    if not _reachable(new, st.auth):
+    if not reachable(new, st.auth):
         new = proxy
     entry = st.manifest.setdefault("routes", {}).setdefault(strategy, {})
     if new != old:
@@ -752,13 +705,6 @@ def _relisten(st: _RunState, strategy: str, moved: int) -> str:
     if route_name(new) == M.ROUTE_DIRECT:
         return f"; the next cells take its new listener {route_url(st.target, new)}"
     return "; it lists no listener that answers from here: the next cells take the proxy's route"
-
-
-def _reachable(prefix: str | None, auth: Auth) -> bool:
-    """A route prefix the load can take from here: any but a replica listener that does not
-    answer ``/health`` (one on another node's loopback, or behind a firewall)."""
-    return route_name(prefix) != ROUTE_DIRECT or service.answers(
-        f"{prefix}/health", headers=auth.headers, insecure=auth.insecure)
 
 
 def _cell_samplings(st: _RunState, tier: str, oc: str) -> list:
@@ -866,63 +812,12 @@ def _write_server_metrics(st: _RunState) -> None:
 
 
 def _print_outcome(st: _RunState) -> int:
-    """The summary table, failures, the optional report and the results path; the exit code."""
-    from loadgen.results.summary import legend, render_table
-
-    console, summaries = st.console, st.summaries
-    if summaries and not _print_cells(st):   # per cell run when the cell table cannot be built
-        table, shown = render_table(summaries, max_width=console.width)
-        console.print(table)
-        console.print(f"Columns: {legend(shown)} Every column, p99s included: {st.run_dir / SUMMARY_CSV}",
-                      highlight=False)
-    console.print(f"requests: {st.writer.rows_written}, steps: {st.n_steps}, "
-                  f"wall time {clock(time.time() - st.manifest['started_ts'])}", highlight=False)
-    empty = [f"{s.strategy}/{s.tier}/{s.output_class}" for s in summaries if not s.n_ok]
-    if empty:
-        console.print(f"[red]no successful request[/] in {', '.join(empty)}; see the `error` "
-                      f"column of {st.run_dir / 'requests.parquet'}", highlight=False)
-    if st.args.report and st.writer.rows_written and len(empty) < len(summaries):
-        _report(st.run_dir, console)
-    print(f"results: {st.run_dir}", flush=True)
-    if st.status == "interrupted":
-        return EXIT_INTERRUPTED
-    return EXIT_NO_SUCCESS if summaries and len(empty) == len(summaries) else 0
-
-
-def _print_cells(st: _RunState) -> bool:
-    """The run's cell table (repeats pooled, warm-up cut: the report's own numbers,
-    ``analysis.report.build.prepare``); False when it cannot be built (no request written)."""
-    from analysis.data.load import ResultsError, load_results
-    from analysis.report.build import prepare
-    from loadgen.results.summary import cell_legend, render_cell_table
-
-    try:
-        cells = prepare(load_results(st.run_dir))[-1]
-    except (ResultsError, ValueError, KeyError) as err:
-        st.console.print(f"[yellow]note[/] no cell table: {err}", highlight=False)
-        return False
-    table, shown = render_cell_table(cells, max_width=st.console.width)
-    st.console.print(table)
-    st.console.print(f"Columns: {cell_legend(shown)} Per cell run, p99s included: "
-                     f"{st.run_dir / SUMMARY_CSV}", highlight=False, soft_wrap=True)
-    return True
-
-
-def _report(run_dir: Path, console: Any) -> None:
-    """Write the analysis report into the run's report folder; print the headline and its paths."""
-    from analysis.decide.claims import claim_lines
-    from analysis.decide.recommend import headline_lines
-    from analysis.report.build import build_report, default_out_dir
-
-    out = build_report(run_dir, default_out_dir(run_dir))
-    console.print("recommendation per tier (highest goodput under the SLOs), "
-                  f"{out.get('scope') or 'on this deployment only'}:", highlight=False, soft_wrap=True)
-    for line in headline_lines(out["recommendation"], (out.get("race") or {}).get("undecided_reason")):
-        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)   # one line each
-    for line in claim_lines(out.get("claims") or []):
-        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
-    for name, path in out["paths"].items():
-        console.print(f"{name}: {path}", highlight=False)
+    """After the run: the cell table, the answer, failures, the report (``--report``) and the
+    results path (``loadgen.cli.outcome.print_outcome``); returns the exit code."""
+    totals = {"requests": st.writer.rows_written, "steps": st.n_steps,
+              "wall_s": time.time() - st.manifest["started_ts"]}
+    return print_outcome(st.console, st.run_dir, st.summaries, totals, st.args.report,
+                         st.status == "interrupted")
 
 
 def main(argv: list[str] | None = None) -> int:

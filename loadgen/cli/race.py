@@ -60,11 +60,9 @@ def aa_cells(strategies: list[str], repeats: int, aa: bool) -> int:
 
 
 def cell_key(rows: list[dict], spec: Any) -> tuple:
-    """The decision cell of a run cell: its rows' ``race.DECISION_KEY`` values (tier, output
-    class and whatever else identifies a cell); the spec's (tier, output class) without rows."""
-    if rows:
-        return tuple(rows[0].get(k) for k in race.DECISION_KEY if k in rows[0])
-    return (spec.tier, spec.output_class)
+    """The decision cell of a run cell (``metric_names.CellKey.decision``: tier, output class,
+    sampling label; the ``race.DECISION_KEY`` columns) from its first row, else its spec."""
+    return M.CellKey.of(rows[0] if rows else spec).decision()
 
 
 def key_order(key: tuple) -> tuple:
@@ -82,7 +80,7 @@ def next_repeats(rows: list[dict]) -> dict[tuple, int]:
     """{(cell key, strategy): its next repeat index} from the request rows so far."""
     out: dict[tuple, int] = {}
     for r in rows:
-        key = (tuple(r.get(k) for k in race.DECISION_KEY if k in r), r.get(M.REQ_STRATEGY))
+        key = (M.CellKey.of(r).decision(), r.get(M.REQ_STRATEGY))
         out[key] = max(out.get(key, 0), int(r.get(M.REQ_REPEAT) or 0) + 1)
     return out
 

@@ -76,8 +76,14 @@ def discover_strategies(args: argparse.Namespace, target: str, auth: Auth, conso
         return asked
     if not models:
         raise service.ServiceError(f"{target}/v1/models lists no models; pass --strategies")
-    known = [s for s in M.STRATEGIES if s in models]  # canonical order, baseline first
-    return known + [m for m in models if m not in known]
+    return canonical_order(models)
+
+
+def canonical_order(names: list[str]) -> list[str]:
+    """Served names in the canonical strategy order (``metric_names.STRATEGIES``, the
+    baseline first), any other name after them in its given order."""
+    known = [s for s in M.STRATEGIES if s in names]
+    return known + [m for m in names if m not in known]
 
 
 def choose_routes(route: str, strategies: list[str], routes: dict[str, str],
@@ -173,3 +179,72 @@ def connect(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tu
         strategies = [M.AUTOREGRESSIVE] + strategies   # the sweep's speedup reference
     return target, strategies, auth
 
+
+@dataclasses.dataclass(frozen=True)
+class Discovery:
+    """What the target told about itself (``discover``): its base URL, the
+    strategies to drive (served names, baseline first) and their routes. ``prefixes`` /
+    ``fallbacks`` are ``loadgen.cli.target.choose_routes`` values as pairs."""
+
+    target: str
+    strategies: tuple[str, ...]
+    prefixes: tuple[tuple[str, str | None], ...] = ()
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    resolved: bool = True   # False: --dry-run without --target (no service started)
+
+
+def local_discovery(args: argparse.Namespace) -> Discovery:
+    """The local service's strategies as ``connect`` would find them, without starting it:
+    ``--strategies`` (variants resolved), else every deployment of the Serve config in the
+    canonical order; routes unresolved."""
+    from configs.serve_config import configured_strategy_names
+
+    asked = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    names = asked or canonical_order(configured_strategy_names(args.local_config or None))
+    if args.sweep and M.AUTOREGRESSIVE not in names:
+        names = [M.AUTOREGRESSIVE] + names
+    return Discovery(f"http://127.0.0.1:{args.local_port}", tuple(names), resolved=False)
+
+
+def discover(args: argparse.Namespace, console: Any, local: dict[str, Any]) -> tuple[Discovery, Auth]:
+    """Connect (``loadgen.cli.target.connect``: the local service started or reused without
+    ``--target``), list the strategies, choose each one's route (``choose_routes``) and
+    check that the replica listeners answer from here (those that do not take the proxy's
+    route, or fail under ``--route direct``). Raises service.ServiceError."""
+    target, strategies, auth = connect(args, console, local)
+    routes = ({} if args.route == ROUTE_MODEL_FIELD else
+              service.strategy_routes(target, headers=auth.headers, insecure=auth.insecure))
+    direct = (service.direct_listeners(target, headers=auth.headers, insecure=auth.insecure)
+              if args.route == ROUTE_DIRECT or (args.route == ROUTE_AUTO and routes
+                                                and not args.model) else None)
+    prefixes = choose_routes(args.route, strategies, routes, args.model, direct)
+    dead = [s for s, p in prefixes.items() if not reachable(p, auth)]
+    if dead and args.route == ROUTE_DIRECT:
+        raise service.ServiceError(
+            f"--route direct: the replica listener of {dead} does not answer from here "
+            f"({', '.join(prefixes[s] + '/health' for s in dead)}); use --route strategy")
+    if dead:
+        console.print(f"the replica listeners of {dead} do not answer from here: their load "
+                      "takes the Serve proxy's route", highlight=False)
+        prefixes.update({s: routes[s] for s in dead})
+    fallbacks = {s: routes[s] for s, p in prefixes.items() if route_name(p) == ROUTE_DIRECT}
+    return Discovery(target, tuple(strategies), tuple(prefixes.items()), tuple(fallbacks.items())), auth
+
+
+def target_hint(args: argparse.Namespace, err: Exception, variants: dict) -> str:
+    """The clause after a target error: how to get past a reused local service."""
+    if variants and "not served" in str(err):
+        return ("; --k/--top-k-candidates: the variants are not deployed there" +
+                ("" if args.target else " (a running local service was reused: stop it with "
+                 "`python -m cluster down` or pick another --local-port)"))
+    if args.route == ROUTE_DIRECT and not args.target and "--route direct" in str(err):
+        return ("; a running local service was reused: stop it with `python -m cluster down` "
+                "or pick another --local-port")
+    return ""
+
+
+def reachable(prefix: str | None, auth: Auth) -> bool:
+    """A route prefix the load can take from here: any but a replica listener that does not
+    answer ``/health`` (one on another node's loopback, or behind a firewall)."""
+    return route_name(prefix) != ROUTE_DIRECT or service.answers(
+        f"{prefix}/health", headers=auth.headers, insecure=auth.insecure)

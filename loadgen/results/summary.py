@@ -159,10 +159,19 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
     lags = [(r[M.REQ_SENT_TS] - r[M.REQ_SCHEDULED_TS]) * 1000 for r in rows
             if r.get(M.REQ_SENT_TS) is not None and r.get(M.REQ_SCHEDULED_TS) is not None]
     s.send_lag_ms_p99 = _pct(lags, 99)
-    # tau: one definition everywhere (metric_names.acceptance_length): 1.0 when the server
-    # reports zero drafts (autoregressive), undefined (NaN -> null) when it reports no stats
-    # a row with drafts but no accepted count (an engine key spelling not read) makes the pooled
-    # tau "not reported", never 1.0: the warning says why
+    _acceptance(s, ok)
+    if cpu_samples:
+        s.cpu_mean_percent = sum(cpu_samples) / len(cpu_samples)
+        s.cpu_max_percent = max(cpu_samples)
+    _load_warnings(s, arrival, users)
+    return s
+
+
+def _acceptance(s: CellSummary, ok: list[dict[str, Any]]) -> None:
+    """tau: one definition everywhere (metric_names.acceptance_length): 1.0 when the server
+    reports zero drafts (autoregressive), undefined (NaN -> null) when it reports no stats.
+    A row with drafts but no accepted count (an engine key spelling not read) makes the
+    pooled tau "not reported", never 1.0: the warning says why."""
     with_stats = [r for r in ok if r.get(M.NUM_DRAFTS) is not None]
     no_accepted = [r for r in with_stats if r[M.NUM_DRAFTS] and r.get(M.NUM_ACCEPTED_TOKENS) is None]
     if with_stats and not no_accepted:
@@ -172,9 +181,11 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
         src = sorted({str(r.get(M.REQ_SPEC_SOURCE)) for r in no_accepted})
         s.warnings.append(f"tau not reported: {len(no_accepted)} request(s) report drafts but no accepted "
                           f"count (source {', '.join(src)})")
-    if cpu_samples:
-        s.cpu_mean_percent = sum(cpu_samples) / len(cpu_samples)
-        s.cpu_max_percent = max(cpu_samples)
+
+
+def _load_warnings(s: CellSummary, arrival: str, users: int) -> None:
+    """The load generator's own limits (the 90% rules): achieved concurrency under 90% of
+    the users (closed loop), p99 send lag over 50 ms (open loop), its CPU over 90%."""
     if arrival == "closed" and not math.isnan(s.achieved_concurrency) and \
             s.achieved_concurrency < CONCURRENCY_WARN_FRACTION * users:
         s.warnings.append(f"achieved concurrency {s.achieved_concurrency:.1f} < 90% of the requested {users} users "
@@ -185,7 +196,6 @@ def summarize_cell(rows: list[dict[str, Any]], *, strategy: str, tier: str, outp
     if not math.isnan(s.cpu_mean_percent) and s.cpu_mean_percent > CPU_WARN_PERCENT:
         s.warnings.append(f"load generator CPU {s.cpu_mean_percent:.0f}% > {CPU_WARN_PERCENT:.0f}%: timings may be "
                           "inflated; use --workers N to spread the load")
-    return s
 
 
 def _speculation_off(strategy: str, ok: list[dict[str, Any]]) -> bool:
@@ -254,13 +264,23 @@ def _distributions(s: CellSummary, ok: list[dict[str, Any]], rows: list[dict[str
 
 def add_speedups(summaries: list[CellSummary], baseline: str = M.AUTOREGRESSIVE) -> None:
     """Set ``speedup`` = tokens/s / the baseline strategy's tokens/s in the same cell
-    (``metric_names.CELL_KEY`` without the strategy: tier, output class, sampling, users) and repeat."""
-    def key(s: CellSummary) -> tuple:
-        return tuple(getattr(s, k) for k in M.CELL_KEY_NO_STRATEGY) + (s.repeat,)
-
-    base = {key(s): s.output_tokens_per_s for s in summaries if s.strategy == baseline}
+    (``metric_names.CellKey`` with the baseline as strategy) and repeat; where the baseline
+    has not run that repeat (a racing round that dropped it, or runs it later), its pooled
+    figure over the cell's earlier repeats (output tokens / summed wall time, as the cell
+    table pools)."""
+    same: dict[tuple, float] = {}
+    pooled: dict[M.CellKey, list[tuple[float, float]]] = {}
     for s in summaries:
-        b = base.get(key(s))
+        if s.strategy == baseline and not math.isnan(s.output_tokens_per_s):
+            key = M.CellKey.of(s)
+            same[(key, s.repeat)] = s.output_tokens_per_s
+            if s.duration_s > 0:
+                pooled.setdefault(key, []).append((s.output_tokens_per_s * s.duration_s, s.duration_s))
+    for s in summaries:
+        key = M.CellKey.of(s).baseline(baseline)
+        b = same.get((key, s.repeat))
+        if b is None and pooled.get(key):
+            b = sum(t for t, _ in pooled[key]) / sum(d for _, d in pooled[key])
         if b and not math.isnan(b) and b > 0 and not math.isnan(s.output_tokens_per_s):
             s.speedup = s.output_tokens_per_s / b
 
@@ -425,11 +445,9 @@ def cell_line(index: int, total: int, s: CellSummary, elapsed_s: float, eta_s: f
     """
     eta = (f", ETA {'at most ' if at_most else ''}{clock(eta_s)}" if eta_s is not None and index < total
            else "")
-    users = f" u{s.users}" if s.tier == "sweep" else ""
+    key = M.CellKey(s.strategy, s.tier, s.output_class, s.sampling, s.users if s.tier == "sweep" else None)
     rep = f" r{s.repeat}" if s.repeat else ""
-    samp = "" if s.sampling == M.GREEDY else f"/{s.sampling}"
-    return (f"cell {index}/{total}{' max' if at_most else ''} {s.strategy} {s.tier}/{s.output_class}{samp}"
-            f"{users}{rep}: ok {s.n_ok}/{s.n_requests}, "
+    return (f"cell {index}/{total}{' max' if at_most else ''} {key.label()}{rep}: ok {s.n_ok}/{s.n_requests}, "
             f"{_num(s.output_tokens_per_s, '.1f')} tok/s, speedup {_num(s.speedup, '.2f')}, "
             f"TTFT p50 {_num(s.ttft_ms_p50, '.0f')} ms, SLO {_pct_str(s.slo_attainment)} "
             f"[{clock(elapsed_s)} elapsed{eta}]")

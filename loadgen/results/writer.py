@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from configs import results_schema as S
 from configs.jsonio import write_json
 from configs.paths import REPO_ROOT
+from configs.results_schema import RequestRow
 
 REQUEST_SCHEMA = S.arrow_schema(S.REQUEST_COLUMNS)   # columns, types, units: configs/results_schema.py
 STEP_SCHEMA = S.arrow_schema(S.STEP_COLUMNS)
@@ -59,7 +60,7 @@ class RequestWriter:
         self._last_flush = time.monotonic()
         self.rows_written = 0
 
-    def add(self, row: dict[str, Any]) -> None:
+    def add(self, row: RequestRow) -> None:
         self._buf.append(S.coerce_row(S.REQUEST_COLUMNS, row))
 
     def maybe_flush(self) -> None:
@@ -140,7 +141,7 @@ class CellFileWriter:
         self._groups = []
         _atomic_parquet(self.path, [])
 
-    def add(self, row: dict[str, Any]) -> None:
+    def add(self, row: RequestRow) -> None:
         self._buf.append(S.coerce_row(S.REQUEST_COLUMNS, row))
 
     def due(self) -> bool:
@@ -261,7 +262,7 @@ class RowSink:
     def start_cell(self, name: str) -> None:
         self._send({"cell": name})
 
-    def add(self, row: dict[str, Any]) -> None:
+    def add(self, row: RequestRow) -> None:
         self.rows_sent += 1
         self._send({"row": row})
 

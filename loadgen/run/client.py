@@ -78,34 +78,8 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
     try:
         resp = http.post(path, body=payload, headers={"Content-Type": "application/json"})
         if resp.status_code != 200:
-            text = resp.read()[:300].decode("utf-8", errors="replace")
-            if resp.status_code == 429:
-                row = rec.row(time.time(), M.STATUS_REJECTED, f"HTTP 429: {text}")
-                row[RETRY_AFTER_KEY] = parse_retry_after(resp.get("retry-after"))
-                return row, True
-            lost = f'"code":"{M.ERROR_CODE_REPLICA_LOST}"' in text.replace(" ", "")
-            return rec.row(time.time(), M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR,
-                           f"HTTP {resp.status_code}: {text}"), True
-        parser = SSEParser()
-        while True:
-            line = resp.readline(b"\n")
-            now = time.time()
-            if not line:
-                for data in parser.flush():
-                    rec.on_data(data, now)
-                break
-            for data in parser.feed_line(line):
-                rec.on_data(data, now)
-            if rec.done or rec.error:
-                break
-        end = time.time()
-        if rec.error:
-            lost = rec.error_code == M.ERROR_CODE_REPLICA_LOST
-            return rec.row(end, M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR), False
-        if not rec.complete:
-            return rec.row(end, M.STATUS_DISCONNECTED, "stream ended before [DONE] or finish_reason"), False
-        resp.read()  # the chunked terminator, so the connection can be reused
-        return rec.row(end, M.STATUS_OK), True
+            return _http_error_row(rec, resp), True
+        return _read_stream(rec, resp)
     except gevent.Timeout as t:
         if t is not timer:
             raise
@@ -115,11 +89,58 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
             on_cancel(rec.row(time.time(), M.STATUS_CANCELLED, "cell stopped while in flight"))
         raise
     except Exception as err:  # connection refused/reset, closed mid-stream, ...
-        status = M.STATUS_DISCONNECTED if rec.chunk_ts else M.STATUS_ERROR
-        row = rec.row(time.time(), status, f"{type(err).__name__}: {err}"[:500])
-        row[CONNECTION_LOST_KEY] = True
-        if isinstance(err, ConnectionRefusedError) and resp is None:
-            row[REFUSED_KEY] = True   # no server took the request: safe to send it elsewhere
-        return row, False
+        return _connection_failure_row(rec, err, refused=isinstance(err, ConnectionRefusedError)
+                                       and resp is None), False
     finally:
         timer.cancel()
+
+
+def _http_error_row(rec: StreamRecorder, resp: Any) -> dict[str, Any]:
+    """The row of a non-200 answer: ``rejected`` for HTTP 429 (its Retry-After under
+    ``RETRY_AFTER_KEY``), ``replica_lost`` when the error code says so, else ``error``."""
+    text = resp.read()[:300].decode("utf-8", errors="replace")
+    if resp.status_code == 429:
+        row = rec.row(time.time(), M.STATUS_REJECTED, f"HTTP 429: {text}")
+        row[RETRY_AFTER_KEY] = parse_retry_after(resp.get("retry-after"))
+        return row
+    lost = f'"code":"{M.ERROR_CODE_REPLICA_LOST}"' in text.replace(" ", "")
+    return rec.row(time.time(), M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR,
+                   f"HTTP {resp.status_code}: {text}")
+
+
+def _read_stream(rec: StreamRecorder, resp: Any) -> tuple[dict[str, Any], bool]:
+    """Read the SSE body line by line to its end (each chunk stamped as it arrives); the row
+    (``ok``, ``error`` / ``replica_lost`` from an error object, ``disconnected`` before
+    ``[DONE]``) and whether the connection can be reused."""
+    parser = SSEParser()
+    while True:
+        line = resp.readline(b"\n")
+        now = time.time()
+        if not line:
+            for data in parser.flush():
+                rec.on_data(data, now)
+            break
+        for data in parser.feed_line(line):
+            rec.on_data(data, now)
+        if rec.done or rec.error:
+            break
+    end = time.time()
+    if rec.error:
+        lost = rec.error_code == M.ERROR_CODE_REPLICA_LOST
+        return rec.row(end, M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR), False
+    if not rec.complete:
+        return rec.row(end, M.STATUS_DISCONNECTED, "stream ended before [DONE] or finish_reason"), False
+    resp.read()  # the chunked terminator, so the connection can be reused
+    return rec.row(end, M.STATUS_OK), True
+
+
+def _connection_failure_row(rec: StreamRecorder, err: Exception, refused: bool) -> dict[str, Any]:
+    """The row of a failed connection (refused, reset, closed mid-stream): ``disconnected``
+    once a chunk arrived, else ``error``; marked under ``CONNECTION_LOST_KEY``, and under
+    ``REFUSED_KEY`` when nothing was sent (safe to send it elsewhere)."""
+    status = M.STATUS_DISCONNECTED if rec.chunk_ts else M.STATUS_ERROR
+    row = rec.row(time.time(), status, f"{type(err).__name__}: {err}"[:500])
+    row[CONNECTION_LOST_KEY] = True
+    if refused:
+        row[REFUSED_KEY] = True
+    return row

@@ -260,24 +260,8 @@ class LoadRunner:
         (in-flight requests become ``cancelled`` rows) and is re-raised, as is a
         ``should_stop()`` that turned True (the CLI's SIGINT/SIGTERM flag).
         """
-        self._cell_rows = []
-        self.cell_ok = 0
-        self._cell_id = plan.cell_id
-        self._worker_inflight = {}
-        self._spawned_at = None
-        self._worker_samples = {}
-        self._rows_at_start = dict(self._rows_by_worker)
+        self._begin_cell(plan)
         cpu: list[float] = []
-        live = self._live_indices() if self.n_workers > 0 else []
-        if self.n_workers <= 0:
-            self.env.specload = CellContext(plan, self._sink)
-        else:
-            if not live:
-                raise RuntimeError(f"every load worker is lost ({len(self.worker_losses)} losses); "
-                                   "nothing can send this cell")
-            self.runner.send_message(CELL_MESSAGE, {"plan": plan.to_dict(), "n_workers": len(live),
-                                                    "ranks": {str(i): r for r, i in enumerate(live)}})
-        self.env.host = plan.base_url
         start = time.time()
         self._proc.cpu_percent(None)
         interrupted = False
@@ -290,21 +274,7 @@ class LoadRunner:
                 self._check_stop()
                 if tick:
                     tick(time.time(), self)
-            drain_end = time.time() + drain_timeout_s
-            while time.time() < drain_end:
-                if self.n_workers <= 0:
-                    if self.in_flight() == 0:
-                        break
-                else:
-                    self._check_workers(plan.cell_id)
-                    live = self._live_indices()
-                    if live and all(i in self._worker_inflight and self._worker_inflight[i][0] >= plan.deadline_ts
-                                    and self._worker_inflight[i][1] == 0 for i in live):
-                        break
-                gevent.sleep(0.1)
-                self._check_stop()
-                if tick:
-                    tick(time.time(), self)
+            self._drain(plan, drain_timeout_s, tick)
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -318,6 +288,47 @@ class LoadRunner:
         if interrupted:
             raise KeyboardInterrupt(run)
         return run
+
+    def _begin_cell(self, plan: CellPlan) -> None:
+        """Reset the per-cell counters and hand ``plan`` to the users: in this process, or to
+        the live workers (each its rank). Raises RuntimeError when every worker is lost."""
+        self._cell_rows = []
+        self.cell_ok = 0
+        self._cell_id = plan.cell_id
+        self._worker_inflight = {}
+        self._spawned_at = None
+        self._worker_samples = {}
+        self._rows_at_start = dict(self._rows_by_worker)
+        if self.n_workers <= 0:
+            self.env.specload = CellContext(plan, self._sink)
+        else:
+            live = self._live_indices()
+            if not live:
+                raise RuntimeError(f"every load worker is lost ({len(self.worker_losses)} losses); "
+                                   "nothing can send this cell")
+            self.runner.send_message(CELL_MESSAGE, {"plan": plan.to_dict(), "n_workers": len(live),
+                                                    "ranks": {str(i): r for r, i in enumerate(live)}})
+        self.env.host = plan.base_url
+
+    def _drain(self, plan: CellPlan, drain_timeout_s: float,
+               tick: Callable[[float, "LoadRunner"], None] | None) -> None:
+        """After the deadline: wait up to ``drain_timeout_s`` for the requests in flight (every
+        live worker past the deadline with none in flight); stop flags and ticks as in the cell."""
+        drain_end = time.time() + drain_timeout_s
+        while time.time() < drain_end:
+            if self.n_workers <= 0:
+                if self.in_flight() == 0:
+                    break
+            else:
+                self._check_workers(plan.cell_id)
+                live = self._live_indices()
+                if live and all(i in self._worker_inflight and self._worker_inflight[i][0] >= plan.deadline_ts
+                                and self._worker_inflight[i][1] == 0 for i in live):
+                    break
+            gevent.sleep(0.1)
+            self._check_stop()
+            if tick:
+                tick(time.time(), self)
 
     def _stop_cell(self) -> None:
         self.runner.stop()

@@ -1,4 +1,4 @@
-"""Talking to the target outside the load itself: local bring-up, model list, step log.
+"""Talking to the target outside the load itself: model list, routes, step log, memory.
 
 Plain ``urllib`` (blocking, short calls between cells), no asyncio.
 """
@@ -6,21 +6,18 @@ Plain ``urllib`` (blocking, short calls between cells), no asyncio.
 from __future__ import annotations
 
 import json
-import re
 import ssl
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Callable
+from typing import Any
+
+# Starting the local service and checking a Serve config belong to the bring-up layer
+# (``cluster``); they are named here too for the load generator's callers.
+from cluster.config_check import check_serve_config  # noqa: F401  (loadgen.cli.main)
+from cluster.launch import ServiceError, start_local_service  # noqa: F401  (loadgen.cli.target)
 
 DEFAULT_LOCAL_URL = "http://127.0.0.1:8000"
-
-
-class ServiceError(RuntimeError):
-    """The target could not be started or reached."""
 
 
 class DiscoveryUnavailable(ServiceError):
@@ -30,52 +27,6 @@ class DiscoveryUnavailable(ServiceError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"{reason}; pass --strategies a,b to skip discovery")
         self.reason = reason
-
-
-def start_local_service(timeout_s: float = 900.0, on_line: Callable[[str], None] | None = None,
-                        port: int | None = None, config: str | None = None,
-                        direct_ingress: bool = True) -> str:
-    """Start or reuse the embedded local service (``python -m cluster up``); returns its base URL.
-
-    ``port`` / ``config`` / ``direct_ingress``: ``cluster up --port`` / ``--config`` /
-    ``--[no-]direct-ingress`` (default 8000, the packaged ``configs/serve.yaml``, on).
-
-    ``cluster up`` prints the base URL on its last stdout line and returns while
-    the service keeps running (it reuses a running one). Its progress lines
-    (stderr: Ray head started, one line per deployment as it becomes ready) go
-    to ``on_line`` as they come, so a user sees the start-up instead of silence.
-    Raises ServiceError with its stderr tail when it fails.
-    """
-    cmd = [sys.executable, "-m", "cluster", "up"]
-    if port is not None:
-        cmd += ["--port", str(port)]
-    if config:
-        cmd += ["--config", str(config)]
-    cmd.append("--direct-ingress" if direct_ingress else "--no-direct-ingress")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    err_lines: list[str] = []
-    assert proc.stderr is not None and proc.stdout is not None
-    for line in proc.stderr:   # EOF when `cluster up` exits (the service lives on in Ray)
-        err_lines.append(line.rstrip())
-        if on_line is not None and line.strip():
-            on_line(line.rstrip())
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise ServiceError(f"`python -m cluster up` did not return within {timeout_s:g} s; "
-                               "pass --target URL to use a running server")
-    out = proc.stdout.read()
-    proc.wait()
-    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(err_lines)[-800:]
-        raise ServiceError(f"`python -m cluster up` failed (exit {proc.returncode}): "
-                           f"{tail.strip() or 'no output'}; pass --target URL to use a running server")
-    url = lines[-1]
-    if not url.startswith(("http://", "https://")):
-        raise ServiceError(f"`python -m cluster up` should print the base URL last, printed {url!r}")
-    return url.rstrip("/")
 
 
 def ssl_context(insecure: bool = False) -> ssl.SSLContext:
@@ -251,70 +202,3 @@ def specload_info(base_url: str, timeout_s: float = 30.0, headers: dict[str, str
     except (urllib.error.URLError, OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _first_error(err: Any) -> str:
-    """``loc: msg`` of a pydantic ValidationError's first error (and how many more)."""
-    errors = err.errors()
-    if not errors:
-        return str(err)
-    e = errors[0]
-    loc = ".".join(str(x) for x in e.get("loc", ())) or "<root>"
-    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    # a nested ValidationError (strategy_options) arrives as multi-line text: keep one line
-    lines = [ln.strip() for ln in str(e.get("msg")).splitlines()
-             if ln.strip() and not ln.strip().startswith("For further information")]
-    msg = re.sub(r"\s*\[type=[^\]]*\]", "", " ".join(lines))
-    return f"{loc}: {msg}{more}"
-
-
-def check_serve_config(path: str | Any) -> dict:
-    """Read and validate a Serve config the way the deployment will, before anything starts.
-
-    Checks: the file is readable YAML with ``applications``; every
-    ``actors.serve.app:build_app`` application's ``args`` against
-    ``configs.serve_config.ServeAppConfig``; and, with the real engine factory, every
-    strategy's ``engine`` section against ``actors.engine.config.EngineConfig`` (which
-    also validates ``strategy_options`` against the strategy's own options model).
-    Returns the parsed config (a dict). Raises ValueError naming the file, the
-    application / strategy and the first pydantic error.
-    """
-    from pathlib import Path
-
-    import yaml
-    from pydantic import ValidationError
-
-    from actors.engine.config import EngineConfig
-    from actors.serve.app import APP_IMPORT_PATH, resolve_engine_config
-    from configs.serve_config import DEFAULT_ENGINE_FACTORY, ServeAppConfig
-
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{p} is a directory, not a Serve config file")
-    try:
-        cfg = yaml.safe_load(p.read_text())
-    except OSError as err:
-        raise ValueError(f"cannot read {p}: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"{p} is not valid YAML: {str(err).splitlines()[0]}") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("applications"), list):
-        raise ValueError(f"{p}: expected a Serve config with an 'applications' list, got "
-                         f"{type(cfg).__name__}")
-    for i, app in enumerate(cfg["applications"]):
-        if not isinstance(app, dict):
-            raise ValueError(f"{p}: applications[{i}] is not a mapping")
-        if app.get("import_path") != APP_IMPORT_PATH:
-            continue
-        where = f"{p}: application {app.get('name', i)!r}"
-        try:
-            args = ServeAppConfig.model_validate(app.get("args") or {})
-        except ValidationError as err:
-            raise ValueError(f"{where}: args.{_first_error(err)}") from None
-        if args.engine_factory != DEFAULT_ENGINE_FACTORY:
-            continue
-        for entry in args.strategies:
-            try:
-                EngineConfig(**resolve_engine_config(entry.engine))
-            except ValidationError as err:
-                raise ValueError(f"{where}: strategy {entry.name!r} engine.{_first_error(err)}") from None
-    return cfg

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from configs import metric_names as M
+from configs.results_schema import RequestRow
 
 # speculative stats copied from the final chunk's "spec_decode" object into the row
 SPEC_INT_FIELDS = (M.NUM_DRAFTS, M.NUM_DRAFT_TOKENS, M.NUM_ACCEPTED_TOKENS)
@@ -207,24 +208,49 @@ class StreamRecorder:
 
     def on_data(self, data: str, ts: float) -> None:
         """Handle one SSE ``data`` payload that arrived at ``ts`` (unix s)."""
+        obj = self._payload(data)
+        if obj is None:
+            return
+        text, token_ids, token_ts = self._read_choices(obj)
+        spec = obj.get(M.SPEC_DECODE_FIELD) or {}
+        if not isinstance(spec, dict):
+            spec = {}
+        usage = obj.get("usage")
+        n = self._chunk_tokens(obj, spec, usage, token_ids)
+        ts_ok = (isinstance(token_ids, list) and isinstance(token_ts, list)
+                 and len(token_ts) == len(token_ids)
+                 and all(isinstance(t, (int, float)) for t in token_ts))
+        self._record_chunk(ts, text, n, token_ts if ts_ok else None)
+        if isinstance(usage, dict):
+            self.usage = usage
+            if isinstance(usage.get("completion_tokens"), int):
+                self._usage_completion_seen = usage["completion_tokens"]
+        self.spec.update(engine_spec_stats(obj))
+
+    def _payload(self, data: str) -> dict | None:
+        """The payload's JSON object, or None after ``[DONE]`` (``done`` set), bad JSON or an
+        error object (``error`` / ``error_code`` set), or a non-object."""
         if data.strip() == "[DONE]":
             self.done = True
-            return
+            return None
         try:
             obj = json.loads(data)
         except json.JSONDecodeError:
             self.error = f"bad JSON in stream: {data[:200]!r}"
-            return
+            return None
         if not isinstance(obj, dict):
-            return
+            return None
         if obj.get("error"):
             err = obj["error"]
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:500]
             self.error_code = err.get("code") if isinstance(err, dict) else None
-            return
-        text = ""
-        token_ids = None
-        token_ts = None
+            return None
+        return obj
+
+    def _read_choices(self, obj: dict) -> tuple[str, list | None, list | None]:
+        """(text, token ids, per-token emit times) of a chunk's choices (the chat-completions
+        delta shape tolerated); a finish_reason is kept."""
+        text, token_ids, token_ts = "", None, None
         for choice in obj.get("choices") or []:
             piece = choice.get("text")
             if piece is None:  # chat-completions shape, tolerated
@@ -236,41 +262,38 @@ class StreamRecorder:
                 token_ts = choice[M.TOKEN_TS_FIELD]
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
-        spec = obj.get(M.SPEC_DECODE_FIELD) or {}
-        if not isinstance(spec, dict):
-            spec = {}
-        usage = obj.get("usage")
-        n: int | None = None
+        return text, token_ids, token_ts
+
+    def _chunk_tokens(self, obj: dict, spec: dict, usage: Any, token_ids: list | None) -> int | None:
+        """Tokens this chunk carries: specload's per-chunk count, else its token ids, else the
+        growth of vLLM / SGLang's cumulative continuous-usage completion_tokens; None: unknown."""
         if isinstance(spec.get(PER_CHUNK_TOKENS_FIELD), int):
-            n = spec[PER_CHUNK_TOKENS_FIELD]
-        elif isinstance(token_ids, list):
-            n = len(token_ids)
-        elif (obj.get("choices") and isinstance(usage, dict)
-              and isinstance(usage.get("completion_tokens"), int)):
-            # vLLM / SGLang continuous usage: cumulative completion_tokens on every chunk
-            n = usage["completion_tokens"] - self._usage_completion_seen
-        ts_ok = (isinstance(token_ids, list) and isinstance(token_ts, list)
-                 and len(token_ts) == len(token_ids)
-                 and all(isinstance(t, (int, float)) for t in token_ts))
+            return spec[PER_CHUNK_TOKENS_FIELD]
+        if isinstance(token_ids, list):
+            return len(token_ids)
+        if (obj.get("choices") and isinstance(usage, dict)
+                and isinstance(usage.get("completion_tokens"), int)):
+            return usage["completion_tokens"] - self._usage_completion_seen
+        return None
+
+    def _record_chunk(self, ts: float, text: str, n: int | None, token_ts: list | None) -> None:
+        """A content chunk: its arrival, its tokens (with those of earlier empty-text chunks) and
+        per-token times (``token_ts``: None when absent or not one per token id). An empty-text
+        chunk's tokens (half a UTF-8 character) are counted with the next content chunk."""
         if text:
             self.chunk_ts.append(ts)
             self.chunk_tokens.append(None if n is None else n + self._pending_tokens)
             self._pending_tokens = 0
             if self.chunk_token_ts is not None:
-                if ts_ok and (token_ts or self._pending_ts):
+                if token_ts is not None and (token_ts or self._pending_ts):
                     self.chunk_token_ts.append(self._pending_ts + [float(t) for t in token_ts])
                 else:
                     self.chunk_token_ts = None
             self._pending_ts = []
         elif n:  # tokens whose text is not out yet (e.g. half a UTF-8 character): count them later
             self._pending_tokens += n
-            if ts_ok:
+            if token_ts is not None:
                 self._pending_ts.extend(float(t) for t in token_ts)
-        if isinstance(usage, dict):
-            self.usage = usage
-            if isinstance(usage.get("completion_tokens"), int):
-                self._usage_completion_seen = usage["completion_tokens"]
-        self.spec.update(engine_spec_stats(obj))
 
     @property
     def complete(self) -> bool:
@@ -328,7 +351,7 @@ class StreamRecorder:
         tokens = [float(n) for n in later]  # exact per-chunk counts
         return [g / n for g, n in zip(gaps, tokens)], tokens
 
-    def row(self, end_ts: float, status: str, error: str | None = None) -> dict[str, Any]:
+    def row(self, end_ts: float, status: str, error: str | None = None) -> RequestRow:
         """Request-row timing fields (metric_names REQ_* and spec stats); times in ms."""
         out_tokens = self.usage.get("completion_tokens") if self.usage else None
         prompt_tokens = self.usage.get("prompt_tokens") if self.usage else None
@@ -339,7 +362,7 @@ class StreamRecorder:
         if status == M.STATUS_OK and ttft is not None and isinstance(out_tokens, int) and out_tokens > 1:
             tpot = (e2e - ttft) / (out_tokens - 1)
         vals, wts = self.itl_samples(out_tokens if isinstance(out_tokens, int) else None)
-        row: dict[str, Any] = {
+        row: RequestRow = {
             M.REQ_SCHEDULED_TS: self.scheduled_ts,
             M.REQ_SENT_TS: self.sent_ts,
             M.REQ_FIRST_TOKEN_TS: first,

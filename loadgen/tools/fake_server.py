@@ -1,4 +1,4 @@
-"""A fake OpenAI-compatible streaming server with known timings (tests and ``bench_timing``).
+"""A fake OpenAI-compatible streaming server with known timings (tests and ``bench.loadgen_timing``).
 
 Run: ``python -m loadgen.tools.fake_server [--port 0] [--ttft-ms 100] [--gap-ms 20] ...``;
 the last stdout line is the base URL (an ephemeral port by default, 127.0.0.1 only).
@@ -157,56 +157,15 @@ class FakeServer:
             await self._hold()
             await resp.write(self._chunk(model, "t ", 1, usage_so_far=1 if continuous else None))
             first = time.time()
-            sent, chunks = 1, 1
-            buffered, next_flush = 0, first + self.batch_s   # --batch-interval-ms: steps held back
-            step_ts: list[float] = []
-            while sent < n_total:
-                await asyncio.sleep(gap_s + (self.rng.expovariate(1.0 / self.jitter_s) if self.jitter_s else 0.0))
-                await self._hold()
-                n = min(self.tpc, n_total - sent)
-                if self.disconnect_every and k % self.disconnect_every == 0 and chunks >= 2:
-                    self.truth[key] = {"recv_ts": recv, "status": "disconnected"}
-                    request.transport.close()
-                    return resp
-                sent += n
-                step_ts.append(time.time())
-                if self.batch_s:
-                    # Ray Serve LLM-style stream batching: the engine's steps are coalesced and
-                    # flushed as one chunk per interval (and at the end)
-                    buffered += n
-                    now = time.time()
-                    if now < next_flush and sent < n_total:
-                        continue
-                    while next_flush <= now:
-                        next_flush += self.batch_s
-                    n, buffered = buffered, 0
-                await resp.write(self._chunk(model, "t " * n, n, usage_so_far=sent if continuous else None))
-                chunks += 1
-                self.steps.append({M.STEP_TS: time.time(), M.STEP_STRATEGY: model, M.STEP_MODEL: model,
-                                   M.STEP_REPLICA: "fake-0",
-                                   M.STEP_BATCH_SIZE: self.in_flight, M.STEP_PREFILL_TOKENS: 0,
-                                   M.STEP_VERIFICATION_TOKENS: self.tpc, M.STEP_DRAFT_TOKENS: self.tpc - 1,
-                                   M.STEP_ACCEPTED_TOKENS: n - 1, M.STEP_EMITTED_TOKENS: n,
-                                   M.STEP_PREFILL_EMITTED_TOKENS: 0,
-                                   M.STEP_MS: gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
-                                   M.STEP_VERIFY_MS: gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
-                                   M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: sent,
-                                   M.STEP_CPU_MS: 0.1, M.STEP_VERIFY_CPU_MS: 0.05})
+            streamed = await self._stream_steps(request, resp, model, k, (key, recv), gap_s, n_total,
+                                                continuous, first)
+            if streamed is None:   # --disconnect-every: the connection was dropped mid-stream
+                return resp
+            sent, step_ts = streamed
             drafts = len(step_ts)   # one verification per engine step after the first token
-            accepted = sent - 1 - drafts
-            final = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
-                     "model": model, "choices": [],
-                     "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": sent,
-                               "total_tokens": self.prompt_tokens + sent},
-                     M.SPEC_DECODE_FIELD: {
-                         M.NUM_DRAFTS: drafts, M.NUM_DRAFT_TOKENS: drafts * (self.tpc - 1),
-                         M.NUM_ACCEPTED_TOKENS: accepted,
-                         M.NUM_ACCEPTED_TOKENS_PER_POS: [drafts] * (self.tpc - 1),
-                         M.ACCEPTANCE_LENGTH: M.acceptance_length(drafts, accepted),
-                         M.DRAFT_MS: 0.1 * drafts, M.VERIFY_MS: gap_s * 1000 * drafts,
-                         M.QUEUE_MS: 0.0}}
+            final = self._final(model, sent, drafts, sent - 1 - drafts, gap_s)
             await resp.write(self._chunk(model, "", None, "length"))
-            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            await resp.write(final)
             await resp.write(b"data: [DONE]\n\n")
             end = time.time()
             self.truth[key] = {"recv_ts": recv, "first_content_ts": first, "end_ts": end,
@@ -221,6 +180,70 @@ class FakeServer:
             return resp
         finally:
             self.in_flight -= 1
+
+    async def _stream_steps(self, request: web.Request, resp: web.StreamResponse, model: str, k: int,
+                            truth_key: tuple[str, float], gap_s: float, n_total: int, continuous: bool,
+                            first: float) -> tuple[int, list[float]] | None:
+        """The engine steps after the first token: one chunk of ``--tokens-per-chunk`` tokens
+        every ``gap_s`` (+ jitter; held back and coalesced with ``--batch-interval-ms``), a step
+        row each. Returns (tokens sent, step times unix s), or None when request ``k`` is one
+        ``--disconnect-every`` drops (its truth recorded)."""
+        key, recv = truth_key
+        sent, chunks = 1, 1
+        buffered, next_flush = 0, first + self.batch_s   # --batch-interval-ms: steps held back
+        step_ts: list[float] = []
+        while sent < n_total:
+            await asyncio.sleep(gap_s + (self.rng.expovariate(1.0 / self.jitter_s) if self.jitter_s else 0.0))
+            await self._hold()
+            n = min(self.tpc, n_total - sent)
+            if self.disconnect_every and k % self.disconnect_every == 0 and chunks >= 2:
+                self.truth[key] = {"recv_ts": recv, "status": "disconnected"}
+                request.transport.close()
+                return None
+            sent += n
+            step_ts.append(time.time())
+            if self.batch_s:
+                # Ray Serve LLM-style stream batching: the engine's steps are coalesced and
+                # flushed as one chunk per interval (and at the end)
+                buffered += n
+                now = time.time()
+                if now < next_flush and sent < n_total:
+                    continue
+                while next_flush <= now:
+                    next_flush += self.batch_s
+                n, buffered = buffered, 0
+            await resp.write(self._chunk(model, "t " * n, n, usage_so_far=sent if continuous else None))
+            chunks += 1
+            self.steps.append(self._step_row(model, n, gap_s, sent))
+        return sent, step_ts
+
+    def _step_row(self, model: str, n: int, gap_s: float, context: int) -> dict:
+        """The step-log row of one engine step that emitted ``n`` tokens."""
+        return {M.STEP_TS: time.time(), M.STEP_STRATEGY: model, M.STEP_MODEL: model,
+                M.STEP_REPLICA: "fake-0",
+                M.STEP_BATCH_SIZE: self.in_flight, M.STEP_PREFILL_TOKENS: 0,
+                M.STEP_VERIFICATION_TOKENS: self.tpc, M.STEP_DRAFT_TOKENS: self.tpc - 1,
+                M.STEP_ACCEPTED_TOKENS: n - 1, M.STEP_EMITTED_TOKENS: n,
+                M.STEP_PREFILL_EMITTED_TOKENS: 0,
+                M.STEP_MS: gap_s * 1000, M.STEP_DRAFT_MS: 0.1,
+                M.STEP_VERIFY_MS: gap_s * 1000, M.STEP_QUEUE_DEPTH: 0,
+                M.STEP_PADDED_TOKENS: self.tpc, M.STEP_CONTEXT_TOKENS: context,
+                M.STEP_CPU_MS: 0.1, M.STEP_VERIFY_CPU_MS: 0.05}
+
+    def _final(self, model: str, sent: int, drafts: int, accepted: int, gap_s: float) -> bytes:
+        """The usage chunk after the last token: usage and the request's speculative stats."""
+        final = {"id": "cmpl-fake", "object": "text_completion", "created": int(time.time()),
+                 "model": model, "choices": [],
+                 "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": sent,
+                           "total_tokens": self.prompt_tokens + sent},
+                 M.SPEC_DECODE_FIELD: {
+                     M.NUM_DRAFTS: drafts, M.NUM_DRAFT_TOKENS: drafts * (self.tpc - 1),
+                     M.NUM_ACCEPTED_TOKENS: accepted,
+                     M.NUM_ACCEPTED_TOKENS_PER_POS: [drafts] * (self.tpc - 1),
+                     M.ACCEPTANCE_LENGTH: M.acceptance_length(drafts, accepted),
+                     M.DRAFT_MS: 0.1 * drafts, M.VERIFY_MS: gap_s * 1000 * drafts,
+                     M.QUEUE_MS: 0.0}}
+        return f"data: {json.dumps(final)}\n\n".encode()
 
     async def models_list(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})

@@ -1,8 +1,8 @@
 """The embedded target's step-cost curve and the drafters' step costs, measured on the
 real checkpoints (bfloat16 values: the packed-weight fast paths run, unlike
-``actors.cost_curve``'s random weights):
+``bench.step_cost``'s random weights):
 
-    python -m actors.step_curve [--context 256] [--passes 3] [--repeats 7] [--out F.json]
+    python -m bench.step_cost_embedded [--context 256] [--passes 3] [--repeats 7] [--out F.json]
 
 A point is one ``ModelRunner.run`` of ``batch`` rows x ``tokens_per_row`` tokens (all
 logits, as a verify step asks), each row attending ``--context`` cached tokens; its value
@@ -11,8 +11,8 @@ is the median over ``--passes`` interleaved passes of the per-pass median of
 process, never absolute times, are the result). Printed: the engine thread's CPU ms per
 step (``time.thread_time``: no waits for a core; wall ms beside), CPU ms per token,
 the ratio to the 1-token step of the same batch, the roof share (forward FLOPs of the
-step, ``actors.bench.flops_per_token``, over the one-thread fp32 matmul FLOP/s measured
-in the same run, ``actors.bench.matmul_roof``), the forward path that ran
+step, ``bench.engine_speedup.flops_per_token``, over the one-thread fp32 matmul FLOP/s measured
+in the same run, ``bench.engine_speedup.matmul_roof``), the forward path that ran
 (``ModelRunner.last_path``), and, with ``--strategies``, the engine's step-log table at
 batch 1 (verify ms, draft ms, draft ms over the autoregressive step, ms per emitted
 token and its ratio to autoregressive).
@@ -49,7 +49,7 @@ def _time(fn, repeats: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     from configs.jsonio import write_json
 
-    ap = argparse.ArgumentParser(prog="python -m actors.step_curve", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.step_cost_embedded", description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=256, help="cached tokens per row (default 256)")
     ap.add_argument("--passes", type=int, default=3, help="interleaved passes (median)")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per point and pass")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _curve(a) -> dict:
     """The step-cost curve (module docstring); printed, and returned as a dict."""
-    from actors.bench import flops_per_token, matmul_roof
+    from bench.engine_speedup import flops_per_token, matmul_roof
     from actors.engine.config import DEFAULT_TARGET
     from actors.engine.model import CausalLM
     from actors.engine.runner import ModelRunner, RowInput
@@ -128,11 +128,10 @@ def _strategy_table(a) -> dict:
     prompts, ``--passes`` interleaved passes; per strategy the medians of verify ms, draft
     ms, tokens verified and emitted per step, ms per emitted token (step ms over emitted
     tokens) and its ratio to ``autoregressive`` (per pass, then the median)."""
-    from actors.bench import load_prompts
+    from bench.engine_speedup import load_prompts
     from actors.engine.config import DEFAULT_DRAFT, EngineConfig
     from actors.engine.llm_engine import LLMEngine, run_requests
     from actors.engine.types import SamplingParams
-    from configs import metric_names as M
 
     names = [s for s in a.strategies.split(",") if s]
     if "autoregressive" not in names:
@@ -146,22 +145,47 @@ def _strategy_table(a) -> dict:
                                             else None), on_step=log.append)
         logs[s] = log
         run_requests(engines[s], [("w", prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))])
+    per = _strategy_passes(a, names, engines, logs, prompts)
+    return _strategy_summary(a, names, per)
+
+
+def _pass_row(rows: list[dict]) -> dict:
+    """One pass's figures of a strategy from its decode-only batch-1 step rows: medians of
+    tokens verified, verify / draft / CPU ms; per emitted token ms and CPU ms."""
+    from configs import metric_names as M
+
+    med = lambda k: statistics.median(r[k] for r in rows)
+    emitted = sum(r[M.STEP_EMITTED_TOKENS] for r in rows)
+    return {"verified": med(M.STEP_VERIFICATION_TOKENS), "verify_ms": med(M.STEP_VERIFY_MS),
+            "verify_cpu_ms": med(M.STEP_VERIFY_CPU_MS), "cpu_ms": med(M.STEP_CPU_MS),
+            "cpu_ms_per_token": sum(r[M.STEP_CPU_MS] for r in rows) / emitted,
+            "draft_ms": med(M.STEP_DRAFT_MS), "emitted": emitted / len(rows),
+            "ms_per_token": sum(r[M.STEP_MS] for r in rows) / emitted,
+            "paths": sorted({str(r.get("forward_path")) for r in rows})}
+
+
+def _strategy_passes(a, names: list[str], engines: dict, logs: dict,
+                     prompts: list[str]) -> dict[str, list[dict]]:
+    """``--passes`` interleaved passes over every strategy: {strategy: [``_pass_row``]}."""
+    from actors.engine.llm_engine import run_requests
+    from actors.engine.types import SamplingParams
+    from configs import metric_names as M
+
     per: dict[str, list[dict]] = {s: [] for s in names}
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     for p in range(a.passes):
         for s in names:
             logs[s].clear()
             run_requests(engines[s], [(f"{s}-{p}-{i}", q, params) for i, q in enumerate(prompts)])
-            rows = [r for r in logs[s] if not r[M.STEP_PREFILL_TOKENS] and r[M.STEP_BATCH_SIZE] == 1]
-            med = lambda k: statistics.median(r[k] for r in rows)
-            emitted = sum(r[M.STEP_EMITTED_TOKENS] for r in rows)
-            per[s].append({"verified": med(M.STEP_VERIFICATION_TOKENS), "verify_ms": med(M.STEP_VERIFY_MS),
-                           "verify_cpu_ms": med(M.STEP_VERIFY_CPU_MS), "cpu_ms": med(M.STEP_CPU_MS),
-                           "cpu_ms_per_token": sum(r[M.STEP_CPU_MS] for r in rows) / emitted,
-                           "draft_ms": med(M.STEP_DRAFT_MS), "emitted": emitted / len(rows),
-                           "ms_per_token": sum(r[M.STEP_MS] for r in rows) / emitted,
-                           "paths": sorted({str(r.get("forward_path")) for r in rows})})
+            per[s].append(_pass_row([r for r in logs[s] if not r[M.STEP_PREFILL_TOKENS]
+                                     and r[M.STEP_BATCH_SIZE] == 1]))
         print(f"strategy pass {p + 1}/{a.passes} done", file=sys.stderr, flush=True)
+    return per
+
+
+def _strategy_summary(a, names: list[str], per: dict[str, list[dict]]) -> dict:
+    """Medians over passes per strategy and the ratios to ``autoregressive`` (per pass, then
+    the median); prints the table and returns {strategy: figures}."""
     out = {}
     print(f"step log, batch 1, decode-only steps, {a.max_tokens} tokens x {a.prompts} prompts, "
           f"medians of {a.passes} passes")

@@ -1,5 +1,5 @@
 """Measured step cost curves of real model sizes, no download:
-``python -m actors.bench cost-curve --shape qwen3-4b --random-weights [--device cuda] --out F.json``.
+``python -m bench.step_cost --shape qwen3-4b --random-weights [--device cuda] --out F.json``.
 
 A step's cost does not depend on the weight values, so the model is built
 from its published config (``SHAPES``, numbers copied from each model's HF
@@ -17,7 +17,7 @@ time on a CPU device, None on a GPU), read by ``python -m analysis
 plan --cost-curve FILE``.
 
 Engine profile (``--engine``, the embedded target's real checkpoints and the Serve
-config's strategies): ``python -m actors.cost_curve --engine [--strategies a,b]
+config's strategies): ``python -m bench.step_cost --engine [--strategies a,b]
 --out RUN_DIR/cost_curve.json``. Per strategy of ``configs/serve.yaml`` (or
 ``--serve-config``) one ``LLMEngine`` is built as a replica builds it, and three parts
 are timed apart (``profile_engine``): the decode forward of the target
@@ -113,7 +113,7 @@ def random_model(cfg_dict: dict, device: str, dtype: torch.dtype, seed: int = 0)
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def _fuse(model: CausalLM) -> CausalLM:
+def fuse(model: CausalLM) -> CausalLM:
     model.fuse()
     return model
 
@@ -162,7 +162,7 @@ def measure(shape: str, device: str = "cpu", dtype: str = "auto", batches=None,
         raise ValueError(f"context {max(contexts)} + {max(tokens_per_row)} tokens exceeds the "
                          f"shape's max_position_embeddings {max_pos}")
     t0 = time.perf_counter()
-    model = _fuse(random_model(cfg, device, tdtype))
+    model = fuse(random_model(cfg, device, tdtype))
     runner = ModelRunner(model, num_slots=max(batches), max_len=max(contexts) + max(tokens_per_row))
     log(f"cost-curve: {shape} ({model.num_params() / 1e6:.0f}M params, {tdtype}) on {device}, "
         f"built in {time.perf_counter() - t0:.1f} s; grid {len(batches)} batches x "
@@ -274,6 +274,78 @@ def _engine_steps(engine, batch: int, ctx: int, max_tokens: int, log) -> dict | 
             "cpu_ms": med("cpu_ms"), "steps": len(dec)}
 
 
+def _forward_points(engine, contexts, batches, tokens_per_row, repeats: int) -> list[dict]:
+    """One timed ``ModelRunner.run`` per context x batch x tokens per row (all logits, as a
+    verify step asks): {"batch_size", "tokens_per_row", "context_len", "step_ms", "cpu_ms",
+    "batch_tokens"} (medians of ``repeats``)."""
+    aux = engine.aux_layers
+    fwd = []
+    with torch.inference_mode():
+        for ctx in contexts:
+            for b in batches:
+                for q in tokens_per_row:
+                    rows = [RowInput(slot=i, start=ctx,
+                                     token_ids=[(7 * i + j) % 97 + 1 for j in range(q)])
+                            for i in range(b)]
+                    ms, cpu = _time_call(lambda: engine.runner.run(rows, aux_layers=aux), repeats)
+                    fwd.append({"batch_size": b, "tokens_per_row": q, "context_len": ctx,
+                                "step_ms": statistics.median(ms), "cpu_ms": statistics.median(cpu),
+                                "batch_tokens": b * q})
+    return fwd
+
+
+def _prefill_points(engine, prefill, repeats: int) -> list[dict]:
+    """One timed one-row prefill (last logits only) per length of ``prefill``:
+    {"prefill_tokens", "step_ms", "cpu_ms"}."""
+    aux = engine.aux_layers
+    pre = []
+    ids = _prompt_ids(engine.tokenizer, max(prefill), 1)[0]
+    with torch.inference_mode():
+        for p in prefill:
+            rows = [RowInput(slot=0, start=0, token_ids=ids[:p])]
+            ms, cpu = _time_call(lambda: engine.runner.run(rows, last_only=True, aux_layers=aux),
+                                 repeats)
+            pre.append({"prefill_tokens": p, "step_ms": statistics.median(ms),
+                        "cpu_ms": statistics.median(cpu)})
+    return pre
+
+
+def _profile_strategy(name: str, eng_cfg: dict, out: dict, batches, tokens_per_row, contexts,
+                      prefill, step_contexts, repeats: int, max_tokens: int, log) -> None:
+    """Load one strategy's engine and put its forward, prefill and engine-step points under
+    ``out["strategies"][name]``. Raises ValueError for a context beyond max_model_len."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    eng_cfg = {**eng_cfg, "max_num_seqs": max(int(eng_cfg.get("max_num_seqs", 1)), max(batches))}
+    engine = LLMEngine(EngineConfig(**eng_cfg))
+    out["device"] = str(engine.device)
+    mc = engine.model.config
+    if max(max(contexts) + max(tokens_per_row), max(prefill),
+           max(step_contexts) + max_tokens + 16) > engine.max_model_len:
+        raise ValueError(f"--contexts: a context beyond the engine's max_model_len "
+                         f"{engine.max_model_len}")
+    fwd = _forward_points(engine, contexts, batches, tokens_per_row, repeats)
+    pre = _prefill_points(engine, prefill, repeats)
+    steps = [r for ctx in step_contexts for b in batches
+             if (r := _engine_steps(engine, b, ctx, max_tokens, log)) is not None]
+    out["strategies"][name] = {
+        "strategy": eng_cfg["strategy"], "engine": {k: v for k, v in eng_cfg.items()
+                                                    if isinstance(v, (str, int, float, bool))},
+        "num_speculative_tokens": engine.num_speculative_tokens,
+        "forward": fwd, "prefill": pre, "engine_steps": steps}
+    out.setdefault("config", {f: getattr(mc, f, None) for f in ("hidden_size", "num_hidden_layers",
+                                                                 "vocab_size")})
+    if "points" not in out:
+        out["points"] = fwd
+    log(f"engine profile: {name} in {time.perf_counter() - t0:.1f} s: {len(fwd)} forward, "
+        f"{len(pre)} prefill, {len(steps)} engine-step points; "
+        + ", ".join(f"B={s['batch_size']}/ctx={s['context_len']}: draft {s['draft_ms']:.2f} "
+                    f"verify {s['verify_ms']:.2f} step {s['step_ms']:.2f} ms" for s in steps[:4]))
+    del engine
+
+
 def profile_engine(strategies: list[str] | None = None, serve_config: Path | None = None,
                    batches=ENGINE_BATCHES, tokens_per_row=ENGINE_TOKENS_PER_ROW,
                    contexts=ENGINE_CONTEXTS, prefill=ENGINE_PREFILL,
@@ -284,65 +356,14 @@ def profile_engine(strategies: list[str] | None = None, serve_config: Path | Non
     Units: ms; batch rows; tokens. Every forward point is the median of ``repeats`` timed
     calls after one untimed one (wall and this thread's CPU time). Raises ValueError for a
     strategy the config lacks or a context beyond the model's length."""
-    from actors.engine.config import EngineConfig
-    from actors.engine.llm_engine import LLMEngine
-
     torch.set_num_threads(threads)
     configs = _engine_configs(serve_config, strategies)
     out: dict = {"kind": PROFILE_KIND, "shape": EMBEDDED, "device": "cpu", "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "repeats": repeats, "random_weights": False,
                  "strategies": {}}
     for name, eng_cfg in configs.items():
-        t0 = time.perf_counter()
-        eng_cfg = {**eng_cfg, "max_num_seqs": max(int(eng_cfg.get("max_num_seqs", 1)), max(batches))}
-        engine = LLMEngine(EngineConfig(**eng_cfg))
-        out["device"] = str(engine.device)
-        mc = engine.model.config
-        if max(max(contexts) + max(tokens_per_row), max(prefill),
-               max(step_contexts) + max_tokens + 16) > engine.max_model_len:
-            raise ValueError(f"--contexts: a context beyond the engine's max_model_len "
-                             f"{engine.max_model_len}")
-        aux = engine.aux_layers
-        fwd = []
-        with torch.inference_mode():
-            for ctx in contexts:
-                for b in batches:
-                    for q in tokens_per_row:
-                        rows = [RowInput(slot=i, start=ctx,
-                                         token_ids=[(7 * i + j) % 97 + 1 for j in range(q)])
-                                for i in range(b)]
-                        ms, cpu = _time_call(lambda: engine.runner.run(rows, aux_layers=aux), repeats)
-                        fwd.append({"batch_size": b, "tokens_per_row": q, "context_len": ctx,
-                                    "step_ms": statistics.median(ms), "cpu_ms": statistics.median(cpu),
-                                    "batch_tokens": b * q})
-            pre = []
-            ids = _prompt_ids(engine.tokenizer, max(prefill), 1)[0]
-            for p in prefill:
-                rows = [RowInput(slot=0, start=0, token_ids=ids[:p])]
-                ms, cpu = _time_call(lambda: engine.runner.run(rows, last_only=True, aux_layers=aux),
-                                     repeats)
-                pre.append({"prefill_tokens": p, "step_ms": statistics.median(ms),
-                            "cpu_ms": statistics.median(cpu)})
-        steps = []
-        for ctx in step_contexts:
-            for b in batches:
-                r = _engine_steps(engine, b, ctx, max_tokens, log)
-                if r is not None:
-                    steps.append(r)
-        out["strategies"][name] = {
-            "strategy": eng_cfg["strategy"], "engine": {k: v for k, v in eng_cfg.items()
-                                                        if isinstance(v, (str, int, float, bool))},
-            "num_speculative_tokens": engine.num_speculative_tokens,
-            "forward": fwd, "prefill": pre, "engine_steps": steps}
-        out.setdefault("config", {f: getattr(mc, f, None) for f in ("hidden_size", "num_hidden_layers",
-                                                                     "vocab_size")})
-        if "points" not in out:
-            out["points"] = fwd
-        log(f"engine profile: {name} in {time.perf_counter() - t0:.1f} s: {len(fwd)} forward, "
-            f"{len(pre)} prefill, {len(steps)} engine-step points; "
-            + ", ".join(f"B={s['batch_size']}/ctx={s['context_len']}: draft {s['draft_ms']:.2f} "
-                        f"verify {s['verify_ms']:.2f} step {s['step_ms']:.2f} ms" for s in steps[:4]))
-        del engine
+        _profile_strategy(name, eng_cfg, out, batches, tokens_per_row, contexts, prefill,
+                          step_contexts, repeats, max_tokens, log)
     return out
 
 
@@ -371,7 +392,7 @@ def _ints(flag: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m actors.bench cost-curve",
+    ap = argparse.ArgumentParser(prog="python -m bench.step_cost",
                                  description="Time the verification forward of a published model "
                                              "shape with random weights over a batch x tokens grid.")
     ap.add_argument("--shape", choices=sorted(SHAPES) + [EMBEDDED],

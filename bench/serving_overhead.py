@@ -1,6 +1,6 @@
 """Serving overhead: output tokens/s through HTTP + Ray Serve vs the engine directly.
 
-    python -m actors.bench_serve [--strategy autoregressive] [--concurrency 4,16]
+    python -m bench.serving_overhead [--strategy autoregressive] [--concurrency 4,16]
                                  [--max-tokens 128] [--reps 3] [--waves 5]
                                  [--stream-intervals 1]
                                  [--stream-intervals-ms 20]
@@ -228,7 +228,7 @@ def summarize(runs: dict[tuple[int, str], list[dict]], concs: list[int],
 
 def _build_parser() -> argparse.ArgumentParser:
     """The command's parser (flags and help exactly as ``--help`` shows them)."""
-    ap = argparse.ArgumentParser(prog="python -m actors.bench_serve", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.serving_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", default="autoregressive")
     ap.add_argument("--concurrency", default="4,16",
@@ -341,7 +341,7 @@ def _measure(a: argparse.Namespace, concs: list[int], ways: list[str],
 
             urls = asyncio.run(direct_ingress_urls({a.strategy: strategy_route(a.strategy)}))
             if len(urls.get(a.strategy, [])) != 1:
-                raise SystemExit(f"bench_serve: Serve's direct ingress listed {urls or 'nothing'} "
+                raise SystemExit(f"bench.serving_overhead: Serve's direct ingress listed {urls or 'nothing'} "
                                  f"for {a.strategy}; run with --no-direct-ingress")
             listener = urls[a.strategy][0]
         for rep in range(a.reps):

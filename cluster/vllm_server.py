@@ -1,5 +1,5 @@
 """A real vLLM OpenAI server (its CPU build, in a venv of its own) on 127.0.0.1, next to
-which specload is measured (``actors.bench_vs_vllm``, the tests' vLLM targets).
+which specload is measured (``bench.vs_vllm``, the tests' vLLM targets).
 
 vLLM's pins clash with specload's environment (torch, transformers), so it lives in
 its own venv: ``$SPECLOAD_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python`` (what
@@ -176,7 +176,7 @@ def start_servers(servers: list[VllmServer], log_dir: Path, python: str | None =
     return servers
 
 
-if __name__ == "__main__":   # manual use: python -m actors.vllm_server NAME [ngram|draft_model]
+if __name__ == "__main__":   # manual use: python -m cluster.vllm_server NAME [ngram|draft_model]
     kind = sys.argv[2] if len(sys.argv) > 2 else "ngram"
     srv = start_servers([VllmServer([sys.argv[1]], NGRAM if kind == "ngram" else DRAFT_MODEL)], Path("/tmp"))[0]
     print(srv.url, srv.proc.pid, flush=True)

@@ -1,6 +1,6 @@
 """Client-side timing error of the load generator, measured against the fake server's own clock.
 
-    python -m loadgen.tools.bench_timing [--users 64] [--duration 15] [--workers 0] [--ttft-ms 100] [--gap-ms 20]
+    python -m bench.loadgen_timing [--users 64] [--duration 15] [--workers 0] [--ttft-ms 100] [--gap-ms 20]
 
 Starts ``loadgen.tools.fake_server`` (its own process) and runs ``python -m loadgen``
 (closed loop, ``--users`` users) against it, then compares, per request, what
@@ -30,7 +30,7 @@ from configs import metric_names as M
 from loadgen.tools import fake_server
 
 
-def _tiers_file(d: Path, users: int, duration: float, max_tokens: int) -> Path:
+def tiers_file(d: Path, users: int, duration: float, max_tokens: int) -> Path:
     cell = {"users": users, "spawn_rate": max(users, 1), "duration_s": duration, "max_tokens": max_tokens,
             "slo": {"ttft_ms": 1000, "tpot_ms": 100}}
     tier = {"short": cell, "long": cell}
@@ -45,7 +45,7 @@ def measure(users: int = 64, duration: float = 15.0, workers: int = 0, ttft_ms: 
     """Run the benchmark; returns one row per ok request with the error columns (ms)."""
     with tempfile.TemporaryDirectory() as tmp, fake_server.running(
             "--ttft-ms", str(ttft_ms), "--gap-ms", str(gap_ms), "--tokens-per-chunk", str(tokens_per_chunk)) as url:
-        tiers = _tiers_file(Path(tmp), users, duration, max_tokens)
+        tiers = tiers_file(Path(tmp), users, duration, max_tokens)
         cmd = [sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", url,
                "--strategies", "autoregressive", "--tiers-file", str(tiers), "--results", str(Path(tmp) / "res"),
                "--workers", str(workers)]

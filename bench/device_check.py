@@ -1,4 +1,4 @@
-"""One prepared device check: ``python -m actors.gpu_check --out DIR [--device cuda|cpu] [--tiny]``.
+"""One prepared device check: ``python -m bench.device_check --out DIR [--device cuda|cpu] [--tiny]``.
 
 Written for a short GPU loan (one command, under 8 minutes on an H200, no network,
 PyTorch + transformers + safetensors + numpy/pandas/pyarrow and nothing else), and
@@ -17,9 +17,9 @@ a killed run leaves what it measured:
    recorded as skipped (reason given) where pydantic is not importable; every other
    section, and this module's own import chain, needs no pydantic, Ray or vLLM.
 3. ``curves``: step-cost curves of real shapes with random weights
-   (``actors.cost_curve``: ``qwen3-0.6b``, ``qwen3-8b``, ``llama-3-8b``; ``tiny`` with
+   (``bench.step_cost``: ``qwen3-0.6b``, ``qwen3-8b``, ``llama-3-8b``; ``tiny`` with
    ``--tiny``) over batch x tokens per row x context; one curve file per shape in the
-   ``actors.bench cost-curve`` format (``DIR/curves/<shape>-<device>.json``, read by
+   ``bench.step_cost`` format (``DIR/curves/<shape>-<device>.json``, read by
    ``python -m analysis plan --cost-curve``), a batch whose KV cache would not fit is
    skipped with its size. The summary gives the verify cost of k+1 tokens per row as
    a multiple of a 1-token step, per batch size (``verify_multiple``).
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from actors import cost_curve as cc
+from bench import step_cost as cc
 
 STRATEGIES = ("autoregressive", "draft_model", "ngram", "dflash", "dflash2", "dspark")
 TIE_LOGPROB = {"float32": 1e-3, "bfloat16": 0.1}  # top-2 gap (nats) under which a divergence is a tie
@@ -140,60 +140,56 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def engine_section(device: str, tiny: bool, report: Report, deadline: float) -> dict:
-    """Greedy identity vs autoregressive and tokens/s per strategy x dtype (module doc)."""
+def _identity(ref: list[dict], got: list[dict], dtype: str) -> dict:
+    """{"identical", "ties", "mismatches", "total", "diverged"} of ``got`` against the
+    autoregressive ``ref`` (same prompts): a first difference whose top-2 logprob gap in
+    ``ref`` is within ``TIE_LOGPROB[dtype]`` is a tie, not a violation."""
+    same = ties = 0
+    diverged = []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        d = _first_diff(r["token_ids"], g["token_ids"])
+        if d is None:
+            same += 1
+            continue
+        top = r["logprobs"][d].top if d < len(r["logprobs"]) else []
+        gap = (top[0][3] - top[1][3]) if len(top) >= 2 else None
+        tie = gap is not None and gap <= TIE_LOGPROB[dtype]
+        ties += tie
+        diverged.append({"prompt": i, "position": d, "top2_gap": gap, "tie": tie})
+    return {"identical": same, "ties": ties, "mismatches": len(ref) - same - ties,
+            "total": len(ref), "diverged": diverged}
+
+
+def _identity_dtype(sec: dict, dtype: str, device: str, prompts: list[str], max_tokens: int,
+                    report: Report, deadline: float) -> None:
+    """Greedy identity of every strategy against ``autoregressive`` in ``dtype``, into
+    ``sec["identity"]`` (what failed or ran out of time into ``sec["skipped"]``)."""
     try:
-        import pydantic  # noqa: F401  (the engine's config is a pydantic model)
-    except ImportError:
-        return {"skipped": "pydantic is not importable here: the embedded engine's EngineConfig "
-                           "and proposer options are pydantic models (carry its wheel to run "
-                           "this section)"}
-    s = ENGINE["tiny" if tiny else "full"]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(s["prompts"])]
-    sec: dict = {"prompts": len(prompts), "max_tokens": s["max_tokens"], "identity": {},
-                 "tokens_per_s": {}, "skipped": []}
-    report.data["sections"]["engine"] = sec
-    for dtype in s["dtypes"]:
-        if dtype == "bfloat16" and device == "cpu" and not tiny:
-            sec["skipped"].append({"dtype": dtype, "reason": "bf16 on CPU: not the GPU's path"})
+        ref, _ = _engine_run("autoregressive", device, dtype, prompts, max_tokens,
+                             len(prompts), logprobs=2)
+    except Exception as exc:  # noqa: BLE001 - record, go on
+        sec["skipped"].append({"dtype": dtype, "reason": f"autoregressive: {exc!r}"[:400]})
+        return
+    for strategy in STRATEGIES:
+        if time.monotonic() > deadline:
+            sec["skipped"].append({"dtype": dtype, "strategy": strategy,
+                                   "reason": "engine section's time budget spent"})
             continue
         try:
-            ref, _ = _engine_run("autoregressive", device, dtype, prompts, s["max_tokens"],
-                                 len(prompts), logprobs=2)
-        except Exception as exc:  # noqa: BLE001 - record, go on
-            sec["skipped"].append({"dtype": dtype, "reason": f"autoregressive: {exc!r}"[:400]})
-            continue
-        for strategy in STRATEGIES:
-            if time.monotonic() > deadline:
-                sec["skipped"].append({"dtype": dtype, "strategy": strategy,
-                                       "reason": "engine section's time budget spent"})
-                continue
-            key = f"{strategy}/{dtype}"
-            try:
-                got, _ = _engine_run(strategy, device, dtype, prompts, s["max_tokens"],
-                                     len(prompts), logprobs=None)
-            except Exception as exc:  # noqa: BLE001
-                sec["skipped"].append({"dtype": dtype, "strategy": strategy,
-                                       "reason": f"{'OOM' if _oom(exc) else 'error'}: {exc!r}"[:400]})
-                report.save()
-                continue
-            same = ties = 0
-            diverged = []
-            for i, (r, g) in enumerate(zip(ref, got)):
-                d = _first_diff(r["token_ids"], g["token_ids"])
-                if d is None:
-                    same += 1
-                    continue
-                top = r["logprobs"][d].top if d < len(r["logprobs"]) else []
-                gap = (top[0][3] - top[1][3]) if len(top) >= 2 else None
-                tie = gap is not None and gap <= TIE_LOGPROB[dtype]
-                ties += tie
-                diverged.append({"prompt": i, "position": d, "top2_gap": gap, "tie": tie})
-            sec["identity"][key] = {"identical": same, "ties": ties,
-                                    "mismatches": len(prompts) - same - ties,
-                                    "total": len(prompts), "diverged": diverged}
+            got, _ = _engine_run(strategy, device, dtype, prompts, max_tokens,
+                                 len(prompts), logprobs=None)
+        except Exception as exc:  # noqa: BLE001
+            sec["skipped"].append({"dtype": dtype, "strategy": strategy,
+                                   "reason": f"{'OOM' if _oom(exc) else 'error'}: {exc!r}"[:400]})
             report.save()
-    # throughput at each batch size (default dtype of the device)
+            continue
+        sec["identity"][f"{strategy}/{dtype}"] = _identity(ref, got, dtype)
+        report.save()
+
+
+def _throughput(sec: dict, s: dict, device: str, report: Report, deadline: float) -> None:
+    """Tokens/s per strategy at each batch size of ``s`` (the device's default dtype), into
+    ``sec["tokens_per_s"]``."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     for strategy in STRATEGIES:
         for b in s["batches"]:
@@ -214,6 +210,27 @@ def engine_section(device: str, tiny: bool, report: Report, deadline: float) -> 
                 "dtype": dtype, "requests": n, "output_tokens": toks, "wall_s": wall,
                 "tokens_per_s": toks / wall}
             report.save()
+
+
+def engine_section(device: str, tiny: bool, report: Report, deadline: float) -> dict:
+    """Greedy identity vs autoregressive and tokens/s per strategy x dtype (module doc)."""
+    try:
+        import pydantic  # noqa: F401  (the engine's config is a pydantic model)
+    except ImportError:
+        return {"skipped": "pydantic is not importable here: the embedded engine's EngineConfig "
+                           "and proposer options are pydantic models (carry its wheel to run "
+                           "this section)"}
+    s = ENGINE["tiny" if tiny else "full"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(s["prompts"])]
+    sec: dict = {"prompts": len(prompts), "max_tokens": s["max_tokens"], "identity": {},
+                 "tokens_per_s": {}, "skipped": []}
+    report.data["sections"]["engine"] = sec
+    for dtype in s["dtypes"]:
+        if dtype == "bfloat16" and device == "cpu" and not tiny:
+            sec["skipped"].append({"dtype": dtype, "reason": "bf16 on CPU: not the GPU's path"})
+            continue
+        _identity_dtype(sec, dtype, device, prompts, s["max_tokens"], report, deadline)
+    _throughput(sec, s, device, report, deadline)
     return sec
 
 
@@ -225,9 +242,86 @@ def _kv_bytes(cfg: dict, slots: int, max_len: int, elem: int) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * slots * max_len * elem
 
 
+def _curve_header(shape: str, device: str, dtype, cfg: dict, model, grid: dict) -> dict:
+    """The curve file's fields before any point (``bench.step_cost``'s format)."""
+    return {"shape": shape, "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "config": cfg, "num_params": model.num_params(), "torch": torch.__version__,
+            "threads": torch.get_num_threads() if device == "cpu" else None,
+            "repeats": grid["repeats"], "random_weights": True,
+            "gpu_name": torch.cuda.get_device_name() if device == "cuda" else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+            "measured_by": "python -m bench.device_check", "points": []}
+
+
+def _batches_that_fit(cfg: dict, grid: dict, ctx: int, max_len: int, elem: int, device: str,
+                      rec: dict) -> list[int]:
+    """The grid's batch sizes whose KV cache at ``max_len`` takes at most 60% of the free
+    memory (8 GiB assumed on a CPU); the others go to ``rec["skipped"]``."""
+    free = (torch.cuda.mem_get_info()[0] if device == "cuda" else 8 * 2**30)
+    fits = [b for b in grid["batches"] if _kv_bytes(cfg, b, max_len, elem) <= 0.6 * free]
+    for b in grid["batches"]:
+        if b not in fits:
+            rec["skipped"].append({"context_len": ctx, "batch_size": b, "reason": (
+                f"KV cache {_kv_bytes(cfg, b, max_len, elem) / 2**30:.1f} GiB > 60% of "
+                f"{free / 2**30:.1f} GiB free")})
+    return fits
+
+
+def _time_point(runner, b: int, q: int, ctx: int, grid: dict, device: str, rec: dict) -> dict | None:
+    """One grid point's curve row (median step ms, p90, thread CPU ms on a CPU), or None
+    with the reason in ``rec["skipped"]``."""
+    try:
+        ms, cpu = cc.time_step(runner, b, q, ctx, grid["repeats"], device)
+    except Exception as exc:  # noqa: BLE001
+        rec["skipped"].append({"context_len": ctx, "batch_size": b, "tokens_per_row": q,
+                               "reason": f"{'OOM' if _oom(exc) else 'error'}: {exc!r}"[:300]})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return None
+    srt = sorted(ms)
+    return {"batch_size": b, "tokens_per_row": q, "context_len": ctx,
+            "step_ms": statistics.median(ms),
+            "step_ms_p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))],
+            "cpu_ms": statistics.median(cpu) if device == "cpu" else None,
+            "batch_tokens": b * q}
+
+
+def _curve_context(model, cfg: dict, ctx: int, grid: dict, device: str, elem: int, curve: dict,
+                   path: Path, rec: dict, report: Report, deadline: float) -> None:
+    """Every batch x tokens-per-row point at context ``ctx`` into ``curve["points"]``, the
+    curve file rewritten after each point."""
+    from configs.jsonio import write_json
+
+    max_len = ctx + max(grid["tokens_per_row"])
+    fits = _batches_that_fit(cfg, grid, ctx, max_len, elem, device, rec)
+    if not fits:
+        return
+    try:
+        runner = cc.ModelRunner(model, num_slots=max(fits), max_len=max_len)
+    except Exception as exc:  # noqa: BLE001
+        rec["skipped"].append({"context_len": ctx, "reason": f"KV cache: {exc!r}"[:400]})
+        return
+    for b in fits:
+        for q in grid["tokens_per_row"]:
+            if time.monotonic() > deadline:
+                rec["skipped"].append({"context_len": ctx, "batch_size": b, "tokens_per_row": q,
+                                       "reason": "curves section's time budget spent"})
+                continue
+            point = _time_point(runner, b, q, ctx, grid, device, rec)
+            if point is None:
+                continue
+            curve["points"].append(point)
+            rec["points"] = len(curve["points"])
+            write_json(path, curve)
+            report.save()
+    del runner
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def curve_shape(shape: str, device: str, grid: dict, out_dir: Path, report: Report,
                 deadline: float) -> dict:
-    """Time one shape's grid (``actors.cost_curve.time_step``), writing its curve file after
+    """Time one shape's grid (``bench.step_cost.time_step``), writing its curve file after
     every point; returns {"file", "points", "skipped"}."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = cc.shape_config(shape)
@@ -236,64 +330,15 @@ def curve_shape(shape: str, device: str, grid: dict, out_dir: Path, report: Repo
     rec = {"file": str(path), "points": 0, "skipped": []}
     t0 = time.perf_counter()
     try:
-        model = cc._fuse(cc.random_model(cfg, device, dtype))
+        model = cc.fuse(cc.random_model(cfg, device, dtype))
     except Exception as exc:  # noqa: BLE001
         rec["skipped"].append({"reason": f"{'OOM' if _oom(exc) else 'error'} building: {exc!r}"[:400]})
         return rec
     rec["build_s"] = time.perf_counter() - t0
-    curve = {"shape": shape, "device": device, "dtype": str(dtype).replace("torch.", ""),
-             "config": cfg, "num_params": model.num_params(), "torch": torch.__version__,
-             "threads": torch.get_num_threads() if device == "cpu" else None,
-             "repeats": grid["repeats"], "random_weights": True,
-             "gpu_name": torch.cuda.get_device_name() if device == "cuda" else None,
-             "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-             "measured_by": "python -m actors.gpu_check", "points": []}
+    curve = _curve_header(shape, device, dtype, cfg, model, grid)
     elem = torch.finfo(dtype).bits // 8
-    qmax = max(grid["tokens_per_row"])
     for ctx in grid["contexts"]:
-        max_len = ctx + qmax
-        free = (torch.cuda.mem_get_info()[0] if device == "cuda" else 8 * 2**30)
-        fits = [b for b in grid["batches"] if _kv_bytes(cfg, b, max_len, elem) <= 0.6 * free]
-        for b in grid["batches"]:
-            if b not in fits:
-                rec["skipped"].append({"context_len": ctx, "batch_size": b, "reason": (
-                    f"KV cache {_kv_bytes(cfg, b, max_len, elem) / 2**30:.1f} GiB > 60% of "
-                    f"{free / 2**30:.1f} GiB free")})
-        if not fits:
-            continue
-        try:
-            runner = cc.ModelRunner(model, num_slots=max(fits), max_len=max_len)
-        except Exception as exc:  # noqa: BLE001
-            rec["skipped"].append({"context_len": ctx, "reason": f"KV cache: {exc!r}"[:400]})
-            continue
-        for b in fits:
-            for q in grid["tokens_per_row"]:
-                if time.monotonic() > deadline:
-                    rec["skipped"].append({"context_len": ctx, "batch_size": b, "tokens_per_row": q,
-                                           "reason": "curves section's time budget spent"})
-                    continue
-                try:
-                    ms, cpu = cc.time_step(runner, b, q, ctx, grid["repeats"], device)
-                except Exception as exc:  # noqa: BLE001
-                    rec["skipped"].append({"context_len": ctx, "batch_size": b, "tokens_per_row": q,
-                                           "reason": f"{'OOM' if _oom(exc) else 'error'}: {exc!r}"[:300]})
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                srt = sorted(ms)
-                curve["points"].append({
-                    "batch_size": b, "tokens_per_row": q, "context_len": ctx,
-                    "step_ms": statistics.median(ms),
-                    "step_ms_p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))],
-                    "cpu_ms": statistics.median(cpu) if device == "cpu" else None,
-                    "batch_tokens": b * q})
-                rec["points"] = len(curve["points"])
-                from configs.jsonio import write_json
-                write_json(path, curve)
-                report.save()
-        del runner
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _curve_context(model, cfg, ctx, grid, device, elem, curve, path, rec, report, deadline)
     if device == "cuda":
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
@@ -419,7 +464,7 @@ def summary(sections: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m actors.gpu_check",
+    ap = argparse.ArgumentParser(prog="python -m bench.device_check",
                                  description="The prepared device check: the embedded engine per "
                                              "strategy and dtype, and step-cost curves of real "
                                              "shapes (random weights); JSON + PNG under --out.")
@@ -450,16 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     total = a.budget_s or sum(BUDGET_S.values())
     share = {k: v / sum(BUDGET_S.values()) * total for k, v in BUDGET_S.items()}
     if device == "cpu":
-        torch.set_num_threads(1)   # the curves' CPU clock is per thread (actors.cost_curve)
+        torch.set_num_threads(1)   # the curves' CPU clock is per thread (bench.step_cost)
     t0 = time.monotonic()
     report = Report(a.out)
-    report.data.update(command=" ".join(["python -m actors.gpu_check"] + (argv or sys.argv[1:])),
+    report.data.update(command=" ".join(["python -m bench.device_check"] + (argv or sys.argv[1:])),
                        tiny=a.tiny, env=env_section(device), budget_s=share)
     report.save()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     for name in sections:
         start = time.monotonic()
-        log(f"gpu_check: {name} (budget {share[name]:.0f} s)")
+        log(f"device_check: {name} (budget {share[name]:.0f} s)")
         try:
             if name == "engine":
                 res = engine_section(device, a.tiny, report, start + share[name])

@@ -1,7 +1,7 @@
 """Scale limits of the load generator and of the results pipeline (numbers for docs/scale.md).
 
-    python -m loadgen.tools.bench_scale load [--users 16,64,256] [--workers 0,2] [--duration 10]
-    python -m loadgen.tools.bench_scale rows [--rows 100000,1000000] [--report]
+    python -m bench.loadgen_scale load [--users 16,64,256] [--workers 0,2] [--duration 10]
+    python -m bench.loadgen_scale rows [--rows 100000,1000000] [--report]
 
 ``load``: starts ``loadgen.tools.fake_server`` (its own process; TTFT 5 ms, a chunk
 every 5 ms, 8 tokens, so the server is never the limit) and runs ``python -m
@@ -142,11 +142,11 @@ def bench_rows(n: int, report: bool, root: Path) -> dict:
 
 def bench_load(users: int, workers: int, duration: float, root: Path, url: str) -> dict:
     """One closed-loop cell against the fake server; achieved figures from the run's manifest."""
-    from loadgen.tools.bench_timing import _tiers_file
+    from bench.loadgen_timing import tiers_file
 
     d = root / f"u{users}-w{workers}"
     d.mkdir(parents=True, exist_ok=True)
-    tiers = _tiers_file(d, users, duration, 8)
+    tiers = tiers_file(d, users, duration, 8)
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "loadgen", "--tier", "low", "--output", "short", "--target", url,
                         "--tiers-file", str(tiers), "--results", str(d / "res"), "--strategies",

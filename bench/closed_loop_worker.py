@@ -1,6 +1,6 @@
 """One engine, no HTTP, under the load generator's closed-loop arrival pattern.
 
-    python actors/bench_closed_loop.py --engine specload|vllm --strategy autoregressive
+    python bench/closed_loop_worker.py --engine specload|vllm --strategy autoregressive
                                        --prompts FILE.jsonl --model DIR [--draft-model DIR]
 
 A worker process: it loads one engine once (specload's ``LLMEngine`` in this process,
@@ -10,7 +10,7 @@ and answers one JSON line on stdout per command: N users, each with one request 
 flight, each finished request replaced at once by the next prompt (the loadgen's
 closed-loop cell, greedy, real prompts, no ``ignore_eos``), for ``duration_s`` seconds
 after a short warm-up; output tokens/s over the window and TTFT / TPOT p50 (ms) of the
-requests that started and finished inside it. ``actors.bench_vs_vllm`` drives it.
+requests that started and finished inside it. ``bench.vs_vllm`` drives it.
 
 It imports nothing from specload at module level (vLLM's venv does not have it); the
 specload adapter puts the repository on ``sys.path`` itself.
@@ -168,7 +168,7 @@ def closed_loop(eng, prompts: list[str], users: int, duration_s: float, max_toke
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="actors/bench_closed_loop.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="bench/closed_loop_worker.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=("specload", "vllm"), required=True)
     ap.add_argument("--strategy", default="autoregressive")

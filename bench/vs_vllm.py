@@ -1,6 +1,6 @@
 """specload next to a real vLLM: same model, prompts, arrival pattern and client.
 
-    python -m actors.bench_vs_vllm [--mode engine|served|both] [--quick]
+    python -m bench.vs_vllm [--mode engine|served|both] [--quick]
                                    [--strategies autoregressive,ngram,draft_model]
                                    [--concurrency 1,4,16] [--duration-s 10] [--reps 3]
                                    [--max-tokens 32] [--vllm-threads 1] [--json out.json]
@@ -12,13 +12,13 @@ stdlib prompts, cut to 1200 characters), greedy, 32-token outputs (EOS may end o
 sooner, as in the cells). Two ways, each for specload and for vLLM 0.32 (its CPU
 build, in its own venv: ``$SPECLOAD_VLLM_PYTHON`` or ``.venv-vllm/bin/python``), the
 same fp32 target (``models/target``), ngram (k 4, n-gram 2..4) and draft_model (k 4,
-``models/draft``) as in ``actors/vllm_server.py``:
+``models/draft``) as in ``cluster/vllm_server.py``:
 
 - ``engine``: the engine alone, no HTTP: specload's ``LLMEngine`` and vLLM's offline
-  ``LLMEngine``, each in a worker process of its own (``actors/bench_closed_loop.py``);
+  ``LLMEngine``, each in a worker process of its own (``bench/closed_loop_worker.py``);
   tells engine losses from serving losses.
 - ``served``: the whole stack over HTTP with this module's client (streamed
-  ``/v1/completions``, ``actors.bench_serve.stream_one``): specload's Ray Serve
+  ``/v1/completions``, ``bench.serving_overhead.stream_one``): specload's Ray Serve
   (``python -m cluster up``'s layout) on the load generator's default route, the
   strategy route on its replica's own listener (Serve's direct ingress; ``--route
   strategy``: through the Serve proxy), and vLLM's OpenAI server.
@@ -54,7 +54,7 @@ from configs.paths import PROMPTS_DIR
 REPO = Path(__file__).resolve().parent.parent
 TARGET = REPO / "models" / "target"
 DRAFT = REPO / "models" / "draft"
-WORKER = Path(__file__).resolve().parent / "bench_closed_loop.py"
+WORKER = Path(__file__).resolve().parent / "closed_loop_worker.py"
 STRATEGIES = ("autoregressive", "ngram", "draft_model")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
@@ -86,8 +86,8 @@ def load_prompts(max_chars: int = MAX_PROMPT_CHARS) -> list[str]:
 
 
 def vllm_python() -> str | None:
-    """The vLLM venv's interpreter, or None without one (``actors.vllm_server``)."""
-    from actors.vllm_server import find_vllm_python
+    """The vLLM venv's interpreter, or None without one (``cluster.vllm_server``)."""
+    from cluster.vllm_server import find_vllm_python
 
     try:
         return find_vllm_python()
@@ -102,7 +102,7 @@ def _p50(xs: list[float]) -> float:
 
 # ------------------------------------------------------------------ engine mode
 class Worker:
-    """One ``bench_closed_loop.py`` process (its engine loaded once), JSON lines both ways."""
+    """One ``closed_loop_worker.py`` process (its engine loaded once), JSON lines both ways."""
 
     def __init__(self, side: str, python: str, engine: str, strategy: str, prompts_file: str,
                  threads: int, repo: Path | None = None, log_dir: str = ".",
@@ -206,13 +206,13 @@ def _interleave(a: argparse.Namespace, strategy: str, mode: str, sides: dict
 async def closed_loop_http(base: str, path: str, model: str, prompts: list[str], users: int,
                            duration_s: float, max_tokens: int, warmup_s: float = 1.0,
                            extra_body: dict | None = None) -> dict:
-    """N streaming users against ``base + path`` (``bench_serve.stream_one``), each
+    """N streaming users against ``base + path`` (``bench.serving_overhead.stream_one``), each
     request replaced at once; the window after ``warmup_s`` is counted (tokens of the
     requests that finished in it, over its length; TTFT / TPOT of those requests).
     ``extra_body``: more request fields (e.g. ``{"stream_interval": 1}``)."""
     import httpx
 
-    from actors.bench_serve import stream_one
+    from bench.serving_overhead import stream_one
 
     nxt = iter(range(10 ** 9))
     t_begin = time.perf_counter()
@@ -245,8 +245,8 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
 
 def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool = True,
                  enforce_eager: bool = False):
-    """A vLLM OpenAI server for ``strategy`` (``actors.vllm_server``)."""
-    from actors.vllm_server import DRAFT_MODEL, NGRAM as T_NGRAM, VllmServer
+    """A vLLM OpenAI server for ``strategy`` (``cluster.vllm_server``)."""
+    from cluster.vllm_server import DRAFT_MODEL, NGRAM as T_NGRAM, VllmServer
 
     spec = {"ngram": T_NGRAM, "draft_model": DRAFT_MODEL}.get(strategy)
     os.environ["OMP_NUM_THREADS"] = str(threads)      # the server inherits it
@@ -260,7 +260,7 @@ def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool
 def served_mode(a: argparse.Namespace, strategy: str, prompts: list[str], log_dir: str
                 ) -> dict[tuple[int, str], list[dict]]:
     """specload's strategy route (local Ray Serve) and a vLLM server, both up at once."""
-    from actors.bench_serve import serve_app
+    from bench.serving_overhead import serve_app
     from actors.serve.app import strategy_route
 
     srv = None
@@ -283,7 +283,7 @@ def served_mode(a: argparse.Namespace, strategy: str, prompts: list[str], log_di
 
             urls = asyncio.run(direct_ingress_urls({strategy: own}))
             if len(urls.get(strategy, [])) != 1:
-                raise SystemExit(f"bench_vs_vllm: Serve's direct ingress listed {urls or 'nothing'}"
+                raise SystemExit(f"bench.vs_vllm: Serve's direct ingress listed {urls or 'nothing'}"
                                  f" for {strategy}; run with --route strategy")
             base = urls[strategy][0]
         extra = {"stream_interval": 1} if a.per_step_chunks else None
@@ -349,7 +349,7 @@ def print_table(result: dict) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m actors.bench_vs_vllm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.vs_vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("engine", "served", "both"), default="both")
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                     "specload_route": a.route,
                     "specload_chunks": "per engine step" if a.per_step_chunks
                     else "the deployment's default (50 ms window)", "results": {}}
-    with tempfile.TemporaryDirectory(prefix="bench_vs_vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-vs-vllm-") as tmp:
         pf = str(Path(tmp) / "prompts.jsonl")
         Path(pf).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
         for mode in modes:

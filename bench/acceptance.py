@@ -1,6 +1,6 @@
 """Position-by-position evaluation of the speculative strategies on one harness.
 
-    python -m actors.evaluate [--prompts FILE.jsonl] [--strategies a,b,...]
+    python -m bench.acceptance [--prompts FILE.jsonl] [--strategies a,b,...]
                               [--max-tokens N] [--out FILE.json]
 
 Rows with a ``domain`` field are grouped by it (default prompts: held-out code

@@ -1,7 +1,8 @@
 """Engine benchmark: output tokens/s ratios measured side by side in one run.
 
-    python -m actors.bench [--out bench.json] [--max-tokens 64] [--threads 1]
-    python -m actors.bench cost-curve --shape NAME --random-weights [--device cpu|cuda] --out F.json
+    python -m bench.engine_speedup [--out bench.json] [--max-tokens 64] [--threads 1]
+
+(The step-cost grid of real model sizes is ``python -m bench.step_cost``.)
 
 Same held-out code prompts for every row, greedy, EOS ignored so every run
 emits the same number of tokens. Ratios (not absolute times) are the result:
@@ -133,7 +134,7 @@ def flops_per_token(model, ctx: float) -> float:
 def _parse(argv) -> tuple[argparse.Namespace, list[int], list[str]]:
     """Parse and check the flags; return (args, batch sizes with 1 and 8 always in, strategies
     with ``autoregressive`` first). A bad flag exits 2 through ``ap.error``."""
-    ap = argparse.ArgumentParser(prog="python -m actors.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_speedup", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-b1", type=int, default=8)
@@ -337,9 +338,10 @@ def _print_outcome(ratios: dict, raw: dict, tradeoff: dict | None = None) -> Non
 def main(argv=None) -> int:
     import sys
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["cost-curve"]:  # python -m actors.bench cost-curve ... (actors/cost_curve.py)
-        from actors.cost_curve import main as cost_curve_main
-        return cost_curve_main(args[1:])
+    if args[:1] == ["cost-curve"]:   # the old subcommand (python -m actors.bench cost-curve)
+        print("cost-curve is its own benchmark now: python -m bench.step_cost "
+              + " ".join(args[1:]), file=sys.stderr)
+        return 2
     a, batches, strategies = _parse(argv)
     st = _load(a, batches, strategies)
     runs = _measure(a, batches, strategies, st)
