@@ -202,3 +202,20 @@ def test_layer_check_fails_on_a_planted_subprocess_loop():
                                           ("analysis.cli", 10.1), ("bench.vs_vllm", 11)])
 def test_layer_lookup(module, layer):
     assert layer_of(module) == layer
+
+
+MAX_FUNCTION_LINES = 60   # issue 39: a function longer than a screen is split by what its parts do
+
+
+def test_no_function_in_product_code_is_longer_than_a_screen():
+    """Every function and method of the product packages (not tests/) has at most
+    MAX_FUNCTION_LINES lines, decorators excluded, docstring included."""
+    long = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "\n".join(long)

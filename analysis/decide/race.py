@@ -375,6 +375,104 @@ def decide_cell(rows: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
     return decide_replicates(replicates(rows), confidence, margin, looks, noise)
 
 
+@dataclass
+class _Replay:
+    """The racing loop's looks replayed over one cell: drops are sticky, each look spends its
+    alpha; ``ev`` is the last look's evaluation (``_evaluate``), ``nz`` its noise."""
+
+    contenders: list[str]
+    status: str = UNDECIDED
+    ev: dict | None = None
+    nz: Noise | None = None
+    settled_at: int | None = None
+    n_eval: int = 0
+    alphas: list = field(default_factory=list)
+    dropped: dict = field(default_factory=dict)
+    win_at_drop: dict = field(default_factory=dict)
+    lead_at_drop: dict = field(default_factory=dict)
+
+    def look(self, fit: _Fit, nz: Noise, confidence: float, margin: float, single: bool) -> bool:
+        """One look at ``fit``; True when it settles the cell (decided or equivalent)."""
+        live = [s for s in self.contenders if s in fit.names]
+        self.n_eval += 1
+        self.nz = nz
+        alpha = alpha_at(self.n_eval, confidence, single)
+        self.alphas.append(alpha)
+        if len(live) == 1:
+            ev = {"leader": live[0], "win": {}, "interval": {}, "drop": [], "equiv": [],
+                  "level": 1 - alpha, "needs": None, "margin": margin, "lead": {}}
+        else:
+            ev = _evaluate(fit, live, nz, alpha, margin)
+        self.ev = ev
+        for s in ev["drop"]:
+            self.dropped[s] = self.n_eval
+            self.win_at_drop[s] = ev["win"][s]
+            self.lead_at_drop[s] = ev["lead"][s]
+        self.contenders = [ev["leader"]] + [s for s in live if s != ev["leader"] and s not in ev["drop"]]
+        if len(self.contenders) == 1:
+            self.status, self.settled_at = DECIDED, self.n_eval
+        elif len(ev["equiv"]) == len(self.contenders) - 1:
+            self.status, self.settled_at = EQUIVALENT, self.n_eval
+        return self.status != UNDECIDED
+
+    def confidence_and_reason(self) -> tuple[float | None, str]:
+        """``Decision.confidence`` (see ``decide_replicates``) and, undecided, why in words."""
+        others = self.contenders[1:]
+        if self.status == DECIDED:
+            return (min(self.win_at_drop.values()) if self.win_at_drop else 1.0), ""
+        if self.status == EQUIVALENT:
+            return self.ev["level"], ""
+        conf = min((self.ev["win"][s] for s in others if s in self.ev["win"]), default=None)
+        if self.nz is None or self.nz.sd is None:
+            return conf, ("one replicate per strategy and no A/A: the run did not measure its "
+                          "cell-to-cell noise (race with --budget, or --repeats 2)")
+        reason = (f"the differences are inside the noise (one replicate's goodput varies "
+                  f"+-{100 * self.nz.relative:.0f}% between cells)")
+        if self.ev.get("needs"):
+            reason += f"; about {self.ev['needs']} replicates per contender would separate them"
+        return conf, reason
+
+    def last_look(self) -> tuple[dict, dict, dict]:
+        """(P(leader ahead), the leader's fitted lead, the interval) per other strategy: at
+        its drop for a dropped one, at the last look for the contenders left."""
+        win, lead, interval = dict(self.win_at_drop), dict(self.lead_at_drop), {}
+        if self.ev is not None:
+            others = self.contenders[1:]
+            win.update({s: self.ev["win"][s] for s in others if s in self.ev["win"]})
+            lead.update({s: self.ev["lead"][s] for s in others if s in self.ev.get("lead", {})})
+            interval = dict(self.ev["interval"])
+        return win, lead, interval
+
+
+def _paired(reps: dict[str, list[Replicate]], leader: str) -> dict[str, list]:
+    """s -> [mean goodput of s, the leader's mean goodput, n] over the repeats both ran."""
+    lead_by_repeat = {r.repeat: r.goodput for r in reps[leader]}
+    out = {}
+    for s, v in reps.items():
+        common = [r for r in v if r.repeat in lead_by_repeat] if s != leader else []
+        if common:
+            out[s] = [float(np.mean([r.goodput for r in common])),
+                      float(np.mean([lead_by_repeat[r.repeat] for r in common])), len(common)]
+    return out
+
+
+def _replay(reps: dict[str, list[Replicate]], confidence: float, margin: float,
+            cutoffs: list[float] | None, noise: Callable | None) -> _Replay:
+    """Every look of one cell in order (one over all replicates without ``cutoffs``)."""
+    single = cutoffs is None
+    n_windows = 1 if single else len(cutoffs) + int(
+        any(_window(r.end_ts, cutoffs) == len(cutoffs) for v in reps.values() for r in v))
+    run = _Replay(_rank({s: float(np.mean([math.log(max(r.goodput, 1e-9)) for r in v]))
+                         for s, v in reps.items()}))
+    for w in range(n_windows):
+        fit = _fit(_observations(reps, cutoffs, w))
+        if fit is None or not any(s in fit.names for s in run.contenders):
+            continue
+        if run.look(fit, _noise_for(fit, noise(cutoffs, w) if noise else None), confidence, margin, single):
+            break
+    return run
+
+
 def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFAULT_CONFIDENCE,
                       margin: float = DEFAULT_MARGIN, looks: list[float] | None = None,
                       noise: Callable[[list[float] | None, int], Noise] | None = None) -> Decision | None:
@@ -397,91 +495,25 @@ def decide_replicates(reps: dict[str, list[Replicate]], confidence: float = DEFA
     reps = {s: v for s, v in reps.items() if v}
     if not reps:
         return None
-    single = not looks
     cutoffs = sorted(float(t) for t in looks) if looks else None
-    n_windows = 1 if single else len(cutoffs) + int(
-        any(_window(r.end_ts, cutoffs) == len(cutoffs) for v in reps.values() for r in v))
-    contenders = _rank({s: float(np.mean([math.log(max(r.goodput, 1e-9)) for r in v]))
-                        for s, v in reps.items()})
-    dropped: dict[str, int] = {}
-    win_at_drop: dict[str, float] = {}
-    lead_at_drop: dict[str, float] = {}
-    status, ev, settled_at, n_eval, nz, alphas = UNDECIDED, None, None, 0, None, []
-    for w in range(n_windows):
-        fit = _fit(_observations(reps, cutoffs, w))
-        live = [s for s in contenders if fit is not None and s in fit.names]
-        if not live:
-            continue
-        n_eval += 1
-        nz = _noise_for(fit, noise(cutoffs, w) if noise else None)
-        alpha = alpha_at(n_eval, confidence, single)
-        alphas.append(alpha)
-        if len(live) == 1:
-            ev = {"leader": live[0], "win": {}, "interval": {}, "drop": [], "equiv": [],
-                  "level": 1 - alpha, "needs": None, "margin": margin}
-        else:
-            ev = _evaluate(fit, live, nz, alpha, margin)
-        for s in ev["drop"]:
-            dropped[s] = n_eval
-            win_at_drop[s] = ev["win"][s]
-            lead_at_drop[s] = ev["lead"][s]
-        contenders = [ev["leader"]] + [s for s in live if s != ev["leader"] and s not in ev["drop"]]
-        if len(contenders) == 1:
-            status, settled_at = DECIDED, n_eval
-            break
-        if len(ev["equiv"]) == len(contenders) - 1:
-            status, settled_at = EQUIVALENT, n_eval
-            break
-    leader = contenders[0]
-    others = [s for s in contenders if s != leader]
-    reason = ""
-    if status == DECIDED:
-        conf = min(win_at_drop.values()) if win_at_drop else 1.0
-    elif status == EQUIVALENT:
-        conf = ev["level"]
-    else:
-        conf = min((ev["win"][s] for s in others if s in ev["win"]), default=None)
-        if nz is None or nz.sd is None:
-            reason = ("one replicate per strategy and no A/A: the run did not measure its "
-                      "cell-to-cell noise (race with --budget, or --repeats 2)")
-        else:
-            reason = (f"the differences are inside the noise (one replicate's goodput varies "
-                      f"+-{100 * nz.relative:.0f}% between cells)")
-            if ev.get("needs"):
-                reason += f"; about {ev['needs']} replicates per contender would separate them"
-    win, lead = dict(win_at_drop), dict(lead_at_drop)
-    interval = {}
-    if ev is not None:
-        win.update({s: ev["win"][s] for s in others if s in ev["win"]})
-        lead.update({s: ev["lead"][s] for s in others if s in ev.get("lead", {})})
-        interval = dict(ev["interval"])
-    duration = {s: float(sum(r.duration_s for r in v)) for s, v in reps.items()}
-    paired = {}
-    lead_by_repeat = {r.repeat: r.goodput for r in reps[leader]}
-    for s, v in reps.items():
-        if s == leader:
-            continue
-        common = [r for r in v if r.repeat in lead_by_repeat]
-        if common:
-            paired[s] = [float(np.mean([r.goodput for r in common])),
-                         float(np.mean([lead_by_repeat[r.repeat] for r in common])), len(common)]
+    run = _replay(reps, confidence, margin, cutoffs, noise)
+    leader, ev, nz = run.contenders[0], run.ev, run.nz
+    conf, reason = run.confidence_and_reason()
+    win, lead, interval = run.last_look()
     return Decision(
-        status=status, leader=leader, contenders=contenders,
-        equivalent=contenders if status == EQUIVALENT else [],
-        dropped=dropped, confidence=conf, win_probability=win, relative_interval=interval,
-        lead=lead,
-        goodput={s: pooled_goodput(v) for s, v in reps.items()},
+        status=run.status, leader=leader, contenders=run.contenders,
+        equivalent=run.contenders if run.status == EQUIVALENT else [],
+        dropped=run.dropped, confidence=conf, win_probability=win, relative_interval=interval,
+        lead=lead, goodput={s: pooled_goodput(v) for s, v in reps.items()},
         goodput_rps={s: float(sum(r.n_good for r in v) / sum(r.duration_s for r in v))
                      for s, v in reps.items()},
-        paired=paired,
-        repeats={s: len(v) for s, v in reps.items()},
-        time_s=float(sum(duration.values())), rounds=n_eval, decided_at_repeat=settled_at,
-        noise=nz.to_dict() if nz is not None else {}, alpha=alphas,
-        needs_repeats=ev.get("needs") if ev is not None and status == UNDECIDED else None,
-        level=ev.get("level") if ev is not None else None,
-        reason=reason,
+        paired=_paired(reps, leader), repeats={s: len(v) for s, v in reps.items()},
+        time_s=float(sum(r.duration_s for v in reps.values() for r in v)), rounds=run.n_eval,
+        decided_at_repeat=run.settled_at, noise=nz.to_dict() if nz is not None else {},
+        alpha=run.alphas, needs_repeats=ev.get("needs") if ev is not None and run.status == UNDECIDED else None,
+        level=ev.get("level") if ev is not None else None, reason=reason,
         bootstrap={"over": "replicates (cell runs)", "interval": "t over ln(goodput), pooled sd",
-                   "looks": n_eval, "alpha_spending": "(1 - c) / (k (k + 1))" if not single
+                   "looks": run.n_eval, "alpha_spending": "(1 - c) / (k (k + 1))" if cutoffs
                    else "1 - c (one evaluation)",
                    "confidence": confidence, "equivalence_margin": margin,
                    "effective_margin": (ev or {}).get("margin", margin)})
