@@ -305,9 +305,10 @@ def headline_lines(rec: dict, undecided_reason: str | None = None) -> list[str]:
             why = f"undecided{f', {undecided_reason}' if undecided_reason else ''}: " if status else "a tie: "
             # the leader's P(lead) must reach the one-sided end of the look's two-sided interval
             need = percent(1 - (1 - r["level"]) / 2, 1) if r.get("level") else level
+            sure = (f"confidence {percent(r.get('confidence'), 1)} short of the {need} its look needed"
+                    if r.get("confidence") is not None else "noise unmeasured, so no confidence")
             lines.append(f"{head} run any of {', '.join(r.get('tied', []))} ({why}{r.get('leader')} leads "
-                         f"by {percent(r.get('margin'))}, confidence {percent(r.get('confidence'), 1)} "
-                         f"short of the {need} its look needed{effort})")
+                         f"by {percent(r.get('margin'))}, {sure}{effort})")
         elif status == race.EQUIVALENT:
             b = r.get("bootstrap", {})
             m = percent(b.get("effective_margin", b.get("equivalence_margin", race.DEFAULT_MARGIN)), 0)
