@@ -183,9 +183,10 @@ def _rss_mb(pid: int) -> float:
 
 @pytest.mark.slow
 def test_replicas_and_engine_processes_run_at_normal_priority(service):
-    """Ray starts its workers at nice 15; the service's replicas and their engine processes
-    run at nice 0 like a model server (configs.net.RAY_WORKER_PRIORITY_ENV), or anything else
-    on a shared box (the load generator itself) starves the engine mid cell."""
+    """Ray starts its workers 15 nice levels below their starter; the service's replicas and
+    their engine processes run at the starter's own priority, like a model server
+    (configs.net.RAY_WORKER_PRIORITY_ENV), or anything else on a shared box (the load
+    generator itself) starves the engine mid cell."""
     info = _info(service)
     mine = os.nice(0)   # Ray's increment is relative: the service inherits this process's nice
     for strategy in ("autoregressive", "ngram", TIGHT):
