@@ -42,7 +42,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="engine the emitted / validated deployments run on: vllm takes the base "
                         "config's backend-vllm entry of each strategy (vllm-<strategy>; default "
                         "base config then configs/serve-vllm.yaml) and names the policy "
-                        "vllm-<base>-policy; default: the entries as the base config has them")
+                        "vllm-<base>-policy; a run that served deployments on that engine gives "
+                        "a policy from those only (k = 0 = its autoregressive, e.g. "
+                        "vllm-autoregressive); default: every deployment, the entries as the "
+                        "base config has them")
     p.add_argument("--cost-curve", type=cost_curve_arg, default=None, metavar="NAME_OR_PATH",
                    help="a measured step-cost curve (data/cost_curves/NAME.json or a file): add "
                         "each strategy's speedup against concurrency on that device and its "
@@ -71,10 +74,11 @@ def _derive(args, parser, results, slos, base) -> dict:
     try:
         policy = pol.derive_policy(results, slos, base_strategy=args.base_strategy,
                                    output_class=args.output, base_config=base, seed=args.seed,
-                                   predict=args.boundaries == "model")
+                                   predict=args.boundaries == "model", backend=args.backend)
     except pol.PolicyError as exc:
         msg = str(exc)
         flag = ("--base-strategy" if "base strategy" in msg else "--output" if "output class" in msg
+                else "--backend" if "on backend" in msg
                 else "--base-config" if str(base) in msg else "RESULTS_DIR")
         parser.error(f"{flag}: {msg}")
     if args.backend:

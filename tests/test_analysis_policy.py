@@ -140,6 +140,62 @@ def test_policy_emitted_for_backend_vllm(tmp_path):
     assert fixed["engine"]["num_speculative_tokens"] == 3
 
 
+def _vllm_run(path: Path) -> Path:
+    """A run with the embedded autoregressive (fast) beside vLLM's autoregressive and two
+    vLLM ngram variants (slower engine, speculation that pays at 1 and 8 users), and the
+    Serve config it deployed (``serve_config.yaml``: which engine served each name)."""
+    v_ar = A.Strat("vllm-autoregressive", {1: 0.5, 8: 0.5, 64: 0.5})
+    k4 = A.Strat("vllm-ngram-k4", {1: 0.8, 8: 0.6, 64: 0.4}, (0.7, 0.5, 0.3, 0.1))
+    k2 = A.Strat("vllm-ngram-k2", {1: 0.7, 8: 0.65, 64: 0.45}, (0.7, 0.5))
+    run = A.write_run(path, strats=(A.AR, v_ar, k4, k2), aa=False)
+    eng = lambda name, strategy, backend, k: {"name": name, "engine": {
+        "strategy": strategy, "model": "models/target", "num_speculative_tokens": k,
+        **({"backend": backend} if backend else {})}}
+    (run / pol.RUN_SERVE_CONFIG).write_text(yaml.safe_dump({"applications": [{
+        "import_path": pol.APP_IMPORT_PATH, "args": {"strategies": [
+            eng(mn.AUTOREGRESSIVE, mn.AUTOREGRESSIVE, None, 0),
+            eng("vllm-autoregressive", mn.AUTOREGRESSIVE, "vllm", 0),
+            eng("vllm-ngram-k4", mn.NGRAM, "vllm", 4),
+            eng("vllm-ngram-k2", mn.NGRAM, "vllm", 2)]}}]}))
+    return run
+
+
+def test_backend_vllm_policy_is_vllm_against_vllm(tmp_path):
+    """On a run that served both engines, ``--backend vllm`` derives from the vLLM
+    deployments only: k = 0 is vLLM's autoregressive (not the faster embedded engine, which
+    would turn speculation off everywhere), the best fixed choice is a vLLM one, and the
+    emitted policy and its validation's fixed deployments run on vLLM."""
+    run = _vllm_run(tmp_path / "run")
+    every = _derive(run, predict=False)
+    assert every["map"] == {"1-64": 0}          # the embedded autoregressive beats every vLLM one
+    p = _derive(run, predict=False, backend="vllm")
+    assert p["base_strategy"] == "vllm-ngram" and p["name"] == "vllm-ngram-policy"
+    assert p["map"] == {"1-4": 4, "5-36": 2, "37-64": 0}
+    assert [b["strategy"] for b in p["bands"]] == ["vllm-ngram-k4", "vllm-ngram-k2",
+                                                   "vllm-autoregressive"]
+    assert mn.AUTOREGRESSIVE not in p["candidates"]
+    assert p["best_fixed"]["high"]["short"]["strategy"] == "vllm-autoregressive"
+    assert any("k = 0 is vllm-autoregressive" in n for n in p["notes"])
+    p["backend"] = "vllm"
+    e = pol.policy_entry(p, pol.DEFAULT_VLLM_BASE_CONFIG)
+    assert e["engine"]["backend"] == "vllm" and e["engine"][SPEC_SCHEDULE_KEY] == p["map"]
+    fixed = pol.fixed_entry("vllm-ngram-k2", p["candidates"], pol.DEFAULT_VLLM_BASE_CONFIG, "vllm")
+    assert fixed["engine"]["backend"] == "vllm" and fixed["engine"]["num_speculative_tokens"] == 2
+    # a run without deployments on that backend keeps every deployment (measured on the
+    # embedded engine, deployed on vLLM with the same map)
+    assert _derive(A.write_run(tmp_path / "emb"), predict=False, backend="vllm")["map"] == {
+        "1-4": 7, "5-64": 0}
+
+
+def test_backend_without_its_autoregressive_is_refused(tmp_path):
+    run = _vllm_run(tmp_path / "run")
+    doc = yaml.safe_load((run / pol.RUN_SERVE_CONFIG).read_text())
+    doc["applications"][0]["args"]["strategies"][1]["engine"]["backend"] = "embedded"
+    (run / pol.RUN_SERVE_CONFIG).write_text(yaml.safe_dump(doc))
+    with pytest.raises(pol.PolicyError, match="no autoregressive deployment on backend vllm"):
+        _derive(run, backend="vllm")
+
+
 @pytest.mark.parametrize("extra, flag", [
     (["--base-strategy", "nope"], "--base-strategy"),
     (["--output", "medium"], "--output"),

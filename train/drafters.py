@@ -7,6 +7,13 @@ Recorded commands (each drafter's card repeats its own, with seed and wall time)
     python -m train.drafters --method dspark  --seed 0
     python -m train.drafters --method dflash  --seed 0 --layers 3 --no-selector \
         --out models/dflash_deep
+    python -m train.drafters --method dspark  --seed 0 --vllm-heads --init models/dspark \
+        --minutes 6 --lr 1e-3 --out models/dspark_vllm
+
+``--vllm-heads`` (dspark) trains the head forms vLLM 0.32's ``qwen3_dspark.py`` runs (a
+token-only Markov bias, a confidence head on [h, markov_embed]), so
+``train.export_vllm`` exports the drafter exactly; ``--init`` starts from a trained
+drafter's weights (those whose names and shapes still fit).
 
 Data: the target's greedy continuations of real-text windows with its hidden
 states at the drafter's target layers (``train.drafter_data``). Loss: DFlash's
@@ -116,6 +123,11 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--no-selector", action="store_true", help="dflash: skip the ablation selector")
+    ap.add_argument("--vllm-heads", action="store_true",
+                    help="dspark: vLLM 0.32's head forms (token-only Markov bias, confidence "
+                         "on [h, markov_embed]): exported exactly by train.export_vllm")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this drafter's weights (names and shapes that fit)")
     ap.add_argument("--joint-selector", action="store_true",
                     help="dflash2: let the selector loss train the backbone too")
     ap.add_argument("--minutes", type=float, default=12.0, help="training time budget")
@@ -131,7 +143,24 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/specload_drafter_feats"))
     ap.add_argument("--prepare-only", action="store_true", help="build the feature cache, exit")
-    return ap.parse_args()
+    a = ap.parse_args()
+    if a.vllm_heads and a.method != "dspark":
+        ap.error("--vllm-heads: only --method dspark has vLLM head forms")
+    if a.init is not None and not (a.init / "model.safetensors").is_file():
+        ap.error(f"--init {a.init}: no model.safetensors there")
+    return a
+
+
+def init_from(model: BlockDrafter, path: Path) -> list[str]:
+    """Copy the weights of the drafter at ``path`` whose names and shapes fit ``model``;
+    returns the names of ``model``'s weights left at their initial values."""
+    from safetensors.torch import load_file
+
+    mine = model.state_dict()
+    src = {k: v for k, v in load_file(str(path / "model.safetensors")).items()
+           if k in mine and v.shape == mine[k].shape}
+    model.load_state_dict({**mine, **{k: v.to(mine[k].dtype) for k, v in src.items()}})
+    return sorted(set(mine) - set(src))
 
 
 def _features(a: argparse.Namespace, target: CausalLM,
@@ -217,6 +246,8 @@ def main() -> None:
     sw = dict(SWITCHES[a.method])
     if a.no_selector:
         sw.pop("use_selector", None)
+    if a.vllm_heads:
+        sw.update(markov_hidden_term=False, confidence_logit_features=False)
     cfg = DrafterConfig.for_target(target.config, a.method, num_layers=a.layers,
                                    block_size=a.block_size, **sw)
     train, calib, held, prep_s = _features(a, target, cfg)
@@ -224,6 +255,8 @@ def main() -> None:
     if a.prepare_only:
         return
     model = BlockDrafter(cfg).bind_target(target)
+    if a.init is not None:
+        print(f"from {a.init}; fresh: {init_from(model, a.init)}", flush=True)
     step, log, train_s = _train(a, model, train, cfg, rng)
     model.eval()
     calibration = {}

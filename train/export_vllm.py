@@ -42,6 +42,17 @@ What does not map (``VllmExportError``, exit 2, naming the difference):
   [h, z, top-1 log-prob, margin, entropy] with Platt calibration, vLLM's
   ``sigmoid(proj([h, markov_embed]))``.
 
+DSpark in vLLM's head forms (``python -m train.drafters --method dspark --vllm-heads``,
+``models/dspark_vllm``: ``markov_hidden_term`` and ``confidence_logit_features`` off) is
+exported exactly as vLLM's ``Qwen3DSparkModel`` (``qwen3_dspark.py``): with C = 0 the
+logit update ``silu(P e_prev + b) (W_lm U)^T`` is vLLM's token-only bias, so
+``markov_w1`` = silu(P E^T + b) [V + 1, r] (E the target's embedding, the mask row last)
+and ``markov_w2`` = W_lm U [V, r]; the Platt calibration sigmoid(a z + b) folds into the
+confidence head, ``proj`` = a [w_h, w_z], bias a b0 + b (vLLM: ``sigmoid(proj([h,
+markov_embed]))``, ``confidence_head_with_markov``). specload's block is DFlash's 1 + N
+fill-in layout (the anchor, then the masks, each predicting its own position), vLLM's
+``sample_from_anchor: false``.
+
 ``--backbone-only`` exports a dflash2 / dspark drafter's backbone as a plain
 vLLM DFlash drafter (convs, selector and heads dropped): a different drafter
 than the one trained, for a look at vLLM's path on those weights only; the
@@ -54,6 +65,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -104,17 +116,24 @@ class VllmExportError(ValueError):
 def differences(cfg) -> list[str]:
     """The parts of drafter config ``cfg`` (``DrafterConfig``) that vLLM cannot load
     faithfully, as sentences; [] when the export is exact. The selector only counts for
-    dflash2 (specload's dflash strategy never runs it)."""
+    dflash2 (specload's dflash strategy never runs it); the DSpark heads only in
+    specload's own forms (``markov_hidden_term`` / ``confidence_logit_features``)."""
     out = []
     if cfg.use_conv:
         out.append(CONV_DIFFERENCE.format(r=cfg.conv_rank))
     if cfg.use_selector and cfg.method != "dflash":
         out.append(SELECTOR_DIFFERENCE)
-    if cfg.use_markov:
+    if cfg.use_markov and cfg.markov_hidden_term:
         out.append(MARKOV_DIFFERENCE)
-    if cfg.use_confidence:
+    if cfg.use_confidence and (cfg.confidence_logit_features or not cfg.use_markov):
         out.append(CONFIDENCE_DIFFERENCE)
     return out
+
+
+def vllm_method(cfg) -> str:
+    """vLLM's ``speculative_config.method`` for drafter config ``cfg``: ``dspark`` for a
+    drafter with a Markov head, else ``dflash``."""
+    return "dspark" if cfg.use_markov else "dflash"
 
 
 def vllm_config(cfg, target_cfg: dict, dtype: str) -> dict:
@@ -123,8 +142,14 @@ def vllm_config(cfg, target_cfg: dict, dtype: str) -> dict:
     cfg: the drafter's ``DrafterConfig``; target_cfg: the target's config.json as a dict.
     """
     V = cfg.vocab_size
+    dspark = {}
+    if vllm_method(cfg) == "dspark":
+        dspark = {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+                  "enable_confidence_head": bool(cfg.use_confidence),
+                  "confidence_head_with_markov": bool(cfg.use_confidence),
+                  "sample_from_anchor": False}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["Qwen3DSparkModel" if dspark else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -152,18 +177,46 @@ def vllm_config(cfg, target_cfg: dict, dtype: str) -> dict:
             "target_layer_ids": list(cfg.target_layer_ids),
             "use_aux_hidden_state": True,
         },
+        **dspark,
     }
 
 
-def vllm_state(state: dict[str, torch.Tensor], cfg, target_embed: torch.Tensor,
-               dtype: torch.dtype, backbone_only: bool = False) -> dict[str, torch.Tensor]:
-    """specload drafter weights -> vLLM DFlash checkpoint tensors.
+def dspark_heads(state: dict[str, torch.Tensor], cfg, target_embed: torch.Tensor,
+                 lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """specload's DSpark heads in vLLM's forms (``qwen3_dspark.py``), float32.
 
-    state: the drafter's safetensors; target_embed: the target's embedding [V, H].
+    state: the drafter's tensors (``markov_hidden_term`` off: ``markov.hid.bias`` only);
+    target_embed [V, H]; lm_head [V, H] (the target's, or its tied embedding).
+    Returns ``markov_head.markov_w1.weight`` [V + 1, r] (silu(P e + b) per token, the
+    mask row last), ``markov_head.markov_w2.weight`` [V, r] (W_lm U) and, with a
+    confidence head, ``confidence_head.proj.weight`` [1, H + r] / ``.bias`` [1]
+    (the Platt calibration folded in).
+    """
+    f = {k: v.float() for k, v in state.items()}
+    emb = torch.cat([target_embed.float(), f["mask_embed"][None]])       # [V + 1, H]
+    out = {"markov_head.markov_w1.weight":
+           torch.nn.functional.silu(emb @ f["markov.prev.weight"].T + f["markov.hid.bias"]),
+           "markov_head.markov_w2.weight": lm_head.float() @ f["markov.out.weight"]}
+    if cfg.use_confidence:
+        a, b = float(cfg.calib_a), float(cfg.calib_b)
+        out["confidence_head.proj.weight"] = a * f["confidence.proj.weight"]
+        out["confidence_head.proj.bias"] = a * f["confidence.proj.bias"] + b
+    return out
+
+
+def vllm_state(state: dict[str, torch.Tensor], cfg, target_embed: torch.Tensor,
+               dtype: torch.dtype, backbone_only: bool = False,
+               lm_head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """specload drafter weights -> vLLM DFlash (or, with vLLM-form DSpark heads, DSpark)
+    checkpoint tensors.
+
+    state: the drafter's safetensors; target_embed: the target's embedding [V, H];
+    lm_head: the target's LM head [V, H] (default: the embedding, tied).
     Raises VllmExportError for a weight with no vLLM place (unless ``backbone_only``,
     which drops heads and convs).
     """
     out: dict[str, torch.Tensor] = {}
+    heads = not backbone_only and vllm_method(cfg) == "dspark" and not differences(cfg)
     for name, w in state.items():
         if name in _TOP_NAMES:
             out[_TOP_NAMES[name]] = w
@@ -177,8 +230,8 @@ def vllm_state(state: dict[str, torch.Tensor], cfg, target_embed: torch.Tensor,
                 raise VllmExportError(f"weight {name!r} has no place in vLLM's DFlash layer")
         elif name.startswith(_UNUSED_BY_DFLASH) and (cfg.method == "dflash" or backbone_only):
             continue
-        elif backbone_only and name.startswith(("markov.", "confidence.")):
-            continue
+        elif (backbone_only or heads) and name.startswith(("markov.", "confidence.")):
+            continue  # dropped, or re-expressed as a whole below
         else:
             raise VllmExportError(f"weight {name!r} has no place in vLLM's DFlash checkpoint")
     if tuple(target_embed.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -186,6 +239,9 @@ def vllm_state(state: dict[str, torch.Tensor], cfg, target_embed: torch.Tensor,
                               f"drafter's vocab {cfg.vocab_size} x hidden {cfg.hidden_size}")
     out["embed_tokens.weight"] = torch.cat([target_embed.float(),
                                             state["mask_embed"].float()[None]])
+    if heads:
+        out.update(dspark_heads(state, cfg, target_embed,
+                                target_embed if lm_head is None else lm_head))
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
@@ -212,7 +268,9 @@ def export(drafter: str | Path, out: str | Path, target: str | Path | None = Non
         raise VllmExportError(
             f"{src}: {cfg.method} cannot be exported faithfully to vLLM 0.32: "
             + "; ".join(diffs)
-            + " (--backbone-only exports its backbone as a plain DFlash drafter instead)")
+            + " (--backbone-only exports its backbone as a plain DFlash drafter instead"
+            + ("; `python -m train.drafters --method dspark --vllm-heads` trains DSpark in "
+               "vLLM's head forms, which export exactly" if cfg.use_markov else "") + ")")
     tgt = Path(target) if target else MODELS_DIR / "target"
     if not (tgt / "config.json").is_file() or not (tgt / "model.safetensors").is_file():
         raise FileNotFoundError(f"{tgt}: no target model (config.json + model.safetensors)")
@@ -223,15 +281,22 @@ def export(drafter: str | Path, out: str | Path, target: str | Path | None = Non
                   if k in tstate), None)
     if embed is None:
         raise VllmExportError(f"{tgt}: no embed_tokens weight in the target checkpoint")
+    lm_head = next((tstate[k] for k in ("lm_head.weight", "model.lm_head.weight")
+                    if k in tstate), embed)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     state = vllm_state(load_file(str(src / "model.safetensors")), cfg, embed, torch_dtype,
-                       backbone_only)
+                       backbone_only, lm_head)
     dst = Path(out)
     dst.mkdir(parents=True, exist_ok=True)
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(vllm_config(cfg, target_cfg, dtype), indent=2))
+    vcfg = vllm_config(cfg, target_cfg, dtype)
+    method = vllm_method(cfg) if not backbone_only else "dflash"
+    if method == "dflash":   # a backbone-only export of a dspark drafter is a plain DFlash one
+        vcfg = vllm_config(replace(cfg, use_markov=False, use_confidence=False), target_cfg,
+                           dtype)
+    (dst / "config.json").write_text(json.dumps(vcfg, indent=2))
     (dst / "specload_export.json").write_text(json.dumps({
-        "source": str(src), "method": cfg.method, "vllm_method": "dflash",
+        "source": str(src), "method": cfg.method, "vllm_method": method,
         "num_speculative_tokens": cfg.block_size - 1, "exact": not diffs,
         "dropped": diffs}, indent=2))
     return dst
@@ -255,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     meta = json.loads((dst / "specload_export.json").read_text())
-    print(f"wrote {dst} (vLLM method dflash, num_speculative_tokens "
+    print(f"wrote {dst} (vLLM method {meta['vllm_method']}, num_speculative_tokens "
           f"{meta['num_speculative_tokens']}, exact: {meta['exact']})")
     return 0
 

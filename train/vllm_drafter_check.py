@@ -153,10 +153,24 @@ def run_vllm_worker(python: str, model: str, spec: dict | None, prompts: list[st
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         from actors.engine.vllm_backend import VLLM_ENV
         env.update(VLLM_ENV)
-        subprocess.run([python, os.path.abspath(__file__), "--vllm-worker", inp, outp],
-                       check=True, env=env, timeout=900, stdin=subprocess.DEVNULL)
+        r = subprocess.run([python, os.path.abspath(__file__), "--vllm-worker", inp, outp],
+                           env=env, timeout=900, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise VllmRefused(vllm_error(r.stderr))
         with open(outp) as f:
             return json.load(f)
+
+
+class VllmRefused(RuntimeError):
+    """vLLM's worker failed; the message is vLLM's own error line."""
+
+
+def vllm_error(stderr: str) -> str:
+    """The line that says why vLLM stopped (its last ``...Error:`` line), else the tail."""
+    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
+    errs = [l for l in lines if "Error" in l.split(":")[0] or l.startswith("Value error")]
+    return " | ".join(errs[-2:]) if errs else " | ".join(lines[-3:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,9 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         dst = export(a.drafter, os.path.join(tmp, "drafter"))
         meta = json.load(open(os.path.join(dst, "specload_export.json")))
         k = meta["num_speculative_tokens"]
-        spec = {"method": "dflash", "model": str(dst), "num_speculative_tokens": k}
+        spec = {"method": meta["vllm_method"], "model": str(dst), "num_speculative_tokens": k}
+        try:
+            v_sd = run_vllm_worker(python, str(TARGET), spec, prompts, a.max_tokens)
+        except VllmRefused as err:   # e.g. dspark on the CPU build: Model Runner V2 only
+            s_sd = specload_side(str(TARGET), meta["method"], k, prompts, a.max_tokens,
+                                 drafter=meta["source"])
+            print(json.dumps({"drafter": a.drafter, "vllm_method": meta["vllm_method"],
+                              "vllm": "refused", "error": str(err),
+                              "specload_tau": [tau(r) for r in s_sd]}, indent=1))
+            return 1
         v_ar = run_vllm_worker(python, str(TARGET), None, prompts, a.max_tokens)
-        v_sd = run_vllm_worker(python, str(TARGET), spec, prompts, a.max_tokens)
     s_ar = specload_side(str(TARGET), "autoregressive", 0, prompts, a.max_tokens)
     s_sd = specload_side(str(TARGET), meta["method"], k, prompts, a.max_tokens,
                          drafter=meta["source"])

@@ -43,6 +43,12 @@ class DrafterConfig:
     top-k path selector), use_markov (DSpark sequential head), use_confidence
     (DSpark confidence head). calib_a / calib_b: Platt scaling of the confidence
     logit (sigmoid(a * z + b)), fitted on a calibration split after training.
+    markov_hidden_term / confidence_logit_features (default True, specload's
+    DSpark): False gives the head forms vLLM 0.32's ``qwen3_dspark.py`` runs, a
+    Markov feature of the previous token only (z = silu(P e_prev + b), so the
+    logit update is the token-only bias ``markov_w2 @ markov_w1[prev]``) and a
+    confidence read from [h, z] only; ``train.export_vllm`` then exports the
+    drafter exactly.
     """
 
     method: str
@@ -66,6 +72,8 @@ class DrafterConfig:
     use_markov: bool = False
     markov_rank: int = 64
     use_confidence: bool = False
+    markov_hidden_term: bool = True
+    confidence_logit_features: bool = True
     calib_a: float = 1.0
     calib_b: float = 0.0
     extra: dict = field(default_factory=dict, compare=False)

@@ -93,17 +93,33 @@ class PathSelector(nn.Module):
         return cand_ids.gather(2, idx[..., None]).squeeze(-1)
 
 
+class _BiasOnly(nn.Module):
+    """``hid`` of a Markov head without the hidden-state term: h [..., H] -> its
+    bias broadcast [..., r] (the parameter keeps the name ``hid.bias``)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(rank))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.bias.to(h.dtype).expand(*h.shape[:-1], self.bias.shape[0])
+
+
 class MarkovHead(nn.Module):
-    """h'_i = h_i + U silu(P e_prev + C h_i); logits_i = lm_head(h'_i).
+    """h'_i = h_i + U silu(P e_prev + C h_i + b); logits_i = lm_head(h'_i).
 
     Rank ``r`` keeps it small (3 H r parameters); U starts at zero so the head
-    starts as the plain parallel drafter.
+    starts as the plain parallel drafter. ``hidden_term=False`` drops C h_i:
+    z = silu(P e_prev + b) depends on the previous token only, so the logit
+    update z (W_lm U)^T is a token-only rank-r bias, vLLM 0.32's
+    ``DSparkMarkovHead`` (markov_w1 = silu(P E^T + b) [V, r], markov_w2 = W_lm U
+    [V, r]).
     """
 
-    def __init__(self, hidden: int, rank: int):
+    def __init__(self, hidden: int, rank: int, hidden_term: bool = True):
         super().__init__()
         self.prev = nn.Linear(hidden, rank, bias=False)
-        self.hid = nn.Linear(hidden, rank)
+        self.hid = nn.Linear(hidden, rank) if hidden_term else _BiasOnly(rank)
         self.out = nn.Linear(rank, hidden, bias=False)
         nn.init.zeros_(self.out.weight)
 
@@ -123,15 +139,19 @@ def logit_features(logits: torch.Tensor) -> torch.Tensor:
 
 class ConfidenceHead(nn.Module):
     """Logit of P(draft token i accepted | tokens < i accepted) from the position's
-    hidden state, the Markov features and the shape of its own distribution."""
+    hidden state, the Markov features and (``logit_features``, default) the shape of
+    its own distribution. Without the logit features it is vLLM 0.32's
+    ``DSparkConfidenceHead`` (``proj([h, markov_embed])``)."""
 
-    def __init__(self, hidden: int, markov_rank: int):
+    def __init__(self, hidden: int, markov_rank: int, logit_features: bool = True):
         super().__init__()
-        self.proj = nn.Linear(hidden + markov_rank + 3, 1)
+        self.logit_features = logit_features
+        self.proj = nn.Linear(hidden + markov_rank + (3 if logit_features else 0), 1)
 
     def forward(self, h: torch.Tensor, z: torch.Tensor | None,
                 logits: torch.Tensor) -> torch.Tensor:
-        feats = [h, logit_features(logits).to(h.dtype)]
+        """h [..., H], z [..., r] or None, logits [..., V] -> confidence logit [...]."""
+        feats = [h, logit_features(logits).to(h.dtype)] if self.logit_features else [h]
         if z is not None:
             feats.insert(1, z)
         return self.proj(torch.cat(feats, dim=-1)).squeeze(-1)

@@ -215,8 +215,10 @@ class BlockDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.selector = PathSelector(H, cfg.selector_rank) if cfg.use_selector else None
-        self.markov = MarkovHead(H, cfg.markov_rank) if cfg.use_markov else None
-        self.confidence = (ConfidenceHead(H, cfg.markov_rank if cfg.use_markov else 0)
+        self.markov = (MarkovHead(H, cfg.markov_rank, cfg.markov_hidden_term)
+                       if cfg.use_markov else None)
+        self.confidence = (ConfidenceHead(H, cfg.markov_rank if cfg.use_markov else 0,
+                                          cfg.confidence_logit_features)
                            if cfg.use_confidence else None)
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
         self._target_ref: tuple = ()

@@ -315,7 +315,8 @@ def vllm_sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict:
 
 def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms: float,
              details: Any, spec: Any, num_waiting: int, emitted: int, prefill_emitted: int,
-             batch_size: int, k: int, context_before: int = 0) -> StepRow:
+             batch_size: int, k: int, context_before: int = 0,
+             dynamic_k: bool = False) -> StepRow:
     """One step-log row (``configs.metric_names.STEP_LOG_COLUMNS``) from vLLM's stats.
 
     details: ``SchedulerIterationDetails`` (num_ctx_tokens = prompt tokens this step,
@@ -333,10 +334,18 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
     length the decode rows attend: ``context_before`` (sum over the decoding requests
     of prompt + output tokens before the step) + the step's draft tokens, as the
     embedded engine counts it.
+
+    num_speculative_tokens is the k vLLM drafted this step: its draft tokens per drafting
+    request (``SpecDecodingStats.num_draft_tokens / num_drafts``, rounded: a dynamic k,
+    ``num_speculative_tokens_per_batch_size``, is visible only there); ``k`` (the
+    configured one) when no request drafted, or None then with ``dynamic_k`` (no k
+    observed, and the configured one is only the largest).
     """
     from configs import metric_names as M
 
     drafts = int(getattr(spec, "num_draft_tokens", 0) or 0)
+    n_drafts = int(getattr(spec, "num_drafts", 0) or 0)
+    k_step = round(drafts / n_drafts) if n_drafts and drafts else (None if dynamic_k else int(k))
     accepted = int(getattr(spec, "num_accepted_tokens", 0) or 0)
     accepted = max(0, min(accepted, emitted - batch_size)) if spec is not None else 0
     gen = int(getattr(details, "num_generation_tokens", 0) or 0)
@@ -351,7 +360,7 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
         M.STEP_MS: float(step_ms), M.STEP_DRAFT_MS: 0.0, M.STEP_VERIFY_MS: verify_ms,
         M.STEP_QUEUE_DEPTH: int(num_waiting), M.STEP_PADDED_TOKENS: gen,
         M.STEP_CONTEXT_TOKENS: int(context_before) + drafts if batch_size else 0,
-        M.STEP_CPU_MS: float(cpu_ms), M.STEP_VERIFY_CPU_MS: 0.0, M.STEP_NUM_SPEC_TOKENS: int(k),
+        M.STEP_CPU_MS: float(cpu_ms), M.STEP_VERIFY_CPU_MS: 0.0, M.STEP_NUM_SPEC_TOKENS: k_step,
         M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0,
         M.STEP_K_BATCH_SIZE: None,   # vLLM does not say which batch size its k lookup used
         M.STEP_FORWARD_PATH: M.FORWARD_PATH_VLLM}
@@ -643,7 +652,8 @@ class VllmEngine:
                 step_ms=(time.perf_counter() - t0) * 1e3, cpu_ms=(time.thread_time() - c0) * 1e3,
                 details=details, spec=getattr(sched, "spec_decoding_stats", None),
                 num_waiting=self.num_waiting, emitted=emitted, prefill_emitted=prefill_emitted,
-                batch_size=batch, k=self.num_speculative_tokens, context_before=context_before))
+                batch_size=batch, k=self.num_speculative_tokens, context_before=context_before,
+                dynamic_k=self.config.get("num_speculative_tokens_per_batch_size") is not None))
         return results
 
     def _logprobs(self, c: Any, st: dict) -> list:

@@ -88,6 +88,49 @@ class PolicyError(ValueError):
 
 # --- candidates: (base strategy, k) per measured deployment ---------------------------------
 
+RUN_SERVE_CONFIG = "serve_config.yaml"   # the Serve config a run deployed (loadgen writes it)
+
+
+def deployment_engines(results: Results) -> dict[str, dict]:
+    """{deployment name: {"backend": "embedded" | "vllm", "strategy": engine strategy}} from
+    the Serve config each run deployed (``<run>/serve_config.yaml``); {} when no run kept
+    one (a run against an external server)."""
+    out: dict[str, dict] = {}
+    for run in results.runs:
+        path = Path(run.path) / RUN_SERVE_CONFIG
+        if not path.is_file():
+            continue
+        cfg = yaml.safe_load(path.read_text()) or {}
+        for app in cfg.get("applications") or []:
+            for e in (app.get("args") or {}).get("strategies") or []:
+                eng = e.get("engine") or {}
+                name = e.get("name") or eng.get("strategy")
+                if name:
+                    out.setdefault(name, {"backend": eng.get("backend", "embedded"),
+                                          "strategy": eng.get("strategy", name)})
+    return out
+
+
+def baseline_for(results: Results, backend: str | None, strategies: list[str]
+                 ) -> tuple[str, list[str]]:
+    """(the k = 0 deployment, the deployments the policy is derived from).
+
+    backend None, or no measured deployment on ``backend``: ``autoregressive`` and every
+    deployment (a policy measured on the embedded engine may deploy on vLLM with the same
+    k map). Else only the deployments the run served on ``backend``, and its
+    autoregressive one (e.g. ``vllm-autoregressive``): k = 0 is the base's own engine with
+    no drafts, and the best fixed choice is one on the same engine. Raises PolicyError
+    when that backend has speculative deployments but no autoregressive one."""
+    engines = deployment_engines(results)
+    mine = [s for s in strategies if engines.get(s, {}).get("backend") == backend]
+    if backend is None or not mine:
+        return mn.AUTOREGRESSIVE, strategies
+    ar = [s for s in mine if engines[s]["strategy"] == mn.AUTOREGRESSIVE]
+    if not ar:
+        raise PolicyError(f"the run has no autoregressive deployment on backend {backend} "
+                          f"(its {backend} deployments: {mine}): k = 0 needs one")
+    return ar[0], mine
+
 def _base_entries(base_config: str | Path) -> dict[str, dict]:
     """{served name: strategy entry dict} of the base Serve config's specload app."""
     cfg = yaml.safe_load(Path(base_config).read_text()) or {}
@@ -99,9 +142,11 @@ def _base_entries(base_config: str | Path) -> dict[str, dict]:
 
 
 def deployment_k(name: str, cells: pd.DataFrame, steps: pd.DataFrame,
-                 entries: dict[str, dict]) -> tuple[str, int | None, str]:
-    """(base strategy, k, where k came from) of one measured deployment (module docstring, 2)."""
-    if name == mn.AUTOREGRESSIVE:
+                 entries: dict[str, dict], baseline: str = mn.AUTOREGRESSIVE
+                 ) -> tuple[str, int | None, str]:
+    """(base strategy, k, where k came from) of one measured deployment (module docstring, 2);
+    ``baseline`` is the k = 0 deployment (``baseline_for``)."""
+    if name == baseline:
         return name, 0, "autoregressive"
     sel = cells[cells[mn.REQ_STRATEGY].eq(name)] if not cells.empty else cells
     base = name
@@ -223,12 +268,17 @@ def _predicted_boundary(models: dict, lower: str, upper: str, ocs: list[str], u_
 
 
 def _policy_inputs(results: Results, slos: dict[str, Slo], output_class: str | None,
-                   base_strategy: str | None, base_config: str | Path):
+                   base_strategy: str | None, base_config: str | Path,
+                   backend: str | None = None):
     """(flagged rows with their LEVEL, levels, cells, step log, Serve entries, candidates
-    {deployment: {base_strategy, k, k_source}}, speculative bases, notes). Raises PolicyError
-    for an absent output class, no baseline, no speculative strategy or an unknown base."""
+    {deployment: {base_strategy, k, k_source}}, speculative bases, notes, the k = 0
+    deployment). Raises PolicyError for an absent output class, no baseline, no speculative
+    strategy or an unknown base."""
     flagged = results.requests if metrics.GOOD in results.requests else metrics.with_slo_flags(
         results.requests, slos)
+    baseline, keep = baseline_for(results, backend,
+                                  sorted(flagged[mn.REQ_STRATEGY].unique()))
+    flagged = flagged[flagged[mn.REQ_STRATEGY].isin(keep)]
     if output_class is not None:
         if not flagged[mn.REQ_OUTPUT_CLASS].eq(output_class).any():
             raise PolicyError(f"output class {output_class!r} is not in the run (it has "
@@ -236,8 +286,8 @@ def _policy_inputs(results: Results, slos: dict[str, Slo], output_class: str | N
         flagged = flagged[flagged[mn.REQ_OUTPUT_CLASS].eq(output_class)]
     flagged, levels = label_levels(flagged)
     strategies = sorted(flagged[mn.REQ_STRATEGY].unique())
-    if mn.AUTOREGRESSIVE not in strategies:
-        raise PolicyError(f"the run has no {mn.AUTOREGRESSIVE!r} cells: k = 0 (speculation off) "
+    if baseline not in strategies:
+        raise PolicyError(f"the run has no {baseline!r} cells: k = 0 (speculation off) "
                           "needs the baseline measured beside the speculative strategies")
     cells = metrics.cell_table(flagged.drop(columns=[LEVEL]))
     cells = cells.merge(flagged[[mn.REQ_RUN_ID, mn.REQ_TIER, mn.REQ_USERS, LEVEL]].drop_duplicates(),
@@ -246,19 +296,22 @@ def _policy_inputs(results: Results, slos: dict[str, Slo], output_class: str | N
     steps = results.steps if results.steps is not None else pd.DataFrame()
     cand = {}
     for s in strategies:
-        base, k, src = deployment_k(s, cells, steps, entries)
+        base, k, src = deployment_k(s, cells, steps, entries, baseline)
         cand[s] = {"base_strategy": base, "k": k, "k_source": src}
     notes = [f"{s}: k unknown (not in the name, the step log or {base_config}); left out"
              for s, c in cand.items() if c["k"] is None]
     bases = sorted({c["base_strategy"] for s, c in cand.items()
-                    if c["k"] and s != mn.AUTOREGRESSIVE})
+                    if c["k"] and s != baseline})
     if not bases:
         raise PolicyError(f"the run has no speculative strategy with a known k (measured: "
                           f"{strategies}); nothing to switch on or off")
     if base_strategy is not None and base_strategy not in bases:
         raise PolicyError(f"base strategy {base_strategy!r} was not measured with k > 0 "
                           f"(the run's speculative bases: {bases})")
-    return flagged, levels, cells, steps, entries, cand, bases, notes
+    if baseline != mn.AUTOREGRESSIVE:
+        notes.append(f"backend {backend}: derived from the run's {backend} deployments only "
+                     f"(k = 0 is {baseline}; the best fixed choice is one on {backend})")
+    return flagged, levels, cells, steps, entries, cand, bases, notes, baseline
 
 
 def _best_fixed(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict[str, Slo], seed: int,
@@ -283,7 +336,7 @@ def _best_fixed(flagged: pd.DataFrame, cells: pd.DataFrame, slos: dict[str, Slo]
 
 
 def _choose_per_base(bases: list[str], cand: dict, groups: list[list[str]],
-                     best_fixed: dict) -> dict[str, dict]:
+                     best_fixed: dict, baseline: str = mn.AUTOREGRESSIVE) -> dict[str, dict]:
     """Per base strategy, the k (or autoregressive, k = 0) of each band of levels: the
     highest goodput relative to the best fixed deployment, then goodput; ties to the
     smaller k. {base: {"score", "goodput_tok_s", "ks", "chosen", "options"}}."""
@@ -300,9 +353,9 @@ def _choose_per_base(bases: list[str], cand: dict, groups: list[list[str]],
 
     per_base: dict[str, dict] = {}
     for base in bases:
-        options = [(0, mn.AUTOREGRESSIVE)] + sorted(
+        options = [(0, baseline)] + sorted(
             (c["k"], s) for s, c in cand.items()
-            if c["base_strategy"] == base and c["k"] and s != mn.AUTOREGRESSIVE)
+            if c["base_strategy"] == base and c["k"] and s != baseline)
         chosen = []
         for group in groups:
             scored = [(score(s, group), k, s) for k, s in options]
@@ -395,8 +448,11 @@ def _spec_map(bands: list[dict]) -> dict[str, int]:
 
 def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | None = None,
                   output_class: str | None = None, base_config: str | Path = DEFAULT_BASE_CONFIG,
-                  seed: int = 0, n_boot: int = 200, predict: bool = True) -> dict:
-    """The policy of one run (module docstring). ``slos``: {tier: Slo}.
+                  seed: int = 0, n_boot: int = 200, predict: bool = True,
+                  backend: str | None = None) -> dict:
+    """The policy of one run (module docstring). ``slos``: {tier: Slo}. ``backend``
+    ("embedded" / "vllm"): derive from the run's deployments on that engine only, with its
+    autoregressive deployment as k = 0 (``baseline_for``); None: every deployment.
 
     Returns {"base_strategy", "name", "map" ({"a-b": k}, adjacent equal k merged),
     "num_speculative_tokens" (the largest k), "bands": [{"lo", "hi", "k", "strategy"
@@ -406,12 +462,12 @@ def derive_policy(results: Results, slos: dict[str, Slo], base_strategy: str | N
     "candidates": {deployment: {"base_strategy", "k", "k_source"}}, "best_fixed":
     {level: {output class: {"strategy", "goodput_tok_s", ...}}}, "levels": {...},
     "notes": [...]}. Raises PolicyError (module docstring)."""
-    flagged, levels, cells, steps, entries, cand, bases, notes = _policy_inputs(
-        results, slos, output_class, base_strategy, base_config)
+    flagged, levels, cells, steps, entries, cand, bases, notes, baseline = _policy_inputs(
+        results, slos, output_class, base_strategy, base_config, backend)
     best_fixed, stats = _best_fixed(flagged, cells, slos, seed, n_boot)
     batches = level_batches(steps, flagged, levels)
     groups = _group_bands(batches)
-    per_base = _choose_per_base(bases, cand, groups, best_fixed)
+    per_base = _choose_per_base(bases, cand, groups, best_fixed, baseline)
     pick = base_strategy or max(bases, key=lambda b: (round(per_base[b]["score"], 9),
                                                       per_base[b]["goodput_tok_s"], b))
     entry = entries.get(pick)
