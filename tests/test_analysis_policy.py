@@ -187,13 +187,16 @@ def test_backend_vllm_policy_is_vllm_against_vllm(tmp_path):
         "1-4": 7, "5-64": 0}
 
 
-def test_backend_without_its_autoregressive_is_refused(tmp_path):
+def test_backend_without_its_autoregressive_is_refused(tmp_path, capsys):
     run = _vllm_run(tmp_path / "run")
     doc = yaml.safe_load((run / pol.RUN_SERVE_CONFIG).read_text())
     doc["applications"][0]["args"]["strategies"][1]["engine"]["backend"] = "embedded"
     (run / pol.RUN_SERVE_CONFIG).write_text(yaml.safe_dump(doc))
     with pytest.raises(pol.PolicyError, match="no autoregressive deployment on backend vllm"):
         _derive(run, backend="vllm")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["policy", str(run), "--backend", "vllm"])
+    assert e.value.code == 2 and "--backend: the run has no autoregressive" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, flag", [
