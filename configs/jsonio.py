@@ -58,9 +58,11 @@ def dumps(obj: Any, **kwargs: Any) -> str:
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, **kwargs: Any) -> Path:
     """Write ``obj`` as strict JSON atomically (temp file + ``os.replace``); returns the path.
 
-    A reader never sees half a file, even after Ctrl-C mid-write.
+    A reader never sees half a file, even after Ctrl-C mid-write. Missing parent
+    directories are created (a benchmark's ``--out`` in a new folder keeps its results).
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(dumps(obj, indent=indent, **kwargs) + "\n", encoding="utf-8")
     os.replace(tmp, path)

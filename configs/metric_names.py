@@ -112,12 +112,16 @@ FORWARD_PATH_OPS = "ops"              # eager, op by op (torch ops, the C attent
 FORWARD_PATH_COMPILED = "compiled"    # the torch.compile'd flat forward
 FORWARD_PATH_VLLM = "vllm"
 FORWARD_PATHS = (FORWARD_PATH_STACK, FORWARD_PATH_OPS, FORWARD_PATH_COMPILED, FORWARD_PATH_VLLM)
+# the drafter forward path(s) of the step, as STEP_FORWARD_PATH: "stack" (a DFlash-family
+# drafter's layers in the decoder-stack C call), "ops" (torch), "vllm"; "" when the step
+# ran no drafter forward (autoregressive, ngram, draft_model, or nobody drafted)
+STEP_DRAFT_PATH = "draft_forward_path"
 STEP_LOG_COLUMNS = (STEP_TS, STEP_STRATEGY, STEP_MODEL, STEP_REPLICA, STEP_BATCH_SIZE, STEP_PREFILL_TOKENS,
                     STEP_VERIFICATION_TOKENS, STEP_DRAFT_TOKENS, STEP_ACCEPTED_TOKENS,
                     STEP_EMITTED_TOKENS, STEP_PREFILL_EMITTED_TOKENS, STEP_MS, STEP_DRAFT_MS,
                     STEP_VERIFY_MS, STEP_QUEUE_DEPTH, STEP_PADDED_TOKENS, STEP_CONTEXT_TOKENS,
                     STEP_CPU_MS, STEP_VERIFY_CPU_MS, STEP_NUM_SPEC_TOKENS, STEP_SPECULATION_OFF,
-                    STEP_DEGRADED_REQUESTS, STEP_K_BATCH_SIZE, STEP_FORWARD_PATH)
+                    STEP_DEGRADED_REQUESTS, STEP_K_BATCH_SIZE, STEP_FORWARD_PATH, STEP_DRAFT_PATH)
 
 # --- load generator request rows (requests.parquet) ---------------------------
 REQ_RUN_ID = "run_id"

@@ -43,6 +43,8 @@ Versions (``SCHEMA_VERSION``):
      older runs load with it null.
   11: step column ``forward_path`` (which target forward path the step ran: the stack
      kernel, op by op, compiled, vLLM); older runs load with it null.
+  12: step column ``draft_forward_path`` (which drafter forward path the step ran: the
+     stack kernel or op by op, for the DFlash family); older runs load with it null.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from typing import Any, Literal, TypedDict
 
 from configs import metric_names as M
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 PARQUET_VERSION_KEY = b"specload.schema_version"   # Parquet key-value metadata
 
 ColumnType = Literal["string", "int32", "int64", "float64", "list<int64>"]
@@ -187,6 +189,9 @@ ENGINE_STEP_COLUMNS: tuple[Column, ...] = (
     _c(M.STEP_FORWARD_PATH, "string", doc="target forward path(s) the step ran, ','-joined in "
        "order: " + " | ".join(M.FORWARD_PATHS) + "; \"\" without a target forward; null before "
        "schema 11"),
+    _c(M.STEP_DRAFT_PATH, "string", doc="drafter forward path(s) the step ran (the DFlash "
+       "family's drafter), ','-joined in order: stack | ops | vllm; \"\" without a drafter "
+       "forward; null before schema 12"),
 )
 STEP_LABEL_COLUMNS: tuple[Column, ...] = (
     _c(M.REQ_RUN_ID, "string", doc="run id"),
@@ -237,6 +242,7 @@ class StepRow(TypedDict):
     degraded_requests: int
     k_batch_size: int | None
     forward_path: str
+    draft_forward_path: str
 
 
 class RequestRow(TypedDict, total=False):

@@ -65,6 +65,29 @@ def test_kernel_equals_sdpa_per_token(h, kvh, D):
                           _reference(q, ck, cv, slot, pos)[perm], atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("h,kvh,D", [(4, 2, 64), (4, 1, 128), (8, 2, 64)])
+def test_simd_code_equals_plain_loops_at_every_key_tail(h, kvh, D):
+    """The AVX-512 code (16 keys a block, queries grouped for the weighted sum) against the
+    plain C loops and SDPA: key counts 1..40 (every tail of a 16-key block, 0 and 16
+    included) and runs of 1..TILE + 3 tokens (groups of queries cut anywhere)."""
+    if not attention_kernel.simd_built():
+        pytest.skip("this CPU's build has no AVX-512 attention code")
+    gen = torch.Generator().manual_seed(7 * h + D)
+    S, L = 3, 64
+    ck = torch.randn(S, L, kvh, D, generator=gen)
+    cv = torch.randn(S, L, kvh, D, generator=gen)
+    for start in range(0, 40):
+        for n in (1, 3, TILE, TILE + 3):
+            if start + n > L:
+                continue
+            q, slot, pos = _batch(gen, S, L, h, D, [(start % S, start, n)])
+            fast = attention_kernel.flat_attention(q, ck, cv, slot, pos, D ** -0.5)
+            plain = attention_kernel.flat_attention(q, ck, cv, slot, pos, D ** -0.5, simd=False)
+            want = _reference(q, ck, cv, slot, pos)
+            assert torch.allclose(fast, want, atol=2e-6, rtol=1e-5), (start, n)
+            assert torch.allclose(fast, plain, atol=2e-6, rtol=1e-5), (start, n)
+
+
 def test_kernel_refuses_bad_input():
     ck = torch.zeros(4, 32, 2, 16)
     q = torch.zeros(3, 4, 16)

@@ -308,3 +308,60 @@ def test_ngram_lookup_equals_the_sliding_window_search():
     assert found > 100       # most sequences of a small vocabulary have a match
     assert ngram_lookup([5, 1, 2, 3, 9, 1, 2, 3], 2, 4, 3) == [9, 1, 2]
     assert ngram_lookup([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]   # the most recent
+
+
+@pytest.mark.parametrize("strategy", ["dflash", "dspark"])
+def test_stack_draft_path_equals_the_torch_path(strategy, make_engine, prompts24):
+    """The drafter on the decoder-stack C call (``draft_stack``: the context K/V written by
+    ``context_kv_f32``, the block through ``decoder_stack_f32`` with every block token
+    reading the whole block) against the torch form on the same state, at every draft of
+    3 concurrent requests with uneven contexts: the block hidden states agree to float
+    rounding; the context K/V the C code wrote equal
+    ``BlockDrafter.context_kv`` of the same target states."""
+    from actors.proposers.dflash import draft_stack
+
+    eng = make_engine(strategy, max_num_seqs=4, num_speculative_tokens=7)
+    prop = eng.proposer
+    if prop.stack is None:
+        pytest.skip("no decoder-stack kernel on this machine")
+    d = prop.drafter
+    checked = {"draft": 0, "ctx": 0}
+    orig_observe, orig_hidden = prop.observe_target, prop._block_hidden_stack
+
+    def observe(rid, start, token_ids, aux):
+        orig_observe(rid, start, token_ids, aux)
+        if aux is None or not len(token_ids):
+            return
+        s = prop.cache.slot(rid)
+        pos = torch.arange(start, start + len(token_ids))[None]
+        for layer, (k, v) in enumerate(d.context_kv(aux[None], pos)):
+            got_k = prop.cache.k[layer][s, start:start + len(token_ids)].transpose(0, 1)
+            got_v = prop.cache.v[layer][s, start:start + len(token_ids)].transpose(0, 1)
+            assert torch.allclose(got_k, k[0], atol=1e-5), (layer, float((got_k - k[0]).abs().max()))
+            assert torch.allclose(got_v, v[0], atol=1e-5)
+        checked["ctx"] += 1
+
+    batches = []
+    orig_draft = prop.draft
+
+    def draft(batch):
+        batches.append(batch)
+        return orig_draft(batch)
+
+    def hidden(anchors, positions, slots):
+        want = prop._block_hidden_ops(batches[-1], slots, anchors, positions)
+        got = orig_hidden(anchors, positions, slots)
+        assert torch.allclose(got, want, atol=2e-5), float((got - want).abs().max())
+        checked["draft"] += 1
+        return got
+
+    prop.observe_target, prop._block_hidden_stack, prop.draft = observe, hidden, draft
+    try:
+        got = _greedy(eng, prompts24[:3], batch_size=3)
+    finally:
+        del prop.observe_target, prop._block_hidden_stack, prop.draft
+    assert checked["draft"] > 10 and checked["ctx"] > 10, checked
+    assert prop.last_path == "stack"
+    assert all(len(r["token_ids"]) == MAX_TOKENS for r in got.values())
+    assert draft_stack(d.train(), prop.cache) is None   # training: the torch form only
+    d.eval().fuse()

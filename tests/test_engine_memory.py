@@ -61,12 +61,17 @@ def test_block_drafter_shares_target_tensors(make_engine, strategy):
     # per slot: max_model_len positions + one block of scratch for the block's own K/V
     bs = eng.proposer.block_size
     assert m["draft_kv_allocated_bytes"] == 2 * (256 + bs) * DRAFT_BPT
-    # the fused inference copies (q|k|v, o, gate|up, down) are counted apart; the
-    # transposed LM head is the target's (counted there), not a second copy
-    layer = eng.proposer.drafter.layers[0]
+    # the fused inference copies (q|k|v, o, gate|up, down, the context fusion fc) and their
+    # bfloat16-packed twins (the C kernels': 2 bytes a weight; k|v a view of q|k|v's) are
+    # counted apart; the transposed LM head is the target's (counted there), not a second copy
+    d = eng.proposer.drafter
+    layer = d.layers[0]
+    assert layer._kv_pk.untyped_storage().data_ptr() == layer._qkv_pk.untyped_storage().data_ptr()
     assert m["draft_fused_weight_bytes"] == 4 * sum(
         t.numel() for t in (layer._qkv_wt, layer._o_wt, layer._gate_up_wt, layer._down_wt,
-                            layer._qk_norm_w))
+                            layer._qk_norm_w, d._fc_wt)) + 2 * sum(
+        t.numel() for t in (layer._qkv_pk, layer._o_pk, layer._gate_up_pk, layer._down_pk,
+                            d._fc_pk))
 
 
 def test_slot_pool_tracks_used_and_peak_tokens():

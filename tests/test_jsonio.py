@@ -27,3 +27,9 @@ def test_loads_strict_rejects_bare_nan():
     assert json.loads('{"a": NaN}')["a"] != 0  # Python's reader accepts it ...
     with pytest.raises(ValueError, match="NaN"):
         loads_strict('{"a": NaN}')             # ... a strict one does not
+
+
+def test_write_json_creates_missing_parent_directories(tmp_path):
+    """A benchmark's ``--out`` in a folder that does not exist yet keeps its results."""
+    p = write_json(tmp_path / "new" / "deeper" / "r.json", {"a": 1})
+    assert p.read_text() == '{\n  "a": 1\n}\n'

@@ -213,6 +213,12 @@ def _markov_walk_steps(model, zin: torch.Tensor, base: torch.Tensor, anchor_ids:
     Returns tokens [B, n], z [B, n, r], logits [B, n, V] (the last two
     transposed views of position-major buffers)."""
     B, n, V = base.shape
+    if base.device.type == "cpu":   # the walk in one C call where the library is built
+        from actors.engine import layer_kernel
+
+        got = layer_kernel.markov_walk(base, zin, pe, model.markov_vocab_proj(), anchor_ids)
+        if got is not None:
+            return got
     proj_t = model.markov_vocab_proj_t()  # [r, V] contiguous
     logits = base.transpose(0, 1).contiguous()  # [n, B, V], updated in place
     zs = zin.new_empty(n, B, zin.shape[-1])

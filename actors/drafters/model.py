@@ -27,6 +27,7 @@ from torch import nn
 
 from actors.drafters.config import DrafterConfig
 from actors.drafters.heads import ConfidenceHead, MarkovHead, PathSelector
+from actors.engine import linear_kernel
 from actors.engine.model import RMSNorm as _TargetRMSNorm
 from actors.engine.model import (apply_rope, apply_rope_signed, linear_t, rms_unweighted,
                                  rope_cos_sin, transposed)
@@ -41,6 +42,14 @@ class RMSNorm(_TargetRMSNorm):
         if self.training or x.dtype != torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return rms_unweighted(x, self.eps) * self.weight
+
+
+def packed_copy(wt: torch.Tensor) -> torch.Tensor | None:
+    """``linear_kernel.pack(wt)`` for a CPU float32 inference weight [in, out] whose values
+    are all bfloat16 values (a checkpoint stored in bfloat16), else None (``linear_t`` then
+    runs ``mm``)."""
+    return linear_kernel.pack(wt) if wt.device.type == "cpu" and wt.dtype == torch.float32 \
+        else None
 
 
 class DynamicConv2(nn.Module):
@@ -64,7 +73,7 @@ class DynamicConv2(nn.Module):
         fused = getattr(self, "_down_wt", None)
         if fused is not None and not self.training:  # inference: transposed weights
             k0, k1 = linear_t(F.silu(linear_t(x, fused)), self._up_wt,
-                              self.up.bias).chunk(2, dim=-1)
+                              self.up.bias, packed=self._up_pk).chunk(2, dim=-1)
         else:
             k0, k1 = self.up(F.silu(self.down(x))).chunk(2, dim=-1)
         prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
@@ -77,6 +86,7 @@ class DynamicConv2(nn.Module):
         """Inference only: transposed copies of both projections (``linear_t``)."""
         self._down_wt = transposed(self.down.weight) if enabled else None
         self._up_wt = transposed(self.up.weight) if enabled else None
+        self._up_pk = packed_copy(self._up_wt) if enabled else None
 
 
 class DraftLayer(nn.Module):
@@ -112,6 +122,7 @@ class DraftLayer(nn.Module):
                 conv.fuse(enabled)
         if not enabled:
             self._qkv_wt = self._o_wt = self._gate_up_wt = self._down_wt = None
+            self._qkv_pk = self._kv_pk = self._o_pk = self._gate_up_pk = self._down_pk = None
             self._qk_norm_w = None
             return
         q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
@@ -122,6 +133,15 @@ class DraftLayer(nn.Module):
         self._down_wt = transposed(self.down_proj.weight)  # [I, H]
         self._qk_norm_w = torch.cat([self.q_norm.weight.expand(self.h, self.d),
                                      self.k_norm.weight.expand(self.kvh, self.d)])  # [h+kvh, D]
+        # the bfloat16-weight kernel's copies (``linear_kernel``: half the bytes, the same
+        # float32 products), where the weights are bfloat16 values (as stored) on a CPU
+        self._qkv_pk = packed_copy(self._qkv_wt)
+        # the k|v columns' blocks of the same copy (a view: [N / 64, K, 64] is block-major)
+        self._kv_pk = None if self._qkv_pk is None or (self.h * self.d) % linear_kernel.BLOCK \
+            else self._qkv_pk[self.h * self.d // linear_kernel.BLOCK:]
+        self._o_pk = packed_copy(self._o_wt)
+        self._gate_up_pk = packed_copy(self._gate_up_wt)
+        self._down_pk = packed_copy(self._down_wt)
 
     def _fast(self) -> bool:
         return not self.training and getattr(self, "_qkv_wt", None) is not None
@@ -133,7 +153,8 @@ class DraftLayer(nn.Module):
         (``apply_rope_signed``, ``BlockDrafter.rope``)."""
         B, T, _ = x.shape
         if self._fast():
-            kv = linear_t(x, self._qkv_wt[:, self.h * self.d:]).view(B, T, 2 * self.kvh, self.d)
+            kv = linear_t(x, self._qkv_wt[:, self.h * self.d:], packed=self._kv_pk
+                          ).view(B, T, 2 * self.kvh, self.d)
             k = rms_unweighted(kv[:, :, :self.kvh], self.k_norm.eps) * self._qk_norm_w[self.h:]
             return (apply_rope_signed(k.transpose(1, 2), cos, sin),
                     kv[:, :, self.kvh:].transpose(1, 2))
@@ -176,7 +197,7 @@ class DraftLayer(nn.Module):
         hn = self.input_layernorm(x)
         if self.conv_attn is not None:
             hn = self.conv_attn(hn, block_size)
-        qkv = linear_t(hn, self._qkv_wt).view(B, Q, h + 2 * kvh, d)
+        qkv = linear_t(hn, self._qkv_wt, packed=self._qkv_pk).view(B, Q, h + 2 * kvh, d)
         qk = rms_unweighted(qkv[:, :, :h + kvh], self.q_norm.eps) * self._qk_norm_w
         qk = apply_rope_signed(qk.transpose(1, 2), cos, sin)
         if ctx_room and ctx_k.dtype == qk.dtype:
@@ -190,12 +211,12 @@ class DraftLayer(nn.Module):
             v = torch.cat([ctx_v.to(qk.dtype), qkv[:, :, h + kvh:].transpose(1, 2)], dim=2)
         out = F.scaled_dot_product_attention(qk[:, :h], k, v, attn_mask=mask,
                                              enable_gqa=h != kvh)
-        x = x + linear_t(out.transpose(1, 2).reshape(B, Q, h * d), self._o_wt)
+        x = x + linear_t(out.transpose(1, 2).reshape(B, Q, h * d), self._o_wt, packed=self._o_pk)
         hn = self.post_attention_layernorm(x)
         if self.conv_mlp is not None:
             hn = self.conv_mlp(hn, block_size)
-        gate, up = linear_t(hn, self._gate_up_wt).chunk(2, dim=-1)
-        return x + linear_t(F.silu(gate) * up, self._down_wt)
+        gate, up = linear_t(hn, self._gate_up_wt, packed=self._gate_up_pk).chunk(2, dim=-1)
+        return x + linear_t(F.silu(gate) * up, self._down_wt, packed=self._down_pk)
 
 
 class BlockDrafter(nn.Module):
@@ -234,6 +255,8 @@ class BlockDrafter(nn.Module):
         with torch.no_grad():
             for layer in self.layers:
                 layer.fuse(enabled)
+            self._fc_wt = transposed(self.fc.weight) if enabled else None
+            self._fc_pk = packed_copy(self._fc_wt) if enabled else None
         self._fused = enabled
         return self
 
@@ -353,7 +376,11 @@ class BlockDrafter(nn.Module):
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
         """aux: [B, C, A*H] target hidden states; positions: [B, C] -> per layer (k, v)
         each [B, KVH, C, D]. Causal and draft-independent, so callers cache it."""
-        ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+        if self._fast():
+            ctx = self.hidden_norm(linear_t(aux.to(self._fc_wt.dtype), self._fc_wt,
+                                            packed=self._fc_pk))
+        else:
+            ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
         cos, sin = (self.rope if self._fast() else self._rope)(positions, ctx.dtype)
         return [layer.kv(ctx, cos, sin) for layer in self.layers]
 

@@ -139,19 +139,138 @@ static void run_d##DD(const float *qs, int64_t qt, int64_t qh, const float *kb, 
 RUN_FIXED(64)
 RUN_FIXED(128)
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SPECLOAD_ATTN_SIMD 1
+/* 16 vectors -> one whose lane j is the sum of v[j]'s 16 lanes (a transpose-and-add tree:
+   15 adds and 30 in-register shuffles for 16 dot products, instead of a horizontal
+   reduction per dot product) */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+        __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                              _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                              _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+/* AVX-512 form of run_d64 / run_d128 (NV = D / 16 vectors a row). Scores: per query, 16
+   keys at a time, 16 independent accumulators reduced together (reduce16). Softmax as
+   softmax_rows, each query's weights past its own keys set to 0. Weighted sum: QG queries
+   at a time share each V row's loads (QG * NV accumulators in registers). */
+#define RUN_SIMD(DD, QG)                                                                 \
+static void run_simd_d##DD(const float *qs, int64_t qt, int64_t qh, const float *kb,     \
+                           const float *vb, int64_t row, const int64_t *pos, float *os,  \
+                           int64_t ot, int64_t r, int64_t g, int64_t n, float scale,     \
+                           float *sc, float *inv) {                                      \
+    enum { NV = DD / 16 };                                                               \
+    const int64_t R = r * g;                                                             \
+    for (int64_t qi = 0; qi < R; ++qi) {                                                 \
+        const int64_t i = qi / g, gi = qi % g, m = pos[i] + 1;                           \
+        const float *qq = qs + i * qt + gi * qh;                                         \
+        __m512 qv[NV];                                                                   \
+        for (int x = 0; x < NV; ++x) qv[x] = _mm512_loadu_ps(qq + 16 * x);              \
+        float *p = sc + qi * n;                                                          \
+        int64_t j = 0;                                                                   \
+        __m512 vmx = _mm512_set1_ps(-INFINITY);  /* the running max, 16 lanes */        \
+        for (; j + 16 <= m; j += 16) {                                                   \
+            __m512 acc[16];                                                              \
+            for (int kk = 0; kk < 16; ++kk) {                                            \
+                const float *kr = kb + (j + kk) * row;                                   \
+                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));                    \
+                for (int x = 1; x < NV; ++x)                                             \
+                    a = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(kr + 16 * x), a);         \
+                acc[kk] = a;                                                             \
+            }                                                                            \
+            const __m512 sv = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));      \
+            vmx = _mm512_max_ps(vmx, sv);                                                \
+            _mm512_storeu_ps(p + j, sv);                                                 \
+        }                                                                                \
+        float mx = _mm512_reduce_max_ps(vmx);                                            \
+        for (; j < m; ++j) {                                                             \
+            const float *kr = kb + j * row;                                              \
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));                        \
+            for (int x = 1; x < NV; ++x)                                                 \
+                a = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(kr + 16 * x), a);             \
+            p[j] = _mm512_reduce_add_ps(a) * scale;                                      \
+            mx = p[j] > mx ? p[j] : mx;                                                  \
+        }                                                                                \
+        float sum = 0.f;                                                                 \
+        for (int64_t jj = 0; jj < m; ++jj) { p[jj] = expf(p[jj] - mx); sum += p[jj]; }   \
+        for (int64_t jj = m; jj < n; ++jj) p[jj] = 0.f;                                  \
+        inv[qi] = 1.f / sum;                                                             \
+    }                                                                                    \
+    for (int64_t q0 = 0; q0 < R; q0 += QG) {                                             \
+        const int64_t nq = R - q0 < QG ? R - q0 : QG;                                    \
+        int64_t m = 0;                                                                   \
+        for (int64_t c = 0; c < nq; ++c) {                                               \
+            const int64_t mm = pos[(q0 + c) / g] + 1;                                    \
+            m = mm > m ? mm : m;                                                         \
+        }                                                                                \
+        __m512 acc[QG][NV];                                                              \
+        for (int c = 0; c < QG; ++c)                                                     \
+            for (int x = 0; x < NV; ++x) acc[c][x] = _mm512_setzero_ps();                \
+        const float *p0 = sc + q0 * n;                                                   \
+        if (nq == QG) {                                                                  \
+            for (int64_t j = 0; j < m; ++j) {                                            \
+                const float *vr = vb + j * row;                                          \
+                __m512 vv[NV];                                                           \
+                for (int x = 0; x < NV; ++x) vv[x] = _mm512_loadu_ps(vr + 16 * x);      \
+                for (int c = 0; c < QG; ++c) {                                           \
+                    const __m512 w = _mm512_set1_ps(p0[c * n + j]);                      \
+                    for (int x = 0; x < NV; ++x) acc[c][x] = _mm512_fmadd_ps(w, vv[x], acc[c][x]); \
+                }                                                                        \
+            }                                                                            \
+        } else {                                                                         \
+            for (int64_t j = 0; j < m; ++j) {                                            \
+                const float *vr = vb + j * row;                                          \
+                for (int c = 0; c < nq; ++c) {                                           \
+                    const __m512 w = _mm512_set1_ps(p0[c * n + j]);                      \
+                    for (int x = 0; x < NV; ++x)                                         \
+                        acc[c][x] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * x), acc[c][x]); \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+        for (int64_t c = 0; c < nq; ++c) {                                               \
+            const int64_t qi = q0 + c, i = qi / g, gi = qi % g;                          \
+            const __m512 w = _mm512_set1_ps(inv[qi]);                                    \
+            float *o = os + i * ot + gi * DD;                                            \
+            for (int x = 0; x < NV; ++x) _mm512_storeu_ps(o + 16 * x, _mm512_mul_ps(acc[c][x], w)); \
+        }                                                                                \
+    }                                                                                    \
+}
+RUN_SIMD(64, 4)
+RUN_SIMD(128, 2)
+#else
+#define SPECLOAD_ATTN_SIMD 0
+#endif
+
 /* q [T, h, D] (strides qt, qh between tokens and heads; D contiguous), ck / cv
    [S, L, kvh, D] (contiguous, float32), slot / pos [T] (int64) -> out [T, h, D]
    (contiguous). Token t attends positions 0..pos[t] of slot slot[t]; the h query heads
    are kvh groups of g = h / kvh sharing one K/V head. Runs of up to `tile` consecutive
    tokens with the same slot are done together (their scores side by side). Returns 0;
    -1 when the scratch could not be allocated; -2 when a slot is outside 0..S-1 or a
-   position outside 0..L-1 (nothing computed). */
+   position outside 0..L-1 (nothing computed). A negative tile runs -tile tokens together
+   on the plain C loops even where the AVX-512 code is built (for tests and benchmarks). */
+int flat_attention_simd(void) { return SPECLOAD_ATTN_SIMD; }
+
 int flat_attention_f32(const float *q, int64_t qt, int64_t qh,
                        const float *ck, const float *cv,
                        const int64_t *slot, const int64_t *pos, float *out,
                        int64_t T, int64_t h, int64_t kvh, int64_t D, int64_t S, int64_t L,
                        float scale, int64_t tile) {
     const int64_t g = h / kvh, row = kvh * D;
+    const int simd = tile > 0;      /* tile < 0: the plain C loops (tests compare the two) */
+    if (tile < 0) tile = -tile;
     int64_t nmax = 1;
     for (int64_t t = 0; t < T; ++t) {
         if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
@@ -171,6 +290,14 @@ int flat_attention_f32(const float *q, int64_t qt, int64_t qh,
             const float *kb = ck + s * L * row + k * D, *vb = cv + s * L * row + k * D;
             const float *qs = q + t0 * qt + k * g * qh;
             float *os = out + (t0 * h + k * g) * D;
+#if SPECLOAD_ATTN_SIMD
+            if (D == 64 && simd)
+                run_simd_d64(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc, inv);
+            else if (D == 128 && simd)
+                run_simd_d128(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc,
+                              inv);
+            else
+#endif
             if (D == 64)
                 run_d64(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc, inv);
             else if (D == 128)
@@ -205,8 +332,19 @@ def load() -> ctypes.CDLL | None:
                        "the torch form is used", VARIANTS)
 
 
+def simd_built() -> bool:
+    """Whether the built kernel has the AVX-512 code (head sizes 64 and 128: scores 16 keys
+    at a time, reduced together; weighted sums of several queries per V row read)."""
+    lib = load()
+    if lib is None:
+        return False
+    fn = lib.flat_attention_simd
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return bool(fn())
+
+
 def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: torch.Tensor,
-                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+                   pos: torch.Tensor, scale: float, simd: bool = True) -> torch.Tensor:
     """q [T, h, D] float32; ck, cv [S, L, kvh, D] float32 (the layer's cache, the
     batch's own K/V written already); slot, pos [T] int64 -> [T, h, D]: token t attends
     positions 0..pos[t] of slot slot[t]. The CPU implementation of the
@@ -214,7 +352,8 @@ def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: to
     the dispatcher's path costs about 15 us a call here, ``torch.library.custom_op``'s
     about 45). Raises RuntimeError when the kernel is not built (``load()`` None) or its
     scratch cannot be allocated, ValueError on a dtype, shape, slot or position it does
-    not take."""
+    not take. simd=False runs the plain C loops even where the AVX-512 code is built
+    (``simd_built()``), for tests and side-by-side benchmarks."""
     lib = load()
     if lib is None:
         raise RuntimeError("the flat attention kernel is not built (see the log)")
@@ -236,7 +375,8 @@ def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: to
     if T:
         rc = lib.flat_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), ck.data_ptr(),
                                     cv.data_ptr(), slot.data_ptr(), pos.data_ptr(),
-                                    out.data_ptr(), T, h, kvh, D, S, L, float(scale), TILE)
+                                    out.data_ptr(), T, h, kvh, D, S, L, float(scale),
+                                    TILE if simd else -TILE)
         if rc == -2:
             raise ValueError(f"flat_attention: a slot outside 0..{S - 1} or a position "
                              f"outside 0..{L - 1}")

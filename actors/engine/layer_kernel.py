@@ -57,12 +57,53 @@ def max_tokens() -> int:
 
 GLUE = r"""
 #include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const float *w_in, *w_post, *qkv_b, *qk_w;
     const uint16_t *qkv, *o, *gate_up, *down;
     float *ck, *cv;
+    /* DFlash 2's dynamic convolutions on the normalised inputs of attention (ca_) and of
+       the MLP (cm_), or NULL: down [H, conv_r] float, up packed [2H / 64][conv_r][64],
+       bias [2H]; conv_block: the block length (no tap reads across a block start) */
+    const float *ca_down, *ca_b, *cm_down, *cm_b;
+    const uint16_t *ca_up, *cm_up;
+    int64_t conv_r, conv_block;
 } layer_w;
+
+/* DFlash 2's two-tap dynamic depthwise convolution ("Keep Drafting Parallel"), in place on
+   a [T, H] (T a multiple of the block, blocks end to end): taps [k0 | k1] = up(silu(a_t
+   down)) + b, a_t <- k0 * a_t + k1 * a_(t-1), a_(-1) = 0 at every block start
+   (``actors.drafters.model.DynamicConv2``). Returns -1 out of memory. */
+static int dyn_conv(float *a, int64_t T, int64_t H, const float *down, const uint16_t *up,
+                    const float *b, int64_t r, int64_t block) {
+    float *buf = (float *)malloc(sizeof(float) * (T * r + 2 * T * H));
+    if (!buf) return -1;
+    float *d = buf, *taps = buf + T * r;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *x = a + t * H;
+        float *dt = d + t * r;
+        for (int64_t j = 0; j < r; ++j) dt[j] = 0.f;
+        for (int64_t k = 0; k < H; ++k) {
+            const float xv = x[k];
+            const float *wr = down + k * r;
+            for (int64_t j = 0; j < r; ++j) dt[j] += xv * wr[j];
+        }
+        for (int64_t j = 0; j < r; ++j) dt[j] = dt[j] / (1.f + expf(-dt[j]));
+    }
+    linear_bf16_f32(d, r, up, taps, T, r, 2 * H);
+    for (int64_t t = T - 1; t >= 0; --t) {     /* backwards: a_(t-1) still the input */
+        float *x = a + t * H;
+        const float *k0 = taps + t * 2 * H, *k1 = k0 + H;
+        const int first = (t % block) == 0;
+        for (int64_t i = 0; i < H; ++i)
+            x[i] = (k0[i] + b[i]) * x[i] + (first ? 0.f : (k1[i] + b[H + i]) * x[i - H]);
+    }
+    free(buf);
+    return 0;
+}
 
 static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_t n,
                      float eps) {
@@ -80,15 +121,21 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_
    cos and signed sin of each token's position; slot, pos [T]; caches [S, L, kvh, D] per
    layer (in ws); aux [T, A * H] or NULL: after each layer l whose bit is set in aux_mask,
    x is copied into the next H columns (the DFlash family's target hidden states).
-   Returns 0; -1 when scratch could not be allocated; -2 when a slot or
-   position is out of range (nothing computed). */
+   span [T] or NULL: token t attends positions 0..span[t] of its slot instead of
+   0..pos[t] (a DFlash block: every block token reads the context before the anchor and
+   the whole block, its K/V all written before any attention). Returns 0; -1 when scratch
+   could not be allocated; -2 when a slot, position or span is out of range (nothing
+   computed). */
 int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
                       const float *cs, const float *sn, const int64_t *slot,
                       const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
                       int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
-                      float scale, float *aux, int64_t aux_mask, int64_t naux) {
+                      float scale, float *aux, int64_t aux_mask, int64_t naux,
+                      const int64_t *span) {
     for (int64_t t = 0; t < T; ++t)
         if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
+    if (span)
+        for (int64_t t = 0; t < T; ++t) if (span[t] < 0 || span[t] >= L) return -2;
     const int64_t NQ = (h + 2 * kvh) * D, row = kvh * D, half = D / 2;
     float *buf = (float *)malloc(sizeof(float) * (T * H + T * NQ + T * h * D + 3 * T * I + D));
     if (!buf) return -1;
@@ -98,6 +145,8 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
     for (int64_t l = 0; l < nl; ++l) {
         const layer_w *w = ws + l;
         rms_rows(x, w->w_in, a, T, H, eps);
+        if (w->ca_up && dyn_conv(a, T, H, w->ca_down, w->ca_up, w->ca_b, w->conv_r,
+                                 w->conv_block)) { free(buf); return -1; }
         linear_bf16_f32(a, H, w->qkv, qkv, T, H, NQ);
         for (int64_t t = 0; t < T; ++t) {
             float *r = qkv + t * NQ;
@@ -115,12 +164,14 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
             memcpy(kd, r + h * D, sizeof(float) * row);
             memcpy(vd, r + (h + kvh) * D, sizeof(float) * row);
         }
-        int rc = flat_attention_f32(qkv, NQ, D, w->ck, w->cv, slot, pos, att, T, h, kvh, D,
-                                    S, L, scale, 8);
+        int rc = flat_attention_f32(qkv, NQ, D, w->ck, w->cv, slot, span ? span : pos, att, T,
+                                    h, kvh, D, S, L, scale, 8);
         if (rc) { free(buf); return rc; }
         linear_bf16_f32(att, h * D, w->o, a, T, h * D, H);
         for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
         rms_rows(x, w->w_post, a, T, H, eps);
+        if (w->cm_up && dyn_conv(a, T, H, w->cm_down, w->cm_up, w->cm_b, w->conv_r,
+                                 w->conv_block)) { free(buf); return -1; }
         linear_bf16_f32(a, H, w->gate_up, gu, T, H, 2 * I);
         for (int64_t t = 0; t < T; ++t) {
             const float *g = gu + t * 2 * I, *u = g + I;
@@ -166,7 +217,7 @@ int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const floa
             memcpy(sn + b * D, sin_t + pos[b] * D, sizeof(float) * D);
         }
         rc = decoder_stack_f32(ws, nl, x, B, cs, sn, slot, pos, S, L, H, I, h, kvh, D, eps,
-                               qk_eps, scale, NULL, 0, 0);
+                               qk_eps, scale, NULL, 0, 0, NULL);
         if (rc) break;
         rms_rows(x, norm_w, a, B, H, norm_eps);
         linear_bf16_f32(a, H, lm, lg, B, H, V);
@@ -182,6 +233,117 @@ int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const floa
     free(buf);
     return rc;
 }
+
+/* the first index of the largest of x[0..n-1] (torch's argmax on ties) */
+static int64_t argmax_row(const float *x, int64_t n) {
+    float m = x[0];
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        for (v = 16; v + 16 <= n; v += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + v));
+        m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; v < n; ++v) m = x[v] > m ? x[v] : m;
+    for (v = 0; v < n; ++v) if (x[v] == m) return v;
+    return 0;       /* all NaN: torch would say the first NaN */
+}
+
+/* DSpark's left-to-right Markov walk (arXiv 2607.05147, Sec. 3.2) of B rows over n block
+   positions: z_i = silu(pe[prev] + zin_i), logits_i = base_i + proj z_i, prev = argmax
+   logits_i (ties to the lowest id, as torch's argmax), prev = anchor at i = 0.
+   base [B, n, V], zin [B, n, r], pe [V, r], proj [V, r] (W_lm U), anchor [B];
+   out: logits [n, B, V], zs [n, B, r], toks [n, B] (position-major, as the torch walk's
+   buffers). Returns 0; -2 an anchor outside 0..V-1. */
+int markov_walk_f32(const float *base, const float *zin, const float *pe, const float *proj,
+                    const int64_t *anchor, int64_t B, int64_t n, int64_t V, int64_t r,
+                    float *logits, float *zs, int64_t *toks) {
+    for (int64_t b = 0; b < B; ++b) if (anchor[b] < 0 || anchor[b] >= V) return -2;
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t prev = anchor[b];
+        for (int64_t i = 0; i < n; ++i) {
+            float *z = zs + (i * B + b) * r;
+            const float *pr = pe + prev * r, *zi = zin + (b * n + i) * r;
+            for (int64_t j = 0; j < r; ++j) {
+                const float v = pr[j] + zi[j];
+                z[j] = v / (1.f + expf(-v));
+            }
+            float *row = logits + (i * B + b) * V;
+            const float *br = base + (b * n + i) * V;
+            /* logits_v = base_v + <z, proj_v>: 16 vocabulary rows at a time, their dot
+               products reduced together (reduce16); proj streams once, in order */
+            int64_t v0 = 0;
+#if SPECLOAD_ATTN_SIMD
+            if (r % 16 == 0 && r <= 128) {
+                __m512 zv[8];
+                const int nv = (int)(r / 16);
+                for (int x = 0; x < nv; ++x) zv[x] = _mm512_loadu_ps(z + 16 * x);
+                for (; v0 + 16 <= V; v0 += 16) {
+                    __m512 acc[16];
+                    for (int kk = 0; kk < 16; ++kk) {
+                        const float *pr = proj + (v0 + kk) * r;
+                        __m512 a = _mm512_mul_ps(zv[0], _mm512_loadu_ps(pr));
+                        for (int x = 1; x < nv; ++x)
+                            a = _mm512_fmadd_ps(zv[x], _mm512_loadu_ps(pr + 16 * x), a);
+                        acc[kk] = a;
+                    }
+                    _mm512_storeu_ps(row + v0, _mm512_add_ps(_mm512_loadu_ps(br + v0),
+                                                             reduce16(acc)));
+                }
+            }
+#endif
+            for (int64_t v = v0; v < V; ++v) {
+                float acc = 0.f;
+                for (int64_t j = 0; j < r; ++j) acc += z[j] * proj[v * r + j];
+                row[v] = br[v] + acc;
+            }
+            toks[i * B + b] = prev = argmax_row(row, V);
+        }
+    }
+    return 0;
+}
+
+/* A DFlash-family drafter's context K/V (arXiv 2602.06036, Sec. 3.1) of n committed
+   tokens of one request, written to its cache slot: the target's hidden states aux
+   [n, A] (A = the aux layers' widths side by side) are fused, c = RMSNorm(aux @ fc)
+   (fc packed [H / 64][A][64], hn_w [H]), and every draft layer l writes
+   k = rope(RMSNorm_head(c @ Wk_l)), v = c @ Wv_l at positions start..start + n - 1 of
+   slot `slot` (Wk|Wv: the k|v columns of the layer's packed q|k|v weight). cs, sn [n, D]:
+   the positions' rotary rows (signed sin). Returns 0; -1 out of memory; -2 slot or
+   positions out of range (nothing written). */
+int context_kv_f32(const layer_w *ws, int64_t nl, const float *aux, int64_t n, int64_t A,
+                   const uint16_t *fc, const float *hn_w, float eps, const float *cs,
+                   const float *sn, int64_t slot, int64_t start, int64_t S, int64_t L,
+                   int64_t H, int64_t h, int64_t kvh, int64_t D, float qk_eps) {
+    if (slot < 0 || slot >= S || start < 0 || start + n > L) return -2;
+    const int64_t row = kvh * D, half = D / 2;
+    float *buf = (float *)malloc(sizeof(float) * (2 * n * H + 2 * n * row + D));
+    if (!buf) return -1;
+    float *c = buf, *a = c + n * H, *kv = a + n * H, *tmp = kv + 2 * n * row;
+    linear_bf16_f32(aux, A, fc, c, n, A, H);
+    rms_rows(c, hn_w, a, n, H, eps);
+    for (int64_t l = 0; l < nl; ++l) {
+        const layer_w *w = ws + l;
+        /* the k|v columns start at column h * D: packed block h * D / 64 of H rows */
+        linear_bf16_f32(a, H, w->qkv + h * D * H, kv, n, H, 2 * row);
+        for (int64_t t = 0; t < n; ++t) {
+            float *r = kv + t * 2 * row;
+            const float *cc = cs + t * D, *ss = sn + t * D;
+            for (int64_t hd = 0; hd < kvh; ++hd) {
+                float *p = r + hd * D;
+                if (w->qk_w) rms_rows(p, w->qk_w + (h + hd) * D, p, 1, D, qk_eps);
+                for (int64_t i = 0; i < D; ++i)
+                    tmp[i] = p[i] * cc[i] + p[i < half ? i + half : i - half] * ss[i];
+                memcpy(p, tmp, sizeof(float) * D);
+            }
+            memcpy(w->ck + (slot * L + start + t) * row, r, sizeof(float) * row);
+            memcpy(w->cv + (slot * L + start + t) * row, r + row, sizeof(float) * row);
+        }
+    }
+    free(buf);
+    return 0;
+}
 """
 
 
@@ -189,7 +351,9 @@ class LayerW(ctypes.Structure):
     """One layer's weights and K/V cache, as the C code's ``layer_w``."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in
-                ("w_in", "w_post", "qkv_b", "qk_w", "qkv", "o", "gate_up", "down", "ck", "cv")]
+                ("w_in", "w_post", "qkv_b", "qk_w", "qkv", "o", "gate_up", "down", "ck", "cv",
+                 "ca_down", "ca_b", "cm_down", "cm_b", "ca_up", "cm_up")] + \
+        [("conv_r", ctypes.c_int64), ("conv_block", ctypes.c_int64)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,12 +369,16 @@ def load() -> ctypes.CDLL | None:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib = load_kernel("decoder_stack", attention_kernel.SOURCE + linear_kernel.SOURCE + GLUE,
                       attention_kernel.FLAGS, "decoder_stack_f32",
-                      [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I],
+                      [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I, P],
                       "layers run op by op", attention_kernel.VARIANTS)
     if lib is not None:
         lib.greedy_steps_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, I, P] + \
             [I] * 7 + [F, F, F]
         lib.greedy_steps_f32.restype = ctypes.c_int
+        lib.context_kv_f32.argtypes = [P, I, P, I, I, P, P, F, P, P] + [I] * 8 + [F]
+        lib.context_kv_f32.restype = ctypes.c_int
+        lib.markov_walk_f32.argtypes = [P] * 5 + [I] * 4 + [P] * 3
+        lib.markov_walk_f32.restype = ctypes.c_int
         record("decoder_stack", **load_kernel_outcome("decoder_stack"), max_tokens=max_tokens())
     return lib
 
@@ -225,25 +393,43 @@ class Stack:
 
     def __init__(self, model, cache):
         cfg = model.config
-        self.keep, rows = [], []
+        layers = []
         for i, layer in enumerate(model.model.layers):
             at, mlp = layer.self_attn, layer.mlp
             qk_w = at.qk_norm_weight.contiguous() if at.qk_norm else None
-            ts = dict(w_in=layer.input_layernorm.weight.detach().contiguous(),
-                      w_post=layer.post_attention_layernorm.weight.detach().contiguous(),
-                      qkv_b=at.qkv_bias, qk_w=qk_w, qkv=at.qkv_packed, o=at.o_packed,
-                      gate_up=mlp.gate_up_packed, down=mlp.down_packed, ck=cache.k[i], cv=cache.v[i])
-            self.keep.append(ts)
-            rows.append(LayerW(**{k: _ptr(v) for k, v in ts.items()}))
+            layers.append(dict(w_in=layer.input_layernorm.weight.detach().contiguous(),
+                               w_post=layer.post_attention_layernorm.weight.detach().contiguous(),
+                               qkv_b=at.qkv_bias, qk_w=qk_w, qkv=at.qkv_packed, o=at.o_packed,
+                               gate_up=mlp.gate_up_packed, down=mlp.down_packed,
+                               ck=cache.k[i], cv=cache.v[i]))
+        a0 = model.model.layers[0].self_attn
+        self._init(layers, (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                            cfg.num_key_value_heads, cfg.head_dim),
+                   float(model.model.layers[0].input_layernorm.eps),
+                   float(a0.q_norm.eps) if a0.qk_norm else 0.0)
+
+    def _init(self, layers: list[dict], dims: tuple[int, int, int, int, int], eps: float,
+              qk_eps: float) -> None:
+        """layers: per layer the tensors of ``LayerW``'s fields (caches [S, L, kvh, D]
+        float32 contiguous, weights packed by ``linear_kernel.pack``); dims (H, I, h, kvh,
+        D)."""
+        self.keep = layers
+        rows = [LayerW(**{k: (v if isinstance(v, int) else _ptr(v)) for k, v in ts.items()})
+                for ts in layers]
         self.layers = (LayerW * len(rows))(*rows)
         self.n = len(rows)
-        self.S, self.L = cache.k[0].shape[0], cache.k[0].shape[1]
-        self.dims = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                     cfg.num_key_value_heads, cfg.head_dim)
-        self.eps = float(model.model.layers[0].input_layernorm.eps)
-        a0 = model.model.layers[0].self_attn
-        self.qk_eps = float(a0.q_norm.eps) if a0.qk_norm else 0.0
-        self.scale = cfg.head_dim ** -0.5
+        self.S, self.L = layers[0]["ck"].shape[0], layers[0]["ck"].shape[1]
+        self.dims = dims
+        self.eps, self.qk_eps = eps, qk_eps
+        self.scale = dims[4] ** -0.5
+
+    @classmethod
+    def of_layers(cls, layers: list[dict], dims: tuple[int, int, int, int, int], eps: float,
+                  qk_eps: float) -> "Stack":
+        """A stack of other layers than a ``CausalLM``'s (a drafter's: ``_init``)."""
+        self = cls.__new__(cls)
+        self._init(layers, dims, eps, qk_eps)
+        return self
 
     @staticmethod
     def usable(model, cache) -> bool:
@@ -313,13 +499,14 @@ def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
 
 
 def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-              slot: torch.Tensor, pos: torch.Tensor, aux_layers: tuple[int, ...] = ()
-              ) -> torch.Tensor | None:
+              slot: torch.Tensor, pos: torch.Tensor, aux_layers: tuple[int, ...] = (),
+              span: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every layer of ``stack`` over a flat batch, in place: x [T, H] float32 contiguous
     (the embeddings; the last layer's output on return), cos, sin_signed [T, D] float32
     contiguous (``CausalLM.rotary``'s table rows, signed sin), slot, pos [T] int64
     contiguous: each token's K/V go to slot[t], position pos[t], and it attends positions
-    0..pos[t] of that slot. Returns the outputs of ``aux_layers`` (layer indices) side by
+    0..pos[t] of that slot (0..span[t] with ``span`` [T] int64 contiguous: a drafter's
+    block, whose tokens all read the whole block). Returns the outputs of ``aux_layers`` (layer indices) side by
     side in layer order, [T, len(aux_layers) * H] (``CausalLM.forward``'s ``aux_hidden``),
     or None without them. Raises ValueError on a slot or position out of range (nothing
     computed) or an aux layer outside the stack, RuntimeError when the library is missing
@@ -340,10 +527,63 @@ def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torc
                                pos.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
                                stack.qk_eps, stack.scale,
                                None if aux is None else aux.data_ptr(), mask,
-                               bin(mask).count("1"))
+                               bin(mask).count("1"), _ptr(span))
     if rc == -2:
         raise ValueError(f"decoder stack: a slot outside 0..{stack.S - 1} or a position "
                          f"outside 0..{stack.L - 1}")
     if rc:
         raise RuntimeError("decoder stack: out of memory for its scratch")
     return aux
+
+
+def context_kv(stack: Stack, aux: torch.Tensor, fc_packed: torch.Tensor, norm_w: torch.Tensor,
+               eps: float, cos: torch.Tensor, sin_signed: torch.Tensor, slot: int,
+               start: int) -> None:
+    """A DFlash-family drafter's context K/V of n tokens of one request, written into
+    ``stack``'s caches at positions start..start + n - 1 of ``slot`` (``context_kv_f32``):
+    aux [n, A] float32 contiguous (the target's aux hidden states), fc_packed the fusion
+    weight (``linear_kernel.pack`` of [A, H]), norm_w [H] the fused states' RMSNorm
+    weight, cos, sin_signed [n, D] float32 contiguous the positions' rotary rows. Raises
+    ValueError on a slot or positions out of range (nothing written), RuntimeError when
+    the library is missing or out of memory."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the decoder stack kernel is not built (see the log)")
+    H, _, h, kvh, D = stack.dims
+    n, A = aux.shape
+    rc = lib.context_kv_f32(ctypes.addressof(stack.layers), stack.n, aux.data_ptr(), n, A,
+                            fc_packed.data_ptr(), norm_w.data_ptr(), float(eps), cos.data_ptr(),
+                            sin_signed.data_ptr(), slot, start, stack.S, stack.L, H, h, kvh, D,
+                            stack.qk_eps)
+    if rc == -2:
+        raise ValueError(f"context K/V: slot {slot} outside 0..{stack.S - 1} or positions "
+                         f"{start}..{start + n - 1} outside 0..{stack.L - 1}")
+    if rc:
+        raise RuntimeError("context K/V: out of memory for its scratch")
+
+
+def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj: torch.Tensor,
+                anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """DSpark's Markov walk in one C call (``markov_walk_f32``; ``actors.drafters.decode.
+    markov_walk``'s step-by-step form): base [B, n, V], zin [B, n, r], pe [V, r], proj
+    [V, r] (W_lm U) float32 CPU tensors, anchors [B] int64. Returns (tokens [B, n], z [B, n, r],
+    logits [B, n, V]), the last two transposed views of position-major buffers, or None
+    where the call does not apply (no library, another dtype or device). Raises ValueError
+    on an anchor outside the vocabulary."""
+    lib = load()
+    ts = (base, zin, pe, proj)
+    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+        return None
+    base, zin, pe, proj = (t.contiguous() for t in ts)
+    B, n, V = base.shape
+    r = zin.shape[-1]
+    anchors = anchors.to(torch.int64).contiguous()
+    logits = torch.empty((n, B, V), dtype=torch.float32)
+    zs = torch.empty((n, B, r), dtype=torch.float32)
+    toks = torch.empty((n, B), dtype=torch.int64)
+    rc = lib.markov_walk_f32(base.data_ptr(), zin.data_ptr(), pe.data_ptr(), proj.data_ptr(),
+                             anchors.data_ptr(), B, n, V, r, logits.data_ptr(), zs.data_ptr(),
+                             toks.data_ptr())
+    if rc:
+        raise ValueError(f"markov walk: an anchor outside 0..{V - 1}")
+    return toks.T, zs.transpose(0, 1), logits.transpose(0, 1)

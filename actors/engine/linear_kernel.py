@@ -97,6 +97,33 @@ static void tile512_##MT(const float *x, int64_t sx, const uint16_t *blk, float 
 }
 TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6)
 
+/* rows 0..MT-1 of x times one 32-column half of a packed block (7 <= MT <= 12: 2 MT
+   accumulators + 2 weights + 1 broadcast of 32 registers). Per k one load and two widening
+   ops serve 2 MT FMAs: the widening shares the FMA ports, so 8 rows here (16 FMAs per 2
+   widens) beat two 4-row tiles over 64 columns (16 per 4). */
+#define TILE512H(MT)                                                                      \
+static void tile512h_##MT(const float *x, int64_t sx, const uint16_t *blk, float *y,      \
+                          int64_t sy, int64_t K) {                                        \
+    for (int hf = 0; hf < 2; ++hf) {                                                      \
+        __m512 acc[MT][2];                                                                \
+        for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();         \
+        for (int64_t k = 0; k < K; ++k) {                                                 \
+            __m512i a = LOAD32(blk + k * 64 + 32 * hf);                                   \
+            __m512 w0 = LO16(a), w1 = HI16(a);                                            \
+            for (int i = 0; i < MT; ++i) {                                                \
+                __m512 xv = _mm512_set1_ps(x[i * sx + k]);                                \
+                acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);                           \
+                acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);                           \
+            }                                                                             \
+        }                                                                                 \
+        for (int i = 0; i < MT; ++i) {                                                    \
+            _mm512_storeu_ps(y + i * sy + 32 * hf, acc[i][0]);                            \
+            _mm512_storeu_ps(y + i * sy + 32 * hf + 16, acc[i][1]);                       \
+        }                                                                                 \
+    }                                                                                     \
+}
+TILE512H(7) TILE512H(8) TILE512H(9) TILE512H(10) TILE512H(11) TILE512H(12)
+
 /* one row: two accumulator sets over even / odd k (8 independent FMA chains) */
 static void tile512_1(const float *x, const uint16_t *blk, float *y, int64_t K) {
     __m512 c[8];
@@ -131,12 +158,19 @@ static void block_rows(const float *x, int64_t sx, const uint16_t *blk, float *y
                        int64_t M, int64_t K) {
     int64_t m0 = 0;
     while (m0 < M) {
-        /* the rows left in tiles of at most 6, as even as possible (8 rows: 4 + 4, not
-           6 + 2: a 2-row tile spends as much on widening as on its FMAs) */
-        const int64_t left = M - m0, tiles = (left + 5) / 6, mt = (left + tiles - 1) / tiles;
+        /* the rows left in tiles of at most 12, as even as possible; tiles of 7-12 rows run
+           on 32-column halves (tile512h), of at most 6 on whole blocks (8 rows: one 8-row
+           tile, 13: 7 + 6, not 12 + 1: a short tile spends as much on widening as on FMAs) */
+        const int64_t left = M - m0, tiles = (left + 11) / 12, mt = (left + tiles - 1) / tiles;
         const float *xm = x + m0 * sx;
         float *ym = y + m0 * sy;
         switch (mt) {
+            case 12: tile512h_12(xm, sx, blk, ym, sy, K); break;
+            case 11: tile512h_11(xm, sx, blk, ym, sy, K); break;
+            case 10: tile512h_10(xm, sx, blk, ym, sy, K); break;
+            case 9: tile512h_9(xm, sx, blk, ym, sy, K); break;
+            case 8: tile512h_8(xm, sx, blk, ym, sy, K); break;
+            case 7: tile512h_7(xm, sx, blk, ym, sy, K); break;
             case 6: tile512_6(xm, sx, blk, ym, sy, K); break;
             case 5: tile512_5(xm, sx, blk, ym, sy, K); break;
             case 4: tile512_4(xm, sx, blk, ym, sy, K); break;

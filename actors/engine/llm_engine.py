@@ -528,6 +528,9 @@ class LLMEngine:
         """
         t0, c0 = time.perf_counter(), time.thread_time()
         self.runner.paths.clear()      # the step row's forward_path: this step's forwards
+        draft_paths = getattr(self.proposer, "paths", None)
+        if draft_paths is not None:
+            draft_paths.clear()        # ... and its draft_forward_path
         sched = self.scheduler.schedule(self.kv.num_free)
         touched: dict[str, Request] = {}
         stats = _StepCounters(num_speculative_tokens=sched.num_speculative_tokens,
@@ -780,7 +783,8 @@ class LLMEngine:
                                              if x in stats.speculation_off),
             M.STEP_DEGRADED_REQUESTS: stats.degraded_requests,
             M.STEP_K_BATCH_SIZE: stats.k_batch_size,
-            M.STEP_FORWARD_PATH: ",".join(dict.fromkeys(self.runner.paths))}
+            M.STEP_FORWARD_PATH: ",".join(dict.fromkeys(self.runner.paths)),
+            M.STEP_DRAFT_PATH: ",".join(dict.fromkeys(getattr(self.proposer, "paths", None) or ()))}
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[str, str | list[int], SamplingParams]],

@@ -363,7 +363,8 @@ def step_row(*, strategy: str, model: str, replica: str, step_ms: float, cpu_ms:
         M.STEP_CPU_MS: float(cpu_ms), M.STEP_VERIFY_CPU_MS: 0.0, M.STEP_NUM_SPEC_TOKENS: k_step,
         M.STEP_SPECULATION_OFF: "", M.STEP_DEGRADED_REQUESTS: 0,
         M.STEP_K_BATCH_SIZE: None,   # vLLM does not say which batch size its k lookup used
-        M.STEP_FORWARD_PATH: M.FORWARD_PATH_VLLM}
+        M.STEP_FORWARD_PATH: M.FORWARD_PATH_VLLM,
+        M.STEP_DRAFT_PATH: M.FORWARD_PATH_VLLM if n_drafts else ""}
 
 
 def checkpoint_bytes(model_dir: str | None, element_size: int) -> int:

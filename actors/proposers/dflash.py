@@ -22,10 +22,12 @@ from pydantic import Field
 
 from actors.drafters.decode import BlockDraft, draft_block, draft_confidence
 from actors.drafters.model import load_drafter
+from actors.engine import layer_kernel
 from actors.engine import memory as mem
 from actors.engine.kv_cache import KVSlotPool
 from actors.engine.types import DraftProposal, ProposeInput
 from actors.proposers.base import Proposer, ProposerOptions
+from configs.metric_names import FORWARD_PATH_OPS, FORWARD_PATH_STACK
 from configs.paths import MODELS_DIR
 
 
@@ -43,7 +45,9 @@ class DFlashOptions(ProposerOptions):
 
 
 class ContextCache:
-    """Per-request context K/V of every draft layer: ``k[l]`` is [S, KVH, T, D].
+    """Per-request context K/V of every draft layer: ``k[l]`` is [S, T, KVH, D] (the target
+    cache's layout, so the decoder-stack C call reads and writes it: ``BlockDraftProposer``);
+    ``gather`` gives attention's [B, KVH, C, D] views.
 
     Slots and lengths come from the shared ``KVSlotPool`` (``self.pool``): only
     committed target tokens are written, so the length only grows, except when
@@ -54,7 +58,7 @@ class ContextCache:
                  device, dtype, room: int = 0):
         # ``room`` positions past max_len: scratch where a draft block's own K/V go
         # (``gather(room=...)``), so attention reads one buffer instead of a concatenation
-        shape = (num_slots, kvh, max_len + room, d)
+        shape = (num_slots, max_len + room, kvh, d)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.pool = KVSlotPool(num_slots, max_len, "drafter context cache")
@@ -73,8 +77,17 @@ class ContextCache:
         Raises ValueError when ``start`` skips unobserved positions or the
         request would pass ``max_len``.
         """
+        s = self.reserve(rid, start, kv[0][0].shape[2])
+        for layer, (k, v) in enumerate(kv):
+            self.k[layer][s, start:start + k.shape[2]] = k[0].transpose(0, 1)
+            self.v[layer][s, start:start + v.shape[2]] = v[0].transpose(0, 1)
+
+    def reserve(self, rid: str, start: int, n: int) -> int:
+        """The bookkeeping of ``write``: the request's slot, its length rolled back to
+        ``start`` and grown by n (the caller writes positions start..start+n-1). Raises
+        ValueError when ``start`` skips unobserved positions or the request would pass
+        ``max_len``."""
         s = self.slot(rid)
-        n = kv[0][0].shape[2]
         have = self.pool.length(rid)
         if start > have:
             raise ValueError(f"observe_target for {rid!r} starts at {start} but only "
@@ -82,9 +95,7 @@ class ContextCache:
                              "every token committed to the target cache, in order")
         self.pool.rollback(rid, start)
         self.pool.append(rid, n)
-        for layer, (k, v) in enumerate(kv):
-            self.k[layer][s, :, start:start + n] = k[0]
-            self.v[layer][s, :, start:start + n] = v[0]
+        return s
 
     def gather(self, slots: list[int], rids: list[str], room: int = 0
                ) -> tuple[list[tuple], list[int]]:
@@ -98,12 +109,50 @@ class ContextCache:
         C = max(max(lengths), 1) + room
         lo = slots[0]
         if slots == list(range(lo, lo + len(slots))):  # consecutive slots: views, no copy
-            kv = [(k[lo:lo + len(slots), :, :C], v[lo:lo + len(slots), :, :C])
-                  for k, v in zip(self.k, self.v)]
+            kv = [(k[lo:lo + len(slots), :C].transpose(1, 2),
+                   v[lo:lo + len(slots), :C].transpose(1, 2)) for k, v in zip(self.k, self.v)]
         else:
             idx = torch.tensor(slots, device=self.k[0].device)
-            kv = [(k[idx, :, :C], v[idx, :, :C]) for k, v in zip(self.k, self.v)]
+            kv = [(k[idx, :C].transpose(1, 2), v[idx, :C].transpose(1, 2))
+                  for k, v in zip(self.k, self.v)]
         return kv, lengths
+
+
+def draft_stack(drafter, cache: ContextCache) -> "layer_kernel.Stack | None":
+    """The drafter's layers as one decoder-stack C call over ``cache``
+    (``layer_kernel.Stack.of_layers``): a draft layer is a Qwen3 decoder layer whose
+    attention reads the context K/V before the block (DFlash, arXiv 2602.06036, Sec. 3.1),
+    which the call gets from ``span``, and (DFlash 2) a dynamic convolution on each norm's
+    output (``dyn_conv``). None where it does not apply: not a CPU float32 drafter in eval
+    with its fused, packed weights (``BlockDrafter.fuse``), or no library
+    (``SPECLOAD_LAYER_KERNEL=0``, no compiler)."""
+    cfg = drafter.config
+    if drafter.training or not getattr(drafter, "_fused", False) \
+            or getattr(drafter, "_fc_pk", None) is None or layer_kernel.load() is None \
+            or cache.k[0].dtype != torch.float32 or cache.k[0].device.type != "cpu":
+        return None
+    layers = []
+    for i, layer in enumerate(drafter.layers):
+        if any(getattr(layer, n, None) is None for n in ("_qkv_pk", "_o_pk", "_gate_up_pk",
+                                                        "_down_pk")):
+            return None
+        layers.append(dict(w_in=layer.input_layernorm.weight.detach().contiguous(),
+                           w_post=layer.post_attention_layernorm.weight.detach().contiguous(),
+                           qkv_b=None, qk_w=layer._qk_norm_w.contiguous(), qkv=layer._qkv_pk,
+                           o=layer._o_pk, gate_up=layer._gate_up_pk, down=layer._down_pk,
+                           ck=cache.k[i], cv=cache.v[i]))
+        for tag, conv in (("ca", layer.conv_attn), ("cm", layer.conv_mlp)):
+            if conv is None:
+                continue
+            if getattr(conv, "_up_pk", None) is None or conv.up.bias.dtype != torch.float32:
+                return None
+            layers[-1].update({f"{tag}_down": conv._down_wt.contiguous(), f"{tag}_up": conv._up_pk,
+                               f"{tag}_b": conv.up.bias.detach().contiguous(),
+                               "conv_r": conv.down.out_features, "conv_block": cfg.block_size})
+    l0 = drafter.layers[0]
+    return layer_kernel.Stack.of_layers(
+        layers, (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                 cfg.head_dim), float(l0.input_layernorm.eps), float(l0.q_norm.eps))
 
 
 class BlockDraftProposer(Proposer):
@@ -128,6 +177,13 @@ class BlockDraftProposer(Proposer):
                                   cfg.head_dim, target.device, self.drafter.mask_embed.dtype,
                                   room=cfg.block_size)
         self.trace: list[dict] | None = [] if options.record_trace else None
+        self.stack = draft_stack(self.drafter, self.cache)
+        self.paths: list[str] = []      # the forward path of each draft (``last_path``)
+
+    @property
+    def last_path(self) -> str | None:
+        """The forward path of the last draft: ``stack`` (one C call) or ``ops`` (torch)."""
+        return self.paths[-1] if self.paths else None
 
     def load_overrides(self) -> dict:
         return {}
@@ -150,7 +206,7 @@ class BlockDraftProposer(Proposer):
     def memory(self) -> dict:
         shared = {mem.storage_key(t) for t in mem.module_tensors(self.target)}
         c = self.cache
-        _, kvh, _, d = c.k[0].shape
+        _, _, kvh, d = c.k[0].shape
         return {"draft_weight_bytes": mem.unique_bytes(mem.module_tensors(self.drafter), shared),
                 "draft_fused_weight_bytes": mem.unique_bytes(
                     mem.fused_tensors(self.drafter),
@@ -174,7 +230,17 @@ class BlockDraftProposer(Proposer):
             return
         dev = self.target.device
         pos = torch.arange(start, start + len(token_ids), device=dev)[None]
-        self.cache.write(request_id, start, self.drafter.context_kv(aux_hidden.to(dev)[None], pos))
+        d = self.drafter
+        if self.stack is not None and aux_hidden.dtype == torch.float32 \
+                and aux_hidden.device.type == "cpu":
+            slot = self.cache.reserve(request_id, start, len(token_ids))
+            cos, sin = d.rope(pos, torch.float32)
+            layer_kernel.context_kv(self.stack, aux_hidden.contiguous(), d._fc_pk,
+                                    d.hidden_norm.weight, d.hidden_norm.eps,
+                                    cos.reshape(len(token_ids), -1),
+                                    sin.reshape(len(token_ids), -1), slot, start)
+            return
+        self.cache.write(request_id, start, d.context_kv(aux_hidden.to(dev)[None], pos))
 
     # -- drafting -----------------------------------------------------------------
     @torch.no_grad()
@@ -185,22 +251,57 @@ class BlockDraftProposer(Proposer):
         bs = self.block_size
         # the block's own K/V are written into the cache's scratch past the context
         # (``ctx_room``): attention reads one buffer, no per-layer concatenation
-        kv, lens = self.cache.gather(slots, [r.request_id for r in batch], room=bs)
         positions = [len(r.token_ids) - 1 for r in batch]
-        pos = torch.tensor(positions, device=dev)
         anchors = torch.tensor([r.token_ids[-1] for r in batch], device=dev)
-        C = kv[0][0].shape[2] - bs
-        seen = [min(n, p) for n, p in zip(lens, positions)]  # strictly before the anchor
-        ctx_mask = None if all(n == C for n in seen) else (   # None: every row sees all C
-            torch.arange(C, device=dev)[None] < torch.tensor(seen, device=dev)[:, None])[:, None]
-        h = self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask,
-                                      ctx_room=True)
+        lens = [self.cache.pool.length(r.request_id) for r in batch]
+        if self.stack is not None and lens == positions:
+            # every row's context is exactly the tokens before its anchor: the block goes
+            # to positions anchor..anchor+bs-1 of its slot and reads 0..anchor+bs-1 (one C
+            # call; a row with other context runs the torch form, which masks it)
+            h = self._block_hidden_stack(anchors, positions, slots)
+            self.paths.append(FORWARD_PATH_STACK)
+        else:
+            h = self._block_hidden_ops(batch, slots, anchors, positions)
+            self.paths.append(FORWARD_PATH_OPS)
         # Candidates beyond the top-1 are only needed by the selector (a trace ranks
         # the kept logits at read time, outside the timed step).
         selects = self.use_selector is not False and self.drafter.selector is not None
         top_k = self.options.top_k if selects else 1
         return draft_block(self.drafter, h, anchors, top_k, self.use_selector,
                            confidence=self.needs_confidence())
+
+    def _block_hidden_stack(self, anchors: torch.Tensor, positions: list[int],
+                            slots: list[int]) -> torch.Tensor:
+        """``BlockDrafter.block_hidden`` on the decoder-stack C call (``draft_stack``):
+        anchors [B]; the block's K/V are written past each row's context (positions its
+        next ``observe_target`` overwrites). Returns [B, bs, H] after the final norm."""
+        d, bs = self.drafter, self.block_size
+        B = len(positions)
+        x = torch.cat([d.embed(anchors[:, None]), d.mask_embed.expand(B, bs - 1, -1)], dim=1)
+        x = x.reshape(B * bs, -1).contiguous()
+        # positions, slots and spans of the B * bs tokens: one host-to-tensor copy
+        idx = torch.tensor([[p + i for p in positions for i in range(bs)],
+                            [s_ for s_ in slots for _ in range(bs)],
+                            [p + bs - 1 for p in positions for _ in range(bs)]])
+        pos, slot, span = idx[0], idx[1], idx[2]
+        cos, sin = d.rope(pos[None], torch.float32)
+        layer_kernel.run_stack(self.stack, x, cos.reshape(B * bs, -1), sin.reshape(B * bs, -1),
+                               slot, pos, span=span)
+        return d.norm(x.view(B, bs, -1))
+
+    def _block_hidden_ops(self, batch: list[ProposeInput], slots: list[int],
+                          anchors: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """``BlockDrafter.block_hidden`` in torch, over the gathered context K/V."""
+        dev = self.target.device
+        bs = self.block_size
+        kv, lens = self.cache.gather(slots, [r.request_id for r in batch], room=bs)
+        pos = torch.tensor(positions, device=dev)
+        C = kv[0][0].shape[2] - bs
+        seen = [min(n, p) for n, p in zip(lens, positions)]  # strictly before the anchor
+        ctx_mask = None if all(n == C for n in seen) else (   # None: every row sees all C
+            torch.arange(C, device=dev)[None] < torch.tensor(seen, device=dev)[:, None])[:, None]
+        return self.drafter.block_hidden(anchors[:, None], pos[:, None], kv, ctx_mask,
+                                         ctx_room=True)
 
     def needs_confidence(self) -> bool:
         """Whether ``lengths`` reads the confidence head (else it is not run in the
