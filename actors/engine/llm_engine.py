@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import time
@@ -164,6 +165,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.on_step = on_step
         self._memory_static = self._static_memory()
+        # the startup's objects (model, tokenizer, imports) out of the cyclic collector's
+        # reach, as vLLM's engine core does after startup (``gc.freeze``): a collection
+        # then walks only what the steps allocate (1-6% of a batch-1 step here)
+        gc.collect()
+        gc.freeze()
 
     def _init_accept_rule(self, config: EngineConfig) -> None:
         """The accept rule (vLLM's ``rejection_sample_method``): standard | synthetic |
