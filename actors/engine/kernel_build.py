@@ -159,6 +159,31 @@ def register_op(name: str, schema: str, impl: Callable, fake: Callable) -> None:
     _LIBS.append(lib)
 
 
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def kernel_source(name: str) -> str:
+    """The C source ``csrc/<name>`` with each ``#include "other.c"`` line replaced by that
+    file's source (recursively, each file once), so the text handed to ``build`` (and its
+    cache key) covers every file it compiles. Raises FileNotFoundError naming the file."""
+    seen: set[str] = set()
+
+    def expand(n: str) -> str:
+        if n in seen:
+            return ""
+        seen.add(n)
+        out = []
+        for line in (CSRC / n).read_text().splitlines(keepends=True):
+            inc = line.strip()
+            if inc.startswith('#include "') and inc.endswith('.c"'):
+                out.append(expand(inc[len('#include "'):-1]))
+            else:
+                out.append(line)
+        return "".join(out)
+
+    return expand(name)
+
+
 def load_kernel(name: str, source: str, flags: tuple[str, ...], fn: str, argtypes: list,
                 fallback: str, variants: tuple[tuple[str, ...], ...] = ((),)) -> ctypes.CDLL | None:
     """``build``'s library with its entry point ``fn`` typed (``argtypes``, an int result),

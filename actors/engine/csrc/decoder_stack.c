@@ -1,0 +1,295 @@
+/* The decoder stack of a flat batch in one call, the DFlash family's drafter pieces
+   (context K/V, DSpark's Markov walk). Design: actors/engine/layer_kernel.py. One
+   translation unit with the two kernels it calls (the includes below; kernel_build
+   inlines them, so the cache key covers them): cc -O3 -march=native -fPIC -shared
+   decoder_stack.c (attention_kernel.FLAGS). */
+#include "flat_attention.c"
+#include "linear_bf16.c"
+#include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const float *w_in, *w_post, *qkv_b, *qk_w;
+    const uint16_t *qkv, *o, *gate_up, *down;
+    float *ck, *cv;
+    /* DFlash 2's dynamic convolutions on the normalised inputs of attention (ca_) and of
+       the MLP (cm_), or NULL: down [H, conv_r] float, up packed [2H / 64][conv_r][64],
+       bias [2H]; conv_block: the block length (no tap reads across a block start) */
+    const float *ca_down, *ca_b, *cm_down, *cm_b;
+    const uint16_t *ca_up, *cm_up;
+    int64_t conv_r, conv_block;
+} layer_w;
+
+/* DFlash 2's two-tap dynamic depthwise convolution ("Keep Drafting Parallel"), in place on
+   a [T, H] (T a multiple of the block, blocks end to end): taps [k0 | k1] = up(silu(a_t
+   down)) + b, a_t <- k0 * a_t + k1 * a_(t-1), a_(-1) = 0 at every block start
+   (``actors.drafters.model.DynamicConv2``). Returns -1 out of memory. */
+static int dyn_conv(float *a, int64_t T, int64_t H, const float *down, const uint16_t *up,
+                    const float *b, int64_t r, int64_t block) {
+    float *buf = (float *)malloc(sizeof(float) * (T * r + 2 * T * H));
+    if (!buf) return -1;
+    float *d = buf, *taps = buf + T * r;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *x = a + t * H;
+        float *dt = d + t * r;
+        for (int64_t j = 0; j < r; ++j) dt[j] = 0.f;
+        for (int64_t k = 0; k < H; ++k) {
+            const float xv = x[k];
+            const float *wr = down + k * r;
+            for (int64_t j = 0; j < r; ++j) dt[j] += xv * wr[j];
+        }
+        for (int64_t j = 0; j < r; ++j) dt[j] = dt[j] / (1.f + expf(-dt[j]));
+    }
+    linear_bf16_f32(d, r, up, taps, T, r, 2 * H);
+    for (int64_t t = T - 1; t >= 0; --t) {     /* backwards: a_(t-1) still the input */
+        float *x = a + t * H;
+        const float *k0 = taps + t * 2 * H, *k1 = k0 + H;
+        const int first = (t % block) == 0;
+        for (int64_t i = 0; i < H; ++i)
+            x[i] = (k0[i] + b[i]) * x[i] + (first ? 0.f : (k1[i] + b[H + i]) * x[i - H]);
+    }
+    free(buf);
+    return 0;
+}
+
+static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_t n,
+                     float eps) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *xr = x + t * n;
+        float *yr = y + t * n;
+        float s = 0.f;
+        for (int64_t i = 0; i < n; ++i) s += xr[i] * xr[i];
+        const float r = 1.f / sqrtf(s * (1.f / (float)n) + eps);
+        for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * r * w[i];
+    }
+}
+
+/* x [T, H] (in place: the residual stream through nl layers); cs, sn [T, D] the rotary
+   cos and signed sin of each token's position; slot, pos [T]; caches [S, L, kvh, D] per
+   layer (in ws); aux [T, A * H] or NULL: after each layer l whose bit is set in aux_mask,
+   x is copied into the next H columns (the DFlash family's target hidden states).
+   span [T] or NULL: token t attends positions 0..span[t] of its slot instead of
+   0..pos[t] (a DFlash block: every block token reads the context before the anchor and
+   the whole block, its K/V all written before any attention). Returns 0; -1 when scratch
+   could not be allocated; -2 when a slot, position or span is out of range (nothing
+   computed). */
+int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
+                      const float *cs, const float *sn, const int64_t *slot,
+                      const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
+                      int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
+                      float scale, float *aux, int64_t aux_mask, int64_t naux,
+                      const int64_t *span) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
+    if (span)
+        for (int64_t t = 0; t < T; ++t) if (span[t] < 0 || span[t] >= L) return -2;
+    const int64_t NQ = (h + 2 * kvh) * D, row = kvh * D, half = D / 2;
+    float *buf = (float *)malloc(sizeof(float) * (T * H + T * NQ + T * h * D + 3 * T * I + D));
+    if (!buf) return -1;
+    float *a = buf, *qkv = a + T * H, *att = qkv + T * NQ, *gu = att + T * h * D;
+    float *act = gu + 2 * T * I, *tmp = act + T * I;
+    int64_t ja = 0;
+    for (int64_t l = 0; l < nl; ++l) {
+        const layer_w *w = ws + l;
+        rms_rows(x, w->w_in, a, T, H, eps);
+        if (w->ca_up && dyn_conv(a, T, H, w->ca_down, w->ca_up, w->ca_b, w->conv_r,
+                                 w->conv_block)) { free(buf); return -1; }
+        linear_bf16_f32(a, H, w->qkv, qkv, T, H, NQ);
+        for (int64_t t = 0; t < T; ++t) {
+            float *r = qkv + t * NQ;
+            if (w->qkv_b) for (int64_t i = 0; i < NQ; ++i) r[i] += w->qkv_b[i];
+            const float *c = cs + t * D, *s = sn + t * D;
+            for (int64_t hd = 0; hd < h + kvh; ++hd) {
+                float *p = r + hd * D;
+                if (w->qk_w) rms_rows(p, w->qk_w + hd * D, p, 1, D, qk_eps);
+                for (int64_t i = 0; i < D; ++i)
+                    tmp[i] = p[i] * c[i] + p[i < half ? i + half : i - half] * s[i];
+                memcpy(p, tmp, sizeof(float) * D);
+            }
+            float *kd = w->ck + (slot[t] * L + pos[t]) * row;
+            float *vd = w->cv + (slot[t] * L + pos[t]) * row;
+            memcpy(kd, r + h * D, sizeof(float) * row);
+            memcpy(vd, r + (h + kvh) * D, sizeof(float) * row);
+        }
+        int rc = flat_attention_f32(qkv, NQ, D, w->ck, w->cv, slot, span ? span : pos, att, T,
+                                    h, kvh, D, S, L, scale, 8);
+        if (rc) { free(buf); return rc; }
+        linear_bf16_f32(att, h * D, w->o, a, T, h * D, H);
+        for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
+        rms_rows(x, w->w_post, a, T, H, eps);
+        if (w->cm_up && dyn_conv(a, T, H, w->cm_down, w->cm_up, w->cm_b, w->conv_r,
+                                 w->conv_block)) { free(buf); return -1; }
+        linear_bf16_f32(a, H, w->gate_up, gu, T, H, 2 * I);
+        for (int64_t t = 0; t < T; ++t) {
+            const float *g = gu + t * 2 * I, *u = g + I;
+            float *o = act + t * I;
+            for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        }
+        linear_bf16_f32(act, I, w->down, a, T, I, H);
+        for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
+        if (aux && l < 63 && (aux_mask >> l & 1)) {
+            for (int64_t t = 0; t < T; ++t)
+                memcpy(aux + t * naux * H + ja * H, x + t * H, sizeof(float) * H);
+            ++ja;
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* n greedy decoding steps of B rows in one call (a draft model's drafts): each step the
+   rows' input tokens tok [B] (embedding rows of emb [V, H]) go through the stack at
+   positions pos [B] of slots slot [B], then the final RMSNorm (norm_w, norm_eps) and the
+   LM head (lm: packed [V / 64][H][64]) give logits [B, V], whose first maximum is the
+   next input (argmax, ties to the lowest id, as torch's). cos_t, sin_t [P, D]: the rotary
+   table (signed sin). out [n, B]: the picked tokens; tok and pos are advanced in place.
+   Returns 0; -1 out of memory; -2 a slot, position (or P) out of range. */
+int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const float *norm_w,
+                     float norm_eps, const uint16_t *lm, int64_t V, const float *cos_t,
+                     const float *sin_t, int64_t P, int64_t *tok, const int64_t *slot,
+                     int64_t *pos, int64_t B, int64_t n, int64_t *out, int64_t S, int64_t L,
+                     int64_t H, int64_t I, int64_t h, int64_t kvh, int64_t D, float eps,
+                     float qk_eps, float scale) {
+    for (int64_t b = 0; b < B; ++b)
+        if (pos[b] < 0 || pos[b] + n > P || pos[b] + n > L || tok[b] < 0 || tok[b] >= V)
+            return -2;
+    float *buf = (float *)malloc(sizeof(float) * (2 * B * H + 2 * B * D + B * V));
+    if (!buf) return -1;
+    float *x = buf, *a = x + B * H, *cs = a + B * H, *sn = cs + B * D, *lg = sn + B * D;
+    int rc = 0;
+    for (int64_t step = 0; step < n && !rc; ++step) {
+        for (int64_t b = 0; b < B; ++b) {
+            memcpy(x + b * H, emb + tok[b] * H, sizeof(float) * H);
+            memcpy(cs + b * D, cos_t + pos[b] * D, sizeof(float) * D);
+            memcpy(sn + b * D, sin_t + pos[b] * D, sizeof(float) * D);
+        }
+        rc = decoder_stack_f32(ws, nl, x, B, cs, sn, slot, pos, S, L, H, I, h, kvh, D, eps,
+                               qk_eps, scale, NULL, 0, 0, NULL);
+        if (rc) break;
+        rms_rows(x, norm_w, a, B, H, norm_eps);
+        linear_bf16_f32(a, H, lm, lg, B, H, V);
+        for (int64_t b = 0; b < B; ++b) {
+            const float *r = lg + b * V;
+            int64_t best = 0;
+            for (int64_t v = 1; v < V; ++v) if (r[v] > r[best]) best = v;
+            out[step * B + b] = best;
+            tok[b] = best;
+            pos[b] += 1;
+        }
+    }
+    free(buf);
+    return rc;
+}
+
+/* the first index of the largest of x[0..n-1] (torch's argmax on ties) */
+static int64_t argmax_row(const float *x, int64_t n) {
+    float m = x[0];
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        for (v = 16; v + 16 <= n; v += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + v));
+        m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; v < n; ++v) m = x[v] > m ? x[v] : m;
+    for (v = 0; v < n; ++v) if (x[v] == m) return v;
+    return 0;       /* all NaN: torch would say the first NaN */
+}
+
+/* DSpark's left-to-right Markov walk (arXiv 2607.05147, Sec. 3.2) of B rows over n block
+   positions: z_i = silu(pe[prev] + zin_i), logits_i = base_i + proj z_i, prev = argmax
+   logits_i (ties to the lowest id, as torch's argmax), prev = anchor at i = 0.
+   base [B, n, V], zin [B, n, r], pe [V, r], proj [V, r] (W_lm U), anchor [B];
+   out: logits [n, B, V], zs [n, B, r], toks [n, B] (position-major, as the torch walk's
+   buffers). Returns 0; -2 an anchor outside 0..V-1. */
+int markov_walk_f32(const float *base, const float *zin, const float *pe, const float *proj,
+                    const int64_t *anchor, int64_t B, int64_t n, int64_t V, int64_t r,
+                    float *logits, float *zs, int64_t *toks) {
+    for (int64_t b = 0; b < B; ++b) if (anchor[b] < 0 || anchor[b] >= V) return -2;
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t prev = anchor[b];
+        for (int64_t i = 0; i < n; ++i) {
+            float *z = zs + (i * B + b) * r;
+            const float *pr = pe + prev * r, *zi = zin + (b * n + i) * r;
+            for (int64_t j = 0; j < r; ++j) {
+                const float v = pr[j] + zi[j];
+                z[j] = v / (1.f + expf(-v));
+            }
+            float *row = logits + (i * B + b) * V;
+            const float *br = base + (b * n + i) * V;
+            /* logits_v = base_v + <z, proj_v>: 16 vocabulary rows at a time, their dot
+               products reduced together (reduce16); proj streams once, in order */
+            int64_t v0 = 0;
+#if SPECLOAD_ATTN_SIMD
+            if (r % 16 == 0 && r <= 128) {
+                __m512 zv[8];
+                const int nv = (int)(r / 16);
+                for (int x = 0; x < nv; ++x) zv[x] = _mm512_loadu_ps(z + 16 * x);
+                for (; v0 + 16 <= V; v0 += 16) {
+                    __m512 acc[16];
+                    for (int kk = 0; kk < 16; ++kk) {
+                        const float *pr = proj + (v0 + kk) * r;
+                        __m512 a = _mm512_mul_ps(zv[0], _mm512_loadu_ps(pr));
+                        for (int x = 1; x < nv; ++x)
+                            a = _mm512_fmadd_ps(zv[x], _mm512_loadu_ps(pr + 16 * x), a);
+                        acc[kk] = a;
+                    }
+                    _mm512_storeu_ps(row + v0, _mm512_add_ps(_mm512_loadu_ps(br + v0),
+                                                             reduce16(acc)));
+                }
+            }
+#endif
+            for (int64_t v = v0; v < V; ++v) {
+                float acc = 0.f;
+                for (int64_t j = 0; j < r; ++j) acc += z[j] * proj[v * r + j];
+                row[v] = br[v] + acc;
+            }
+            toks[i * B + b] = prev = argmax_row(row, V);
+        }
+    }
+    return 0;
+}
+
+/* A DFlash-family drafter's context K/V (arXiv 2602.06036, Sec. 3.1) of n committed
+   tokens of one request, written to its cache slot: the target's hidden states aux
+   [n, A] (A = the aux layers' widths side by side) are fused, c = RMSNorm(aux @ fc)
+   (fc packed [H / 64][A][64], hn_w [H]), and every draft layer l writes
+   k = rope(RMSNorm_head(c @ Wk_l)), v = c @ Wv_l at positions start..start + n - 1 of
+   slot `slot` (Wk|Wv: the k|v columns of the layer's packed q|k|v weight). cs, sn [n, D]:
+   the positions' rotary rows (signed sin). Returns 0; -1 out of memory; -2 slot or
+   positions out of range (nothing written). */
+int context_kv_f32(const layer_w *ws, int64_t nl, const float *aux, int64_t n, int64_t A,
+                   const uint16_t *fc, const float *hn_w, float eps, const float *cs,
+                   const float *sn, int64_t slot, int64_t start, int64_t S, int64_t L,
+                   int64_t H, int64_t h, int64_t kvh, int64_t D, float qk_eps) {
+    if (slot < 0 || slot >= S || start < 0 || start + n > L) return -2;
+    const int64_t row = kvh * D, half = D / 2;
+    float *buf = (float *)malloc(sizeof(float) * (2 * n * H + 2 * n * row + D));
+    if (!buf) return -1;
+    float *c = buf, *a = c + n * H, *kv = a + n * H, *tmp = kv + 2 * n * row;
+    linear_bf16_f32(aux, A, fc, c, n, A, H);
+    rms_rows(c, hn_w, a, n, H, eps);
+    for (int64_t l = 0; l < nl; ++l) {
+        const layer_w *w = ws + l;
+        /* the k|v columns start at column h * D: packed block h * D / 64 of H rows */
+        linear_bf16_f32(a, H, w->qkv + h * D * H, kv, n, H, 2 * row);
+        for (int64_t t = 0; t < n; ++t) {
+            float *r = kv + t * 2 * row;
+            const float *cc = cs + t * D, *ss = sn + t * D;
+            for (int64_t hd = 0; hd < kvh; ++hd) {
+                float *p = r + hd * D;
+                if (w->qk_w) rms_rows(p, w->qk_w + (h + hd) * D, p, 1, D, qk_eps);
+                for (int64_t i = 0; i < D; ++i)
+                    tmp[i] = p[i] * cc[i] + p[i < half ? i + half : i - half] * ss[i];
+                memcpy(p, tmp, sizeof(float) * D);
+            }
+            memcpy(w->ck + (slot * L + start + t) * row, r, sizeof(float) * row);
+            memcpy(w->cv + (slot * L + start + t) * row, r + row, sizeof(float) * row);
+        }
+    }
+    free(buf);
+    return 0;
+}
