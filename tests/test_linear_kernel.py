@@ -108,3 +108,31 @@ def test_without_a_compiler_the_kernel_is_none(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         linear_kernel.load.cache_clear()
+
+
+def test_kernels_honour_torch_threads():
+    """The products take ``torch.get_num_threads()`` (``sync_threads``): with 2 threads a
+    product split between them gives the same values as with 1 (each 64-column block is
+    computed whole by one thread: the same sums in the same order), the library then
+    holds 2, and the build records whether OpenMP was there (``openmp``)."""
+    from actors.engine.kernel_build import report
+
+    lib = linear_kernel.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(3)
+    wt = torch.randn(256, 1536, generator=gen).to(torch.bfloat16).float()
+    packed = linear_kernel.pack(wt)
+    x = torch.randn(8, 256, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear_kernel.linear_packed(x, packed)
+        assert lib.specload_threads == 1
+        torch.set_num_threads(2)
+        two = linear_kernel.linear_packed(x, packed)
+        assert lib.specload_threads == 2
+        assert lib.linear_bf16_threads() == (2 if lib.specload_openmp else 1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert report()["linear_bf16"]["openmp"] is lib.specload_openmp

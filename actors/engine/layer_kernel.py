@@ -86,7 +86,8 @@ def load() -> ctypes.CDLL | None:
     lib = load_kernel("decoder_stack", GLUE,
                       attention_kernel.FLAGS, "decoder_stack_f32",
                       [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I, P],
-                      "layers run op by op", attention_kernel.VARIANTS)
+                      "layers run op by op", (tuple(("-fopenmp",) + v for v in attention_kernel.VARIANTS)
+                      + attention_kernel.VARIANTS))
     if lib is not None:
         lib.greedy_steps_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, I, P] + \
             [I] * 7 + [F, F, F]
@@ -95,7 +96,9 @@ def load() -> ctypes.CDLL | None:
         lib.context_kv_f32.restype = ctypes.c_int
         lib.markov_walk_f32.argtypes = [P] * 5 + [I] * 4 + [P] * 3
         lib.markov_walk_f32.restype = ctypes.c_int
-        record("decoder_stack", **load_kernel_outcome("decoder_stack"), max_tokens=max_tokens())
+        lib.specload_openmp = linear_kernel.threading(lib, "decoder_stack")
+        record("decoder_stack", **load_kernel_outcome("decoder_stack"), max_tokens=max_tokens(),
+               openmp=lib.specload_openmp)
     return lib
 
 
@@ -201,6 +204,7 @@ def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
     slot = torch.tensor(slots, dtype=torch.long)
     out = torch.empty((n, B), dtype=torch.long)
     H, I, h, kvh, D = stack.dims
+    linear_kernel.sync_threads(lib)
     rc = lib.greedy_steps_f32(ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
                               model.model.norm.weight.data_ptr(), float(model.model.norm.eps),
                               lm.data_ptr(), lm.shape[0] * lm.shape[2], cos_t.data_ptr(),
@@ -238,6 +242,7 @@ def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torc
             raise ValueError(f"decoder stack: aux layers {aux_layers} outside 0..{stack.n - 1}")
         mask = sum(1 << i for i in set(aux_layers))
         aux = torch.empty((T, bin(mask).count("1") * H), dtype=torch.float32)
+    linear_kernel.sync_threads(lib)
     rc = lib.decoder_stack_f32(ctypes.addressof(stack.layers), stack.n, x.data_ptr(), T,
                                cos.data_ptr(), sin_signed.data_ptr(), slot.data_ptr(),
                                pos.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
@@ -267,6 +272,7 @@ def context_kv(stack: Stack, aux: torch.Tensor, fc_packed: torch.Tensor, norm_w:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
     H, _, h, kvh, D = stack.dims
     n, A = aux.shape
+    linear_kernel.sync_threads(lib)
     rc = lib.context_kv_f32(ctypes.addressof(stack.layers), stack.n, aux.data_ptr(), n, A,
                             fc_packed.data_ptr(), norm_w.data_ptr(), float(eps), cos.data_ptr(),
                             sin_signed.data_ptr(), slot, start, stack.S, stack.L, H, h, kvh, D,
@@ -297,6 +303,7 @@ def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj: t
     logits = torch.empty((n, B, V), dtype=torch.float32)
     zs = torch.empty((n, B, r), dtype=torch.float32)
     toks = torch.empty((n, B), dtype=torch.int64)
+    linear_kernel.sync_threads(lib)
     rc = lib.markov_walk_f32(base.data_ptr(), zin.data_ptr(), pe.data_ptr(), proj.data_ptr(),
                              anchors.data_ptr(), B, n, V, r, logits.data_ptr(), zs.data_ptr(),
                              toks.data_ptr())

@@ -60,6 +60,33 @@ BLOCK = 64          # columns per packed block
 SOURCE = kernel_source("linear_bf16.c")
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
+# with OpenMP first (the products split between torch_threads threads: ``sync_threads``),
+# without where the compiler has no OpenMP
+VARIANTS = (("-fopenmp",), ())
+
+
+def threading(lib: ctypes.CDLL, name: str) -> bool:
+    """Type the library's thread setter (``linear_bf16_set_threads``) and say whether it was
+    built with OpenMP (a thread count other than 1 is taken)."""
+    lib.linear_bf16_set_threads.argtypes = [ctypes.c_int]
+    lib.linear_bf16_set_threads.restype = None
+    lib.linear_bf16_threads.argtypes = []
+    lib.linear_bf16_threads.restype = ctypes.c_int
+    lib.linear_bf16_set_threads(2)
+    openmp = lib.linear_bf16_threads() == 2
+    lib.linear_bf16_set_threads(1)
+    lib.specload_threads = 1
+    return openmp
+
+
+def sync_threads(lib: ctypes.CDLL) -> None:
+    """Hand ``torch.get_num_threads()`` to the library (its products then use that many
+    threads where it was built with OpenMP): the kernels honour ``torch_threads``. Called
+    before each call; a ctypes call only when the count changed."""
+    n = torch.get_num_threads()
+    if lib.specload_threads != n:
+        lib.linear_bf16_set_threads(n)
+        lib.specload_threads = n
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,14 +99,16 @@ def load() -> ctypes.CDLL | None:
         return None
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib = load_kernel("linear_bf16", SOURCE, FLAGS, "linear_bf16_f32", [P, I, P, P, I, I, I],
-                      "float32 mm is used")
+                      "float32 mm is used", VARIANTS)
     if lib is not None:
+        lib.specload_openmp = threading(lib, "linear_bf16")
         lib.linear_bf16_isa.restype = lib.linear_bf16_layout.restype = ctypes.c_int
         lib.linear_bf16_isa.argtypes = lib.linear_bf16_layout.argtypes = []
         lib.specload_isa = int(lib.linear_bf16_isa())          # (read per call: kept here)
         lib.specload_interleaved = bool(lib.linear_bf16_layout())
         record("linear_bf16", **load_kernel_outcome("linear_bf16"), isa=lib.specload_isa,
-               max_rows=MAX_ROWS_WIDE if lib.specload_isa == 512 else MAX_ROWS)
+               max_rows=MAX_ROWS_WIDE if lib.specload_isa == 512 else MAX_ROWS,
+               openmp=lib.specload_openmp)
     return lib
 
 
@@ -135,6 +164,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     M, N = x.shape[0], nb * BLOCK
     y = torch.empty((M, N), dtype=torch.float32)
+    sync_threads(lib)
     if M:
         lib.linear_bf16_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), M, K, N)
     return y

@@ -215,12 +215,37 @@ int linear_bf16_isa(void) { return SPECLOAD_LINEAR_ISA; }
 /* the packed layout the kernel reads: 1 = each 32-column half interleaved (AVX-512), 0 plain */
 int linear_bf16_layout(void) { return SPECLOAD_LINEAR_ISA == 512; }
 
+/* threads a product may use (the caller's torch_threads: linear_bf16_set_threads); with
+   OpenMP (built with -fopenmp: the process's libgomp.so.1, torch's own copy once torch is
+   loaded) the 64-column blocks are split between them */
+static int specload_threads = 1;
+void linear_bf16_set_threads(int n) { specload_threads = n > 0 ? n : 1; }
+int linear_bf16_threads(void) {
+#ifdef _OPENMP
+    return specload_threads;
+#else
+    return 1;
+#endif
+}
+
 /* y[M, N] = x[M, K] @ W[K, N]; w packed [N/64][K][64] (bfloat16 bits); x rows sx apart.
-   Each 64-column block is read once and used for every row. */
+   Each 64-column block is read once and used for every row; with several threads
+   (linear_bf16_threads) the blocks are split between them when there are at least two
+   per thread and 2^16 multiply-adds in all. */
 int linear_bf16_f32(const float *x, int64_t sx, const uint16_t *w, float *y,
                     int64_t M, int64_t K, int64_t N) {
     if (N % 64) return -1;
-    for (int64_t b = 0; b < N / 64; ++b)
+    const int64_t nb = N / 64;
+#ifdef _OPENMP
+    const int nt = specload_threads;
+    if (nt > 1 && nb >= 2 * nt && M * K * N >= (1 << 16)) {
+        #pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t b = 0; b < nb; ++b)
+            block_rows(x, sx, w + b * K * 64, y + b * 64, N, M, K);
+        return 0;
+    }
+#endif
+    for (int64_t b = 0; b < nb; ++b)
         block_rows(x, sx, w + b * K * 64, y + b * 64, N, M, K);
     return 0;
 }
