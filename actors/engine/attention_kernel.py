@@ -18,9 +18,9 @@ intrinsics: a query's scores 16 keys at a time, their 16 dot products reduced to
 by one transpose-and-add tree (``reduce16``) instead of a horizontal sum each, the
 softmax's max kept as a 16-lane running max (the scalar max loop was 30% of the call),
 and the weighted sum of 4 (64) or 2 (128) queries per V row read. Measured here (one
-thread, h=4, kvh=2, D=64, a run of 8 tokens over 256 / 768 positions): 46 / 114 us a
-call vs 60 / 154 on the plain loops, and the 8-token step of the embedded target at
-context 768 1.93 -> 1.66 ms. Elsewhere it is plain C (no intrinsics), compiled at first
+thread, h=4, kvh=2, D=64, medians of 5 interleaved, the Python call included): a run of
+8 tokens over 256 / 768 positions 37 / 87 us a call against 68 / 174 on the plain loops
+(1.8x / 2.0x); one token 14 / 33 against 17 / 39. Elsewhere it is plain C (no intrinsics), compiled at first
 use with the machine's C compiler
 (``$CC``, default ``cc``; ``-O3 -march=native``: the compiler vectorises the loops for
 this CPU, as inductor does for its own kernels) from ``csrc/flat_attention.c`` into
