@@ -98,14 +98,33 @@ def stream_completion(http: HTTPClient, path: str, body: dict[str, Any], schedul
 def _http_error_row(rec: StreamRecorder, resp: Any) -> dict[str, Any]:
     """The row of a non-200 answer: ``rejected`` for HTTP 429 (its Retry-After under
     ``RETRY_AFTER_KEY``), ``replica_lost`` when the error code says so, else ``error``."""
-    text = resp.read()[:300].decode("utf-8", errors="replace")
+    body = resp.read()[:ERROR_BODY_MAX]
+    text = body[:300].decode("utf-8", errors="replace")
     if resp.status_code == 429:
         row = rec.row(time.time(), M.STATUS_REJECTED, f"HTTP 429: {text}")
         row[RETRY_AFTER_KEY] = parse_retry_after(resp.get("retry-after"))
         return row
-    lost = f'"code":"{M.ERROR_CODE_REPLICA_LOST}"' in text.replace(" ", "")
+    lost = error_code(body) == M.ERROR_CODE_REPLICA_LOST
     return rec.row(time.time(), M.STATUS_REPLICA_LOST if lost else M.STATUS_ERROR,
                    f"HTTP {resp.status_code}: {text}")
+
+
+# an error answer's body read for its code (an OpenAI-style error object; the message, kept
+# in the row, is cut to its first 300 characters)
+ERROR_BODY_MAX = 1 << 16
+
+
+def error_code(body: bytes) -> str | None:
+    """``error.code`` of an OpenAI-style error body (``{"error": {"code": ...}}``), wherever
+    it sits in the object and however long the message before it is; None when the body
+    is not such an object."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _read_stream(rec: StreamRecorder, resp: Any) -> tuple[dict[str, Any], bool]:
