@@ -132,6 +132,12 @@ def test_pip_install_runs_loadgen_report_from_any_directory(tmp_path):
     assert "autoregressive: direct" in (run_dir / "report" / "report.md").read_text()
     steps = pd.read_parquet(run_dir / "steps.parquet")
     assert len(steps) > 0 and set(steps["strategy"]) == {"autoregressive", "ngram"}
+    # the engine profile the capacity model calibrates: taken after the cells, beside the run
+    man = json.loads((run_dir / "manifest.json").read_text())
+    assert man["engine_profile"]["file"] == "cost_curve.json", man["engine_profile"]
+    assert sorted(man["engine_profile"]["strategies"]) == ["autoregressive", "ngram"]
+    prof = json.loads((run_dir / "cost_curve.json").read_text())
+    assert prof["kind"] == "engine_profile" and set(prof["strategies"]) == {"autoregressive", "ngram"}
     rec = json.loads((run_dir / "report" / "recommendation.json").read_text())
     assert set(rec["low"]) == {"short", "long"}
     assert rec["schema_version"] == 4

@@ -1,23 +1,33 @@
-"""Backtest of the capacity model: fit on the lower concurrency levels of a run,
-predict the highest, print the error (``python -m analysis backtest RUN_DIR``).
+"""Backtest of the capacity model: fit on some concurrency levels of a run, predict the
+others, print the error (``python -m analysis backtest RUN_DIR``).
 
-A forecaster's hold-out test (fit on part of the data, predict the rest). Per
-strategy the step cost model (``analysis.model.stepcost``) is fitted on the step log
-of the lower users levels only; per strategy x output class the same levels
-give the workload: verification tokens per row v (T / B), context per row,
-acceptance length tau, mean output and prompt tokens, and the batch occupancy
-(mean decode rows / users). At concurrency N the model then says
+A forecaster's hold-out test (fit on part of the data, predict the rest). Per strategy
+the step cost model (``analysis.model.profiled``: the engine profile calibrated on the
+step log; without a profile ``analysis.model.stepcost``'s step-log fit) is calibrated on
+the held-in users levels only; per strategy x output class the same levels give the
+workload: verification tokens per row v (T / B), context per row, acceptance length tau,
+mean output tokens L and prompt tokens P, and the client's time between a response's
+end and the user's next request (``gap``, Little's law on the closed loop: N x wall /
+requests - mean e2e).
 
-    B = occupancy * N,  T = B * v,  q = B * tau / L   (prefills per step)
-    step(N) = draft(B) + decode(B, T, A) + (1 - min(q, 1)) * overhead
-              + min(q, 1) * prefill(max(q, 1) * P)
-    tokens/s = 1000 * B * tau / step(N),   TPOT = step(N) / tau
+At N users the model is a closed loop (mean-value analysis of a batched server with think
+time: Lazowska et al. 1984, *Quantitative System Performance*, ch. 6), solved for the
+decode rows B per step by fixed-point iteration:
 
-and a per strategy x output class calibration factor (median over the lower
-levels of measured / modelled, for tokens/s and TPOT p50 separately) absorbs
-what the step log cannot see (client and HTTP time, the streaming path). The
-speedup is the predicted tokens/s over the predicted ``autoregressive`` one.
-Errors are fractions: |predicted - measured| / measured.
+    T = B v,  q = B tau / L  (prefills per decode step)
+    step     = draft(B) + decode(B, T, A) + c + q * pre(P)      (c: per-step overhead,
+    step_own = draft(B) + decode(B, T, A) + c + q (B-1)/B pre(P)  pre: marginal prefill)
+    R_pre = 1.5 step (B-1)/B + c + pre(P),  R_dec = (L - 1) / tau * step_own
+    R = R_pre + R_dec,  phi = gap / (R + gap),  busy = 1 - phi^N
+    B = max(1, N R_dec / (R + gap) / busy)
+    tokens/s = 1000 N L / (R + gap),   TPOT = step_own / tau
+
+so the batch, the engine's idle time at low load and the prefill interference at high load
+follow from the step costs instead of being read off the held-in levels. A per strategy x
+output class calibration factor (measured / modelled at each held-in level, interpolated in
+log users and held at the nearest end outside) absorbs what no step sees (the HTTP and
+streaming path). The speedup is the predicted tokens/s over the predicted
+``autoregressive`` one. Errors are fractions: |predicted - measured| / measured.
 """
 
 from __future__ import annotations
@@ -81,10 +91,19 @@ class Workload:
     out_tokens: float   # mean output tokens per request
     prompt_tokens: float
     occupancy: float    # mean decode rows / users
-    # ((users, occupancy, v), ...) per fit level, sorted: occupancy and v at a users level
-    # are interpolated linearly in log(users) between them, held at the nearest end
-    # outside (a closed loop's occupancy falls as users grow: client time per request)
+    # ((users, occupancy, v, gap_ms), ...) per fit level, sorted: occupancy, v and the
+    # client's gap at a users level are interpolated linearly in log(users) between them,
+    # held at the nearest end outside
     levels: tuple = ()
+    gap_ms: float = 0.0  # the client's ms between a response's end and the next request
+
+    def gap_at(self, users) -> np.ndarray:
+        """The client's gap (ms) at ``users`` (array ok)."""
+        n = np.asarray(users, float)
+        if len(self.levels) < 2 or len(self.levels[0]) < 4:
+            return np.full_like(n, self.gap_ms, dtype=float)
+        x = np.log(np.maximum(n, 1e-9))
+        return np.interp(x, np.log([lv[0] for lv in self.levels]), [lv[3] for lv in self.levels])
 
     def at(self, users) -> tuple[np.ndarray, np.ndarray]:
         """(occupancy, v) at ``users`` (array ok)."""
@@ -105,17 +124,32 @@ def _workload(steps: pd.DataFrame, req: pd.DataFrame, strategy: str) -> Workload
     ctx = steps.loc[dec.index, mn.STEP_CONTEXT_TOKENS] if mn.STEP_CONTEXT_TOKENS in steps else None
     ctx_row = float(ctx.sum() / b_sum) if ctx is not None and ctx.notna().any() and b_sum > 0 else 0.0
     ok = req[req[mn.REQ_STATUS].eq(mn.STATUS_OK)]
-    tau = metrics.pooled_tau(ok) if strategy != mn.AUTOREGRESSIVE else 1.0
+    # tokens per decode step per row: from the decode-only steps where the log has them (a
+    # drafter that proposes nothing on some steps, as n-gram does, emits fewer per step than
+    # its acceptance length per draft), else the requests' pooled acceptance length
+    pure = dec[dec["P"] == 0].index
+    emitted = (steps.loc[pure, mn.STEP_EMITTED_TOKENS].astype(float).sum()
+               if mn.STEP_EMITTED_TOKENS in steps else 0.0)
+    b_pure = float(dec.loc[pure, "B"].sum())
+    if strategy == mn.AUTOREGRESSIVE:
+        tau = 1.0
+    elif emitted > 0 and b_pure > 0:
+        tau = float(emitted / b_pure)
+    else:
+        tau = metrics.pooled_tau(ok)
     if not np.isfinite(tau):
-        emitted = steps.loc[dec.index, mn.STEP_EMITTED_TOKENS].sum()
-        tau = float(emitted / b_sum) if b_sum > 0 else 1.0
+        tau = 1.0
     occ, per_level = [], []
+    gaps = _client_gaps(req)
     for users, g in dec.groupby(steps.loc[dec.index, mn.REQ_USERS]):
         if users > 0:
             occ.append(float(g["B"].mean()) / float(users))
             per_level.append((float(users), occ[-1],
-                              float(g["T"].sum() / g["B"].sum()) if g["B"].sum() > 0 else v))
+                              float(g["T"].sum() / g["B"].sum()) if g["B"].sum() > 0 else v,
+                              gaps.get(float(users), float(np.median(list(gaps.values())))
+                                       if gaps else 0.0)))
     return Workload(v=v, ctx_per_row=ctx_row, tau=float(tau),
+                    gap_ms=float(np.median(list(gaps.values()))) if gaps else 0.0,
                     out_tokens=float(ok[mn.REQ_OUTPUT_TOKENS].mean()) if len(ok) else 1.0,
                     prompt_tokens=float(ok[mn.REQ_PROMPT_TOKENS].mean())
                     if ok[mn.REQ_PROMPT_TOKENS].notna().any() else 0.0,
@@ -126,21 +160,90 @@ def _workload(steps: pd.DataFrame, req: pd.DataFrame, strategy: str) -> Workload
 PER_LEVEL_WORKLOAD = True
 
 
-def model_point(model: stepcost.StepModel, w: Workload, users) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens/s, TPOT ms) the uncalibrated model gives at ``users`` (array ok)."""
-    n = np.asarray(users, float)
-    occ, v = w.at(n)
-    b = np.maximum(occ * n, 1e-9)
-    t = b * v
-    a = t * w.ctx_per_row / 1000.0
-    q = b * w.tau / max(w.out_tokens, 1.0)
-    pq = np.minimum(q, 1.0)
-    dec = model.decode(b, t, a) if model.decode is not None else 0.0
-    pre = (model.prefill(np.maximum(q, 1.0) * w.prompt_tokens) if model.prefill is not None
-           and w.prompt_tokens > 0 else model.overhead_ms)
-    step = model.draft_ms(b) + dec + (1.0 - pq) * model.overhead_ms + pq * pre
-    step = np.maximum(step, 1e-6)
-    return 1000.0 * b * w.tau / step, step / w.tau
+def _client_gaps(req: pd.DataFrame) -> dict[float, float]:
+    """{users: the client's mean ms between a response's end and that user's next request}
+    of a closed loop, by Little's law: N x cell wall / requests - mean e2e (>= 0), the cell
+    wall from the first scheduled send to the last end, pooled over the cell's repeats."""
+    need = (mn.REQ_SCHEDULED_TS, mn.REQ_END_TS, mn.REQ_E2E_MS, mn.REQ_USERS)
+    if req.empty or any(c not in req for c in need):
+        return {}
+    keys = [k for k in (mn.REQ_RUN_ID, mn.REQ_REPEAT) if k in req]
+    out = {}
+    for users, g in req.groupby(mn.REQ_USERS):
+        if not users > 0:
+            continue
+        parts = g.groupby(keys, dropna=False) if keys else [(None, g)]
+        wall = sum(float(h[mn.REQ_END_TS].max() - h[mn.REQ_SCHEDULED_TS].min()) for _, h in parts)
+        e2e = g[mn.REQ_E2E_MS].astype(float)
+        if wall > 0 and e2e.notna().any():
+            out[float(users)] = max(0.0, float(users) * wall * 1000.0 / len(g) - float(e2e.mean()))
+    return out
+
+
+FIXED_POINT_ITER = 60
+
+
+def batch_point(model: stepcost.StepModel, w: Workload, rows) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens/s, TPOT ms) of the engine holding ``rows`` requests in decode (array ok): the
+    step at B = rows with its share of prefills (q = B tau / L per step), tokens/s = 1000 B
+    tau / step, TPOT = the step without the row's own prefill / tau. What a replica's queue
+    (``analysis.model.replica_model``) serves at batch B; no client in the loop."""
+    bb = np.maximum(np.asarray(rows, float), 1e-9)
+    out, tau = max(w.out_tokens, 1.0), max(w.tau, 1e-9)
+    _, v = w.at(bb)
+    c = float(model.overhead_ms)
+    pre = _marginal_prefill(model, w)
+    t = bb * v
+    dec = ((model.decode(bb, t, t * w.ctx_per_row / 1000.0) if model.decode is not None else 0.0)
+           + model.draft_ms(bb) + model.gap_ms(bb))
+    q = bb * tau / out
+    step = dec + c + q * pre
+    own = dec + c + q * np.maximum(bb - 1.0, 0.0) / bb * pre
+    return 1000.0 * bb * tau / np.maximum(step, 1e-6), np.maximum(own, 1e-6) / tau
+
+
+def _marginal_prefill(model: stepcost.StepModel, w: Workload) -> float:
+    """ms one request's prompt adds to the step it rides in (the prefill curve at P minus
+    the step's overhead; 0 without a prompt)."""
+    c = float(model.overhead_ms)
+    if model.prefill is None or not w.prompt_tokens > 0:
+        return 0.0
+    return max(float(np.asarray(model.prefill(np.array([w.prompt_tokens])), float)[0]) - c, 0.0)
+
+
+def model_point(model: stepcost.StepModel, w: Workload, users, gap_ms=None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens/s, TPOT ms) the uncalibrated closed-loop model gives at ``users`` (array ok;
+    module doc). ``gap_ms``: the client's gap per request (default: the workload's at that
+    level)."""
+    n = np.maximum(np.asarray(users, float), 1e-9)
+    _, v = w.at(n)
+    gap = w.gap_at(n) if gap_ms is None else np.full_like(n, float(gap_ms), dtype=float)
+    out = max(w.out_tokens, 1.0)
+    tau = max(w.tau, 1e-9)
+    c = float(model.overhead_ms)
+    pre = _marginal_prefill(model, w)
+    b = n.copy()
+    for _ in range(FIXED_POINT_ITER):
+        bb = np.maximum(b, 1.0)
+        t = bb * v
+        a = t * w.ctx_per_row / 1000.0
+        q = bb * tau / out
+        dec = ((model.decode(bb, t, a) if model.decode is not None else 0.0) + model.draft_ms(bb)
+               + model.gap_ms(bb))
+        step = dec + c + q * pre
+        own = dec + c + q * (bb - 1.0) / bb * pre
+        r_pre = 1.5 * step * (bb - 1.0) / bb + c + pre
+        r_dec = max(out - 1.0, 0.0) / tau * own
+        r = r_pre + r_dec
+        phi = np.where(gap > 0, gap / np.maximum(r + gap, 1e-9), 0.0)
+        busy = np.maximum(1.0 - phi ** n, 1e-9)
+        b_new = np.clip(n * r_dec / np.maximum(r + gap, 1e-9) / busy, 1.0, np.maximum(n, 1.0))
+        if np.allclose(b_new, b, rtol=1e-4):
+            b = b_new
+            break
+        b = 0.5 * b + 0.5 * b_new
+    return 1000.0 * n * out / np.maximum(r + gap, 1e-6), np.maximum(own, 1e-6) / tau
 
 
 @dataclass(frozen=True)
@@ -149,9 +252,10 @@ class CellModel:
 
     ``k_tps`` / ``k_tpot``: the median calibration over the fit levels; ``k_levels``:
     ((users, k_tps, k_tpot), ...) per fit level, sorted. With ``k_levels`` the factor at
-    ``users`` is interpolated linearly in log(users) between the fit levels and held at
-    the nearest end outside them (so at a measured level the model gives the measured
-    figure back: calibration, not a fit through it)."""
+    ``users`` is interpolated linearly in log(users) between the fit levels (so at a
+    measured level the model gives the measured figure back: calibration, not a fit
+    through it) and is the median outside them (one level's cell noise is not carried
+    into an extrapolation)."""
 
     strategy: str
     output_class: str
@@ -168,11 +272,16 @@ class CellModel:
             return np.full_like(n, self.k_tps, dtype=float), np.full_like(n, self.k_tpot, dtype=float)
         lv = np.log(np.array([k[0] for k in self.k_levels], float))
         x = np.log(np.maximum(n, 1e-9))
-        return (np.interp(x, lv, [k[1] for k in self.k_levels]),
-                np.interp(x, lv, [k[2] for k in self.k_levels]))
+        inside = (x >= lv[0] - 1e-9) & (x <= lv[-1] + 1e-9)
+        return (np.where(inside, np.interp(x, lv, [k[1] for k in self.k_levels]), self.k_tps),
+                np.where(inside, np.interp(x, lv, [k[2] for k in self.k_levels]), self.k_tpot))
 
-    def predict(self, users) -> tuple[np.ndarray, np.ndarray]:
-        tps, tpot = model_point(self.model, self.workload, users)
+    def predict(self, users, gap_ms=None, batch: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Calibrated (tokens/s, TPOT ms) at ``users`` closed-loop users (``model_point``;
+        ``gap_ms`` as there), or with ``batch`` at that many requests in decode
+        (``batch_point``: a replica's queue)."""
+        tps, tpot = (batch_point(self.model, self.workload, users) if batch
+                     else model_point(self.model, self.workload, users, gap_ms))
         k_tps, k_tpot = self.factors(users)
         return k_tps * tps, k_tpot * tpot
 

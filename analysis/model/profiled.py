@@ -1,5 +1,5 @@
 """The profiled step cost: a strategy's step model from the engine profile
-(``python -m bench.step_cost --engine``), calibrated on a run's step log.
+(``python -m actors.profile``; the main job takes it after its cells), calibrated on a run's step log.
 
 Where the capacity model used to fit ``analysis.model.stepcost.DecodeCost`` on the
 steps of the run and extrapolate it to batches the run never reached, the step cost
@@ -156,70 +156,43 @@ def parts_from_profile(prof: dict, strategy: str) -> ProfiledParts | None:
                          (float(cs[0]), float(cs[-1])), col)
 
 
-def _design(kind: str, prof: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The calibration's regressors: ``scale`` [prof]; ``scale+row`` [prof, B - 1];
-    ``scale+logb`` [prof, prof * ln B]."""
-    b = np.maximum(np.asarray(rows, float), 1.0)
-    if kind == "scale+row":
-        return np.column_stack([prof, b - 1.0])
-    if kind == "scale+logb":
-        return np.column_stack([prof, prof * np.log(b)])
-    return np.column_stack([prof])
-
-
-# the calibration used: one scale per part. On a 6-strategy run of this 2-core box
-# (2026-12-05, leave-one-level-out) "scale" gave median errors 9.5 % (tokens/s) and 7.9 %
-# (TPOT), "scale+row" 10.0 % / 11.1 %, "scale+logb" 10.4 % / 17.9 % (and the profile's own
-# clock at B = 1 with an inflation in ln B, tried too: 29.7 % / 20.4 %).
-CALIBRATION = "scale"
-
-
 @dataclass(frozen=True)
 class ProfiledDecode:
-    """``stepcost.DecodeCost``'s call signature on the profile:
-    ``coef . _design(kind, parts.verify, B)`` (``scale`` = coef[0])."""
+    """``stepcost.DecodeCost``'s call signature on the profile: ``scale * parts.verify``
+    (ms; B rows, T tokens, A attention work)."""
 
     parts: ProfiledParts
-    coef: tuple
-    kind: str = "scale"
+    scale: float
     r2: float = float("nan")
     n_steps: int = 0
 
-    @property
-    def scale(self) -> float:
-        return float(self.coef[0])
-
     def __call__(self, rows, tokens, attn=0.0):
-        pv = self.parts.verify(rows, tokens, attn)
-        return (_design(self.kind, pv.ravel(), np.asarray(rows, float).ravel() * np.ones(pv.size))
-                @ np.asarray(self.coef)).reshape(pv.shape)
+        return self.scale * self.parts.verify(rows, tokens, attn)
 
 
 @dataclass(frozen=True)
 class ScaledDraft:
-    """The drafter's ms per step: ``coef . _design(kind, parts.draft(B), B)``."""
+    """The drafter's ms per step at B rows: ``scale * f(B)``."""
 
     f: object
-    coef: tuple
-    kind: str = "scale"
+    scale: float
 
     def __call__(self, rows):
-        b = np.asarray(rows, float)
-        d = np.asarray(self.f(b), float)
-        return (_design(self.kind, d.ravel(), b.ravel() * np.ones(d.size)) @ np.asarray(self.coef)
-                ).reshape(d.shape)
+        return self.scale * np.asarray(self.f(np.asarray(rows, float)), float)
 
 
 @dataclass(frozen=True)
 class ScaledCurve:
-    """``scale * f(x)`` (the prefill curve; ``CostCurve``'s call signature)."""
+    """``scale * f(x) + const`` (the prefill step: its chunk's profiled forward, scaled, plus
+    the step's overhead; ``CostCurve``'s call signature)."""
 
     f: object
     scale: float
     r2: float = float("nan")
+    const: float = 0.0
 
     def __call__(self, x):
-        return self.scale * self.f(x)
+        return self.scale * self.f(x) + self.const
 
 
 def _scale(y: np.ndarray, x: np.ndarray) -> float:
@@ -229,46 +202,54 @@ def _scale(y: np.ndarray, x: np.ndarray) -> float:
     return float(np.sum(x[ok] * y[ok]) / den) if den > 0 else 1.0
 
 
+DRAFT_MIN_MS = 0.05   # a profiled drafter below this (autoregressive's bookkeeping) is no part
+
+
 def calibrate(parts: ProfiledParts, steps: pd.DataFrame, strategy: str = "") -> stepcost.StepModel:
     """The profiled ``StepModel`` of one strategy, its scales fitted on ``steps`` (this
-    strategy's step-log rows). Raises ValueError with fewer than 3 decode steps."""
-    f = stepcost.step_features(steps)
-    f = f[(f["B"] > 0) | (f["P"] > 0)]
-    dec = f[f["B"] > 0]
-    if len(dec) < 3:
-        raise ValueError(f"profiled step model of {strategy}: fewer than 3 decode steps")
+    strategy's step-log rows): one non-negative least squares of every step's logged wall
+    ``step_ms`` on its profiled parts,
+
+        step_ms = s_v * verify(B, T, A) [B > 0] + s_d * draft(B) [B > 0]
+                  + s_p * prefill(P) [P > 0] + c,
+
+    so a step that mixes decode rows and prompt chunks (one forward in the engine) is
+    the sum of its parts, and the run's clock (another build, a busier machine) enters as
+    the scales. The drafter is a part only where the profile's drafter costs at least
+    ``DRAFT_MIN_MS``. Raises ValueError with fewer than 3 decode steps."""
     from scipy.optimize import nnls
 
-    kind = CALIBRATION
-    bb = dec["B"].to_numpy(float)
-    pv = parts.verify(bb, dec["T"], dec["A"])
-    x = _design(kind, pv, bb)
-    c_v = tuple(nnls(x, dec["verify_ms"].to_numpy(float))[0]) if bb.size else (1.0,)
-    if not c_v[0] > 0:
-        c_v, kind_v = (_scale(dec["verify_ms"].to_numpy(float), pv),), "scale"
-    else:
-        kind_v = kind
-    pd_ = parts.draft(bb)
-    if np.any(pd_ > 0):
-        c_d = tuple(nnls(_design(kind, pd_, bb), dec["draft_ms"].to_numpy(float))[0])
-        kind_d = kind
-    else:
-        c_d, kind_d = (0.0,), "scale"
-    pre = f[f["P"] > 0]
-    s_p = _scale(pre["rest_ms"].to_numpy(float), parts.prefill(pre["P"])) if len(pre) else 1.0
-    pure = f[(f["B"] > 0) & (f["P"] == 0)]
-    overhead = float(pure["rest_ms"].median()) if not pure.empty else 0.0
-    decode = ProfiledDecode(parts, c_v, kind_v)
-    decode = dataclasses.replace(decode, r2=stepcost.r2_score(dec["verify_ms"].to_numpy(float),
-                                                         decode(bb, dec["T"], dec["A"])),
-                                 n_steps=len(dec))
-    model = stepcost.StepModel(strategy, decode, ScaledCurve(parts.prefill, s_p), overhead,
-                               (0.0, 0.0), draft_curve=ScaledDraft(parts.draft, c_d, kind_d),
+    f = stepcost.step_features(steps)
+    f = f[(f["B"] > 0) | (f["P"] > 0)]
+    if int((f["B"] > 0).sum()) < 3:
+        raise ValueError(f"profiled step model of {strategy}: fewer than 3 decode steps")
+    bb = f["B"].to_numpy(float)
+    dec = bb > 0
+    b1 = np.maximum(bb, 1.0)
+    pv = np.where(dec, parts.verify(b1, np.maximum(f["T"].to_numpy(float), 1.0),
+                                    f["A"].to_numpy(float)), 0.0)
+    pdr = np.where(dec, parts.draft(b1), 0.0)
+    pp = np.where(f["P"] > 0, parts.prefill(np.maximum(f["P"].to_numpy(float), 1.0)), 0.0)
+    use_draft = bool(np.any(pdr >= DRAFT_MIN_MS))
+    cols = [pv] + ([pdr] if use_draft else []) + [pp, np.ones_like(bb)]
+    y = f["step_ms"].to_numpy(float)
+    coef, _ = nnls(np.column_stack(cols), y)
+    s_v = float(coef[0]) if coef[0] > 0 else _scale(y[dec], pv[dec])
+    s_d = float(coef[1]) if use_draft else 0.0
+    s_p, c = float(coef[-2]), float(coef[-1])
+    if not s_p > 0 and np.any(pp > 0):
+        s_p = 1.0
+    decode = ProfiledDecode(parts, s_v)
+    decode = dataclasses.replace(decode, r2=stepcost.r2_score(y[dec], s_v * pv[dec] + s_d * pdr[dec]
+                                                         + c + s_p * pp[dec]),
+                                 n_steps=int(dec.sum()))
+    model = stepcost.StepModel(strategy, decode, ScaledCurve(parts.prefill, s_p, const=c), c,
+                               (0.0, 0.0), draft_curve=ScaledDraft(parts.draft, s_d),
                                source="profiled")
     pred = np.asarray(model.step_ms(f["B"], f["T"], f["A"], f["P"]))
-    y = f["step_ms"].to_numpy(float)
     return dataclasses.replace(model, r2_step=stepcost.r2_score(y, pred), n_steps=len(f),
-                               residuals=y - pred, fitted=pred, is_prefill=(f["P"] > 0).to_numpy())
+                               residuals=y - pred, fitted=pred, is_prefill=(f["P"] > 0).to_numpy(),
+                               loop_gap=stepcost.loop_gap(steps))
 
 
 def _is_vllm(results, strategy: str) -> bool:
@@ -289,7 +270,7 @@ def find_profile(results, explicit: str | Path | None = None) -> tuple[dict | No
         p = Path(explicit)
         data = json.loads(p.read_text())
         if data.get("kind") != PROFILE_KIND:
-            raise ValueError(f"{p} is not an engine profile (python -m bench.step_cost --engine)")
+            raise ValueError(f"{p} is not an engine profile (python -m actors.profile)")
         return data, str(p)
     for run in getattr(results, "runs", ()):
         cands.append(Path(run.path) / PROFILE_FILE)

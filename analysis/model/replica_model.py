@@ -88,7 +88,7 @@ class ReplicaModel:
     def batch_curve(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(X(b) requests/s, TPOT(b) ms, step(b) ms) for b = 1..S, each shape [S]."""
         b = np.arange(1, self.max_num_seqs + 1, dtype=float)
-        tps, tpot = self.cell.predict(b)
+        tps, tpot = self.cell.predict(b, batch=True)
         step = np.asarray(tpot, float) * self.cell.workload.tau
         return np.asarray(tps, float) / max(self.out_tokens, 1.0), np.asarray(tpot, float), step
 

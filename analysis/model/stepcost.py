@@ -131,6 +131,13 @@ class StepModel:
     # "fitted": fitted on the step log (extrapolated beyond its batches); "profiled": the
     # engine profile calibrated on the step log (analysis.model.profiled)
     source: str = "fitted"
+    # the engine loop's ms between one step's end and the next one's start, g0 + g1 * B
+    # (streaming each row's tokens, scheduling: no step's ``step_ms`` holds it); ``loop_gap``
+    loop_gap: tuple = (0.0, 0.0)
+
+    def gap_ms(self, rows):
+        """The engine loop's ms between steps at B rows (array ok)."""
+        return self.loop_gap[0] + self.loop_gap[1] * np.asarray(rows, float)
 
     def draft_ms(self, rows):
         """The drafter's ms per step at B rows (array ok)."""
@@ -147,6 +154,37 @@ class StepModel:
         dec = np.where(b > 0, dec + self.draft_ms(b), 0.0)
         pre = self.prefill(p) if self.prefill is not None else self.overhead_ms
         return dec + np.where(p > 0, pre, self.overhead_ms)
+
+
+LOOP_GAP_MAX_MS = 5.0   # a longer pause between steps is the engine waiting for work
+
+
+def loop_gap(steps: pd.DataFrame) -> tuple[float, float]:
+    """(g0 ms, g1 ms per row): the engine loop's time between consecutive steps of one
+    replica in one cell (the next step's start, its log ``ts`` minus ``step_ms``, minus this
+    step's end ``ts``), least squares on the next step's decode rows B with g0, g1 >= 0.
+    Pauses over ``LOOP_GAP_MAX_MS`` (no work) are left out; (0, 0) with fewer than 3 gaps or
+    no ``ts``."""
+    from scipy.optimize import nnls
+
+    if steps.empty or mn.STEP_TS not in steps:
+        return 0.0, 0.0
+    keys = [k for k in (mn.REQ_RUN_ID, mn.REQ_REPEAT, mn.REQ_TIER, mn.REQ_OUTPUT_CLASS,
+                        mn.REQ_USERS, mn.STEP_REPLICA) if k in steps]
+    gaps, rows = [], []
+    for _, g in (steps.groupby(keys, dropna=False, sort=False) if keys else [(None, steps)]):
+        g = g.sort_values(mn.STEP_TS)
+        end = g[mn.STEP_TS].to_numpy(float) * 1000.0
+        start = end - g[mn.STEP_MS].to_numpy(float)
+        d = start[1:] - end[:-1]
+        ok = (d >= 0) & (d <= LOOP_GAP_MAX_MS)
+        gaps.append(d[ok])
+        rows.append(g[mn.STEP_BATCH_SIZE].to_numpy(float)[1:][ok])
+    y, b = np.concatenate(gaps), np.concatenate(rows)
+    if y.size < 3:
+        return 0.0, 0.0
+    coef, _ = nnls(np.column_stack([np.ones_like(b), b]), y)
+    return float(coef[0]), float(coef[1])
 
 
 def step_features(steps: pd.DataFrame) -> pd.DataFrame:
@@ -208,7 +246,7 @@ def fit_strategy(steps: pd.DataFrame, strategy: str = "") -> StepModel:
     return StepModel(strategy, decode, prefill, overhead, model.draft,
                      r2_step=r2_score(y, np.asarray(pred)), n_steps=len(f),
                      residuals=y - np.asarray(pred), fitted=np.asarray(pred),
-                     is_prefill=(f["P"] > 0).to_numpy())
+                     is_prefill=(f["P"] > 0).to_numpy(), loop_gap=loop_gap(steps))
 
 
 def cpu_fit(steps: pd.DataFrame) -> dict | None:

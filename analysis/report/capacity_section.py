@@ -50,13 +50,14 @@ def _step_models(results: Results, out: dict) -> dict:
     if profile is not None:
         models = profiled.fit_step_models(bt_mod.steps_with_users(results.steps, results.requests),
                                           profile, results)
-        out["notes"].append(f"step cost: engine profile {path} (python -m bench.step_cost "
-                            "--engine), calibrated on this run's step log")
+        out["notes"].append(f"step cost: engine profile {path} (the main job takes it "
+                            "after its cells; python -m actors.profile), calibrated on this run's "
+                            "step log")
     else:
         models = stepcost.fit_step_models(results.steps)
         if models:
             out["notes"].append("step cost: no engine profile beside the run (RUN_DIR/cost_curve.json, "
-                                "python -m bench.step_cost --engine): fitted on the run's own users "
+                                "python -m actors.profile on the engine's machine): fitted on the run's own users "
                                 "levels; predictions beyond its batches are EXTRAPOLATED")
     return models
 

@@ -270,7 +270,27 @@ def _run(args: argparse.Namespace, console: Any, tty: bool, inputs: _Inputs, loc
         console.print("[yellow]interrupted: stopping; finished requests are kept[/]")
     finally:
         _close_run(st, runner)
+    _take_engine_profile(st)
     return _print_outcome(st)
+
+
+def _take_engine_profile(st: _RunState) -> None:
+    """``RUN_DIR/cost_curve.json`` from the local engines (``loadgen.cli.engine_profile``);
+    the manifest records it, or why not."""
+    from loadgen.cli import engine_profile
+    from loadgen.results.writer import write_manifest
+
+    why_not = engine_profile.wanted(st.args, st.status)
+    if why_not is None:
+        rec = engine_profile.take(st.run_dir, st.strategies, st.args.local_config,
+                                  lambda m: st.console.print(m, highlight=False))
+        if rec["error"]:
+            st.console.print(f"[yellow]warning[/] engine profile not taken: {rec['error']}; the "
+                             "capacity model falls back to the run's own levels", highlight=False)
+    else:
+        rec = {"file": None, "strategies": [], "seconds": 0.0, "error": None, "skipped": why_not}
+    st.manifest["engine_profile"] = rec
+    write_manifest(st.run_dir / "manifest.json", st.manifest)
 
 
 def _open_server_metrics(st: _RunState) -> None:
