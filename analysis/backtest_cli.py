@@ -13,8 +13,17 @@ from configs.jsonio import write_json
 
 
 def run_backtest(args, parser, print_table) -> int:
-    """The CLI body; ``parser.error`` (exit 2) names RESULTS_DIR or --holdout on bad input."""
+    """The CLI body; ``parser.error`` (exit 2) names RESULTS_DIR or --holdout on bad input.
+    The run's warm-up is cut as the report cuts it (``analysis.report.build.prepare``), so the
+    figures are the report's."""
+    from analysis.report.build import prepare
+    from analysis.data.load import ResultsError
+
     results = load_results(args.results_dir)
+    try:
+        results = prepare(results)[0]
+    except ResultsError as exc:
+        parser.error(f"RESULTS_DIR: {exc}")
     try:
         bt = backtest(results, args.holdout)
     except ValueError as exc:

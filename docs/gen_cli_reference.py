@@ -32,6 +32,8 @@ COMMANDS: list[tuple[list[str], str]] = [
     (["cluster", "up"], "start (or reuse) the local service on a Ray head"),
     (["cluster", "down"], "stop what `cluster up` started"),
     (["actors.generate"], "generate with one strategy from a prompts file (no server)"),
+    (["actors.profile"], "the engine profile the capacity model calibrates (the main job takes "
+                         "it after its cells): decode grid, prefill, whole steps per strategy"),
     (["loadgen.tools.soak"], "a long mixed run: errors, memory and fds over time"),
     # the benchmarks (bench/): each measures one thing
     (["bench.engine_speedup"], "the engine's tokens/s: ratios vs transformers and vs autoregressive"),

@@ -363,7 +363,8 @@ def rank_rows(rows: list[dict], models: dict, flagged: pd.DataFrame, cells: pd.D
     (``row_basis``) and ``measured`` (the measured goodput and decision at the tier's
     load). Order: the run's measured decision at this tier first (a strategy the run decided
     worse beyond its own noise never ranks above one it did not), then fewer replicas, then
-    more predicted capacity per replica (requests/s meeting the attainment), ties to
+    (when every row was measured at the tier) more measured goodput there, then more
+    predicted capacity per replica (requests/s meeting the attainment), ties to
     autoregressive. Where the model alone would have ranked otherwise the row says so."""
     meas = measured_ranking(flagged, cells, tier, slo)
     out = []
@@ -388,8 +389,16 @@ def rank_rows(rows: list[dict], models: dict, flagged: pd.DataFrame, cells: pd.D
         def model_key(r):
             return (r["replicas"] if r.get("replicas") else 1e9, -(r.get("capacity_rps") or 0.0),
                     r["strategy"] != mn.AUTOREGRESSIVE, r["strategy"])
+        measured_all = all(r.get("measured_goodput_tok_s") is not None for r in group)
+
+        def rank_key(r):
+            # the measured decision, then replicas; among equal replica counts the goodput the
+            # run measured at this tier (when every row has one) before the model's capacity
+            k = model_key(r)
+            seen = -(r["measured_goodput_tok_s"] or 0.0) if measured_all else 0.0
+            return (mr["order"].get(r["strategy"], 1), k[0], seen) + k[1:]
         by_model = sorted(group, key=model_key)
-        ranked = sorted(group, key=lambda r: (mr["order"].get(r["strategy"], 1),) + model_key(r))
+        ranked = sorted(group, key=rank_key)
         if by_model[0] is not ranked[0]:
             ranked[0]["note"] = ((ranked[0].get("note") or "") + (
                 f" ranked first by the measurement at tier {tier} ({mr.get('status')}; "
@@ -440,6 +449,10 @@ def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float,
         "(analysis.model.replica_model) with Poisson arrivals at qps / N, batch <= max_num_seqs and "
         "429 beyond max_waiting (configs/serve.yaml); replicas = smallest N whose predicted "
         f"SLO attainment >= {attainment:.0%}",
+        "replicas are independent, each with cores (or a GPU) of its own: replicas that share one "
+        "machine's cores run slower than this (on a 2-core machine a second replica's engine "
+        "threads ran 69% busy each at 20 req/s where one replica's ran 96% at 40 req/s: the "
+        "second shares the cores it would need)",
     ]
     from analysis.model.replica_model import fit_replica_models
     models = fit_replica_models(results, flagged, cells, notes=assumptions)

@@ -41,8 +41,8 @@ def take(run_dir: Path, strategies: list[str], serve_config: str, say, timeout_s
            "--strategies", ",".join(strategies), "--skip-missing"]
     if serve_config:
         cmd += ["--serve-config", str(serve_config)]
-    say(f"engine profile: timing each strategy's engine on this machine for the capacity model "
-        f"({len(strategies)} strategies, about 6 s each; --engine-profile off skips it)")
+    say(f"engine profile: timing the run's embedded engines on this machine for the capacity "
+        f"model (about 6 s per strategy; --engine-profile off skips it)")
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
