@@ -72,10 +72,11 @@ def test_loop_gap_is_read_between_consecutive_steps_and_pauses_are_left_out():
     assert stepcost.loop_gap(pd.DataFrame(rows[:2])) == (0.0, 0.0)
 
 
-def test_joint_calibration_recovers_each_part_on_mixed_steps():
+def test_calibration_recovers_each_part_on_mixed_steps():
     """Steps of the run cost 1.3 x the profiled verify + 1.1 x the profiled drafter + 1.2 x
     the profiled prefill of their prompt chunk + 0.2 ms, some with decode rows only, some
-    with both, some prefill alone: the fit finds each scale and the constant."""
+    with both (the chunk inside ``verify_ms``: one forward), some prefill alone: each part's
+    fit on its own column finds its scale, and the overhead."""
     prof = {"strategies": {"s": {
         "forward": [{"batch_size": b, "tokens_per_row": q, "context_len": c,
                      "step_ms": 0.5 + 0.05 * b * q + 0.001 * c, "cpu_ms": None}
@@ -97,10 +98,13 @@ def test_joint_calibration_recovers_each_part_on_mixed_steps():
             p = 32
         t = b * 4
         pv = float(parts.verify(max(b, 1), max(t, 1), max(t, 1) * 100 / 1000)) if b else 0.0
-        step = 1.3 * pv + (1.1 * 0.3 * b) + (1.2 * 0.04 * p if p else 0.0) + 0.2
+        draft = 1.1 * 0.3 * b
+        # one forward for the decode rows and the prompt chunk: verify_ms holds both
+        verify = 1.3 * pv + (1.2 * 0.04 * p if p and b else 0.0)
+        step = draft + verify + (1.2 * 0.04 * p if p and not b else 0.0) + 0.2
         rows.append({mn.STEP_BATCH_SIZE: b, mn.STEP_PREFILL_TOKENS: p, mn.STEP_VERIFICATION_TOKENS: t,
                      mn.STEP_PADDED_TOKENS: t, mn.STEP_CONTEXT_TOKENS: 100 * b,
-                     mn.STEP_DRAFT_MS: 0.3 * b, mn.STEP_VERIFY_MS: step - 0.3 * b, mn.STEP_MS: step})
+                     mn.STEP_DRAFT_MS: draft, mn.STEP_VERIFY_MS: verify, mn.STEP_MS: step})
     m = profiled.calibrate(parts, pd.DataFrame(rows), "s")
     assert m.decode.scale == pytest.approx(1.3, rel=1e-6)
     assert m.draft_curve.scale == pytest.approx(1.1, rel=1e-6)

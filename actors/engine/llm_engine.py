@@ -53,7 +53,8 @@ class _StepCounters:
 
     prefill_tokens: int = 0
     verification_tokens: int = 0
-    padded_tokens: int = 0          # decode forward: batch x longest row (padding included)
+    padded_tokens: int = 0          # decode forward: tokens it computed (batch x longest row
+                                    # when it padded, else the rows' own tokens)
     context_tokens: int = 0         # decode forward: sum over rows of the KV length attended
     batch_size: int = 0             # decoding requests whose verification completed
     draft_tokens: int = 0
@@ -643,8 +644,10 @@ class LLMEngine:
         td, tv, cv = clock
         reqs = [d.request for d in decodes]
         if rows:
-            # what the padded forward computes: B x longest row, each row attending its KV
-            stats.padded_tokens = len(rows) * max(len(x.token_ids) for x in rows)
+            # what the forward computed: B x longest row where it padded the rows, else each
+            # row's own tokens (the stack, flat and packed forwards are ragged)
+            stats.padded_tokens = (len(rows) * max(len(x.token_ids) for x in rows)
+                                   if self.runner.last_padded else sum(len(x.token_ids) for x in rows))
             stats.context_tokens = sum(x.start + len(x.token_ids) for x in rows)
             ok = [(r, p, row, f) for (r, p), row, f in zip(live, rows, fwd) if f is not None]
             for r, _, _, f in ok:   # min_tokens: EOS is -inf where it may not come yet

@@ -90,6 +90,9 @@ class ModelRunner:
         # the forward path of every forward since the caller last cleared it (FORWARD_PATH_*
         # of ``configs.metric_names``, in order; the engine's step row records them)
         self.paths: collections.deque[str] = collections.deque(maxlen=64)
+        # whether the latest ``run`` padded its rows to the longest (``run_padded``); the
+        # stack, flat and packed forwards compute each row's own tokens only
+        self.last_padded = False
         self.eager_flat = False
         if self.EAGER_FLAT and self.device.type == "cpu" and dtype == torch.float32:
             from actors.engine import attention_kernel
@@ -317,6 +320,7 @@ class ModelRunner:
         """
         lens = [len(r.token_ids) for r in rows]
         route, n = self.current_route(), sum(lens)
+        self.last_padded = False
         if n <= route.stack_tokens:
             return self._run_stack(rows, last_only, aux_layers)
         if not aux_layers and route.flat is not None and max(lens) <= route.flat_max_q \
@@ -598,7 +602,9 @@ class ModelRunner:
                    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """As ``run`` but logits stay one padded tensor: [B, Q, V] float32 (Q =
         longest row; positions past a row's length are padding), or [B, 1, V]
-        with ``last_only``; the batched verifier reads it in one transfer."""
+        with ``last_only``; the batched verifier reads it in one transfer. Sets
+        ``last_padded`` (the forward computed B x Q tokens, padding included)."""
+        self.last_padded = True
         B = len(rows)
         # Rows whose slots are a permutation of a consecutive range run in slot order,
         # so attention reads the cache as a view (no per-layer gather of every row's

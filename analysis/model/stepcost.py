@@ -10,7 +10,8 @@ per replica configuration (one deployment = one strategy = one config):
 
 - decode target: ``verify_ms = a + b*B + c*max(0, T - k) + e*A`` with B the
   decode rows, T the tokens the forward computes (``padded_tokens`` when
-  logged, else ``verification_tokens``), A = T * (context tokens / B) / 1000
+  logged and the forward padded, else ``verification_tokens``: the stack and compiled
+  forwards are ragged), A = T * (context tokens / B) / 1000
   the attention work (query tokens x KV length, thousands) when
   ``context_tokens`` is logged. Two regimes, as a roofline (Williams,
   Waterman & Patterson 2009): below the knee k a step costs a per-step floor
@@ -194,7 +195,11 @@ def step_features(steps: pd.DataFrame) -> pd.DataFrame:
     verif = s[mn.STEP_VERIFICATION_TOKENS].astype(float).fillna(0.0)
     padded = (s[mn.STEP_PADDED_TOKENS].astype(float) if mn.STEP_PADDED_TOKENS in s
               else pd.Series(np.nan, index=s.index))
-    t = padded.where(padded.notna() & (padded > 0), verif)
+    # a step on a ragged forward (the stack kernel, the compiled flat one) computed its rows'
+    # own tokens; logs before the engine said so wrote B x longest row there too
+    ragged = (s[mn.STEP_FORWARD_PATH].isin([mn.FORWARD_PATH_STACK, mn.FORWARD_PATH_COMPILED])
+              if mn.STEP_FORWARD_PATH in s else pd.Series(False, index=s.index))
+    t = padded.where(padded.notna() & (padded > 0) & ~ragged, verif)
     b = s[mn.STEP_BATCH_SIZE].astype(float).fillna(0.0)
     ctx = (s[mn.STEP_CONTEXT_TOKENS].astype(float) if mn.STEP_CONTEXT_TOKENS in s
            else pd.Series(np.nan, index=s.index))
