@@ -82,6 +82,12 @@ def _add_plan_model(q) -> None:
                    "model dir; also gives --model-params when that is absent")
     g.add_argument("--gpu-memory-utilization", default="0.9",
                    help="share of GPU memory weights + KV cache may use (default 0.9)")
+    g.add_argument("--max-num-seqs", default=None, metavar="S",
+                   help="requests a replica runs at once (vLLM's max_num_seqs; default: the "
+                        "Serve config's): the plan's queue, and what --validate deploys")
+    g.add_argument("--max-waiting", default=None, metavar="W",
+                   help="requests a replica holds waiting before it answers 429 (default: the "
+                        "Serve config's): the plan's queue, and what --validate deploys")
     g.add_argument("--acceptance-length", default=None, metavar="A",
                    help="plan for a drafter of this acceptance length (tokens per verify step, the "
                         "target's own counted; 1..k+1) with the measured step costs: goodput and "
@@ -270,6 +276,10 @@ def _plan_errors(args) -> list[str]:
     _number(errors, args, "overhead_ms", positive=False)
     _number(errors, args, "validate_warmup", positive=False)
     _number(errors, args, "max_batch", kind=int)
+    _number(errors, args, "max_num_seqs", kind=int)
+    _number(errors, args, "max_waiting", kind=int, positive=False)
+    if isinstance(args.max_waiting, int) and args.max_waiting < 0:
+        errors.append(f"--max-waiting must be >= 0, got {args.max_waiting}")
     _number(errors, args, "acceptance_length")
     if isinstance(args.acceptance_length, float) and args.acceptance_length < 1:
         errors.append(f"--acceptance-length must be >= 1 (the target's own token counts), got "
@@ -323,7 +333,7 @@ def _plan(args, parser) -> int:
                    attainment=args.attainment, overhead_ms=args.overhead_ms,
                    max_batch=args.max_batch, model_shape=args.model_shape,
                    gpu_memory_utilization=args.gpu_memory_utilization, slo_source=args.slo_source,
-                   acceptance_length=args.acceptance_length)
+                   acceptance_length=args.acceptance_length, engine_limits=_limits(args))
     except ValueError as exc:
         if isinstance(exc, ResultsError):
             raise
@@ -378,6 +388,12 @@ def _print_plan(args, out: dict) -> None:
             print(line)
 
 
+def _limits(args) -> dict:
+    """The per-replica engine limits set by flags: {"max_num_seqs", "max_waiting"} (set ones)."""
+    return {k: getattr(args, k) for k in ("max_num_seqs", "max_waiting")
+            if getattr(args, k, None) is not None}
+
+
 def _validate(args, out: dict, parser) -> int:
     """--validate: run the plan with N and N-1 replicas; print and (--json FILE) write it."""
     from pathlib import Path
@@ -399,7 +415,7 @@ def _validate(args, out: dict, parser) -> int:
         args.attainment, va.run_max_tokens(manifest, args.tier, choice.output_class),
         Path(args.validate_results or Path(args.results_dir) / "validate"),
         duration_s=args.validate_duration, warmup_s=args.validate_warmup,
-        acceptance_length=args.acceptance_length)
+        acceptance_length=args.acceptance_length, engine_overrides=_limits(args))
     row = next(r for r in out["model"] if r["strategy"] == choice.strategy
                and r["output_class"] == choice.output_class)
     res["predicted"] = {"attainment": row["predicted_attainment"],

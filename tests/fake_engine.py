@@ -14,7 +14,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from actors.engine.errors import InvalidRequest, QueueFull
+from actors.engine.errors import InvalidRequest, QueueFull, queue_full
 from actors.engine.types import RequestOutput, SamplingParams, SpecStats
 from configs import metric_names as mn
 
@@ -84,7 +84,7 @@ class FakeEngine:
                                  code="context_length_exceeded")
         if request_id in self._ids:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        if len(self._waiting) >= self.max_waiting:
+        if queue_full(len(self._waiting), len(self._running), self.max_num_seqs, self.max_waiting):
             raise QueueFull(f"{len(self._waiting)} requests waiting (max_waiting)")
         if params.max_tokens is None:  # the rest of the context, as the real engine
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))

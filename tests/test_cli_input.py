@@ -141,6 +141,10 @@ def test_analysis_bad_flags(capsys, tmp_path):
         "--emit-serve-config")
     assert not (tmp_path / "no").exists()
     _exit2(capsys, _analysis, ["plan", str(run), "--qps", "nan", "--tier", "low"], "--qps")
+    _exit2(capsys, _analysis, ["plan", str(run), "--qps", "1", "--tier", "low", "--max-num-seqs",
+                               "0"], "--max-num-seqs")
+    _exit2(capsys, _analysis, ["plan", str(run), "--qps", "1", "--tier", "low", "--max-waiting",
+                               "-1"], "--max-waiting")
     _exit2(capsys, _analysis, ["backtest", str(run), "--holdout", "0"], "--holdout")
 
 

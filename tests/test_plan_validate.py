@@ -59,6 +59,10 @@ def test_generated_serve_config_and_tier_file_validate(tmp_path):
     assert args.strategies[0].num_replicas == 2 and args.strategies[0].engine["torch_threads"] == 1
     with pytest.raises(ValueError):
         va.serve_config("nope", 1)
+    # the limits a plan was made for (plan --max-num-seqs / --max-waiting) are what it deploys
+    small = va.serve_config(mn.AUTOREGRESSIVE, 2, engine={"max_num_seqs": 2, "max_waiting": 0})
+    eng = ServeAppConfig.model_validate(small["applications"][0]["args"]).strategies[0].engine
+    assert eng["max_num_seqs"] == 2 and eng["max_waiting"] == 0
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(va.tiers_file("high", "long", 3.5, 30, SLO,
                                               {"dist": "uniform", "min": 96, "max": 128})))

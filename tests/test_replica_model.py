@@ -100,3 +100,21 @@ def test_plan_replicas_from_the_fitted_model_past_the_measured_users(tmp_path):
     assert ar["capacity_rps"] < 0.9 * sat
     assert ar["replicas"] == math.ceil(100 / ar["capacity_rps"] - 1e-9)
     assert ar["predicted_attainment"] >= 0.9 > ar["predicted_attainment_minus_one"]
+
+
+def test_plan_for_engine_limits_set_by_flags(tmp_path):
+    """``plan(engine_limits={"max_num_seqs": S})``: the queue holds at most S in service; one
+    replica then saturates at 1000 S / (step(S) L) req/s, so a load one replica held at the
+    Serve config's 32 needs more replicas at S = 4; the assumptions say so."""
+    full = cs.write_sweep_run(tmp_path / "full", levels=(1, 2, 4, 8, 16, 32))
+    base = plan(full, qps=40, tier="sweep", slo_ttft_ms=1e6, slo_tpot_ms=1e6)
+    small = plan(full, qps=40, tier="sweep", slo_ttft_ms=1e6, slo_tpot_ms=1e6,
+                 engine_limits={"max_num_seqs": 4, "max_waiting": 0})
+
+    def ar(out):
+        return next(r for r in out["model"] if r["strategy"] == mn.AUTOREGRESSIVE
+                    and r["output_class"] == "long")
+    sat4 = 1000 * 4 / (float(cs.true_step_ms(mn.AUTOREGRESSIVE, 4)) * 120)
+    assert ar(small)["saturation_rps"] == pytest.approx(sat4, rel=0.03)
+    assert ar(base)["replicas"] == 1 and ar(small)["replicas"] > 40 / sat4
+    assert any("max_num_seqs 4" in a and "max_waiting 0" in a for a in small["assumptions"])

@@ -33,6 +33,14 @@ class QueueFull(RuntimeError):
     """``max_waiting`` requests already wait for a batch slot (HTTP 429)."""
 
 
+def queue_full(waiting: int, running: int, max_num_seqs: int, max_waiting: int) -> bool:
+    """Whether a new request finds ``max_waiting`` requests already waiting for a batch slot:
+    the waiting ones the free slots (``max_num_seqs - running``) will not take at the next
+    step. A request that a free slot takes at once does not wait, so ``max_waiting = 0``
+    serves up to ``max_num_seqs`` requests and answers 429 beyond them."""
+    return waiting - max(0, max_num_seqs - running) >= max_waiting
+
+
 class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served (HTTP 503)."""
 

@@ -27,7 +27,7 @@ import torch
 from actors.engine import memory as mem
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import Detokenizer
-from actors.engine.errors import InvalidRequest, QueueFull, check_prompt_ids
+from actors.engine.errors import InvalidRequest, QueueFull, check_prompt_ids, queue_full
 from actors.engine.model import CausalLM
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.runner import ModelRunner, RowInput
@@ -237,7 +237,8 @@ class LLMEngine:
             ids = list(prompt)
         check_prompt_ids(ids, self.model.config.vocab_size, self.max_model_len,
                          check_vocab=not isinstance(prompt, str))
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if queue_full(len(self.scheduler.waiting), len(self.scheduler.running),
+                      self.config.max_num_seqs, self.config.max_waiting):
             raise QueueFullError(f"{self.num_waiting} requests are waiting "
                                  f"(max_waiting={self.config.max_waiting})")
         if params.max_tokens is None:  # the rest of the context (OpenAI chat, vLLM)

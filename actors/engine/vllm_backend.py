@@ -485,6 +485,7 @@ class VllmEngine:
         self.served_model_name = cfg.get("served_model_name") or self.strategy
         self.replica_id = str(cfg.get("replica_id", "0"))
         self.max_waiting = int(cfg.get("max_waiting", 1024))
+        self.max_num_seqs = int(cfg.get("max_num_seqs", 32))
         stats: list = []
         self._stats = stats
 
@@ -563,7 +564,7 @@ class VllmEngine:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        from actors.engine.errors import InvalidRequest, QueueFull, check_prompt_ids
+        from actors.engine.errors import InvalidRequest, QueueFull, check_prompt_ids, queue_full
 
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
@@ -579,7 +580,8 @@ class VllmEngine:
             ids = list(prompt)
         check_prompt_ids(ids, self.vocab_size, self.max_model_len,
                          check_vocab=not isinstance(prompt, str))
-        if self.num_waiting >= self.max_waiting:
+        running, waiting = self._counts()
+        if queue_full(waiting, running, self.max_num_seqs, self.max_waiting):
             raise QueueFull(f"{self.num_waiting} requests are waiting "
                             f"(max_waiting={self.max_waiting})")
         room = self.max_model_len - len(ids)

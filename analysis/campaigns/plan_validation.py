@@ -45,7 +45,8 @@ class _Campaign:
     log: Callable[[str], None]
 
 
-def default_deploy(acceptance_length: float | None = None) -> Deploy:
+def default_deploy(acceptance_length: float | None = None, engine_overrides: dict | None = None
+                   ) -> Deploy:
     """``deploy(strategy, replicas) -> (url, stop)``: ``va.serve_config`` on a private Ray head
     (``cluster.launch.deploy_private``; its config files go to a fresh temp dir)."""
     from cluster.launch import deploy_private
@@ -54,7 +55,8 @@ def default_deploy(acceptance_length: float | None = None) -> Deploy:
 
     def deploy(strategy: str, replicas: int):
         return deploy_private(va.serve_config(strategy, replicas,
-                                              acceptance_length=acceptance_length), work)
+                                              acceptance_length=acceptance_length,
+                                              engine=engine_overrides), work)
     return deploy
 
 
@@ -108,7 +110,8 @@ def validate_plan(choice: va.Choice, qps: float, tier: str, slo: Slo, target: fl
                   max_tokens, out_dir: Path, duration_s: float = va.DEFAULT_DURATION_S,
                   warmup_s: float = va.DEFAULT_WARMUP_S, deploy: Deploy | None = None,
                   drive: Drive | None = None, log=print,
-                  acceptance_length: float | None = None) -> dict:
+                  acceptance_length: float | None = None,
+                  engine_overrides: dict | None = None) -> dict:
     """Run the plan with N and N - 1 replicas; returns the ``--validate --json`` dict
     (``va.new_result``'s keys, then per count "attainment" / "attainment_minus_one",
     "requests" / "requests_minus_one", "arrivals", "cpu_share", "goodput_tok_s", "runs",
@@ -116,6 +119,8 @@ def validate_plan(choice: va.Choice, qps: float, tier: str, slo: Slo, target: fl
     driven (``check_run`` failed) gets attainment None (holds / tight None) and its error
     under "errors".
 
+    ``engine_overrides``: engine fields set on the deployed strategy (``max_num_seqs``,
+    ``max_waiting``: the limits the plan was made for).
     ``deploy(strategy, replicas) -> (url, stop)`` and ``drive(url, run_id) -> run_dir``
     default to ``default_deploy`` (``python -m cluster up`` on a private head) and
     ``default_drive`` (``python -m loadgen``)."""
@@ -125,7 +130,7 @@ def validate_plan(choice: va.Choice, qps: float, tier: str, slo: Slo, target: fl
     tiers_path.write_text(yaml.safe_dump(va.tiers_file(tier, choice.output_class, qps, duration_s,
                                                        slo, max_tokens)))
     c = _Campaign(choice, qps, tier, slo, duration_s, warmup_s,
-                  deploy or default_deploy(acceptance_length),
+                  deploy or default_deploy(acceptance_length, engine_overrides),
                   drive or default_drive(choice, tier, tiers_path, out_dir), log)
     result = va.new_result(choice, qps, tier, slo, target, duration_s, warmup_s, acceptance_length)
     for n, key in ((choice.replicas, "attainment"), (choice.replicas - 1, "attainment_minus_one")):

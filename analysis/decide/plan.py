@@ -434,8 +434,8 @@ def tier_answer(rows: list[dict]) -> list[dict]:
 
 def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float, tier: str,
                 classes: list[str], slo: Slo, slo_ttft_ms: float, slo_tpot_ms: float,
-                attainment: float, acceptance_length: float | None = None
-                ) -> tuple[list[dict], list[str]]:
+                attainment: float, acceptance_length: float | None = None,
+                engine_limits: dict | None = None) -> tuple[list[dict], list[str]]:
     """The model plan's rows (``model_plan``) and the assumptions list it starts;
     ``acceptance_length``: every speculative strategy's tau set to it (``at_acceptance_length``),
     each row then carries ``acceptance_length`` (the set A) and ``measured_acceptance_length``."""
@@ -454,8 +454,16 @@ def _model_rows(results, flagged: pd.DataFrame, cells: pd.DataFrame, qps: float,
         "threads ran 69% busy each at 20 req/s where one replica's ran 96% at 40 req/s: the "
         "second shares the cores it would need)",
     ]
-    from analysis.model.replica_model import fit_replica_models
-    models = fit_replica_models(results, flagged, cells, notes=assumptions)
+    from analysis.model.replica_model import engine_limits as config_limits, fit_replica_models
+    over = dict(engine_limits or {})
+
+    def limits(strategy: str) -> tuple[int, int]:
+        s, w = config_limits(strategy)
+        return int(over.get("max_num_seqs", s)), int(over.get("max_waiting", w))
+    if over:
+        assumptions.append("per replica " + ", ".join(f"{k} {v}" for k, v in sorted(over.items()))
+                           + " (flags, over the Serve config's; --validate deploys them)")
+    models = fit_replica_models(results, flagged, cells, limits=limits, notes=assumptions)
     measured_tau = {key: m.cell.workload.tau for key, m in models.items()}
     if acceptance_length is not None:
         models, notes = at_acceptance_length(models, acceptance_length)
@@ -542,8 +550,12 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
          overhead_ms: float = DEFAULT_OVERHEAD_MS, max_batch: int = DEFAULT_MAX_BATCH,
          model_shape: str | None = None,
          gpu_memory_utilization: float = memory.DEFAULT_GPU_MEMORY_UTILIZATION,
-         slo_source: str = "flags", acceptance_length: float | None = None) -> dict:
+         slo_source: str = "flags", acceptance_length: float | None = None,
+         engine_limits: dict | None = None) -> dict:
     """Plan replicas for ``qps`` requests/s of ``tier`` traffic under the SLOs.
+
+    ``engine_limits``: {"max_num_seqs", "max_waiting"} per replica over the Serve config's
+    (what ``--validate`` then deploys).
 
     ``slo_source`` says where the SLO came from (``flags``, ``manifest``, ...; see
     ``analysis.data.slo.resolve_slos``); it is recorded in the returned ``slo``.
@@ -560,7 +572,8 @@ def plan(results_dir, qps: float, tier: str, slo_ttft_ms: float, slo_tpot_ms: fl
     results, labels = _one_sampling(load_results(results_dir))
     slo, flagged, cells, classes = _flagged(results, tier, slo_ttft_ms, slo_tpot_ms, slo_source)
     rows, assumptions = _model_rows(results, flagged, cells, qps, tier, classes, slo,
-                                    slo_ttft_ms, slo_tpot_ms, attainment, acceptance_length)
+                                    slo_ttft_ms, slo_tpot_ms, attainment, acceptance_length,
+                                    engine_limits)
     if len(labels) > 1:
         assumptions.append(f"sampling: the {labels[0]!r} cells only (the run also measured "
                            f"{', '.join(labels[1:])}; acceptance, hence capacity, differs by setting)")

@@ -159,10 +159,11 @@ def run_id_for(strategy: str, replicas: int) -> str:
 
 
 def serve_config(strategy: str, replicas: int, base: Path = SERVE_YAML,
-                 acceptance_length: float | None = None) -> dict:
+                 acceptance_length: float | None = None, engine: dict | None = None) -> dict:
     """configs/serve.yaml with only ``strategy``, at ``replicas`` replicas (1 torch thread each);
     ``acceptance_length``: its accept decision forced to that length (``rejection_sample_method:
-    synthetic``, vLLM's names; ``plan --acceptance-length --validate``).
+    synthetic``, vLLM's names; ``plan --acceptance-length --validate``); ``engine``: engine
+    fields set over the config's (``max_num_seqs``, ``max_waiting``).
 
     Raises ValueError when the base config has no such strategy, or A > k + 1."""
     cfg = yaml.safe_load(Path(base).read_text())
@@ -174,6 +175,7 @@ def serve_config(strategy: str, replicas: int, base: Path = SERVE_YAML,
     entries[0]["num_replicas"] = int(replicas)
     entries[0].pop("autoscaling_config", None)
     entries[0]["engine"]["torch_threads"] = 1
+    entries[0]["engine"].update(engine or {})
     if acceptance_length is not None:
         k = entries[0]["engine"].get("num_speculative_tokens")
         if isinstance(k, int) and acceptance_length > k + 1:
