@@ -230,6 +230,17 @@ def _time_call(fn, repeats: int) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
+def add_config_flags(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--strategies`` and ``--serve-config``: which engines of which Serve config are
+    profiled (``prefix`` starts their help, e.g. "--engine: ")."""
+    ap.add_argument("--strategies", default="",
+                    help=f"{prefix}comma-separated strategies (default: every embedded one of "
+                         "the config)")
+    ap.add_argument("--serve-config", type=Path, default=None,
+                    help=f"{prefix}the Serve config whose engines are profiled (default "
+                         "configs/serve.yaml)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m actors.profile [--strategies a,b] [--serve-config F] --out FILE``: exit 0,
     or 2 with the flag named (an unknown strategy, a context beyond the model)."""
@@ -238,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "of a Serve config (decode forward grid, prefill, "
                                              "whole engine steps); write it beside a run as "
                                              "RUN_DIR/cost_curve.json.")
-    ap.add_argument("--strategies", default="",
-                    help="comma-separated strategies (default: every embedded one of the config)")
-    ap.add_argument("--serve-config", type=Path, default=None,
-                    help="the Serve config whose engines are profiled (default configs/serve.yaml)")
+    add_config_flags(ap)
     ap.add_argument("--skip-missing", action="store_true",
                     help="skip --strategies the config has no embedded engine for (a vLLM "
                          "backend, a variant) instead of failing")

@@ -36,7 +36,7 @@ import torch
 from actors.engine.model import CausalLM, ModelConfig
 from actors.engine.runner import ModelRunner, RowInput
 from actors.profile import (ENGINE_BATCHES, ENGINE_CONTEXTS, ENGINE_TOKENS_PER_ROW,
-                            profile_engine)
+                            add_config_flags, profile_engine)
 from configs.jsonio import write_json
 from configs.paths import MODELS_DIR
 
@@ -202,11 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(real checkpoints): decode forward over --batches x --tokens-per-row x "
                          "--contexts, prefill forward, and whole engine steps (the drafter's "
                          "cost apart); write it beside a run as RUN_DIR/cost_curve.json")
-    ap.add_argument("--strategies", default="",
-                    help="--engine: comma-separated strategies (default: every embedded one)")
-    ap.add_argument("--serve-config", type=Path, default=None,
-                    help="--engine: the Serve config whose engines are profiled "
-                         "(default configs/serve.yaml)")
+    add_config_flags(ap, "--engine: ")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     ap.add_argument("--batches", type=_ints("--batches"), default=None,

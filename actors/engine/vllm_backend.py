@@ -484,10 +484,9 @@ class VllmEngine:
         self.strategy = cfg.get("strategy", "autoregressive")
         self.served_model_name = cfg.get("served_model_name") or self.strategy
         self.replica_id = str(cfg.get("replica_id", "0"))
-        self.max_waiting = int(cfg.get("max_waiting", 1024))
-        self.max_num_seqs = int(cfg.get("max_num_seqs", 32))
-        stats: list = []
-        self._stats = stats
+        self.max_waiting, self.max_num_seqs = (int(cfg.get("max_waiting", 1024)),
+                                               int(cfg.get("max_num_seqs", 32)))
+        self._stats = stats = []   # scheduler stats, one per engine step
 
         class _StepStats(StatLoggerBase):   # vLLM calls record() once per engine step
             def __init__(self, vllm_config, engine_index=0):
