@@ -200,7 +200,7 @@ def _profile_strategy(name: str, eng_cfg: dict, out: dict, batches, tokens_per_r
 def profile_engine(strategies: list[str] | None = None, serve_config: Path | None = None,
                    batches=ENGINE_BATCHES, tokens_per_row=ENGINE_TOKENS_PER_ROW,
                    contexts=ENGINE_CONTEXTS, prefill=ENGINE_PREFILL,
-                   step_contexts=ENGINE_STEP_CONTEXTS, repeats: int = 3, max_tokens: int = 16,
+                   step_contexts=ENGINE_STEP_CONTEXTS, repeats: int = 3, max_tokens: int = 64,
                    threads: int = 1, log=print) -> dict:
     """The engine profile (module doc) of each strategy of the Serve config.
 
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-missing", action="store_true",
                     help="skip --strategies the config has no embedded engine for (a vLLM "
                          "backend, a variant) instead of failing")
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per point (median)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per point (median; "
+                    "default 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--out", type=Path, required=True, help="profile file to write (JSON)")
     a = ap.parse_args(argv)

@@ -42,7 +42,7 @@ def take(run_dir: Path, strategies: list[str], serve_config: str, say, timeout_s
     if serve_config:
         cmd += ["--serve-config", str(serve_config)]
     say(f"engine profile: timing the run's embedded engines on this machine for the capacity "
-        f"model (about 6 s per strategy; --engine-profile off skips it)")
+        f"model (about 8 s per strategy; --engine-profile off skips it)")
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
