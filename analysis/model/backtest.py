@@ -15,8 +15,9 @@ time: Lazowska et al. 1984, *Quantitative System Performance*, ch. 6), solved fo
 decode rows B per step by fixed-point iteration:
 
     T = B v,  q = B tau / L  (prefills per decode step)
-    step     = draft(B) + decode(B, T, A) + c + q * pre(P)      (c: per-step overhead,
-    step_own = draft(B) + decode(B, T, A) + c + q (B-1)/B pre(P)  pre: marginal prefill)
+    step     = draft(B) + decode(B, T, A) + gap(B) + c + q * pre(P)
+    step_own = draft(B) + decode(B, T, A) + gap(B) + c + q (B-1)/B pre(P)
+    (gap: the engine loop between steps; c: per-step overhead; pre: marginal prefill)
     R_pre = 1.5 step (B-1)/B + c + pre(P),  R_dec = (L - 1) / tau * step_own
     R = R_pre + R_dec,  phi = gap / (R + gap),  busy = 1 - phi^N
     B = max(1, N R_dec / (R + gap) / busy)
@@ -25,7 +26,7 @@ decode rows B per step by fixed-point iteration:
 so the batch, the engine's idle time at low load and the prefill interference at high load
 follow from the step costs instead of being read off the held-in levels. A per strategy x
 output class calibration factor (measured / modelled at each held-in level, interpolated in
-log users and held at the nearest end outside) absorbs what no step sees (the HTTP and
+log users, their median outside) absorbs what no step sees (the HTTP and
 streaming path). The speedup is the predicted tokens/s over the predicted
 ``autoregressive`` one. Errors are fractions: |predicted - measured| / measured.
 """
