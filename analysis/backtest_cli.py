@@ -1,7 +1,8 @@
 """``python -m analysis backtest RUN_DIR [--json FILE] [--holdout N]``: print the
 prediction error table (fit below the holdout, predict it), the leave-one-level-out
 table over every users level (``analysis.model.backtest.loo_backtest``) with the step
-model's hold-out r², and the crossover (measured interval vs predicted)."""
+model's hold-out r², the leave-one-repeat-out summary over cells measured more than once
+(``lro_backtest``), and the crossover (measured interval vs predicted)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ def run_backtest(args, parser, print_table) -> int:
                     ["strategy", "r2_holdout", "r2_ceiling"])
         for metric, o in loo["overall"].items():
             print(f"leave-one-level-out {metric}: median absolute error {o['median_abs_error']:.1%}, "
+                  f"worst {o['worst_abs_error']:.1%} over {o['n']} predictions")
+    lro = bt.get("lro")
+    if lro:
+        print_table(f"leave-one-repeat-out over the {lro['held_cells']} cell repeats of cells "
+                    "measured more than once (the model fitted on everything else predicts the "
+                    "held repeat)", lro["summary"],
+                    ["strategy", "output_class", "metric", "median_abs_error", "worst_abs_error", "n"])
+        for metric, o in lro["overall"].items():
+            print(f"leave-one-repeat-out {metric}: median absolute error {o['median_abs_error']:.1%}, "
                   f"worst {o['worst_abs_error']:.1%} over {o['n']} predictions")
     mae = bt["median_abs_error"]
     print(f"median absolute error: {'-' if mae is None else f'{mae:.1%}'} over {len(bt['rows'])} "

@@ -214,3 +214,54 @@ def test_engine_profile_of_the_embedded_engine_is_read_back(tmp_path):
     with pytest.raises(SystemExit) as e:
         cost_curve_main(["--engine", "--strategies", "nope", "--out", str(tmp_path / "x.json")])
     assert e.value.code == 2
+
+
+def _two_repeat_run(path, slower: float):
+    """capacity_synth's sweep run measured twice: repeat 1 a copy of repeat 0 with every
+    request and step ``slower`` times as long (the same cells on a busier machine)."""
+    import pandas as pd
+
+    base = cs.write_sweep_run(path, levels=(1, 4, 16))
+    req, st = pd.read_parquet(base / "requests.parquet"), pd.read_parquet(base / "steps.parquet")
+    r1, s1 = req.copy(), st.copy()
+    for c in (mn.REQ_TTFT_MS, mn.REQ_TPOT_MS, mn.REQ_ITL_P50_MS, mn.REQ_ITL_P99_MS, mn.REQ_E2E_MS):
+        r1[c] = r1[c] * slower
+    t0 = r1[mn.REQ_SCHEDULED_TS].min()
+    for c in (mn.REQ_SCHEDULED_TS, mn.REQ_SENT_TS, mn.REQ_FIRST_TOKEN_TS, mn.REQ_END_TS):
+        r1[c] = t0 + (r1[c] - t0) * slower + 1e6
+    for c in (mn.STEP_MS, mn.STEP_DRAFT_MS, mn.STEP_VERIFY_MS):
+        s1[c] = s1[c] * slower
+    s1[mn.STEP_TS] = s1[mn.STEP_TS] + 1e6
+    pd.concat([req.assign(**{mn.REQ_REPEAT: 0}), r1.assign(**{mn.REQ_REPEAT: 1})],
+              ignore_index=True).to_parquet(base / "requests.parquet")
+    pd.concat([st.assign(**{mn.REQ_REPEAT: 0}), s1.assign(**{mn.REQ_REPEAT: 1})],
+              ignore_index=True).to_parquet(base / "steps.parquet")
+    return base
+
+
+@pytest.mark.parametrize("slower", [1.0, 1.25])
+def test_leave_one_repeat_out_errs_by_the_repeats_own_difference(tmp_path, slower):
+    """Every cell measured twice, the second time ``slower`` x as long: holding out either
+    repeat, the model fitted on the other predicts it off by exactly their difference (1.25 x:
+    tokens/s 25 % high for repeat 1, 20 % low for repeat 0; TPOT the same the other way) and
+    within 2 % when the repeats agree. Every held cell of both repeats is predicted."""
+    run = _two_repeat_run(tmp_path / "run", slower)
+    (run / profiled.PROFILE_FILE).write_text(json.dumps(synth_profile()))
+    lro = bt.lro_backtest(load_results(run))
+    cells = 2 * 2 * 3                       # strategies x output classes x users levels
+    assert lro["held_cells"] == 2 * cells
+    rows = lro["rows"]
+    for metric in (metrics.OUTPUT_TOKENS_PER_S, "tpot_ms_p50"):
+        got = {(r["repeat"], r["strategy"], r["output_class"], r["users"]): r
+               for r in rows if r["metric"] == metric}
+        assert len(got) == 2 * cells
+        for (rep, *_), r in got.items():
+            ratio = r["predicted"] / r["measured"]
+            faster_held = (rep == 0) == (metric == metrics.OUTPUT_TOKENS_PER_S)
+            want = 1.0 / slower if faster_held else slower
+            assert ratio == pytest.approx(want, rel=0.02), (rep, r)
+    summary = {(s["strategy"], s["output_class"], s["metric"]) for s in lro["summary"]}
+    assert len(summary) == 2 * 2 + 2 * 3       # autoregressive: no speedup; dflash: speedup too
+    # one repeat only: nothing to hold out
+    single = cs.write_sweep_run(tmp_path / "one", levels=(1, 4, 16))
+    assert bt.lro_backtest(load_results(single)) is None

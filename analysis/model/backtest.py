@@ -586,21 +586,79 @@ def loo_backtest(results: Results, profile: dict | None | bool = True) -> dict:
             f = f[(f["B"] > 0) | (f["P"] > 0)]
             pred = np.asarray(m.step_ms(f["B"], f["T"], f["A"], f["P"]), float)
             held.setdefault(str(strategy), []).append((f["step_ms"].to_numpy(float), pred))
-    df = pd.DataFrame(rows)
-    summary, overall = [], {}
-    if not df.empty:
-        for (s, oc, metric), g in df.groupby(["strategy", "output_class", "metric"]):
-            summary.append({"strategy": s, "output_class": oc, "metric": metric,
-                            "median_abs_error": float(g["abs_error"].median()),
-                            "worst_abs_error": float(g["abs_error"].max()), "n": int(len(g))})
-        for metric, g in df.groupby("metric"):
-            overall[metric] = {"median_abs_error": float(g["abs_error"].median()),
-                               "worst_abs_error": float(g["abs_error"].max()), "n": int(len(g))}
+    summary, overall = _error_summary(pd.DataFrame(rows))
     r2 = {s: _r2(np.concatenate([y for y, _ in v]), np.concatenate([p for _, p in v]))
           for s, v in held.items()}
     return {"levels": levels, "profile": path if profile else None, "rows": rows,
             "summary": summary, "overall": overall, "r2_holdout": r2,
             "r2_ceiling": r2_ceiling(steps)}
+
+
+def lro_backtest(results: Results, profile: dict | None | bool = True) -> dict | None:
+    """Leave-one-repeat-out over the run's repeats (the racing repeats of the main job):
+    for every repeat index j, the repeat j of each cell that has at least two repeats is held
+    out, the capacity model is fitted on everything else (every users level, the other
+    repeats of the held cells included: the step model on their steps, the workload and the
+    calibration on their requests) and predicts the held cells. A forecaster's test on a
+    new measurement at a load the run measured: the model's error there is the floor under
+    every other backtest, to be read beside the cells' own noise ("repeat_spread").
+
+    Returns {"rows": [{"strategy", "output_class", "metric", "users", "repeat",
+    "predicted", "measured", "abs_error", "model", "repeat_spread"}], "summary": [per
+    strategy x output class x metric: "median_abs_error", "worst_abs_error", "n"],
+    "overall": {metric: {"median_abs_error", "worst_abs_error", "n"}}, "held_cells"}; None
+    when no cell has two repeats or the run has no step log."""
+    results, flagged, cells, levels = _levels(results)
+    req = results.requests
+    if mn.REQ_REPEAT not in flagged or results.steps is None or results.steps.empty:
+        return None
+    keys = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS]
+    reps = flagged.groupby(keys)[mn.REQ_REPEAT].nunique()
+    multi = reps[reps >= 2]
+    if multi.empty:
+        return None
+    if profile is True:
+        from analysis.model import profiled
+        profile, _ = profiled.find_profile(results)
+    steps = steps_with_users(results.steps, req)
+    spread = _repeat_spread(flagged)
+    in_multi = pd.MultiIndex.from_frame(flagged[keys]).isin(multi.index)
+    s_rep = steps[mn.REQ_REPEAT] if mn.REQ_REPEAT in steps else pd.Series(np.nan, index=steps.index)
+    s_oc = steps[mn.REQ_OUTPUT_CLASS] if mn.REQ_OUTPUT_CLASS in steps \
+        else pd.Series(np.nan, index=steps.index)
+    s_multi = pd.MultiIndex.from_arrays([steps[mn.STEP_STRATEGY], s_oc,
+                                         steps[mn.REQ_USERS]]).isin(multi.index)
+    rows: list[dict] = []
+    held_cells = 0
+    for j in sorted(flagged.loc[in_multi, mn.REQ_REPEAT].dropna().unique()):
+        held = in_multi & flagged[mn.REQ_REPEAT].eq(j).to_numpy()
+        fit_req = flagged[~held]
+        fit_steps = steps[~(s_multi & s_rep.eq(j).to_numpy())]
+        models, _ = fit_cell_models(fit_steps, fit_req, metrics.cell_table(fit_req), levels,
+                                    profile or None, results)
+        meas = _measured(metrics.cell_table(flagged[held]))
+        held_cells += len(meas)
+        for u in sorted(meas.index.get_level_values(2).unique()):
+            for row in _held_rows(models, meas, int(u), spread):
+                row["repeat"] = int(j)
+                rows.append(row)
+    summary, overall = _error_summary(pd.DataFrame(rows))
+    return {"rows": rows, "summary": summary, "overall": overall, "held_cells": held_cells}
+
+
+def _error_summary(df: pd.DataFrame) -> tuple[list[dict], dict]:
+    """(per strategy x output class x metric, per metric): median and worst absolute error."""
+    summary, overall = [], {}
+    if df.empty:
+        return summary, overall
+    for (s, oc, metric), g in df.groupby(["strategy", "output_class", "metric"]):
+        summary.append({"strategy": s, "output_class": oc, "metric": metric,
+                        "median_abs_error": float(g["abs_error"].median()),
+                        "worst_abs_error": float(g["abs_error"].max()), "n": int(len(g))})
+    for metric, g in df.groupby("metric"):
+        overall[metric] = {"median_abs_error": float(g["abs_error"].median()),
+                           "worst_abs_error": float(g["abs_error"].max()), "n": int(len(g))}
+    return summary, overall
 
 
 def r2_ceiling(steps: pd.DataFrame) -> dict[str, float]:
@@ -630,7 +688,8 @@ def backtest(results: Results, holdout: int | None = None, profile: dict | None 
     r² of the whole step on the fit levels}, "rows": [{"strategy", "output_class",
     "metric", "users", "predicted", "measured", "abs_error"}], "models" (not
     JSON), "crossover": [rows], "step_model": {strategy: profiled | fitted}, "profile" (the
-    engine profile's path or None), "loo" (``loo_backtest``, None where it cannot run)}.
+    engine profile's path or None), "loo" (``loo_backtest``, None where it cannot run), "lro"
+    (``lro_backtest``: leave one repeat out; None without repeats or a step log)}.
     ``profile``: True = look for one (``analysis.model.profiled.find_profile``), None = the
     step-log fit, a dict = that profile. The first sampling label only (``one_sampling``).
     Raises ValueError when the run has fewer than two users levels or no step log.
@@ -677,7 +736,8 @@ def backtest(results: Results, holdout: int | None = None, profile: dict | None 
             "step_model": {s: m.source for s, m in step_models.items()},
             "profile": path if profile else None,
             "rows": rows, "crossover": crossover, "models": models, "cells": cells,
-            "loo": _loo_or_none(results, profile, path)}
+            "loo": _loo_or_none(results, profile, path),
+            "lro": lro_backtest(results, profile if profile else None) if srv is None else None}
 
 
 def _loo_or_none(results: Results, profile, path) -> dict | None:

@@ -235,9 +235,9 @@ def calibrate(parts: ProfiledParts, steps: pd.DataFrame, strategy: str = "") -> 
     pp = np.where(f["P"] > 0, parts.prefill(np.maximum(f["P"].to_numpy(float), 1.0)), 0.0)
     y = f["step_ms"].to_numpy(float)
     use_draft = bool(np.any(pdr >= DRAFT_MIN_MS))
-    s_d = _scale(f["draft_ms"].to_numpy(float)[dec], pdr[dec]) if use_draft else 0.0
     pure = dec & (f["P"].to_numpy(float) == 0)
     pure = pure if pure.any() else dec
+    s_d = _scale(f["draft_ms"].to_numpy(float)[pure], pdr[pure]) if use_draft else 0.0
     s_v = _scale(f["verify_ms"].to_numpy(float)[pure], pv[pure])
     c = max(float(np.median((f["step_ms"] - f["draft_ms"] - f["verify_ms"]).to_numpy(float)[pure])),
             0.0)

@@ -100,6 +100,17 @@ def capacity_section(results: Results) -> dict:
         else "no prediction could be compared", bt["rows"]))
     if bt.get("loo"):
         out["tables"].extend(_loo_tables(bt["loo"]))
+    lro = bt.get("lro")
+    if lro and lro["summary"]:
+        ov = "; ".join(f"{m}: median {o['median_abs_error']:.1%}, worst {o['worst_abs_error']:.1%}"
+                       for m, o in lro["overall"].items())
+        out["tables"].append((
+            "Backtest, leave one repeat out (cells measured more than once)",
+            f"Each repeat of a cell the run measured more than once (the racing repeats) is held "
+            f"out and predicted by the model fitted on everything else: a new measurement at a "
+            f"load the run measured. {ov}. At a measured load the model's error is the cells' own "
+            "repeat-to-repeat noise: read it as the floor under the other backtests here.",
+            _clean(lro["summary"])))
     out["tables"].append((
         "Crossover: measured interval vs predicted",
         "Measured: the users bracket [lo, hi] where the mean speedup first drops below 1 "
