@@ -265,3 +265,24 @@ def test_leave_one_repeat_out_errs_by_the_repeats_own_difference(tmp_path, slowe
     # one repeat only: nothing to hold out
     single = cs.write_sweep_run(tmp_path / "one", levels=(1, 4, 16))
     assert bt.lro_backtest(load_results(single)) is None
+
+
+def test_loo_checks_place_the_worst_case_against_the_runs_own_repeats():
+    """With a leave-one-repeat-out in the backtest, a leave-one-level-out failure says whether
+    its worst case is within the run's own repeat-to-repeat noise."""
+    from analysis.decide.checks import loo_checks
+
+    loo = {"overall": {"tpot_ms_p50": {"median_abs_error": 0.06, "worst_abs_error": 0.3}},
+           "rows": [{"strategy": "autoregressive", "output_class": "short", "metric": "tpot_ms_p50",
+                     "users": 16, "predicted": 5.8, "measured": 4.3, "abs_error": 0.3}],
+           "r2_holdout": {}}
+    noisy = {"overall": {"tpot_ms_p50": {"median_abs_error": 0.1, "worst_abs_error": 0.38, "n": 55}}}
+    quiet = {"overall": {"tpot_ms_p50": {"median_abs_error": 0.02, "worst_abs_error": 0.05, "n": 40}}}
+    within = loo_checks({"loo": loo, "lro": noisy})["step_residuals"]
+    beyond = loo_checks({"loo": loo, "lro": quiet})["step_residuals"]
+    bare = loo_checks({"loo": loo})["step_residuals"]
+    assert len(within) == len(beyond) == len(bare) == 1
+    assert "median 10%, worst 38%" in within[0] and "55 predictions" in within[0]
+    assert "is within the run's own noise" in within[0]
+    assert "is beyond the run's own noise" in beyond[0] and "worst 5%" in beyond[0]
+    assert "repeat" not in bare[0]

@@ -110,6 +110,22 @@ LOO_WORST_MAX = 0.20         # ... and the worst one
 R2_HOLDOUT_MIN = 0.9         # the step model's r² on the steps of held-out levels
 
 
+def _noise_floor(bt: dict | None, metric: str, worst: float) -> str:
+    """The leave-one-repeat-out figures of ``metric`` (``backtest.lro_backtest``: how far a
+    new repeat of a measured cell lands from the model fitted on the others), as a sentence
+    that places a leave-one-level-out worst case against them; "" without repeats."""
+    o = (((bt or {}).get("lro") or {}).get("overall") or {}).get(metric)
+    if not o:
+        return ""
+    med, top = _num(o.get("median_abs_error")), _num(o.get("worst_abs_error"))
+    if med is None or top is None:
+        return ""
+    where = "within" if worst <= top else "beyond"
+    return (f" The run's own repeats of a cell land median {med:.0%}, worst {top:.0%} from the "
+            f"model fitted on the others (leave one repeat out over {o.get('n', 0)} "
+            f"predictions): this worst case is {where} the run's own noise.")
+
+
 def loo_checks(bt: dict | None, tally: list | None = None) -> dict[str, list[str]]:
     """The leave-one-level-out backtest (``analysis.model.backtest.loo_backtest``) against a
     forecaster's bar: median absolute error <= 10 % and worst <= 20 % for tokens/s and TPOT,
@@ -129,7 +145,8 @@ def loo_checks(bt: dict | None, tally: list | None = None) -> dict[str, list[str
                      f"predicted {bad['predicted']:.3g}, measured {bad['measured']:.3g})") if bad else ""
             out.setdefault("step_residuals", []).append(
                 f"Leave-one-level-out backtest of {metric}: median error {med:.0%}, worst "
-                f"{worst:.0%}{where}; the bar is {LOO_MEDIAN_MAX:.0%} / {LOO_WORST_MAX:.0%}.")
+                f"{worst:.0%}{where}; the bar is {LOO_MEDIAN_MAX:.0%} / {LOO_WORST_MAX:.0%}."
+                + _noise_floor(bt, metric, worst))
     for strategy, r2 in sorted((loo.get("r2_holdout") or {}).items()):
         r2, ceil = _num(r2), _num((loo.get("r2_ceiling") or {}).get(strategy))
         if tally is not None and r2 is not None:
