@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from configs.paths import PACKAGE_ROOT
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -134,9 +136,18 @@ def use_loopback_env() -> None:
     stays), so that the private single-node Ray it starts (``ray.init(address="local")``)
     and its workers listen on 127.0.0.1 only. Call it before ``import ray``: Ray reads
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported (set later, Ray's node address
-    is the host's own and its GCS, raylet and agents bind it or every interface)."""
+    is the host's own and its GCS, raylet and agents bind it or every interface).
+
+    The checkout goes first on ``PYTHONPATH`` too, as ``cluster.local.start_head`` puts it
+    for a head: the workers inherit it and import the preload module from it whatever the
+    interpreter's own install points at (a specload installed from another directory, or
+    not at all, had left Serve's gRPC servers on ``[::]``)."""
     for k, v in loopback_env().items():
         os.environ.setdefault(k, v)
+    root = str(PACKAGE_ROOT)
+    path = os.environ.get("PYTHONPATH", "")
+    if root not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
 
 
 def loopback_head(ports: dict[str, int] | None = None) -> RayHead:

@@ -117,6 +117,34 @@ def test_grpc_bind_moves_a_wildcard_grpc_server_to_the_node_ip():
     assert got["found"] == [["127.0.0.1", got["port"]]], got
 
 
+_PRELOAD_FROM_ELSEWHERE = r"""
+import json, os, sys, subprocess
+sys.path.insert(0, sys.argv[1])
+from configs.net import GRPC_BIND_PRELOAD, use_loopback_env
+use_loopback_env()
+# a worker of the private Ray: another directory, the interpreter's own path only
+r = subprocess.run([sys.executable, "-c", f"import {GRPC_BIND_PRELOAD}"], cwd="/",
+                   capture_output=True, text=True, env=dict(os.environ))
+print(json.dumps({"pythonpath": os.environ["PYTHONPATH"], "rc": r.returncode, "err": r.stderr[-500:]}))
+"""
+
+
+def test_the_private_rays_workers_import_the_grpc_preload_from_the_checkout():
+    """``use_loopback_env`` (a private Ray's entry point: bench.serving_overhead) puts the
+    checkout first on PYTHONPATH, so a worker started elsewhere imports the preload that
+    binds Serve's ``[::]`` gRPC servers to 127.0.0.1 even where the interpreter's own
+    specload points at another directory, or at none (stop 51's suite: an editable install
+    of a removed checkout left a replica listening on ``::``); a PYTHONPATH already set is
+    kept after it."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "/nonexistent/elsewhere"}
+    r = subprocess.run([sys.executable, "-I", "-c", _PRELOAD_FROM_ELSEWHERE, str(REPO)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["pythonpath"].split(os.pathsep) == [str(REPO), "/nonexistent/elsewhere"]
+    assert got["rc"] == 0, got["err"]
+
+
 def _small_strategies() -> list[dict]:
     return [{"engine": {"strategy": "autoregressive", "model": "models/target", "max_num_seqs": 4,
                         "max_waiting": 8, "num_speculative_tokens": 0, "torch_threads": 1},
