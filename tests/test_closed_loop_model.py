@@ -111,3 +111,73 @@ def test_calibration_recovers_each_part_on_mixed_steps():
     assert m.prefill.scale == pytest.approx(1.2, rel=1e-6)
     assert m.overhead_ms == pytest.approx(0.2, abs=1e-6)
     assert m.r2_step == pytest.approx(1.0, abs=1e-9)
+
+
+def test_theta_moves_the_others_prompts_out_of_tpot_and_leaves_the_loop_alone():
+    """With theta = 0.5 (``Workload.levels``' fifth field) a decode step carries half of the
+    others' prompts: TPOT = (step + theta x q (B - 1) / B x pre) / tau, tokens/s as at theta 1
+    (the request's time and the batch are the engine's either way)."""
+    m = _step_model(2.0, prefill_ms=10.0)
+    base = bt.Workload(v=1.0, ctx_per_row=0.0, tau=1.0, out_tokens=33.0, prompt_tokens=50.0,
+                       occupancy=1.0, levels=((4.0, 1.0, 1.0, 0.0, 1.0), (16.0, 1.0, 1.0, 0.0, 1.0)))
+    half = bt.Workload(**{**base.__dict__,
+                          "levels": ((4.0, 1.0, 1.0, 0.0, 0.5), (16.0, 1.0, 1.0, 0.0, 0.5))})
+    t1, p1 = bt.model_point(m, base, 8)
+    t2, p2 = bt.model_point(m, half, 8)
+    assert float(t2) == pytest.approx(float(t1), rel=1e-12)
+    # solve the batch as model_point does, then the interference per step by hand
+    b = 8.0
+    for _ in range(200):
+        q = b / 33.0
+        step = 2.0 + q * 10.0
+        own = 2.0 + q * (b - 1.0) / b * 10.0
+        r_pre, r_dec = 1.5 * step * (b - 1.0) / b + 10.0, 32.0 * own
+        b = 0.5 * b + 0.5 * min(8.0, 8.0 * r_dec / (r_pre + r_dec))
+    inter = b / 33.0 * (b - 1.0) / b * 10.0
+    assert float(p1) == pytest.approx(2.0 + inter, rel=1e-3)
+    assert float(p2) == pytest.approx(2.0 + 0.5 * inter, rel=1e-3)
+    # held outside the levels; a workload without the field shares the mean
+    assert float(half.theta_at(1.0)) == 0.5 and float(_work().theta_at(4.0)) == 1.0
+
+
+def _theta_cell(in_ttft: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """4 users' requests on one replica, every step 2 ms of decode at B = 4 but the mixed
+    ones (12 ms: 10 ms of prompt); each request decodes over steps 1..8 of its own 10-step
+    cycle, its first token at step 0. ``in_ttft``: the mixed steps are the steps each
+    request waits through for its first token (step 9 of the cycle, before the next
+    request's start), else they are spread over the decode windows."""
+    steps, reqs = [], []
+    t, k = 100.0, 0
+    for cycle in range(40):
+        start = t
+        for i in range(10):
+            mixed = (i == 9) if in_ttft else (i == 1 + cycle % 8)
+            t += (12.0 if mixed else 2.0) / 1000.0
+            steps.append({mn.STEP_TS: t, mn.STEP_BATCH_SIZE: 4, mn.STEP_PREFILL_TOKENS: 50 if mixed else 0,
+                          mn.STEP_MS: 12.0 if mixed else 2.0, mn.STEP_REPLICA: "r0"})
+            k += 1
+        first = start + 1e-6 if in_ttft else start + 0.5e-3
+        ends = steps[-2][mn.STEP_TS] if in_ttft else steps[-1][mn.STEP_TS] - 1e-6
+        reqs.append({mn.REQ_FIRST_TOKEN_TS: first, mn.REQ_END_TS: ends, mn.REQ_STATUS: mn.STATUS_OK})
+    return pd.DataFrame(steps), pd.DataFrame(reqs)
+
+
+def test_decode_share_reads_where_the_prompts_fall():
+    """theta from the step log and the requests' windows (``backtest._decode_share``): mixed
+    steps spread over the decode windows give (B / (B - 1)) x the windows' share of the
+    engine's decode steps; mixed steps only outside them give the floor of THETA_RANGE; one
+    user gives None (no others to share with), another replica's steps 1.0."""
+    st, rq = _theta_cell(in_ttft=False)
+    got = bt._decode_share(st, rq)
+    # every mixed step is inside a window; windows hold 9 of every 10 decode steps
+    dec = 40 * 10
+    win_steps = sum(((st[mn.STEP_TS] > r[mn.REQ_FIRST_TOKEN_TS]) & (st[mn.STEP_TS] <= r[mn.REQ_END_TS])).sum()
+                    for _, r in rq.iterrows())
+    want = (40 * 10.0 / win_steps) / (40 * 10.0 / dec * 3.0 / 4.0)
+    assert got == pytest.approx(min(want, bt.THETA_RANGE[1]), rel=1e-9)
+    st2, rq2 = _theta_cell(in_ttft=True)
+    assert bt._decode_share(st2, rq2) == bt.THETA_RANGE[0]
+    one = st.assign(**{mn.STEP_BATCH_SIZE: 1})
+    assert bt._decode_share(one, rq) is None
+    two = st.assign(**{mn.STEP_REPLICA: ["r0", "r1"] * (len(st) // 2)})
+    assert bt._decode_share(two, rq) == 1.0
