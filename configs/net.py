@@ -138,12 +138,15 @@ def use_loopback_env() -> None:
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported (set later, Ray's node address
     is the host's own and its GCS, raylet and agents bind it or every interface).
 
-    The checkout goes first on ``PYTHONPATH`` too, as ``cluster.local.start_head`` puts it
-    for a head: the workers inherit it and import the preload module from it whatever the
-    interpreter's own install points at (a specload installed from another directory, or
-    not at all, had left Serve's gRPC servers on ``[::]``)."""
+    A checkout (a folder with ``pyproject.toml``) goes first on ``PYTHONPATH`` too, as
+    ``cluster.local.start_head`` puts it for a head: the workers inherit it and import the
+    preload module from it whatever the interpreter's own install points at (a specload
+    installed from another directory, or not at all, had left Serve's gRPC servers on
+    ``[::]``)."""
     for k, v in loopback_env().items():
         os.environ.setdefault(k, v)
+    if not (PACKAGE_ROOT / "pyproject.toml").is_file():
+        return          # an installed specload: its site-packages is every worker's already
     root = str(PACKAGE_ROOT)
     path = os.environ.get("PYTHONPATH", "")
     if root not in path.split(os.pathsep):

@@ -39,13 +39,14 @@ def test_the_first_cell_is_warm(service, tmp_path):
     """The run warms every strategy before its first measured cell (``--warmup-requests``,
     default 4), cuts each cell's first 10 % and resets the prefix cache before every cell
     (``--reset-prefix-cache``): on a service that has served nothing yet (this module's first
-    test), each strategy's first cell is not slower than its repeats (TTFT p50 within 1.5x of
-    the slowest later repeat, tokens/s at least 2/3 of the slowest). Without the resets the
-    first cell's TTFT was 2-3x every later one's: every cell sends the same prompts, and the
-    later cells found them in the prefix cache. The bound is on the slowest later repeat, not
-    their median: 3-s cells of one strategy differ by up to 2x on a busy 2-core box (CI,
-    stop 50: dflash2's TTFT p50 31, 25 and 14 ms), and a cold first cell is slower than all
-    of its repeats, not only their median."""
+    test), no later cell finds its prompts cached by an earlier one (each repeat's engine
+    prefills at least 90 % of the prompt tokens the first repeat's did: without the resets the
+    later cells found every prompt in the cache and their TTFT was 2-3x below the first
+    cell's), and the first cell is not grossly slower than its repeats (TTFT p50 within 2x
+    of the slowest later repeat, tokens/s at least half of the slowest). The timing bound is
+    loose on purpose: 3-s cells of one strategy differ by up to 1.8x in the parallel suite
+    (CI stop 50: dflash2's TTFT p50 31, 25 and 14 ms; stop 51's suite: autoregressive 26, 17
+    and 14 ms); the cache check is the exact one."""
     import pandas as pd
 
     res = subprocess.run(
@@ -63,14 +64,22 @@ def test_the_first_cell_is_warm(service, tmp_path):
     assert manifest["prefix_cache"]["reset_before_each_cell"] is True
     assert {s: r["reset"] for s, r in resets.items()} == {"autoregressive": 3, "dflash2": 3}
     df = pd.read_parquet(run_dir / "requests.parquet")
-    df = df[df[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+    steps = pd.read_parquet(run_dir / "steps.parquet")
     for strategy, g in df.groupby(mn.REQ_STRATEGY):
-        by = g.groupby(mn.REQ_REPEAT)
+        # the prompt tokens the engine computed per repeat, over those the cell sent
+        sent = g.groupby(mn.REQ_REPEAT)[mn.REQ_PROMPT_TOKENS].sum()
+        st = steps[steps[mn.STEP_STRATEGY].eq(strategy)]
+        computed = st.groupby(mn.REQ_REPEAT)[mn.STEP_PREFILL_TOKENS].sum()
+        share = (computed / sent).dropna()
+        assert sorted(share.index) == [0, 1, 2], share.to_dict()
+        assert (share.loc[1:] >= 0.9 * share.loc[0]).all(), (strategy, share.to_dict())
+        ok = g[g[mn.REQ_STATUS].eq(mn.STATUS_OK)]
+        by = ok.groupby(mn.REQ_REPEAT)
         ttft = by[mn.REQ_TTFT_MS].median()
         tps = by[mn.REQ_OUTPUT_TOKENS].sum() / (by[mn.REQ_END_TS].max() - by[mn.REQ_SCHEDULED_TS].min())
         later_ttft, later_tps = ttft.loc[1:].max(), tps.loc[1:].min()
-        assert ttft.loc[0] <= 1.5 * later_ttft, (strategy, ttft.to_dict())
-        assert tps.loc[0] >= later_tps / 1.5, (strategy, tps.to_dict())
+        assert ttft.loc[0] <= 2.0 * later_ttft, (strategy, ttft.to_dict())
+        assert tps.loc[0] >= later_tps / 2.0, (strategy, tps.to_dict())
 
 
 def test_run_consistency_memory_report(service, tmp_path):
