@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 
 from configs.jsonio import write_json
-from configs.net import RAY_WORKER_PRIORITY_ENV, free_ports, listener_on, loopback_head, port_in_use  # noqa: F401  (free_ports: tests)
-from configs.paths import CONFIGS_DIR, PACKAGE_ROOT
+from configs.net import (RAY_WORKER_PRIORITY_ENV, checkout_first, free_ports, listener_on,  # noqa: F401  (free_ports: tests)
+                         loopback_head, port_in_use)
+from configs.paths import CONFIGS_DIR
 from configs.serve_config import DIRECT_INGRESS_ENV, PROXY_ENV
 
 DEFAULT_CONFIG = CONFIGS_DIR / "serve.yaml"
@@ -159,8 +160,7 @@ def start_head(num_cpus: int | None, direct_ingress: bool = False) -> dict:
     env = {**PROXY_ENV, **RAY_WORKER_PRIORITY_ENV, **os.environ, **head.env}   # unless set already
     if direct_ingress:   # Serve's controller and replicas read it from the head's environment
         env.update(DIRECT_INGRESS_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH"))
-                                        if p)
+    env["PYTHONPATH"] = checkout_first(env.get("PYTHONPATH"))
     logf = state_dir() / f"ray-head-{head.ports['port']}.log"
     log(f"starting a Ray head (gcs {head.gcs_address}, dashboard {head.dashboard_url}, every "
         f"listener on {HOST}); log: {logf}")

@@ -145,12 +145,17 @@ def use_loopback_env() -> None:
     ``[::]``)."""
     for k, v in loopback_env().items():
         os.environ.setdefault(k, v)
-    if not (PACKAGE_ROOT / "pyproject.toml").is_file():
-        return          # an installed specload: its site-packages is every worker's already
+    if (PACKAGE_ROOT / "pyproject.toml").is_file():  # installed: site-packages is on it already
+        os.environ["PYTHONPATH"] = checkout_first(os.environ.get("PYTHONPATH"))
+
+
+def checkout_first(pythonpath: str | None) -> str:
+    """``pythonpath`` with this checkout (``configs.paths.PACKAGE_ROOT``) first, once: what
+    a Ray head's and a private Ray's workers import specload (and the gRPC bind preload)
+    from."""
     root = str(PACKAGE_ROOT)
-    path = os.environ.get("PYTHONPATH", "")
-    if root not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
+    rest = [p for p in (pythonpath or "").split(os.pathsep) if p and p != root]
+    return os.pathsep.join([root, *rest])
 
 
 def loopback_head(ports: dict[str, int] | None = None) -> RayHead:

@@ -233,8 +233,6 @@ def _decode_share(steps: pd.DataFrame, req: pd.DataFrame) -> float | None:
     return float(np.clip(theta, *THETA_RANGE))
 
 
-
-
 def _client_gaps(req: pd.DataFrame) -> dict[float, float]:
     """{users: the client's mean ms between a response's end and that user's next request}
     of a closed loop, by Little's law: N x cell wall / requests - mean e2e (>= 0), the cell
