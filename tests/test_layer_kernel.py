@@ -292,3 +292,54 @@ def test_greedy_steps_equal_one_forward_per_token_up_to_ties(path):
     # a position past the cache: not served (the caller steps in torch), nothing raised
     L = a.stack().L
     assert layer_kernel.greedy_steps(a.stack(), model, first, [0, 1, 2], [L - 2, 0, 0], 8) is None
+
+
+@pytest.mark.parametrize("path", [DEFAULT_DRAFT])
+def test_greedy_draft_equals_catch_up_then_steps_up_to_ties(path):
+    """``greedy_draft`` (a draft model's whole greedy proposal in one C call: each row's
+    pending tokens fed in one flat forward, only their last token's output past the last
+    layer's attention, then n - 1 argmax steps) picks the tokens that a catch-up forward
+    of the pending tokens and one forward per token pick (a difference only at a
+    numerical tie of the two best logits) and leaves the same K/V in the cache; rows of
+    1, 3 and 6 pending tokens in one call."""
+    model = CausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(5)
+    ctx = [torch.randint(1, model.config.vocab_size, (9 + 5 * s,), generator=gen).tolist()
+           for s in range(3)]
+    pend = [torch.randint(1, model.config.vocab_size, (m,), generator=gen).tolist()
+            for m in (1, 3, 6)]
+    a, b = _prefilled_pair(model, 3, ctx)
+    b.STACK_KERNEL = True
+    n = 4
+    got = layer_kernel.greedy_draft(a.stack(), model, pend, [0, 1, 2],
+                                    [len(c) for c in ctx], n)
+    assert got is not None and [len(g) for g in got] == [n] * 3
+    ties = 0
+    for s, (c, p) in enumerate(zip(ctx, pend)):
+        lg, _ = b.run([RowInput(s, len(c), p)], last_only=True)
+        want, pos = [], len(c) + len(p)
+        for j in range(n):
+            top = torch.topk(lg[0][-1], 2)
+            tok = int(top.indices[0])
+            if got[s][j] != tok:      # only a tie may differ (then the rest follows another path)
+                assert float(top.values[0] - lg[0][-1][got[s][j]]) < 1e-4, (s, j)
+                ties += 1
+                break
+            want.append(tok)
+            if j < n - 1:
+                lg, _ = b.run([RowInput(s, pos, [tok])], last_only=True)
+                pos += 1
+        else:
+            assert got[s] == want
+            end = len(c) + len(p) + n - 1
+            for layer in range(model.config.num_hidden_layers):
+                assert torch.allclose(a.cache.k[layer][s, :end], b.cache.k[layer][s, :end],
+                                      atol=1e-5)
+                assert torch.allclose(a.cache.v[layer][s, :end], b.cache.v[layer][s, :end],
+                                      atol=1e-5)
+    assert ties <= 1
+    # past the cache, or an empty row: not served (the caller runs its torch steps)
+    L = a.stack().L
+    assert layer_kernel.greedy_draft(a.stack(), model, pend, [0, 1, 2], [L - 3, 0, 0], n) is None
+    assert layer_kernel.greedy_draft(a.stack(), model, [[1], [], [2]], [0, 1, 2], [0, 0, 0],
+                                     n) is None

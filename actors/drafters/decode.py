@@ -62,7 +62,8 @@ def draft_confidence(model, hidden: torch.Tensor, markov_z: torch.Tensor | None,
 
 @torch.no_grad()
 def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 16,
-                use_selector: bool | None = None, confidence: bool = True) -> BlockDraft:
+                use_selector: bool | None = None, confidence: bool = True,
+                computed: tuple | None = None) -> BlockDraft:
     """Draft one block per row.
 
     model: a ``BlockDrafter``; h: [B, bs, H] its block hidden states (position
@@ -70,9 +71,17 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     confidence: run the confidence head now (when the model has one); False
     defers it (``draft_confidence`` on the result's fields): a fixed-length
     proposer never reads it, and a trace computes it outside the timed step.
+    computed: (hidden [B, bs - 1, H], logits [B, bs - 1, V], top1 [B, bs - 1], topk
+    indices, values [B, bs - 1, top_k] or None) of the draft positions, already computed
+    (the C block call, ``layer_kernel.block_draft``; h is then None): the LM head, argmax
+    and top-k are not run again.
     Returns a ``BlockDraft`` over the bs - 1 draft positions.
     """
-    hd = h[:, 1:]
+    logits = top1 = None
+    if computed is not None:
+        hd, logits, top1, ki, kv = computed
+    else:
+        hd = h[:, 1:]
     use_sel = model.selector is not None if use_selector is None else use_selector
     if use_sel and model.selector is None:
         raise ValueError("use_selector=True but this drafter has no trained path selector")
@@ -80,20 +89,24 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     if model.markov is not None:
         # logits_i = lm_head(h_i + U z_i) = base_i + z_i (W_lm U)^T: one batched LM head,
         # then a rank-r vocabulary update per step of the left-to-right walk.
-        base = model.lm_logits(hd)  # [B, n, V]
+        base = model.lm_logits(hd) if logits is None else logits  # [B, n, V]
         tokens, zs, logits = markov_walk(model, hd, base, anchor_ids)
         # top-1 drafting needs no sort: the walk's tokens are the argmaxes
         topk_ids = tokens[..., None] if top_k <= 1 else logits.topk(top_k, dim=-1).indices
         if confidence and model.confidence is not None:
             conf = draft_confidence(model, hd, zs, logits)
         return BlockDraft(tokens, tokens, topk_ids, conf, logits, hd, zs)
-    logits = model.lm_logits(hd)  # [B, n, V]
+    if logits is None:
+        logits = model.lm_logits(hd)  # [B, n, V]
     if top_k <= 1 and not use_sel:  # plain top-1 drafting: skip the top-k sort
-        top1 = argmax_last(logits)
+        top1 = argmax_last(logits) if top1 is None else top1
         if confidence and model.confidence is not None:
             conf = draft_confidence(model, hd, None, logits)
         return BlockDraft(top1, top1, top1[..., None], conf, logits, hd)
-    top = logits.topk(top_k, dim=-1)
+    if computed is not None and ki is not None and ki.shape[-1] == top_k:
+        top = torch.return_types.topk((kv, ki))
+    else:
+        top = logits.topk(top_k, dim=-1)
     top1 = top.indices[..., 0]
     if use_sel:
         # The walk only compares candidates of the same position, so their log-probs

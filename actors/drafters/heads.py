@@ -60,6 +60,13 @@ class PathSelector(nn.Module):
         batched matmul, over all rows and candidates at once) and the walk
         itself is K-way argmaxes on the host after one transfer.
         """
+        if table is not None and h.device.type == "cpu" and h.dtype == torch.float32:
+            from actors.engine import layer_kernel     # the walk in one C call
+            out = layer_kernel.selector_walk(h, logp, cand_ids, anchor_ids, table,
+                                             self.query.weight.detach(),
+                                             float(self.logp_scale))
+            if out is not None:
+                return out
         if table is None:
             e_c = embed(cand_ids)  # [B, n, K, H]
             u = self.unary(h, logp, e_c)  # [B, n, K]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 
 import torch
@@ -96,6 +97,14 @@ def load() -> ctypes.CDLL | None:
         lib.context_kv_f32.restype = ctypes.c_int
         lib.markov_walk_f32.argtypes = [P] * 5 + [I] * 4 + [P] * 3
         lib.markov_walk_f32.restype = ctypes.c_int
+        lib.block_draft_f32.argtypes = [P, I, P, P, P, P, P, I, I, P, P, I, P, F, P, I, P, P,
+                                        P, I, P, P] + [I] * 7 + [F, F, F]
+        lib.block_draft_f32.restype = ctypes.c_int
+        lib.greedy_draft_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, P, I, I,
+                                         P] + [I] * 7 + [F, F, F]
+        lib.greedy_draft_f32.restype = ctypes.c_int
+        lib.selector_walk_f32.argtypes = [P] * 6 + [F] + [I] * 6 + [P]
+        lib.selector_walk_f32.restype = ctypes.c_int
         lib.specload_openmp = linear_kernel.threading(lib, "decoder_stack")
         record("decoder_stack", **load_kernel_outcome("decoder_stack"), max_tokens=max_tokens(),
                openmp=lib.specload_openmp)
@@ -218,6 +227,123 @@ def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
     return out.T.tolist()
 
 
+def greedy_draft(stack: Stack, model, pending: list[list[int]], slots: list[int],
+                 starts: list[int], n: int) -> list[list[int]] | None:
+    """A draft model's whole greedy proposal for B rows in one C call
+    (``greedy_draft_f32``): row b's ``pending[b]`` tokens (its catch-up: at least the last
+    token) go into slot ``slots[b]`` at positions ``starts[b]`` on, the argmax of the last
+    one's logits is its first draft, then ``n - 1`` greedy steps (``greedy_steps``).
+    ``model``: the ``CausalLM`` of ``stack``. Returns the drafts per row, [B][n], or None
+    where the call does not apply (no packed LM head, more tokens than the stack call
+    takes, a position past the rotary table: the caller runs its torch steps). Raises
+    RuntimeError when the library is missing or out of memory."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the decoder stack kernel is not built (see the log)")
+    lm = getattr(model, "lm_packed", None)
+    T = sum(len(p) for p in pending)
+    if lm is None or n < 1 or not pending or any(not p for p in pending) \
+            or T > max_tokens():
+        return None
+    emb = model.model.embed_tokens.weight
+    if emb.dtype != torch.float32 or not emb.is_contiguous():
+        return None
+    model.rotary(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
+    _, cos_t, _, sin_t = model.rope_table
+    if not (cos_t.is_contiguous() and sin_t.is_contiguous()) or cos_t.dtype != torch.float32 \
+            or max(s + len(p) for s, p in zip(starts, pending)) + n - 1 > min(cos_t.shape[0],
+                                                                              stack.L):
+        return None
+    B = len(pending)
+    flat = torch.tensor([[t for p in pending for t in p],
+                         [s_ for s_, p in zip(slots, pending) for _ in p],
+                         [st + i for st, p in zip(starts, pending) for i in range(len(p))]],
+                        dtype=torch.long)
+    last = torch.tensor(list(itertools.accumulate(len(p) for p in pending)),
+                        dtype=torch.long) - 1
+    out = torch.empty((n, B), dtype=torch.long)
+    H, I, h, kvh, D = stack.dims
+    linear_kernel.sync_threads(lib)
+    rc = lib.greedy_draft_f32(ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
+                              model.model.norm.weight.data_ptr(), float(model.model.norm.eps),
+                              lm.data_ptr(), lm.shape[0] * lm.shape[2], cos_t.data_ptr(),
+                              sin_t.data_ptr(), cos_t.shape[0], flat[0].data_ptr(),
+                              flat[1].data_ptr(), flat[2].data_ptr(), T, last.data_ptr(), B, n,
+                              out.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
+                              stack.qk_eps, stack.scale)
+    if rc == -2:
+        return None
+    if rc:
+        raise RuntimeError("greedy draft: out of memory for the scratch")
+    return out.T.tolist()
+
+
+class BlockDraftCall:
+    """A DFlash-family drafter's whole block forward as one C call (``block_draft_f32``),
+    its fixed arguments bound once: ``stack`` (the drafter's layers), emb [V, H] (the
+    shared embedding), mask_emb [H], cos_t, sin_t [P, D] (the drafter's rotary table,
+    signed sin), norm_w [H] and norm_eps (its final norm), lm_packed (the shared LM head,
+    ``linear_kernel.pack`` of [H, V]). ``of`` returns None where a tensor is not a float32
+    contiguous CPU tensor (the caller runs the torch form)."""
+
+    def __init__(self, stack: Stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps: float,
+                 lm_packed):
+        self.stack = stack
+        self.keep = (emb, mask_emb, cos_t, sin_t, norm_w, lm_packed)
+        self.V = lm_packed.shape[0] * lm_packed.shape[2]
+        self.P = cos_t.shape[0]
+        H, I, h, kvh, D = stack.dims
+        self.H = H
+        # the call's arguments before the per-call ones (anchors, positions, slots, B, bs)
+        # and after them (the tables, norm, head, outputs, dims)
+        self.head = (ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
+                     mask_emb.data_ptr())
+        self.tables = (cos_t.data_ptr(), sin_t.data_ptr(), self.P, norm_w.data_ptr(),
+                       float(norm_eps), lm_packed.data_ptr(), self.V)
+        self.dims = (stack.S, stack.L, H, I, h, kvh, D, stack.eps, stack.qk_eps, stack.scale)
+
+    @classmethod
+    def of(cls, stack: Stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps: float,
+           lm_packed) -> "BlockDraftCall | None":
+        if load() is None or lm_packed is None or any(
+                t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                for t in (emb, mask_emb, cos_t, sin_t, norm_w)):
+            return None
+        return cls(stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps, lm_packed)
+
+    def __call__(self, anchors: list[int], positions: list[int], slots: list[int], bs: int,
+                 top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor | None, torch.Tensor | None]:
+        """Row b's block [anchors[b], mask x (bs - 1)] at positions positions[b] .. + bs - 1
+        of slot slots[b] through the stack (the block reads its context and itself), the
+        final norm of the bs - 1 draft positions and the LM head. Returns (hidden
+        [B, bs - 1, H], logits [B, bs - 1, V], top1 [B, bs - 1], topk indices and values
+        [B, bs - 1, top_k] or None when top_k is 0). Raises ValueError on an anchor, slot
+        or position out of range (nothing computed), RuntimeError out of memory."""
+        lib = load()
+        B, n, H, V = len(positions), bs - 1, self.H, self.V
+        idx = torch.tensor((anchors, positions, slots), dtype=torch.long)
+        ints = torch.empty(B * n * (1 + top_k), dtype=torch.long)
+        flts = torch.empty(B * n * (H + V + top_k), dtype=torch.float32)
+        hid = flts[:B * n * H].view(B, n, H)
+        logits = flts[B * n * H:B * n * (H + V)].view(B, n, V)
+        top1 = ints[:B * n].view(B, n)
+        ki = ints[B * n:].view(B, n, top_k) if top_k else None
+        kv = flts[B * n * (H + V):].view(B, n, top_k) if top_k else None
+        linear_kernel.sync_threads(lib)
+        p0 = idx.data_ptr()
+        rc = lib.block_draft_f32(*self.head, p0, p0 + 8 * B, p0 + 16 * B, B, bs, *self.tables,
+                                 hid.data_ptr(), logits.data_ptr(), top1.data_ptr(), top_k,
+                                 _ptr(ki), _ptr(kv), *self.dims)
+        if rc == -2:
+            raise ValueError(f"block draft: an anchor outside 0..{V - 1}, a slot outside "
+                             f"0..{self.stack.S - 1} or a block past position "
+                             f"{min(self.stack.L, self.P) - 1}")
+        if rc:
+            raise RuntimeError("block draft: out of memory for its scratch")
+        return hid, logits, top1, ki, kv
+
+
 def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
               slot: torch.Tensor, pos: torch.Tensor, aux_layers: tuple[int, ...] = (),
               span: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -282,6 +408,36 @@ def context_kv(stack: Stack, aux: torch.Tensor, fc_packed: torch.Tensor, norm_w:
                          f"{start}..{start + n - 1} outside 0..{stack.L - 1}")
     if rc:
         raise RuntimeError("context K/V: out of memory for its scratch")
+
+
+def selector_walk(hd: torch.Tensor, logv: torch.Tensor, cand: torch.Tensor,
+                  anchors: torch.Tensor, table: torch.Tensor, wq: torch.Tensor,
+                  scale: float) -> torch.Tensor | None:
+    """DFlash 2's path-selector walk in one C call (``selector_walk_f32``;
+    ``actors.drafters.heads.PathSelector.walk``'s torch form): hd [B, n, H], logv
+    [B, n, K] (the candidates' logits: log-probs up to a per-position constant), table
+    [V, 3r], wq [r, H] float32 CPU tensors, cand [B, n, K] and anchors [B] int64. Returns
+    the chosen tokens [B, n] (int64), or None where the call does not apply (no
+    library, another dtype or device). Raises ValueError on a token outside the
+    vocabulary."""
+    lib = load()
+    fl = (hd, logv, table, wq)
+    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in fl) \
+            or cand.device.type != "cpu" or anchors.device.type != "cpu":
+        return None
+    hd, logv, table, wq = (t.contiguous() for t in fl)
+    cand = cand.to(torch.int64).contiguous()
+    anchors = anchors.to(torch.int64).contiguous()
+    B, n, K = cand.shape
+    out = torch.empty((B, n), dtype=torch.int64)
+    rc = lib.selector_walk_f32(hd.data_ptr(), logv.data_ptr(), cand.data_ptr(),
+                               anchors.data_ptr(), table.data_ptr(), wq.data_ptr(), float(scale),
+                               B, n, K, hd.shape[-1], wq.shape[0], table.shape[0], out.data_ptr())
+    if rc == -2:
+        raise ValueError(f"selector walk: a token outside 0..{table.shape[0] - 1}")
+    if rc:
+        raise RuntimeError("selector walk: out of memory")
+    return out
 
 
 def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj: torch.Tensor,

@@ -178,6 +178,7 @@ class BlockDraftProposer(Proposer):
                                   room=cfg.block_size)
         self.trace: list[dict] | None = [] if options.record_trace else None
         self.stack = draft_stack(self.drafter, self.cache)
+        self._c_call = False    # the bound C block call, on the first draft (``_block_draft_c``)
         self.paths: list[str] = []      # the forward path of each draft (``last_path``)
 
     @property
@@ -252,23 +253,56 @@ class BlockDraftProposer(Proposer):
         # the block's own K/V are written into the cache's scratch past the context
         # (``ctx_room``): attention reads one buffer, no per-layer concatenation
         positions = [len(r.token_ids) - 1 for r in batch]
-        anchors = torch.tensor([r.token_ids[-1] for r in batch], device=dev)
+        anchor_ids = [r.token_ids[-1] for r in batch]
+        anchors = torch.tensor(anchor_ids, device=dev)
         lens = [self.cache.pool.length(r.request_id) for r in batch]
-        if self.stack is not None and lens == positions:
-            # every row's context is exactly the tokens before its anchor: the block goes
-            # to positions anchor..anchor+bs-1 of its slot and reads 0..anchor+bs-1 (one C
-            # call; a row with other context runs the torch form, which masks it)
-            h = self._block_hidden_stack(anchors, positions, slots)
-            self.paths.append(FORWARD_PATH_STACK)
-        else:
-            h = self._block_hidden_ops(batch, slots, anchors, positions)
-            self.paths.append(FORWARD_PATH_OPS)
         # Candidates beyond the top-1 are only needed by the selector (a trace ranks
         # the kept logits at read time, outside the timed step).
         selects = self.use_selector is not False and self.drafter.selector is not None
         top_k = self.options.top_k if selects else 1
+        pre = None
+        if self.stack is not None and lens == positions:
+            # every row's context is exactly the tokens before its anchor: the block goes
+            # to positions anchor..anchor+bs-1 of its slot and reads 0..anchor+bs-1 (one C
+            # call; a row with other context runs the torch form, which masks it)
+            pre = self._block_draft_c(anchor_ids, positions, slots, top_k if selects else 0)
+            h = None if pre is not None else self._block_hidden_stack(anchors, positions,
+                                                                       slots)
+            self.paths.append(FORWARD_PATH_STACK)
+        else:
+            h = self._block_hidden_ops(batch, slots, anchors, positions)
+            self.paths.append(FORWARD_PATH_OPS)
         return draft_block(self.drafter, h, anchors, top_k, self.use_selector,
-                           confidence=self.needs_confidence())
+                           confidence=self.needs_confidence(),
+                           computed=pre)
+
+    def _block_draft_c(self, anchors: list[int], positions: list[int], slots: list[int],
+                       top_k: int):
+        """The block forward, final norm, LM head, top-1 and (top_k > 0) top-k of every
+        row in one C call (``layer_kernel.BlockDraftCall``): (hidden [B, bs - 1, H], logits
+        [B, bs - 1, V], top1 [B, bs - 1], topk indices, values [B, bs - 1, top_k] or
+        None) of the draft positions. None where the call does not apply (no packed LM
+        head shared with the target, a position past the rotary table):
+        ``_block_hidden_stack`` and the torch head then."""
+        call = self._c_call
+        if call is False:
+            call = self._c_call = self._bind_c_call()
+        if call is None or max(positions) + self.block_size > call.P:
+            return None
+        return call(anchors, positions, slots, self.block_size, top_k)
+
+    def _bind_c_call(self):
+        """``layer_kernel.BlockDraftCall`` of this drafter, or None where it does not apply."""
+        d = self.drafter
+        target = d._target_ref[0] if d._target_ref else None
+        wt = getattr(target, "lm_head_t", None)
+        if self.stack is None or wt is None or wt.shape != d._shared[1].shape[::-1]:
+            return None
+        d.rope(torch.zeros(1, 1, dtype=torch.long), torch.float32)  # builds the table
+        _, cos_t, sin_t = d._rope_table
+        return layer_kernel.BlockDraftCall.of(self.stack, d._shared[0], d.mask_embed.detach(),
+                                              cos_t, sin_t, d.norm.weight.detach(),
+                                              d.norm.eps, getattr(target, "lm_packed", None))
 
     def _block_hidden_stack(self, anchors: torch.Tensor, positions: list[int],
                             slots: list[int]) -> torch.Tensor:

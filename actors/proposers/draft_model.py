@@ -131,6 +131,45 @@ class DraftModelProposer(Proposer):
                 self.state[batch[i].request_id].cached.extend([drafts[i][-1]] + toks[:-1])
                 drafts[i].extend(toks)
 
+    def _greedy_draft(self, batch: list[ProposeInput], active: list[int],
+                      rows: dict[int, RowInput], drafts: dict[int, list[int]]) -> set[int]:
+        """The whole proposal of the greedy rows that need no min_tokens mask, catch-up
+        and every draft step, in one C call per group of rows wanting the same number of
+        drafts (``layer_kernel.greedy_draft``: the catch-up forward, then the stack, final
+        norm, LM head and argmax in a loop, no Python per token). ``drafts`` and the draft
+        cache's state are extended in place; returns the rows it drafted (the others, and
+        all where the call does not apply, go through the catch-up forward and
+        ``_greedy_steps``)."""
+        stack = self.runner.stack()
+        if stack is None:
+            return set()
+        from actors.engine import layer_kernel
+
+        groups: dict[int, list[int]] = {}
+        for i in active:
+            r = batch[i]
+            if r.params.greedy and r.params.min_tokens <= r.num_output:
+                groups.setdefault(r.max_draft, []).append(i)
+        done: set[int] = set()
+        for n, idx in groups.items():
+            # the n - 1 drafts fed back after the first one take the next positions
+            for i in idx:
+                self.pool.append(batch[i].request_id, n - 1)
+            got = layer_kernel.greedy_draft(stack, self.draft,
+                                            [rows[i].token_ids for i in idx],
+                                            [rows[i].slot for i in idx],
+                                            [rows[i].start for i in idx], n)
+            if got is None:          # not served: give those positions back
+                for i in idx:
+                    self.pool.rollback(batch[i].request_id,
+                                       rows[i].start + len(rows[i].token_ids))
+                continue
+            for i, toks in zip(idx, got):
+                self.state[batch[i].request_id].cached = list(batch[i].token_ids) + toks[:-1]
+                drafts[i].extend(toks)
+                done.add(i)
+        return done
+
     @torch.inference_mode()
     def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
         drafts: dict[int, list[int]] = {i: [] for i in range(len(batch))}
@@ -154,8 +193,11 @@ class DraftModelProposer(Proposer):
         # ``cached`` only grows after a forward returned, so a propose that raised
         # part-way (the engine then retries request by request) leaves it true
         # (the pool is rolled back to it first).
-        for group in ([i for i in active if len(rows[i].token_ids) <= _CATCHUP_SPLIT],
-                      [i for i in active if len(rows[i].token_ids) > _CATCHUP_SPLIT]):
+        done = self._greedy_draft(batch, active, rows, drafts)
+        for group in ([i for i in active if i not in done
+                       and len(rows[i].token_ids) <= _CATCHUP_SPLIT],
+                      [i for i in active if i not in done
+                       and len(rows[i].token_ids) > _CATCHUP_SPLIT]):
             if not group:
                 continue
             logits, _ = self.runner.run([rows[i] for i in group], last_only=True)

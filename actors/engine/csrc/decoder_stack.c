@@ -75,12 +75,38 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t T, int64_
    the whole block, its K/V all written before any attention). Returns 0; -1 when scratch
    could not be allocated; -2 when a slot, position or span is out of range (nothing
    computed). */
+static int stack_rows(const layer_w *ws, int64_t nl, float *x, int64_t T,
+                      const float *cs, const float *sn, const int64_t *slot,
+                      const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
+                      int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
+                      float scale, float *aux, int64_t aux_mask, int64_t naux,
+                      const int64_t *span, const int64_t *keep, int64_t nkeep);
+
 int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
                       const float *cs, const float *sn, const int64_t *slot,
                       const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
                       int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
                       float scale, float *aux, int64_t aux_mask, int64_t naux,
                       const int64_t *span) {
+    return stack_rows(ws, nl, x, T, cs, sn, slot, pos, S, L, H, I, h, kvh, D, eps, qk_eps,
+                      scale, aux, aux_mask, naux, span, NULL, 0);
+}
+
+/* decoder_stack_f32 where only the rows keep [nkeep] (increasing) of the last layer's
+   output are wanted (a block's draft positions, a catch-up's last tokens): after the last
+   layer's attention (every token's K/V are written) only they go through the output
+   projection and the MLP, and x's first nkeep rows hold them on return (no aux then). */
+static int stack_rows(const layer_w *ws, int64_t nl, float *x, int64_t T,
+                      const float *cs, const float *sn, const int64_t *slot,
+                      const int64_t *pos, int64_t S, int64_t L, int64_t H, int64_t I,
+                      int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps,
+                      float scale, float *aux, int64_t aux_mask, int64_t naux,
+                      const int64_t *span, const int64_t *keep, int64_t nkeep) {
+    if (keep) {
+        if (aux || nkeep < 1 || nkeep > T) return -2;
+        for (int64_t j = 0; j < nkeep; ++j)
+            if (keep[j] < j || keep[j] >= T || (j && keep[j] <= keep[j - 1])) return -2;
+    }
     for (int64_t t = 0; t < T; ++t)
         if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
     if (span)
@@ -116,6 +142,16 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
         int rc = flat_attention_f32(qkv, NQ, D, w->ck, w->cv, slot, span ? span : pos, att, T,
                                     h, kvh, D, S, L, scale, 8);
         if (rc) { free(buf); return rc; }
+        /* (a layer with a dynamic convolution before its MLP needs every row there: its
+           taps read the previous row, so it compacts after the MLP, below) */
+        if (keep && l == nl - 1 && !w->cm_up) {  /* ascending, keep[j] >= j: a forward
+                                                    copy is safe */
+            for (int64_t j = 0; j < nkeep; ++j) if (keep[j] != j) {
+                memcpy(att + j * h * D, att + keep[j] * h * D, sizeof(float) * h * D);
+                memcpy(x + j * H, x + keep[j] * H, sizeof(float) * H);
+            }
+            T = nkeep;
+        }
         linear_bf16_f32(att, h * D, w->o, a, T, h * D, H);
         for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
         rms_rows(x, w->w_post, a, T, H, eps);
@@ -129,6 +165,11 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
         }
         linear_bf16_f32(act, I, w->down, a, T, I, H);
         for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
+        if (keep && l == nl - 1 && w->cm_up) {
+            for (int64_t j = 0; j < nkeep; ++j)
+                if (keep[j] != j) memcpy(x + j * H, x + keep[j] * H, sizeof(float) * H);
+            T = nkeep;
+        }
         if (aux && l < 63 && (aux_mask >> l & 1)) {
             for (int64_t t = 0; t < T; ++t)
                 memcpy(aux + t * naux * H + ja * H, x + t * H, sizeof(float) * H);
@@ -137,6 +178,22 @@ int decoder_stack_f32(const layer_w *ws, int64_t nl, float *x, int64_t T,
     }
     free(buf);
     return 0;
+}
+
+/* the first index of the largest of x[0..n-1] (torch's argmax on ties) */
+static int64_t argmax_row(const float *x, int64_t n) {
+    float m = x[0];
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        for (v = 16; v + 16 <= n; v += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + v));
+        m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; v < n; ++v) m = x[v] > m ? x[v] : m;
+    for (v = 0; v < n; ++v) if (x[v] == m) return v;
+    return 0;       /* all NaN: torch would say the first NaN */
 }
 
 /* n greedy decoding steps of B rows in one call (a draft model's drafts): each step the
@@ -171,9 +228,7 @@ int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const floa
         rms_rows(x, norm_w, a, B, H, norm_eps);
         linear_bf16_f32(a, H, lm, lg, B, H, V);
         for (int64_t b = 0; b < B; ++b) {
-            const float *r = lg + b * V;
-            int64_t best = 0;
-            for (int64_t v = 1; v < V; ++v) if (r[v] > r[best]) best = v;
+            const int64_t best = argmax_row(lg + b * V, V);
             out[step * B + b] = best;
             tok[b] = best;
             pos[b] += 1;
@@ -181,22 +236,6 @@ int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const floa
     }
     free(buf);
     return rc;
-}
-
-/* the first index of the largest of x[0..n-1] (torch's argmax on ties) */
-static int64_t argmax_row(const float *x, int64_t n) {
-    float m = x[0];
-    int64_t v = 0;
-#if defined(__AVX512F__)
-    if (n >= 16) {
-        __m512 mv = _mm512_loadu_ps(x);
-        for (v = 16; v + 16 <= n; v += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + v));
-        m = _mm512_reduce_max_ps(mv);
-    }
-#endif
-    for (; v < n; ++v) m = x[v] > m ? x[v] : m;
-    for (v = 0; v < n; ++v) if (x[v] == m) return v;
-    return 0;       /* all NaN: torch would say the first NaN */
 }
 
 /* DSpark's left-to-right Markov walk (arXiv 2607.05147, Sec. 3.2) of B rows over n block
@@ -291,5 +330,168 @@ int context_kv_f32(const layer_w *ws, int64_t nl, const float *aux, int64_t n, i
         }
     }
     free(buf);
+    return 0;
+}
+
+/* the K largest of x[0..n-1], descending (ties to the lower index, as the first maximum):
+   indices idx [K], values val [K] (K <= n); one pass with a sorted buffer, an element
+   below the current K-th costs one compare */
+static void topk_row(const float *x, int64_t n, int64_t K, int64_t *idx, float *val) {
+    int64_t m = 0;
+    for (int64_t v = 0; v < n; ++v) {
+        const float xv = x[v];
+        if (m == K && !(xv > val[K - 1])) continue;
+        int64_t j = m < K ? m++ : K - 1;
+        while (j > 0 && xv > val[j - 1]) { val[j] = val[j - 1]; idx[j] = idx[j - 1]; --j; }
+        val[j] = xv;
+        idx[j] = v;
+    }
+}
+
+/* A DFlash-family drafter's whole block forward in one call (DFlash, arXiv 2602.06036,
+   Sec. 3.1-3.3): row b's block [anchor[b], mask x (bs - 1)] (embedding rows of emb [V, H],
+   mask_emb [H]) at positions apos[b] .. apos[b] + bs - 1 of slot aslot[b] goes through the
+   drafter's layers (every block token reads 0 .. apos[b] + bs - 1: its context and the
+   whole block, ``decoder_stack_f32``'s span), then the final RMSNorm (norm_w, norm_eps)
+   of the bs - 1 draft positions -> hid [B, bs - 1, H], the shared LM head (lm packed
+   [V / 64][H][64]) -> logits [B, bs - 1, V], their first maxima top1 [B, bs - 1] and,
+   when K > 0, their K largest, descending: topk_i, topk_v [B, bs - 1, K]. cos_t, sin_t
+   [P, D]: the drafter's rotary table (signed sin). Returns 0; -1 out of memory; -2 an
+   anchor, slot or position out of range (nothing computed). */
+int block_draft_f32(const layer_w *ws, int64_t nl, const float *emb, const float *mask_emb,
+                    const int64_t *anchor, const int64_t *apos, const int64_t *aslot,
+                    int64_t B, int64_t bs, const float *cos_t, const float *sin_t, int64_t P,
+                    const float *norm_w, float norm_eps, const uint16_t *lm, int64_t V,
+                    float *hid, float *logits, int64_t *top1, int64_t K, int64_t *topk_i,
+                    float *topk_v, int64_t S, int64_t L, int64_t H, int64_t I, int64_t h,
+                    int64_t kvh, int64_t D, float eps, float qk_eps, float scale) {
+    if (bs < 2 || K < 0 || K > V) return -2;
+    for (int64_t b = 0; b < B; ++b)
+        if (anchor[b] < 0 || anchor[b] >= V || apos[b] < 0 || apos[b] + bs > P
+            || apos[b] + bs > L || aslot[b] < 0 || aslot[b] >= S) return -2;
+    const int64_t T = B * bs, n = bs - 1;
+    float *buf = (float *)malloc(sizeof(float) * (T * H + 2 * T * D));
+    int64_t *ib = (int64_t *)malloc(sizeof(int64_t) * 4 * T);
+    if (!buf || !ib) { free(buf); free(ib); return -1; }
+    float *x = buf, *cs = x + T * H, *sn = cs + T * D;
+    int64_t *sl = ib, *ps = sl + T, *sp = ps + T, *kp = sp + T;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < bs; ++i) {
+            const int64_t t = b * bs + i, p = apos[b] + i;
+            memcpy(x + t * H, i ? mask_emb : emb + anchor[b] * H, sizeof(float) * H);
+            memcpy(cs + t * D, cos_t + p * D, sizeof(float) * D);
+            memcpy(sn + t * D, sin_t + p * D, sizeof(float) * D);
+            sl[t] = aslot[b];
+            ps[t] = p;
+            sp[t] = apos[b] + bs - 1;
+            if (i) kp[b * n + i - 1] = t;    /* the draft positions: the anchor's output
+                                                is not needed past its K/V */
+        }
+    int rc = stack_rows(ws, nl, x, T, cs, sn, sl, ps, S, L, H, I, h, kvh, D, eps, qk_eps,
+                        scale, NULL, 0, 0, sp, kp, B * n);
+    if (!rc) {
+        rms_rows(x, norm_w, hid, B * n, H, norm_eps);
+        linear_bf16_f32(hid, H, lm, logits, B * n, H, V);
+        for (int64_t r = 0; r < B * n; ++r) {
+            top1[r] = argmax_row(logits + r * V, V);
+            if (K) topk_row(logits + r * V, V, K, topk_i + r * K, topk_v + r * K);
+        }
+    }
+    free(buf);
+    free(ib);
+    return rc;
+}
+
+/* A draft model's whole proposal for B greedy rows in one call (speculative decoding,
+   Leviathan et al. 2023, Sec. 2): its catch-up, the T = sum of the rows' pending tokens
+   ftok [T] (slots fslot [T], positions fpos [T], rows laid end to end; last [B] the flat
+   index of each row's last pending token) through the stack, each row's first draft the
+   argmax of its last token's logits, then n - 1 greedy steps (``greedy_steps_f32``).
+   out [n, B]. Returns 0; -1 out of memory; -2 a token, slot or position out of range. */
+int greedy_draft_f32(const layer_w *ws, int64_t nl, const float *emb, const float *norm_w,
+                     float norm_eps, const uint16_t *lm, int64_t V, const float *cos_t,
+                     const float *sin_t, int64_t P, const int64_t *ftok, const int64_t *fslot,
+                     const int64_t *fpos, int64_t T, const int64_t *last, int64_t B,
+                     int64_t n, int64_t *out, int64_t S, int64_t L, int64_t H, int64_t I,
+                     int64_t h, int64_t kvh, int64_t D, float eps, float qk_eps, float scale) {
+    if (n < 1) return -2;
+    for (int64_t t = 0; t < T; ++t)
+        if (ftok[t] < 0 || ftok[t] >= V || fpos[t] < 0 || fpos[t] >= P) return -2;
+    for (int64_t b = 0; b < B; ++b)
+        if (last[b] < b || last[b] >= T || (b && last[b] <= last[b - 1])) return -2;
+    float *buf = (float *)malloc(sizeof(float) * (T * H + 2 * T * D + B * H + B * V));
+    int64_t *ib = (int64_t *)malloc(sizeof(int64_t) * 3 * B);
+    if (!buf || !ib) { free(buf); free(ib); return -1; }
+    float *x = buf, *cs = x + T * H, *sn = cs + T * D, *a = sn + T * D, *lg = a + B * H;
+    int64_t *tok = ib, *pos = tok + B, *slot = pos + B;
+    for (int64_t t = 0; t < T; ++t) {
+        memcpy(x + t * H, emb + ftok[t] * H, sizeof(float) * H);
+        memcpy(cs + t * D, cos_t + fpos[t] * D, sizeof(float) * D);
+        memcpy(sn + t * D, sin_t + fpos[t] * D, sizeof(float) * D);
+    }
+    int rc = stack_rows(ws, nl, x, T, cs, sn, fslot, fpos, S, L, H, I, h, kvh, D, eps,
+                        qk_eps, scale, NULL, 0, 0, NULL, last, B);
+    if (!rc) {
+        rms_rows(x, norm_w, a, B, H, norm_eps);
+        linear_bf16_f32(a, H, lm, lg, B, H, V);
+        for (int64_t b = 0; b < B; ++b) {
+            out[b] = tok[b] = argmax_row(lg + b * V, V);
+            pos[b] = fpos[last[b]] + 1;
+            slot[b] = fslot[last[b]];
+        }
+        if (n > 1)
+            rc = greedy_steps_f32(ws, nl, emb, norm_w, norm_eps, lm, V, cos_t, sin_t, P, tok,
+                                  slot, pos, B, n - 1, out + B, S, L, H, I, h, kvh, D, eps,
+                                  qk_eps, scale);
+    }
+    free(buf);
+    free(ib);
+    return rc;
+}
+
+/* DFlash 2's path selector walk ("Keep Drafting Parallel"; ``actors.drafters.heads.
+   PathSelector.walk``): score(i, c | prev) = a * logp_i(c) + <Wq h_i, Wc e_c>
+   + <Wl e_prev, Wr e_c> over the K candidates cand [B, n, K] of each position (their
+   log-probs up to a per-position constant: logv [B, n, K], the top-k logits), greedy from
+   the anchor [B]: the first maximum at each step (numpy's argmax). hd [B, n, H] the
+   positions' hidden states, wq [r, H] (Wq), table [V, 3r] the cand | right | left
+   projections of every token's embedding (``BlockDrafter.vocab_table``), a = scale.
+   out [B, n]: the chosen tokens. Returns 0; -1 out of memory; -2 a token out of range. */
+int selector_walk_f32(const float *hd, const float *logv, const int64_t *cand,
+                      const int64_t *anchor, const float *table, const float *wq, float scale,
+                      int64_t B, int64_t n, int64_t K, int64_t H, int64_t r, int64_t V,
+                      int64_t *out) {
+    for (int64_t b = 0; b < B; ++b) if (anchor[b] < 0 || anchor[b] >= V) return -2;
+    for (int64_t i = 0; i < B * n * K; ++i) if (cand[i] < 0 || cand[i] >= V) return -2;
+    float *q = (float *)malloc(sizeof(float) * (r + K));
+    if (!q) return -1;
+    float *u = q + r;
+    const int64_t w3 = 3 * r;
+    for (int64_t b = 0; b < B; ++b) {
+        const float *left = table + anchor[b] * w3 + 2 * r;     /* Wl e_prev */
+        for (int64_t i = 0; i < n; ++i) {
+            const float *h = hd + (b * n + i) * H;
+            for (int64_t j = 0; j < r; ++j) {
+                const float *wr = wq + j * H;
+                float acc = 0.f;
+                for (int64_t k = 0; k < H; ++k) acc += wr[k] * h[k];
+                q[j] = acc;
+            }
+            const int64_t *cs = cand + (b * n + i) * K;
+            const float *lv = logv + (b * n + i) * K;
+            int64_t best = 0;
+            float bv = 0.f;
+            for (int64_t c = 0; c < K; ++c) {
+                const float *e = table + cs[c] * w3;
+                float uc = 0.f, pc = 0.f;
+                for (int64_t j = 0; j < r; ++j) { uc += e[j] * q[j]; pc += left[j] * e[r + j]; }
+                const float sc = scale * (lv[c] - lv[0]) + uc + pc;
+                if (c == 0 || sc > bv) { bv = sc; best = c; }
+            }
+            out[b * n + i] = cs[best];
+            left = table + cs[best] * w3 + 2 * r;
+        }
+    }
+    free(q);
     return 0;
 }
