@@ -229,7 +229,7 @@ def _markov_walk_steps(model, zin: torch.Tensor, base: torch.Tensor, anchor_ids:
     if base.device.type == "cpu":   # the walk in one C call where the library is built
         from actors.engine import layer_kernel
 
-        got = layer_kernel.markov_walk(base, zin, pe, model.markov_vocab_proj(), anchor_ids)
+        got = layer_kernel.markov_walk(base, zin, pe, model.markov_vocab_proj_t(), anchor_ids)
         if got is not None:
             return got
     proj_t = model.markov_vocab_proj_t()  # [r, V] contiguous

@@ -440,19 +440,20 @@ def selector_walk(hd: torch.Tensor, logv: torch.Tensor, cand: torch.Tensor,
     return out
 
 
-def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj: torch.Tensor,
+def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj_t: torch.Tensor,
                 anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """DSpark's Markov walk in one C call (``markov_walk_f32``; ``actors.drafters.decode.
-    markov_walk``'s step-by-step form): base [B, n, V], zin [B, n, r], pe [V, r], proj
-    [V, r] (W_lm U) float32 CPU tensors, anchors [B] int64. Returns (tokens [B, n], z [B, n, r],
-    logits [B, n, V]), the last two transposed views of position-major buffers, or None
-    where the call does not apply (no library, another dtype or device). Raises ValueError
-    on an anchor outside the vocabulary."""
+    markov_walk``'s step-by-step form): base [B, n, V], zin [B, n, r], pe [V, r], proj_t
+    [r, V] ((W_lm U)^T, ``BlockDrafter.markov_vocab_proj_t``) float32 CPU tensors, anchors
+    [B] int64. Returns (tokens [B, n], z [B, n, r], logits [B, n, V]), the last two
+    transposed views of position-major buffers, or None where the call does not apply (no
+    library, another dtype or device). Raises ValueError on an anchor outside the
+    vocabulary."""
     lib = load()
-    ts = (base, zin, pe, proj)
+    ts = (base, zin, pe, proj_t)
     if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
         return None
-    base, zin, pe, proj = (t.contiguous() for t in ts)
+    base, zin, pe, proj_t = (t.contiguous() for t in ts)
     B, n, V = base.shape
     r = zin.shape[-1]
     anchors = anchors.to(torch.int64).contiguous()
@@ -460,7 +461,7 @@ def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj: t
     zs = torch.empty((n, B, r), dtype=torch.float32)
     toks = torch.empty((n, B), dtype=torch.int64)
     linear_kernel.sync_threads(lib)
-    rc = lib.markov_walk_f32(base.data_ptr(), zin.data_ptr(), pe.data_ptr(), proj.data_ptr(),
+    rc = lib.markov_walk_f32(base.data_ptr(), zin.data_ptr(), pe.data_ptr(), proj_t.data_ptr(),
                              anchors.data_ptr(), B, n, V, r, logits.data_ptr(), zs.data_ptr(),
                              toks.data_ptr())
     if rc:

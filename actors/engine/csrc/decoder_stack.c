@@ -142,8 +142,8 @@ static int stack_rows(const layer_w *ws, int64_t nl, float *x, int64_t T,
         int rc = flat_attention_f32(qkv, NQ, D, w->ck, w->cv, slot, span ? span : pos, att, T,
                                     h, kvh, D, S, L, scale, 8);
         if (rc) { free(buf); return rc; }
-        /* (a layer with a dynamic convolution before its MLP needs every row there: its
-           taps read the previous row, so it compacts after the MLP, below) */
+        /* (a layer with a dynamic convolution before its MLP needs every row's normed
+           input there: its taps read the previous row, so it compacts after it, below) */
         if (keep && l == nl - 1 && !w->cm_up) {  /* ascending, keep[j] >= j: a forward
                                                     copy is safe */
             for (int64_t j = 0; j < nkeep; ++j) if (keep[j] != j) {
@@ -157,6 +157,13 @@ static int stack_rows(const layer_w *ws, int64_t nl, float *x, int64_t T,
         rms_rows(x, w->w_post, a, T, H, eps);
         if (w->cm_up && dyn_conv(a, T, H, w->cm_down, w->cm_up, w->cm_b, w->conv_r,
                                  w->conv_block)) { free(buf); return -1; }
+        if (keep && l == nl - 1 && w->cm_up) {
+            for (int64_t j = 0; j < nkeep; ++j) if (keep[j] != j) {
+                memcpy(a + j * H, a + keep[j] * H, sizeof(float) * H);
+                memcpy(x + j * H, x + keep[j] * H, sizeof(float) * H);
+            }
+            T = nkeep;
+        }
         linear_bf16_f32(a, H, w->gate_up, gu, T, H, 2 * I);
         for (int64_t t = 0; t < T; ++t) {
             const float *g = gu + t * 2 * I, *u = g + I;
@@ -165,11 +172,6 @@ static int stack_rows(const layer_w *ws, int64_t nl, float *x, int64_t T,
         }
         linear_bf16_f32(act, I, w->down, a, T, I, H);
         for (int64_t i = 0; i < T * H; ++i) x[i] += a[i];
-        if (keep && l == nl - 1 && w->cm_up) {
-            for (int64_t j = 0; j < nkeep; ++j)
-                if (keep[j] != j) memcpy(x + j * H, x + keep[j] * H, sizeof(float) * H);
-            T = nkeep;
-        }
         if (aux && l < 63 && (aux_mask >> l & 1)) {
             for (int64_t t = 0; t < T; ++t)
                 memcpy(aux + t * naux * H + ja * H, x + t * H, sizeof(float) * H);
@@ -241,10 +243,11 @@ int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const floa
 /* DSpark's left-to-right Markov walk (arXiv 2607.05147, Sec. 3.2) of B rows over n block
    positions: z_i = silu(pe[prev] + zin_i), logits_i = base_i + proj z_i, prev = argmax
    logits_i (ties to the lowest id, as torch's argmax), prev = anchor at i = 0.
-   base [B, n, V], zin [B, n, r], pe [V, r], proj [V, r] (W_lm U), anchor [B];
-   out: logits [n, B, V], zs [n, B, r], toks [n, B] (position-major, as the torch walk's
-   buffers). Returns 0; -2 an anchor outside 0..V-1. */
-int markov_walk_f32(const float *base, const float *zin, const float *pe, const float *proj,
+   base [B, n, V], zin [B, n, r], pe [V, r], proj_t [r, V] ((W_lm U)^T, row j the
+   vocabulary's j-th coefficients), anchor [B]; out: logits [n, B, V], zs [n, B, r],
+   toks [n, B] (position-major, as the torch walk's buffers). Returns 0; -2 an anchor
+   outside 0..V-1. */
+int markov_walk_f32(const float *base, const float *zin, const float *pe, const float *proj_t,
                     const int64_t *anchor, int64_t B, int64_t n, int64_t V, int64_t r,
                     float *logits, float *zs, int64_t *toks) {
     for (int64_t b = 0; b < B; ++b) if (anchor[b] < 0 || anchor[b] >= V) return -2;
@@ -259,32 +262,27 @@ int markov_walk_f32(const float *base, const float *zin, const float *pe, const 
             }
             float *row = logits + (i * B + b) * V;
             const float *br = base + (b * n + i) * V;
-            /* logits_v = base_v + <z, proj_v>: 16 vocabulary rows at a time, their dot
-               products reduced together (reduce16); proj streams once, in order */
+            /* logits_v = base_v + sum_j z_j proj_t[j, v]: 128 vocabulary entries at a time in
+               8 accumulators, each coefficient row read in order (no reduction tree) */
             int64_t v0 = 0;
 #if SPECLOAD_ATTN_SIMD
-            if (r % 16 == 0 && r <= 128) {
-                __m512 zv[8];
-                const int nv = (int)(r / 16);
-                for (int x = 0; x < nv; ++x) zv[x] = _mm512_loadu_ps(z + 16 * x);
-                for (; v0 + 16 <= V; v0 += 16) {
-                    __m512 acc[16];
-                    for (int kk = 0; kk < 16; ++kk) {
-                        const float *pr = proj + (v0 + kk) * r;
-                        __m512 a = _mm512_mul_ps(zv[0], _mm512_loadu_ps(pr));
-                        for (int x = 1; x < nv; ++x)
-                            a = _mm512_fmadd_ps(zv[x], _mm512_loadu_ps(pr + 16 * x), a);
-                        acc[kk] = a;
-                    }
-                    _mm512_storeu_ps(row + v0, _mm512_add_ps(_mm512_loadu_ps(br + v0),
-                                                             reduce16(acc)));
+            for (; v0 + 128 <= V; v0 += 128) {
+                __m512 acc[8];
+                for (int k = 0; k < 8; ++k) acc[k] = _mm512_loadu_ps(br + v0 + 16 * k);
+                for (int64_t j = 0; j < r; ++j) {
+                    const __m512 zj = _mm512_set1_ps(z[j]);
+                    const float *pj = proj_t + j * V + v0;
+                    for (int k = 0; k < 8; ++k)
+                        acc[k] = _mm512_fmadd_ps(zj, _mm512_loadu_ps(pj + 16 * k), acc[k]);
                 }
+                for (int k = 0; k < 8; ++k) _mm512_storeu_ps(row + v0 + 16 * k, acc[k]);
             }
 #endif
-            for (int64_t v = v0; v < V; ++v) {
-                float acc = 0.f;
-                for (int64_t j = 0; j < r; ++j) acc += z[j] * proj[v * r + j];
-                row[v] = br[v] + acc;
+            for (int64_t v = v0; v < V; ++v) row[v] = br[v];
+            for (int64_t j = 0; j < r; ++j) {
+                const float zj = z[j];
+                const float *pj = proj_t + j * V;
+                for (int64_t v = v0; v < V; ++v) row[v] += zj * pj[v];
             }
             toks[i * B + b] = prev = argmax_row(row, V);
         }
