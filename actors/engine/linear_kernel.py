@@ -72,6 +72,10 @@ def threading(lib: ctypes.CDLL, name: str) -> bool:
     lib.linear_bf16_set_threads.restype = None
     lib.linear_bf16_threads.argtypes = []
     lib.linear_bf16_threads.restype = ctypes.c_int
+    attn = getattr(lib, "flat_attention_set_threads", None)
+    if attn is not None:
+        attn.argtypes = [ctypes.c_int]
+        attn.restype = None
     lib.linear_bf16_set_threads(2)
     openmp = lib.linear_bf16_threads() == 2
     lib.linear_bf16_set_threads(1)
@@ -80,12 +84,16 @@ def threading(lib: ctypes.CDLL, name: str) -> bool:
 
 
 def sync_threads(lib: ctypes.CDLL) -> None:
-    """Hand ``torch.get_num_threads()`` to the library (its products then use that many
-    threads where it was built with OpenMP): the kernels honour ``torch_threads``. Called
-    before each call; a ctypes call only when the count changed."""
+    """Hand ``torch.get_num_threads()`` to the library (its products, and in the decoder
+    stack's library its attention, then use that many threads where it was built with
+    OpenMP): the kernels honour ``torch_threads``. Called before each call; a ctypes call
+    only when the count changed."""
     n = torch.get_num_threads()
     if lib.specload_threads != n:
         lib.linear_bf16_set_threads(n)
+        attn = getattr(lib, "flat_attention_set_threads", None)
+        if attn is not None:
+            attn(n)
         lib.specload_threads = n
 
 

@@ -10,6 +10,14 @@ __attribute__((__simd__("notinbranch"), __nothrow__, __const__)) float expf(floa
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* threads one attention call may use (the caller's torch_threads:
+   flat_attention_set_threads; only where built with OpenMP) */
+static int attn_threads = 1;
+void flat_attention_set_threads(int n) { attn_threads = n > 0 ? n : 1; }
 
 
 static inline void softmax_rows(float *sc, float *inv, const int64_t *pos, int64_t r,
@@ -237,39 +245,65 @@ int flat_attention_f32(const float *q, int64_t qt, int64_t qh,
         if (slot[t] < 0 || slot[t] >= S || pos[t] < 0 || pos[t] >= L) return -2;
         if (pos[t] + 1 > nmax) nmax = pos[t] + 1;
     }
-    float *sc = (float *)malloc(sizeof(float) * tile * g * nmax);
-    float *inv = (float *)malloc(sizeof(float) * tile * g);
-    if (!sc || !inv) { free(sc); free(inv); return -1; }
+    /* the work items: (group of up to `tile` consecutive tokens of one slot, K/V head);
+       each writes its own output rows, so threads split them with nothing shared */
+    int64_t *grp = (int64_t *)malloc(sizeof(int64_t) * 3 * (T > 0 ? T : 1));
+    if (!grp) return -1;
+    int64_t ng = 0;
     for (int64_t t0 = 0; t0 < T;) {
-        const int64_t s = slot[t0];
         int64_t t1 = t0 + 1;
-        while (t1 < T && t1 - t0 < tile && slot[t1] == s) ++t1;
-        const int64_t r = t1 - t0;
+        while (t1 < T && t1 - t0 < tile && slot[t1] == slot[t0]) ++t1;
         int64_t n = 0;
-        for (int64_t i = 0; i < r; ++i) if (pos[t0 + i] + 1 > n) n = pos[t0 + i] + 1;
-        for (int64_t k = 0; k < kvh; ++k) {
-            const float *kb = ck + s * L * row + k * D, *vb = cv + s * L * row + k * D;
-            const float *qs = q + t0 * qt + k * g * qh;
-            float *os = out + (t0 * h + k * g) * D;
-#if SPECLOAD_ATTN_SIMD
-            if (D == 64 && simd)
-                run_simd_d64(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc, inv);
-            else if (D == 128 && simd)
-                run_simd_d128(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc,
-                              inv);
-            else
-#endif
-            if (D == 64)
-                run_d64(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc, inv);
-            else if (D == 128)
-                run_d128(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sc, inv);
-            else
-                run_generic(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, D, n, scale,
-                            sc, inv);
-        }
+        for (int64_t i = t0; i < t1; ++i) if (pos[i] + 1 > n) n = pos[i] + 1;
+        grp[3 * ng] = t0; grp[3 * ng + 1] = t1; grp[3 * ng + 2] = n;
+        ++ng;
         t0 = t1;
+    }
+    const int64_t items = ng * kvh;
+    int nt = 1;
+#ifdef _OPENMP
+    /* several threads (attention_threads) where the call reads at least 2^15 keys' worth */
+    if (attn_threads > 1 && items >= 2 && T * nmax * g >= (1 << 15))
+        nt = attn_threads < items ? attn_threads : (int)items;
+#endif
+    const int64_t per = tile * g * nmax;
+    float *sc = (float *)malloc(sizeof(float) * per * nt);
+    float *inv = (float *)malloc(sizeof(float) * tile * g * nt);
+    if (!sc || !inv) { free(sc); free(inv); free(grp); return -1; }
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(nt) schedule(dynamic) if (nt > 1)
+#endif
+    for (int64_t it = 0; it < items; ++it) {
+#ifdef _OPENMP
+        const int tid = nt > 1 ? omp_get_thread_num() : 0;
+#else
+        const int tid = 0;
+#endif
+        float *sct = sc + per * tid, *invt = inv + tile * g * tid;
+        const int64_t gi = it / kvh, k = it % kvh;
+        const int64_t t0 = grp[3 * gi], r = grp[3 * gi + 1] - t0, n = grp[3 * gi + 2];
+        const int64_t s = slot[t0];
+        const float *kb = ck + s * L * row + k * D, *vb = cv + s * L * row + k * D;
+        const float *qs = q + t0 * qt + k * g * qh;
+        float *os = out + (t0 * h + k * g) * D;
+#if SPECLOAD_ATTN_SIMD
+        if (D == 64 && simd)
+            run_simd_d64(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sct, invt);
+        else if (D == 128 && simd)
+            run_simd_d128(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sct,
+                          invt);
+        else
+#endif
+        if (D == 64)
+            run_d64(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sct, invt);
+        else if (D == 128)
+            run_d128(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, n, scale, sct, invt);
+        else
+            run_generic(qs, qt, qh, kb, vb, row, pos + t0, os, h * D, r, g, D, n, scale,
+                        sct, invt);
     }
     free(sc);
     free(inv);
+    free(grp);
     return 0;
 }
