@@ -197,8 +197,9 @@ def _interleave(a: argparse.Namespace, strategy: str, mode: str, sides: dict
                 runs.setdefault((c, side), []).append(res)
                 print(f"[{mode}] {strategy:<14} rep {rep + 1}/{a.reps} users {c:>3} "
                       f"{side:<9} {res['tokens_per_s']:8.1f} tok/s  TTFT p50 "
-                      f"{res['ttft_ms_p50']:7.1f} ms  TPOT p50 {res['tpot_ms_p50']:6.2f} ms",
-                      flush=True)
+                      f"{res['ttft_ms_p50']:7.1f} ms  TPOT p50 {res['tpot_ms_p50']:6.2f} ms"
+                      + (f"  {res['errors']} failed requests ({res['first_error']})"
+                         if res.get("errors") else ""), flush=True)
     return runs
 
 
@@ -218,14 +219,21 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
     t_begin = time.perf_counter()
     w0, w1 = t_begin + warmup_s, t_begin + warmup_s + duration_s
     done: list[dict] = []
+    errors: list[str] = []
 
     async def user(client) -> None:
         while time.perf_counter() < w1:
             i = next(nxt)
             t0 = time.perf_counter()
-            r = await stream_one(client, path, {"model": model, "prompt": prompts[i % len(prompts)],
-                                                "max_tokens": max_tokens, "temperature": 0,
-                                                **(extra_body or {})})
+            try:
+                r = await stream_one(client, path, {"model": model,
+                                                    "prompt": prompts[i % len(prompts)],
+                                                    "max_tokens": max_tokens, "temperature": 0,
+                                                    **(extra_body or {})})
+            except (httpx.HTTPError, ValueError) as exc:   # this request only: counted
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                await asyncio.sleep(0.05)      # a dead server: no tight loop till the end
+                continue
             if t0 >= w0 and time.perf_counter() <= w1:
                 done.append(r)
 
@@ -240,7 +248,8 @@ async def closed_loop_http(base: str, path: str, model: str, prompts: list[str],
             "ttft_ms_p50": _p50([r["ttft_ms"] for r in done]),
             "tpot_ms_p50": _p50([(r["e2e_ms"] - r["ttft_ms"]) / (r["tokens"] - 1)
                                  for r in done if r["tokens"] > 1]),
-            "requests": len(done)}
+            "requests": len(done), "errors": len(errors),
+            **({"first_error": errors[0]} if errors else {})}
 
 
 def _vllm_server(strategy: str, threads: int, log_dir: str, prefix_caching: bool = True,

@@ -72,14 +72,17 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     defers it (``draft_confidence`` on the result's fields): a fixed-length
     proposer never reads it, and a trace computes it outside the timed step.
     computed: (hidden [B, bs - 1, H], logits [B, bs - 1, V], top1 [B, bs - 1], topk
-    indices, values [B, bs - 1, top_k] or None) of the draft positions, already computed
-    (the C block call, ``layer_kernel.block_draft``; h is then None): the LM head, argmax
-    and top-k are not run again.
+    indices, values [B, bs - 1, top_k] or None[, (tokens [B, bs - 1], Markov features
+    [B, bs - 1, r] or None)]) of the draft positions, already computed (the C block call,
+    ``layer_kernel.BlockDraftCall``; h is then None): the LM head, argmax, top-k and, with
+    the sixth item, the selector's or Markov head's walk (the logits then corrected) are
+    not run again.
     Returns a ``BlockDraft`` over the bs - 1 draft positions.
     """
-    logits = top1 = None
+    logits = top1 = walked = None
     if computed is not None:
-        hd, logits, top1, ki, kv = computed
+        hd, logits, top1, ki, kv = computed[:5]
+        walked = computed[5] if len(computed) > 5 else None
     else:
         hd = h[:, 1:]
     use_sel = model.selector is not None if use_selector is None else use_selector
@@ -89,8 +92,11 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     if model.markov is not None:
         # logits_i = lm_head(h_i + U z_i) = base_i + z_i (W_lm U)^T: one batched LM head,
         # then a rank-r vocabulary update per step of the left-to-right walk.
-        base = model.lm_logits(hd) if logits is None else logits  # [B, n, V]
-        tokens, zs, logits = markov_walk(model, hd, base, anchor_ids)
+        if walked is not None:      # the C call walked already: its logits are corrected
+            tokens, zs = walked
+        else:
+            base = model.lm_logits(hd) if logits is None else logits  # [B, n, V]
+            tokens, zs, logits = markov_walk(model, hd, base, anchor_ids)
         # top-1 drafting needs no sort: the walk's tokens are the argmaxes
         topk_ids = tokens[..., None] if top_k <= 1 else logits.topk(top_k, dim=-1).indices
         if confidence and model.confidence is not None:
@@ -115,8 +121,9 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
         # the shifted values stay small, so a bf16 drafter keeps their precision).
         logp = top.values - top.values[..., :1]
         sel = model.selector
-        tokens = sel.walk(hd, logp.to(hd.dtype), top.indices, anchor_ids, model.embed,
-                          model.vocab_table("selector", sel.cand, sel.right, sel.left))
+        tokens = walked[0] if walked is not None else sel.walk(
+            hd, logp.to(hd.dtype), top.indices, anchor_ids, model.embed,
+            model.vocab_table("selector", sel.cand, sel.right, sel.left))
     else:
         tokens = top1
     if confidence and model.confidence is not None:

@@ -98,7 +98,7 @@ def load() -> ctypes.CDLL | None:
         lib.markov_walk_f32.argtypes = [P] * 5 + [I] * 4 + [P] * 3
         lib.markov_walk_f32.restype = ctypes.c_int
         lib.block_draft_f32.argtypes = [P, I, P, P, P, P, P, I, I, P, P, I, P, F, P, I, P, P,
-                                        P, I, P, P] + [I] * 7 + [F, F, F]
+                                        P, I, P, P] + [I] * 7 + [F, F, F, P]
         lib.block_draft_f32.restype = ctypes.c_int
         lib.greedy_draft_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, P, I, I,
                                          P] + [I] * 7 + [F, F, F]
@@ -278,6 +278,18 @@ def greedy_draft(stack: Stack, model, pending: list[list[int]], slots: list[int]
     return out.T.tolist()
 
 
+class DraftHeads(ctypes.Structure):
+    """The C code's ``draft_heads``: the decoding head a ``block_draft_f32`` call runs
+    after the LM head (DFlash 2's selector or DSpark's Markov head; ``BlockDraftCall``)."""
+
+    _fields_ = [("sel_wq", ctypes.c_void_p), ("sel_table", ctypes.c_void_p),
+                ("sel_scale", ctypes.c_float), ("sel_r", ctypes.c_int64),
+                ("mk_pe", ctypes.c_void_p), ("mk_hid_w", ctypes.c_void_p),
+                ("mk_hid_b", ctypes.c_void_p), ("mk_proj_t", ctypes.c_void_p),
+                ("mk_r", ctypes.c_int64), ("mk_z", ctypes.c_void_p),
+                ("tokens", ctypes.c_void_p)]
+
+
 class BlockDraftCall:
     """A DFlash-family drafter's whole block forward as one C call (``block_draft_f32``),
     its fixed arguments bound once: ``stack`` (the drafter's layers), emb [V, H] (the
@@ -287,16 +299,31 @@ class BlockDraftCall:
     contiguous CPU tensor (the caller runs the torch form)."""
 
     def __init__(self, stack: Stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps: float,
-                 lm_packed):
+                 lm_packed, selector: tuple | None = None, markov: tuple | None = None):
         self.stack = stack
-        self.keep = (emb, mask_emb, cos_t, sin_t, norm_w, lm_packed)
+        self.keep = (emb, mask_emb, cos_t, sin_t, norm_w, lm_packed, selector, markov)
+        # the decoding head run in the same call: selector (wq [r, H], table [V, 3r], scale)
+        # or markov (pe [V, r], hid_w [r, H] or None, hid_b [r], proj_t [r, V])
+        self.heads = None
+        if selector is not None:
+            wq, table, scale = selector
+            self.heads = DraftHeads(sel_wq=wq.data_ptr(), sel_table=table.data_ptr(),
+                                    sel_scale=float(scale), sel_r=wq.shape[0])
+            self.head = "selector"
+        elif markov is not None:
+            pe, hw, hb, pt = markov
+            self.heads = DraftHeads(mk_pe=pe.data_ptr(), mk_hid_w=_ptr(hw), mk_hid_b=_ptr(hb),
+                                    mk_proj_t=pt.data_ptr(), mk_r=pe.shape[1])
+            self.head = "markov"
+        else:
+            self.head = None
         self.V = lm_packed.shape[0] * lm_packed.shape[2]
         self.P = cos_t.shape[0]
         H, I, h, kvh, D = stack.dims
         self.H = H
         # the call's arguments before the per-call ones (anchors, positions, slots, B, bs)
         # and after them (the tables, norm, head, outputs, dims)
-        self.head = (ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
+        self.args = (ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
                      mask_emb.data_ptr())
         self.tables = (cos_t.data_ptr(), sin_t.data_ptr(), self.P, norm_w.data_ptr(),
                        float(norm_eps), lm_packed.data_ptr(), self.V)
@@ -304,43 +331,61 @@ class BlockDraftCall:
 
     @classmethod
     def of(cls, stack: Stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps: float,
-           lm_packed) -> "BlockDraftCall | None":
-        if load() is None or lm_packed is None or any(
-                t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-                for t in (emb, mask_emb, cos_t, sin_t, norm_w)):
+           lm_packed, selector: tuple | None = None,
+           markov: tuple | None = None) -> "BlockDraftCall | None":
+        """The call, or None where a tensor is not a float32 contiguous CPU tensor (a head
+        whose tensors are not is left out: the caller decodes in torch)."""
+        def ok(*ts):
+            return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                                     and t.is_contiguous()) for t in ts)
+        if load() is None or lm_packed is None or not ok(emb, mask_emb, cos_t, sin_t, norm_w):
             return None
-        return cls(stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps, lm_packed)
+        return cls(stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps, lm_packed,
+                   selector if selector is not None and ok(*selector[:2]) else None,
+                   markov if markov is not None and ok(*markov) else None)
 
     def __call__(self, anchors: list[int], positions: list[int], slots: list[int], bs: int,
-                 top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor | None, torch.Tensor | None]:
+                 top_k: int = 0, decode: bool = False) -> tuple:
         """Row b's block [anchors[b], mask x (bs - 1)] at positions positions[b] .. + bs - 1
         of slot slots[b] through the stack (the block reads its context and itself), the
         final norm of the bs - 1 draft positions and the LM head. Returns (hidden
         [B, bs - 1, H], logits [B, bs - 1, V], top1 [B, bs - 1], topk indices and values
-        [B, bs - 1, top_k] or None when top_k is 0). Raises ValueError on an anchor, slot
-        or position out of range (nothing computed), RuntimeError out of memory."""
+        [B, bs - 1, top_k] or None when top_k is 0), and with ``decode`` and a bound head
+        a sixth item, (tokens [B, bs - 1], Markov features [B, bs - 1, r] or None): the
+        selector's path (needs top_k > 0) or the Markov walk's (the logits are then the
+        corrected ones). Raises ValueError on an anchor, slot or position out of range
+        (nothing computed), RuntimeError out of memory."""
         lib = load()
         B, n, H, V = len(positions), bs - 1, self.H, self.V
+        head = self.head if decode and (self.head != "selector" or top_k > 0) else None
+        r = self.heads.mk_r if head == "markov" else 0
         idx = torch.tensor((anchors, positions, slots), dtype=torch.long)
-        ints = torch.empty(B * n * (1 + top_k), dtype=torch.long)
-        flts = torch.empty(B * n * (H + V + top_k), dtype=torch.float32)
+        ints = torch.empty(B * n * (1 + top_k + (head is not None)), dtype=torch.long)
+        flts = torch.empty(B * n * (H + V + top_k + r), dtype=torch.float32)
         hid = flts[:B * n * H].view(B, n, H)
         logits = flts[B * n * H:B * n * (H + V)].view(B, n, V)
         top1 = ints[:B * n].view(B, n)
-        ki = ints[B * n:].view(B, n, top_k) if top_k else None
-        kv = flts[B * n * (H + V):].view(B, n, top_k) if top_k else None
+        ki = ints[B * n:B * n * (1 + top_k)].view(B, n, top_k) if top_k else None
+        kv = flts[B * n * (H + V):B * n * (H + V + top_k)].view(B, n, top_k) if top_k else None
+        heads = None
+        if head is not None:
+            toks = ints[B * n * (1 + top_k):].view(B, n)
+            zs = flts[B * n * (H + V + top_k):].view(B, n, r) if r else None
+            self.heads.tokens, self.heads.mk_z = toks.data_ptr(), _ptr(zs)
+            heads = ctypes.byref(self.heads)
         linear_kernel.sync_threads(lib)
         p0 = idx.data_ptr()
-        rc = lib.block_draft_f32(*self.head, p0, p0 + 8 * B, p0 + 16 * B, B, bs, *self.tables,
+        rc = lib.block_draft_f32(*self.args, p0, p0 + 8 * B, p0 + 16 * B, B, bs, *self.tables,
                                  hid.data_ptr(), logits.data_ptr(), top1.data_ptr(), top_k,
-                                 _ptr(ki), _ptr(kv), *self.dims)
+                                 _ptr(ki), _ptr(kv), *self.dims, heads)
         if rc == -2:
             raise ValueError(f"block draft: an anchor outside 0..{V - 1}, a slot outside "
                              f"0..{self.stack.S - 1} or a block past position "
                              f"{min(self.stack.L, self.P) - 1}")
         if rc:
             raise RuntimeError("block draft: out of memory for its scratch")
+        if head is not None:
+            return hid, logits, top1, ki, kv, (toks, zs)
         return hid, logits, top1, ki, kv
 
 

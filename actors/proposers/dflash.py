@@ -289,7 +289,7 @@ class BlockDraftProposer(Proposer):
             call = self._c_call = self._bind_c_call()
         if call is None or max(positions) + self.block_size > call.P:
             return None
-        return call(anchors, positions, slots, self.block_size, top_k)
+        return call(anchors, positions, slots, self.block_size, top_k, decode=True)
 
     def _bind_c_call(self):
         """``layer_kernel.BlockDraftCall`` of this drafter, or None where it does not apply."""
@@ -300,9 +300,22 @@ class BlockDraftProposer(Proposer):
             return None
         d.rope(torch.zeros(1, 1, dtype=torch.long), torch.float32)  # builds the table
         _, cos_t, sin_t = d._rope_table
+        selector = markov = None
+        if self.use_selector is not False and d.selector is not None and d.markov is None:
+            sel = d.selector
+            selector = (sel.query.weight.detach().contiguous(),
+                        d.vocab_table("selector", sel.cand, sel.right, sel.left),
+                        float(sel.logp_scale))
+        elif d.markov is not None:
+            hid = d.markov.hid
+            w = getattr(hid, "weight", None)
+            markov = (d.vocab_table("markov_prev", d.markov.prev),
+                      None if w is None else w.detach().contiguous(),
+                      hid.bias.detach().contiguous(), d.markov_vocab_proj_t())
         return layer_kernel.BlockDraftCall.of(self.stack, d._shared[0], d.mask_embed.detach(),
                                               cos_t, sin_t, d.norm.weight.detach(),
-                                              d.norm.eps, getattr(target, "lm_packed", None))
+                                              d.norm.eps, getattr(target, "lm_packed", None),
+                                              selector, markov)
 
     def _block_hidden_stack(self, anchors: torch.Tensor, positions: list[int],
                             slots: list[int]) -> torch.Tensor:

@@ -346,6 +346,84 @@ static void topk_row(const float *x, int64_t n, int64_t K, int64_t *idx, float *
     }
 }
 
+/* The block drafters' decoding heads a ``block_draft_f32`` call may run after the LM head
+   (NULL: none, the caller decodes): DFlash 2's path selector (sel_wq [r, H] the query
+   projection, sel_table [V, 3r] the cand | right | left table, sel_scale; needs K > 0)
+   or DSpark's Markov head (mk_pe [V, r] the previous-token table, mk_hid_w [r, H] or NULL
+   and mk_hid_b [r] the hidden-state term, mk_proj_t [r, V] (W_lm U)^T; the logits become
+   the corrected ones and mk_z [B, n, r] gets the features). tokens [B, n]: the path. */
+typedef struct {
+    const float *sel_wq, *sel_table;
+    float sel_scale;
+    int64_t sel_r;
+    const float *mk_pe, *mk_hid_w, *mk_hid_b, *mk_proj_t;
+    int64_t mk_r;
+    float *mk_z;
+    int64_t *tokens;
+} draft_heads;
+
+int selector_walk_f32(const float *hd, const float *logv, const int64_t *cand,
+                      const int64_t *anchor, const float *table, const float *wq, float scale,
+                      int64_t B, int64_t n, int64_t K, int64_t H, int64_t r, int64_t V,
+                      int64_t *out);
+
+/* DSpark's Markov head over the block's n draft positions of B rows, in place on logits
+   [B, n, V] (base -> corrected): zin = h W_hid^T + b, then the walk of ``markov_walk_f32``
+   (z [B, n, r] written to zs in row-major order). Returns 0; -1 out of memory. */
+static int markov_rows(const float *hid, float *logits, const int64_t *anchor, int64_t B,
+                       int64_t n, int64_t H, int64_t V, const draft_heads *hd,
+                       int64_t *toks) {
+    const int64_t r = hd->mk_r;
+    float *zin = (float *)malloc(sizeof(float) * B * n * r);
+    if (!zin) return -1;
+    for (int64_t t = 0; t < B * n; ++t) {
+        const float *x = hid + t * H;
+        for (int64_t j = 0; j < r; ++j) {
+            float acc = hd->mk_hid_b ? hd->mk_hid_b[j] : 0.f;
+            if (hd->mk_hid_w) {
+                const float *w = hd->mk_hid_w + j * H;
+                for (int64_t k = 0; k < H; ++k) acc += w[k] * x[k];
+            }
+            zin[t * r + j] = acc;
+        }
+    }
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t prev = anchor[b];
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t t = b * n + i;
+            float *z = hd->mk_z + t * r;
+            const float *pr = hd->mk_pe + prev * r, *zi = zin + t * r;
+            for (int64_t j = 0; j < r; ++j) {
+                const float v = pr[j] + zi[j];
+                z[j] = v / (1.f + expf(-v));
+            }
+            float *row = logits + t * V;
+            int64_t v0 = 0;
+#if SPECLOAD_ATTN_SIMD
+            for (; v0 + 128 <= V; v0 += 128) {
+                __m512 acc[8];
+                for (int k = 0; k < 8; ++k) acc[k] = _mm512_loadu_ps(row + v0 + 16 * k);
+                for (int64_t j = 0; j < r; ++j) {
+                    const __m512 zj = _mm512_set1_ps(z[j]);
+                    const float *pj = hd->mk_proj_t + j * V + v0;
+                    for (int k = 0; k < 8; ++k)
+                        acc[k] = _mm512_fmadd_ps(zj, _mm512_loadu_ps(pj + 16 * k), acc[k]);
+                }
+                for (int k = 0; k < 8; ++k) _mm512_storeu_ps(row + v0 + 16 * k, acc[k]);
+            }
+#endif
+            for (int64_t j = 0; j < r; ++j) {
+                const float zj = z[j];
+                const float *pj = hd->mk_proj_t + j * V;
+                for (int64_t v = v0; v < V; ++v) row[v] += zj * pj[v];
+            }
+            toks[t] = prev = argmax_row(row, V);
+        }
+    }
+    free(zin);
+    return 0;
+}
+
 /* A DFlash-family drafter's whole block forward in one call (DFlash, arXiv 2602.06036,
    Sec. 3.1-3.3): row b's block [anchor[b], mask x (bs - 1)] (embedding rows of emb [V, H],
    mask_emb [H]) at positions apos[b] .. apos[b] + bs - 1 of slot aslot[b] goes through the
@@ -362,8 +440,10 @@ int block_draft_f32(const layer_w *ws, int64_t nl, const float *emb, const float
                     const float *norm_w, float norm_eps, const uint16_t *lm, int64_t V,
                     float *hid, float *logits, int64_t *top1, int64_t K, int64_t *topk_i,
                     float *topk_v, int64_t S, int64_t L, int64_t H, int64_t I, int64_t h,
-                    int64_t kvh, int64_t D, float eps, float qk_eps, float scale) {
+                    int64_t kvh, int64_t D, float eps, float qk_eps, float scale,
+                    const draft_heads *heads) {
     if (bs < 2 || K < 0 || K > V) return -2;
+    if (heads && heads->sel_wq && K < 1) return -2;
     for (int64_t b = 0; b < B; ++b)
         if (anchor[b] < 0 || anchor[b] >= V || apos[b] < 0 || apos[b] + bs > P
             || apos[b] + bs > L || aslot[b] < 0 || aslot[b] >= S) return -2;
@@ -394,6 +474,12 @@ int block_draft_f32(const layer_w *ws, int64_t nl, const float *emb, const float
             top1[r] = argmax_row(logits + r * V, V);
             if (K) topk_row(logits + r * V, V, K, topk_i + r * K, topk_v + r * K);
         }
+        if (heads && heads->sel_wq)
+            rc = selector_walk_f32(hid, topk_v, topk_i, anchor, heads->sel_table,
+                                   heads->sel_wq, heads->sel_scale, B, n, K, H,
+                                   heads->sel_r, V, heads->tokens);
+        else if (heads && heads->mk_pe)
+            rc = markov_rows(hid, logits, anchor, B, n, H, V, heads, heads->tokens);
     }
     free(buf);
     free(ib);
