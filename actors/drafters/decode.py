@@ -90,18 +90,7 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
         raise ValueError("use_selector=True but this drafter has no trained path selector")
     conf = None
     if model.markov is not None:
-        # logits_i = lm_head(h_i + U z_i) = base_i + z_i (W_lm U)^T: one batched LM head,
-        # then a rank-r vocabulary update per step of the left-to-right walk.
-        if walked is not None:      # the C call walked already: its logits are corrected
-            tokens, zs = walked
-        else:
-            base = model.lm_logits(hd) if logits is None else logits  # [B, n, V]
-            tokens, zs, logits = markov_walk(model, hd, base, anchor_ids)
-        # top-1 drafting needs no sort: the walk's tokens are the argmaxes
-        topk_ids = tokens[..., None] if top_k <= 1 else logits.topk(top_k, dim=-1).indices
-        if confidence and model.confidence is not None:
-            conf = draft_confidence(model, hd, zs, logits)
-        return BlockDraft(tokens, tokens, topk_ids, conf, logits, hd, zs)
+        return _markov_draft(model, hd, anchor_ids, top_k, confidence, logits, walked)
     if logits is None:
         logits = model.lm_logits(hd)  # [B, n, V]
     if top_k <= 1 and not use_sel:  # plain top-1 drafting: skip the top-k sort
@@ -129,6 +118,26 @@ def draft_block(model, h: torch.Tensor, anchor_ids: torch.Tensor, top_k: int = 1
     if confidence and model.confidence is not None:
         conf = draft_confidence(model, hd, None, logits)
     return BlockDraft(tokens, top1, top.indices, conf, logits, hd)
+
+
+def _markov_draft(model, hd: torch.Tensor, anchor_ids: torch.Tensor, top_k: int,
+                  confidence: bool, logits: torch.Tensor | None, walked: tuple | None
+                  ) -> BlockDraft:
+    """``draft_block`` for a drafter with a Markov head (DSpark, arXiv 2607.05147, Sec.
+    3.2): logits_i = lm_head(h_i + U z_i) = base_i + z_i (W_lm U)^T, one batched LM head
+    (``logits``: the base logits when already computed) then a rank-r vocabulary update
+    per step of the left-to-right walk; ``walked`` (tokens, z): the C call walked already
+    and ``logits`` are the corrected ones."""
+    if walked is not None:
+        tokens, zs = walked
+    else:
+        base = model.lm_logits(hd) if logits is None else logits  # [B, n, V]
+        tokens, zs, logits = markov_walk(model, hd, base, anchor_ids)
+    # top-1 drafting needs no sort: the walk's tokens are the argmaxes
+    topk_ids = tokens[..., None] if top_k <= 1 else logits.topk(top_k, dim=-1).indices
+    conf = draft_confidence(model, hd, zs, logits) \
+        if confidence and model.confidence is not None else None
+    return BlockDraft(tokens, tokens, topk_ids, conf, logits, hd, zs)
 
 
 # Candidate-table walks cost B x (n-1) x K x V floats; above this the sequential walk

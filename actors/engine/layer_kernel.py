@@ -29,10 +29,14 @@ The C source is ``csrc/decoder_stack.c``, one translation unit with the two kern
 calls (``#include "flat_attention.c"``, ``"linear_bf16.c"``), built by ``kernel_build``
 (the attention kernel's flags); ``load()`` is None where it cannot be built or
 ``SPECLOAD_LAYER_KERNEL=0``, and the runner keeps the op-by-op forward. The same library
-serves the DFlash family's drafter (``actors.proposers.dflash.draft_stack``): its layers
-through ``decoder_stack_f32`` with a ``span`` (every block token reads the whole block),
-its context K/V (``context_kv_f32``), DFlash 2's dynamic convolution on each norm's output
-(``layer_w``'s ``ca_`` / ``cm_`` fields) and DSpark's Markov walk (``markov_walk_f32``).
+serves the drafters: the DFlash family's (``actors.proposers.dflash.draft_stack``) whole
+draft in one call (``BlockDraftCall``, ``block_draft_f32``: its layers with a ``span``,
+every block token reading the whole block, DFlash 2's dynamic convolution on each norm's
+output (``layer_w``'s ``ca_`` / ``cm_`` fields), the final norm, the shared LM head, the
+argmax and the decoding head: DFlash 2's top-k and selector walk or DSpark's Markov walk,
+``draft_heads``), its context K/V (``context_kv_f32``), the walks alone
+(``selector_walk_f32``, ``markov_walk_f32``), and a draft model's greedy proposal
+(``greedy_draft_f32``, ``greedy_steps_f32``).
 """
 
 from __future__ import annotations

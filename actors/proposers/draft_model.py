@@ -170,26 +170,29 @@ class DraftModelProposer(Proposer):
                 done.add(i)
         return done
 
+    def _catch_up_row(self, r: ProposeInput) -> RowInput:
+        """The draft cache of ``r`` rolled back to the longest prefix it shares with the
+        request's sequence, and the row of the tokens to feed next (positions reserved)."""
+        st = self.state[r.request_id]
+        n = 0
+        lim = min(len(st.cached), len(r.token_ids))
+        while n < lim and st.cached[n] == r.token_ids[n]:
+            n += 1
+        # always re-feed the last token: its logits give the first draft, and a propose
+        # retried after a failed batch (the engine's fault isolation) finds its sequence
+        # already cached
+        n = min(n, len(r.token_ids) - 1)
+        self.pool.rollback(r.request_id, n)
+        pending = r.token_ids[n:]
+        return RowInput(st.slot, self.pool.append(r.request_id, len(pending)), pending)
+
     @torch.inference_mode()
     def propose(self, batch: list[ProposeInput]) -> list[DraftProposal]:
         drafts: dict[int, list[int]] = {i: [] for i in range(len(batch))}
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(batch))}
         active = [i for i, r in enumerate(batch) if r.max_draft > 0]
         # 1) roll back to the common prefix and feed the missing tokens.
-        rows = {}
-        for i in active:
-            r, st = batch[i], self.state[batch[i].request_id]
-            n = 0
-            lim = min(len(st.cached), len(r.token_ids))
-            while n < lim and st.cached[n] == r.token_ids[n]:
-                n += 1
-            # always re-feed the last token: its logits give the first draft, and a
-            # propose retried after a failed batch (the engine's fault isolation)
-            # finds its sequence already cached
-            n = min(n, len(r.token_ids) - 1)
-            self.pool.rollback(r.request_id, n)
-            pending = r.token_ids[n:]
-            rows[i] = RowInput(st.slot, self.pool.append(r.request_id, len(pending)), pending)
+        rows = {i: self._catch_up_row(batch[i]) for i in active}
         # ``cached`` only grows after a forward returned, so a propose that raised
         # part-way (the engine then retries request by request) leaves it true
         # (the pool is rolled back to it first).
