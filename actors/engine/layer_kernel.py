@@ -188,6 +188,21 @@ class Stack:
         return cls(model, cache) if cls.usable(model, cache) else None
 
 
+def _greedy_tables(model) -> tuple | None:
+    """What a greedy C call reads of a draft ``CausalLM`` besides its stack: (packed LM
+    head, embedding [V, H], rotary cos and signed sin tables [P, D]), or None where one is
+    missing or not a float32 contiguous tensor (the caller steps in torch)."""
+    lm = getattr(model, "lm_packed", None)
+    emb = model.model.embed_tokens.weight
+    if lm is None or emb.dtype != torch.float32 or not emb.is_contiguous():
+        return None
+    model.rotary(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
+    _, cos_t, _, sin_t = model.rope_table
+    if not (cos_t.is_contiguous() and sin_t.is_contiguous()) or cos_t.dtype != torch.float32:
+        return None
+    return lm, emb, cos_t, sin_t
+
+
 def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
                  positions: list[int], n: int) -> list[list[int]] | None:
     """``n`` greedy decoding steps of B rows in one C call (``greedy_steps_f32``): row b
@@ -201,16 +216,10 @@ def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
     lib = load()
     if lib is None:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
-    lm = getattr(model, "lm_packed", None)
-    if lm is None or n < 1 or not tokens:
+    tables = _greedy_tables(model)
+    if tables is None or n < 1 or not tokens:
         return None
-    emb = model.model.embed_tokens.weight
-    if emb.dtype != torch.float32 or not emb.is_contiguous():
-        return None
-    model.rotary(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
-    _, cos_t, _, sin_t = model.rope_table
-    if not (cos_t.is_contiguous() and sin_t.is_contiguous()) or cos_t.dtype != torch.float32:
-        return None
+    lm, emb, cos_t, sin_t = tables
     B = len(tokens)
     tok = torch.tensor(tokens, dtype=torch.long)
     pos = torch.tensor(positions, dtype=torch.long)
@@ -244,19 +253,13 @@ def greedy_draft(stack: Stack, model, pending: list[list[int]], slots: list[int]
     lib = load()
     if lib is None:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
-    lm = getattr(model, "lm_packed", None)
+    tables = _greedy_tables(model)
     T = sum(len(p) for p in pending)
-    if lm is None or n < 1 or not pending or any(not p for p in pending) \
+    if tables is None or n < 1 or not pending or any(not p for p in pending) \
             or T > max_tokens():
         return None
-    emb = model.model.embed_tokens.weight
-    if emb.dtype != torch.float32 or not emb.is_contiguous():
-        return None
-    model.rotary(torch.zeros(1, 1, dtype=torch.long), torch.float32, signed=True, max_pos=0)
-    _, cos_t, _, sin_t = model.rope_table
-    if not (cos_t.is_contiguous() and sin_t.is_contiguous()) or cos_t.dtype != torch.float32 \
-            or max(s + len(p) for s, p in zip(starts, pending)) + n - 1 > min(cos_t.shape[0],
-                                                                              stack.L):
+    lm, emb, cos_t, sin_t = tables
+    if max(s + len(p) for s, p in zip(starts, pending)) + n - 1 > min(cos_t.shape[0], stack.L):
         return None
     B = len(pending)
     flat = torch.tensor([[t for p in pending for t in p],

@@ -240,6 +240,39 @@ int greedy_steps_f32(const layer_w *ws, int64_t nl, const float *emb, const floa
     return rc;
 }
 
+/* One step of DSpark's Markov walk: z = silu(pe_prev + zi) [r], row = base_row +
+   proj_t^T z [V] (128 vocabulary entries at a time in 8 accumulators, each coefficient row
+   of proj_t [r, V] read in order: no reduction tree; row may be base_row, in place).
+   Returns the argmax of row (ties to the lowest id). */
+static int64_t markov_step(const float *pe_prev, const float *zi, const float *base_row,
+                           const float *proj_t, int64_t r, int64_t V, float *z, float *row) {
+    for (int64_t j = 0; j < r; ++j) {
+        const float v = pe_prev[j] + zi[j];
+        z[j] = v / (1.f + expf(-v));
+    }
+    int64_t v0 = 0;
+#if SPECLOAD_ATTN_SIMD
+    for (; v0 + 128 <= V; v0 += 128) {
+        __m512 acc[8];
+        for (int k = 0; k < 8; ++k) acc[k] = _mm512_loadu_ps(base_row + v0 + 16 * k);
+        for (int64_t j = 0; j < r; ++j) {
+            const __m512 zj = _mm512_set1_ps(z[j]);
+            const float *pj = proj_t + j * V + v0;
+            for (int k = 0; k < 8; ++k)
+                acc[k] = _mm512_fmadd_ps(zj, _mm512_loadu_ps(pj + 16 * k), acc[k]);
+        }
+        for (int k = 0; k < 8; ++k) _mm512_storeu_ps(row + v0 + 16 * k, acc[k]);
+    }
+#endif
+    for (int64_t v = v0; v < V; ++v) row[v] = base_row[v];
+    for (int64_t j = 0; j < r; ++j) {
+        const float zj = z[j];
+        const float *pj = proj_t + j * V;
+        for (int64_t v = v0; v < V; ++v) row[v] += zj * pj[v];
+    }
+    return argmax_row(row, V);
+}
+
 /* DSpark's left-to-right Markov walk (arXiv 2607.05147, Sec. 3.2) of B rows over n block
    positions: z_i = silu(pe[prev] + zin_i), logits_i = base_i + proj z_i, prev = argmax
    logits_i (ties to the lowest id, as torch's argmax), prev = anchor at i = 0.
@@ -253,39 +286,11 @@ int markov_walk_f32(const float *base, const float *zin, const float *pe, const 
     for (int64_t b = 0; b < B; ++b) if (anchor[b] < 0 || anchor[b] >= V) return -2;
     for (int64_t b = 0; b < B; ++b) {
         int64_t prev = anchor[b];
-        for (int64_t i = 0; i < n; ++i) {
-            float *z = zs + (i * B + b) * r;
-            const float *pr = pe + prev * r, *zi = zin + (b * n + i) * r;
-            for (int64_t j = 0; j < r; ++j) {
-                const float v = pr[j] + zi[j];
-                z[j] = v / (1.f + expf(-v));
-            }
-            float *row = logits + (i * B + b) * V;
-            const float *br = base + (b * n + i) * V;
-            /* logits_v = base_v + sum_j z_j proj_t[j, v]: 128 vocabulary entries at a time in
-               8 accumulators, each coefficient row read in order (no reduction tree) */
-            int64_t v0 = 0;
-#if SPECLOAD_ATTN_SIMD
-            for (; v0 + 128 <= V; v0 += 128) {
-                __m512 acc[8];
-                for (int k = 0; k < 8; ++k) acc[k] = _mm512_loadu_ps(br + v0 + 16 * k);
-                for (int64_t j = 0; j < r; ++j) {
-                    const __m512 zj = _mm512_set1_ps(z[j]);
-                    const float *pj = proj_t + j * V + v0;
-                    for (int k = 0; k < 8; ++k)
-                        acc[k] = _mm512_fmadd_ps(zj, _mm512_loadu_ps(pj + 16 * k), acc[k]);
-                }
-                for (int k = 0; k < 8; ++k) _mm512_storeu_ps(row + v0 + 16 * k, acc[k]);
-            }
-#endif
-            for (int64_t v = v0; v < V; ++v) row[v] = br[v];
-            for (int64_t j = 0; j < r; ++j) {
-                const float zj = z[j];
-                const float *pj = proj_t + j * V;
-                for (int64_t v = v0; v < V; ++v) row[v] += zj * pj[v];
-            }
-            toks[i * B + b] = prev = argmax_row(row, V);
-        }
+        for (int64_t i = 0; i < n; ++i)
+            toks[i * B + b] = prev = markov_step(pe + prev * r, zin + (b * n + i) * r,
+                                                 base + (b * n + i) * V, proj_t, r, V,
+                                                 zs + (i * B + b) * r,
+                                                 logits + (i * B + b) * V);
     }
     return 0;
 }
@@ -391,33 +396,8 @@ static int markov_rows(const float *hid, float *logits, const int64_t *anchor, i
         int64_t prev = anchor[b];
         for (int64_t i = 0; i < n; ++i) {
             const int64_t t = b * n + i;
-            float *z = hd->mk_z + t * r;
-            const float *pr = hd->mk_pe + prev * r, *zi = zin + t * r;
-            for (int64_t j = 0; j < r; ++j) {
-                const float v = pr[j] + zi[j];
-                z[j] = v / (1.f + expf(-v));
-            }
-            float *row = logits + t * V;
-            int64_t v0 = 0;
-#if SPECLOAD_ATTN_SIMD
-            for (; v0 + 128 <= V; v0 += 128) {
-                __m512 acc[8];
-                for (int k = 0; k < 8; ++k) acc[k] = _mm512_loadu_ps(row + v0 + 16 * k);
-                for (int64_t j = 0; j < r; ++j) {
-                    const __m512 zj = _mm512_set1_ps(z[j]);
-                    const float *pj = hd->mk_proj_t + j * V + v0;
-                    for (int k = 0; k < 8; ++k)
-                        acc[k] = _mm512_fmadd_ps(zj, _mm512_loadu_ps(pj + 16 * k), acc[k]);
-                }
-                for (int k = 0; k < 8; ++k) _mm512_storeu_ps(row + v0 + 16 * k, acc[k]);
-            }
-#endif
-            for (int64_t j = 0; j < r; ++j) {
-                const float zj = z[j];
-                const float *pj = hd->mk_proj_t + j * V;
-                for (int64_t v = v0; v < V; ++v) row[v] += zj * pj[v];
-            }
-            toks[t] = prev = argmax_row(row, V);
+            toks[t] = prev = markov_step(hd->mk_pe + prev * r, zin + t * r, logits + t * V,
+                                         hd->mk_proj_t, r, V, hd->mk_z + t * r, logits + t * V);
         }
     }
     free(zin);
