@@ -124,7 +124,7 @@ def test_kernel_builds_into_its_cache_dir_per_cpu_and_without_a_compiler_is_none
         assert attention_kernel.load() is not None
         assert sorted(p.suffix for p in (tmp_path / "k").glob("*.so")) == [".so", ".so"]
         monkeypatch.setenv("SPECLOAD_KERNEL_CACHE", str(tmp_path / "none"))
-        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-cxx"))
         attention_kernel.load.cache_clear()
         assert attention_kernel.load() is None
         # ... and its absence, with the fallback that runs instead

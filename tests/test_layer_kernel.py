@@ -347,13 +347,13 @@ def test_greedy_draft_equals_catch_up_then_steps_up_to_ties(path):
 
 def test_stack_attention_honours_torch_threads():
     """The decoder stack's attention takes ``torch.get_num_threads()`` as its products do
-    (``linear_kernel.sync_threads`` -> ``flat_attention_set_threads``): a 64-token prompt
+    (``Kernels.sync_threads`` -> the ``set_threads`` operator): a 64-token prompt
     chunk over a 448-token context (past the 2^15-key threshold where the call splits its
     (token group, K/V head) items between threads) gives the same logits and the same K/V
     with 2 threads as with 1, bit for bit (each item is computed whole by one thread)."""
     model = CausalLM.from_pretrained(DEFAULT_TARGET)
     lib = layer_kernel.load()
-    if lib is None or not lib.specload_openmp:
+    if lib is None or not lib.openmp:
         pytest.skip("no OpenMP build of the decoder-stack kernel on this machine")
     gen = torch.Generator().manual_seed(6)
     ctx = torch.randint(1, model.config.vocab_size, (448,), generator=gen).tolist()
@@ -366,7 +366,7 @@ def test_stack_attention_honours_torch_threads():
             runner = ModelRunner(model, 1, 1024)
             runner.run([RowInput(0, 0, ctx)], last_only=True)
             lg, _ = runner.run([RowInput(0, len(ctx), chunk)], last_only=False)
-            assert runner.last_path == "stack" and lib.specload_threads == n
+            assert runner.last_path == "stack" and lib.threads == n
             outs.append((lg[0], runner.cache.k[0][0, :512].clone()))
     finally:
         torch.set_num_threads(before)

@@ -93,7 +93,7 @@ def test_float32_weights_stay_folded_on_mm():
 
 def test_without_a_compiler_the_kernel_is_none(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLOAD_KERNEL_CACHE", str(tmp_path / "none"))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-cxx"))
     linear_kernel.load.cache_clear()
     try:
         assert linear_kernel.load() is None
@@ -101,10 +101,10 @@ def test_without_a_compiler_the_kernel_is_none(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="not built"):
             linear_kernel.linear_packed(torch.zeros(1, 64), torch.zeros(1, 64, 64, dtype=torch.bfloat16))
         monkeypatch.setenv("SPECLOAD_KERNEL_CACHE", str(tmp_path / "k"))
-        monkeypatch.delenv("CC")
+        monkeypatch.delenv("CXX")
         linear_kernel.load.cache_clear()
         assert linear_kernel.load() is not None
-        assert [p.name.split("-")[0] for p in (tmp_path / "k").glob("*.so")] == ["linear_bf16"]
+        assert [p.name.split("-")[0] for p in (tmp_path / "k").glob("*.so")] == ["kernels"]
     finally:
         monkeypatch.undo()
         linear_kernel.load.cache_clear()
@@ -127,12 +127,12 @@ def test_kernels_honour_torch_threads():
     try:
         torch.set_num_threads(1)
         one = linear_kernel.linear_packed(x, packed)
-        assert lib.specload_threads == 1
+        assert lib.threads == 1
         torch.set_num_threads(2)
         two = linear_kernel.linear_packed(x, packed)
-        assert lib.specload_threads == 2
-        assert lib.linear_bf16_threads() == (2 if lib.specload_openmp else 1)
+        assert lib.threads == 2
+        assert lib.ops.build_info()[4] == (2 if lib.openmp else 1)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
-    assert report()["linear_bf16"]["openmp"] is lib.specload_openmp
+    assert report()["linear_bf16"]["openmp"] is lib.openmp

@@ -37,47 +37,30 @@ slot[t]; the same as ``F.scaled_dot_product_attention`` with that mask (Vaswani 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
 # (cache_dir, cpu_id: re-exported for callers of this module)
-from actors.engine.kernel_build import (cache_dir, cpu_id, kernel_source,  # noqa: F401
-                                        load_kernel, register_op)
+from actors.engine.kernel_build import (Kernels, cache_dir, cpu_id,  # noqa: F401
+                                        load_kernels, register_op)
 
 
 TILE = 8        # tokens of one slot that share each K/V row read
 
-SOURCE = kernel_source("flat_attention.c")
-
-# vectorised reductions need reassociation; no -ffinite-math-only (the masks are indices,
-# but a NaN from a bad input must stay a NaN). With glibc's libmvec the softmax's exps are
-# vectorised too (SPECLOAD_SIMD_EXPF); where it is missing, the build is retried without.
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
-         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
-VARIANTS = (("-DSPECLOAD_SIMD_EXPF", "-lmvec", "-lm"), ("-lm",))
-
 
 @functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, built on first use (a few tenths of a second) and
-    cached on disk; None (with a warning logged) when it cannot be built or loaded."""
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    return load_kernel("flat_attention", SOURCE, FLAGS, "flat_attention_f32",
-                       [P, I, I] + [P] * 5 + [I] * 6 + [ctypes.c_float, I],
-                       "the torch form is used", VARIANTS)
+def load() -> Kernels | None:
+    """The built kernels (``kernel_build.load_ops``: built on first use, cached on disk);
+    None (with a warning logged) when they cannot be built or loaded."""
+    return load_kernels("flat_attention", "the torch form is used")
 
 
 def simd_built() -> bool:
     """Whether the built kernel has the AVX-512 code (head sizes 64 and 128: scores 16 keys
     at a time, reduced together; weighted sums of several queries per V row read)."""
     lib = load()
-    if lib is None:
-        return False
-    fn = lib.flat_attention_simd
-    fn.restype, fn.argtypes = ctypes.c_int, []
-    return bool(fn())
+    return lib is not None and lib.simd
 
 
 def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: torch.Tensor,
@@ -110,10 +93,8 @@ def flat_attention(q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slot: to
         slot, pos = slot.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
     out = torch.empty((T, h, D), dtype=q.dtype)
     if T:
-        rc = lib.flat_attention_f32(q.data_ptr(), q.stride(0), q.stride(1), ck.data_ptr(),
-                                    cv.data_ptr(), slot.data_ptr(), pos.data_ptr(),
-                                    out.data_ptr(), T, h, kvh, D, S, L, float(scale),
-                                    TILE if simd else -TILE)
+        rc = lib.ops.flat_attention.default(q, ck, cv, slot, pos, out, float(scale),
+                                            TILE if simd else -TILE)
         if rc == -2:
             raise ValueError(f"flat_attention: a slot outside 0..{S - 1} or a position "
                              f"outside 0..{L - 1}")

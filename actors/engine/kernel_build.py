@@ -14,7 +14,6 @@ a compiler (the run manifest's ``kernels``: what the engines on this machine las
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -23,6 +22,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,9 +73,9 @@ def build_status() -> dict[str, Any]:
         kernels = json.loads((cache_dir() / STATUS_FILE).read_text())
     except (OSError, ValueError):
         kernels = {}
-    cc = os.environ.get("CC", "cc")
-    return {"kernels": kernels, "cache_dir": str(cache_dir()), "compiler": cc,
-            "compiler_found": shutil.which(cc) is not None}
+    cxx = compiler()
+    return {"kernels": kernels, "cache_dir": str(cache_dir()), "compiler": cxx,
+            "compiler_found": shutil.which(cxx) is not None}
 
 
 def cache_dir() -> Path:
@@ -103,38 +103,146 @@ def cpu_id() -> str:
     return platform.processor()
 
 
-def build(name: str, source: str, flags: tuple[str, ...],
-          variants: tuple[tuple[str, ...], ...] = ((),)) -> ctypes.CDLL:
-    """The library ``name`` compiled from ``source`` with ``flags`` and the first of
-    ``variants`` (extra arguments) that compiles; built once per (source, compiler, flags,
-    CPU) and cached on disk. Raises OSError or subprocess.SubprocessError (stderr on the
-    exception) when no variant compiles or the result cannot be loaded."""
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join((source, cc, *flags, *sum(variants, ()), platform.machine(),
-                                    cpu_id())).encode()).hexdigest()[:16]
+SOURCE = "ops.cpp"         # the operators' file (csrc/), which includes every kernel's C
+# -O3 -march=native: the compiler vectorises the plain loops for this CPU and the
+# intrinsics paths are picked by what it targets (AVX-512, AVX2 + FMA); vectorised
+# reductions need reassociation; no -ffinite-math-only (the masks are indices, but a NaN
+# from a bad input must stay a NaN)
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math")
+# (compile flags, link flags), the first that builds wins: OpenMP (the kernels honour
+# torch_threads) and glibc's vector expf (libmvec, the softmax's exps), each dropped where
+# the toolchain lacks it
+VARIANTS = ((("-fopenmp", "-DSPECLOAD_SIMD_EXPF"), ("-fopenmp", "-lmvec", "-lm")),
+            (("-fopenmp",), ("-fopenmp", "-lm")),
+            (("-DSPECLOAD_SIMD_EXPF",), ("-lmvec", "-lm")),
+            ((), ("-lm",)))
+
+
+@dataclass
+class Kernels:
+    """The built kernels of this process: ``ops``, their operators (``torch.ops.<ns>``,
+    ``csrc/ops.cpp``: typed schemas, every tensor checked before its pointer is taken),
+    and what the build has: ``isa`` (512 AVX-512, 256 AVX2 + FMA, 0 plain C),
+    ``interleaved`` (``linear_kernel.pack``'s AVX-512 layout), ``simd`` (the attention's
+    AVX-512 code), ``openmp``; ``threads`` the count last handed to them
+    (``sync_threads``); ``outcome`` the build's record (``record``)."""
+
+    ops: Any
+    ns: str
+    isa: int
+    interleaved: bool
+    simd: bool
+    openmp: bool
+    outcome: dict
+    threads: int = 1
+
+    def sync_threads(self) -> None:
+        """Hand ``torch.get_num_threads()`` to the kernels (the products' and the
+        attention's OpenMP threads: they honour ``torch_threads``); an operator call only
+        when the count changed."""
+        import torch
+
+        n = torch.get_num_threads()
+        if n != self.threads:
+            self.ops.set_threads(n)
+            self.threads = n
+
+
+_LOADED: dict[str, Kernels] = {}    # build key -> the kernels loaded from it (once a process)
+
+
+def compiler() -> str:
+    """The C++ compiler the kernels are built with: ``$CXX``, default ``c++`` (what
+    ``torch.utils.cpp_extension`` runs)."""
+    return os.environ.get("CXX", "c++")
+
+
+def _ninja_on_path() -> None:
+    """Put the ``ninja`` package's binary on PATH where no ``ninja`` is (cpp_extension
+    runs ``ninja`` by name)."""
+    import shutil
+
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def load_ops() -> Kernels:
+    """The kernels' operators, built once per (source, compiler, flags, CPU, torch
+    version, cache directory) with ``torch.utils.cpp_extension`` into ``cache_dir()``
+    (``kernels-<key>.so``, named by that hash) and loaded (``torch.ops.load_library``);
+    the first of ``VARIANTS`` that builds is used. Raises RuntimeError or OSError (the
+    compiler's error at its end) when none builds or the library cannot be loaded."""
+    import torch
+
+    source = kernel_source(SOURCE)
+    cxx = compiler()
     d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    so = d / f"{name}-{key}.so"
+    key = hashlib.sha256("\0".join((source, cxx, *FLAGS, *(sum(sum(VARIANTS, ()), ())),
+                                    platform.machine(), cpu_id(), torch.__version__,
+                                    str(d.resolve()))).encode()).hexdigest()[:16]
+    if key in _LOADED:              # loaded by an earlier call: nothing built this time
+        _LOADED[key].outcome["status"] = "cached"
+        return _LOADED[key]
+    ns = f"specload_k{key}"
+    so = d / f"kernels-{key}.so"
     cached, variant = so.exists(), None
-    if not cached:
+    if cached:
+        torch.ops.load_library(str(so))
+    else:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        d.mkdir(parents=True, exist_ok=True)
+        errors = []
         with tempfile.TemporaryDirectory(dir=d) as tmp:
-            src = Path(tmp) / f"{name}.c"
+            src = Path(tmp) / SOURCE
             src.write_text(source)
-            built = Path(tmp) / "k.so"
-            for i, extra in enumerate(variants):
+            for i, (cflags, ldflags) in enumerate(VARIANTS):
+                out = Path(tmp) / f"v{i}"
+                out.mkdir()
                 try:
-                    subprocess.run([cc, *flags, str(src), "-o", str(built), *extra],
-                                   check=True, capture_output=True, timeout=120)
-                    variant = list(extra)
-                    break
-                except subprocess.CalledProcessError:
-                    if i == len(variants) - 1:
-                        raise
-            os.replace(built, so)      # atomic: another process may be building too
-    lib = ctypes.CDLL(str(so))
-    record(name, status="cached" if cached else "built", library=so.name, compiler=cc,
-           flags=list(flags), **({} if variant is None else {"variant": variant}))
-    return lib
+                    built = cpp_extension.load(ns, [str(src)], extra_cflags=[
+                        *FLAGS, *cflags, f"-DSPECLOAD_NS={ns}"], extra_ldflags=list(ldflags),
+                        build_directory=str(out), is_python_module=False, verbose=False)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    errors.append(exc)
+                    continue
+                os.replace(built, so)      # atomic: another process may be building too
+                variant = [*cflags, *ldflags]
+                break
+            else:
+                raise errors[-1]
+    ops = getattr(torch.ops, ns)
+    isa, layout, simd, openmp, _ = ops.build_info()
+    outcome = {"status": "cached" if cached else "built", "library": so.name, "compiler": cxx,
+               "build": "torch.utils.cpp_extension", "flags": list(FLAGS),
+               **({} if variant is None else {"variant": variant})}
+    k = Kernels(ops=ops, ns=ns, isa=int(isa), interleaved=bool(layout), simd=bool(simd),
+                openmp=bool(openmp), outcome=outcome)
+    _LOADED[key] = k
+    return k
+
+
+def load_kernels(name: str, fallback: str) -> Kernels | None:
+    """``load_ops``'s kernels for the kernel ``name`` (its outcome recorded under that
+    name), or None with a warning naming ``fallback`` (what runs instead) when they cannot
+    be built or loaded."""
+    try:
+        k = load_ops()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        logging.getLogger(__name__).warning("%s kernel unavailable (%s); %s", name,
+                                            str(exc)[-800:], fallback)
+        record(name, status="unavailable", error=str(exc)[-300:], compiler=compiler(),
+               fallback=fallback)
+        return None
+    record(name, **k.outcome)
+    return k
 
 
 _LIBS: list = []    # the op registrations: each must stay alive for its op to last
@@ -182,22 +290,3 @@ def kernel_source(name: str) -> str:
         return "".join(out)
 
     return expand(name)
-
-
-def load_kernel(name: str, source: str, flags: tuple[str, ...], fn: str, argtypes: list,
-                fallback: str, variants: tuple[tuple[str, ...], ...] = ((),)) -> ctypes.CDLL | None:
-    """``build``'s library with its entry point ``fn`` typed (``argtypes``, an int result),
-    or None with a warning naming ``fallback`` (what runs instead) when it cannot be built
-    or loaded."""
-    try:
-        lib = build(name, source, flags, variants)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logging.getLogger(__name__).warning("%s kernel unavailable (%r %s); %s", name, exc,
-                                            detail.decode(errors="replace")[-500:], fallback)
-        record(name, status="unavailable", error=repr(exc)[:300], fallback=fallback)
-        return None
-    f = getattr(lib, fn)
-    f.argtypes = argtypes
-    f.restype = ctypes.c_int
-    return lib

@@ -41,15 +41,14 @@ argmax and the decoding head: DFlash 2's top-k and selector walk or DSpark's Mar
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import os
 
 import torch
 
-from actors.engine import attention_kernel, linear_kernel
-from actors.engine.kernel_build import kernel_source, load_kernel, load_kernel_outcome, record
+from actors.engine import linear_kernel
+from actors.engine.kernel_build import Kernels, load_kernel_outcome, load_kernels, record
 
 # tokens of a batch the stack call serves; more run op by op (the AVX2 weight kernel loses
 # to MKL's GEMM from about 16 rows, where the ops' overhead is a smaller share)
@@ -65,58 +64,28 @@ def max_tokens() -> int:
     AVX-512 weight kernel, else ``MAX_TOKENS``."""
     return MAX_TOKENS_WIDE if linear_kernel.isa() == 512 else MAX_TOKENS
 
-GLUE = kernel_source("decoder_stack.c")
 
-
-class LayerW(ctypes.Structure):
-    """One layer's weights and K/V cache, as the C code's ``layer_w``."""
-
-    _fields_ = [(n, ctypes.c_void_p) for n in
-                ("w_in", "w_post", "qkv_b", "qk_w", "qkv", "o", "gate_up", "down", "ck", "cv",
-                 "ca_down", "ca_b", "cm_down", "cm_b", "ca_up", "cm_up")] + \
-        [("conv_r", ctypes.c_int64), ("conv_block", ctypes.c_int64)]
+# a layer's tensors in the operators' order (``csrc/ops.cpp``'s ``layer_table``, the C
+# code's ``layer_w``): None for an absent optional one
+LAYER_FIELDS = ("w_in", "w_post", "qkv_b", "qk_w", "qkv", "o", "gate_up", "down", "ck", "cv",
+                "ca_down", "ca_b", "cm_down", "cm_b", "ca_up", "cm_up")
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled stack library (both kernels' code and the glue), or None (a warning
-    logged) when it cannot be built, or ``SPECLOAD_LAYER_KERNEL=0`` or
-    ``SPECLOAD_LINEAR_KERNEL=0``."""
+def load() -> Kernels | None:
+    """The built kernels (``kernel_build.load_ops``: the stack's, the drafters' and the two
+    kernels it calls, one library), or None (a warning logged) when they cannot be built,
+    or ``SPECLOAD_LAYER_KERNEL=0`` or ``SPECLOAD_LINEAR_KERNEL=0``."""
     if os.environ.get("SPECLOAD_LAYER_KERNEL", "1") == "0" or linear_kernel.load() is None:
         record("decoder_stack", status="disabled", reason="SPECLOAD_LAYER_KERNEL=0"
                if os.environ.get("SPECLOAD_LAYER_KERNEL", "1") == "0" else "no linear_bf16 kernel",
                fallback="layers run op by op")
         return None
-    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib = load_kernel("decoder_stack", GLUE,
-                      attention_kernel.FLAGS, "decoder_stack_f32",
-                      [P, I, P, I, P, P, P, P] + [I] * 7 + [F, F, F, P, I, I, P],
-                      "layers run op by op", (tuple(("-fopenmp",) + v for v in attention_kernel.VARIANTS)
-                      + attention_kernel.VARIANTS))
+    lib = load_kernels("decoder_stack", "layers run op by op")
     if lib is not None:
-        lib.greedy_steps_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, I, P] + \
-            [I] * 7 + [F, F, F]
-        lib.greedy_steps_f32.restype = ctypes.c_int
-        lib.context_kv_f32.argtypes = [P, I, P, I, I, P, P, F, P, P] + [I] * 8 + [F]
-        lib.context_kv_f32.restype = ctypes.c_int
-        lib.markov_walk_f32.argtypes = [P] * 5 + [I] * 4 + [P] * 3
-        lib.markov_walk_f32.restype = ctypes.c_int
-        lib.block_draft_f32.argtypes = [P, I, P, P, P, P, P, I, I, P, P, I, P, F, P, I, P, P,
-                                        P, I, P, P] + [I] * 7 + [F, F, F, P]
-        lib.block_draft_f32.restype = ctypes.c_int
-        lib.greedy_draft_f32.argtypes = [P, I, P, P, F, P, I, P, P, I, P, P, P, I, P, I, I,
-                                         P] + [I] * 7 + [F, F, F]
-        lib.greedy_draft_f32.restype = ctypes.c_int
-        lib.selector_walk_f32.argtypes = [P] * 6 + [F] + [I] * 6 + [P]
-        lib.selector_walk_f32.restype = ctypes.c_int
-        lib.specload_openmp = linear_kernel.threading(lib, "decoder_stack")
         record("decoder_stack", **load_kernel_outcome("decoder_stack"), max_tokens=max_tokens(),
-               openmp=lib.specload_openmp)
+               openmp=lib.openmp)
     return lib
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class Stack:
@@ -145,11 +114,12 @@ class Stack:
         """layers: per layer the tensors of ``LayerW``'s fields (caches [S, L, kvh, D]
         float32 contiguous, weights packed by ``linear_kernel.pack``); dims (H, I, h, kvh,
         D)."""
-        self.keep = layers
-        rows = [LayerW(**{k: (v if isinstance(v, int) else _ptr(v)) for k, v in ts.items()})
-                for ts in layers]
-        self.layers = (LayerW * len(rows))(*rows)
-        self.n = len(rows)
+        # the operators' arguments: every layer's tensors (LAYER_FIELDS), its convolution's
+        # rank and block (0, 0 without one), the dims (checked against the tensors per call)
+        self.layers = [ts.get(f) for ts in layers for f in LAYER_FIELDS]
+        self.conv = [int(v) for ts in layers for v in (ts.get("conv_r", 0), ts.get("conv_block", 0))]
+        self.dims_arg = list(dims)
+        self.n = len(layers)
         self.S, self.L = layers[0]["ck"].shape[0], layers[0]["ck"].shape[1]
         self.dims = dims
         self.eps, self.qk_eps = eps, qk_eps
@@ -225,14 +195,10 @@ def greedy_steps(stack: Stack, model, tokens: list[int], slots: list[int],
     pos = torch.tensor(positions, dtype=torch.long)
     slot = torch.tensor(slots, dtype=torch.long)
     out = torch.empty((n, B), dtype=torch.long)
-    H, I, h, kvh, D = stack.dims
-    linear_kernel.sync_threads(lib)
-    rc = lib.greedy_steps_f32(ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
-                              model.model.norm.weight.data_ptr(), float(model.model.norm.eps),
-                              lm.data_ptr(), lm.shape[0] * lm.shape[2], cos_t.data_ptr(),
-                              sin_t.data_ptr(), cos_t.shape[0], tok.data_ptr(), slot.data_ptr(),
-                              pos.data_ptr(), B, n, out.data_ptr(), stack.S, stack.L, H, I, h,
-                              kvh, D, stack.eps, stack.qk_eps, stack.scale)
+    lib.sync_threads()
+    rc = lib.ops.greedy_steps.default(stack.layers, stack.conv, stack.dims_arg, emb,
+                                      model.model.norm.weight, float(model.model.norm.eps), lm,
+                                      cos_t, sin_t, tok, slot, pos, out, stack.eps, stack.qk_eps)
     if rc == -2:
         return None
     if rc:
@@ -269,15 +235,11 @@ def greedy_draft(stack: Stack, model, pending: list[list[int]], slots: list[int]
     last = torch.tensor(list(itertools.accumulate(len(p) for p in pending)),
                         dtype=torch.long) - 1
     out = torch.empty((n, B), dtype=torch.long)
-    H, I, h, kvh, D = stack.dims
-    linear_kernel.sync_threads(lib)
-    rc = lib.greedy_draft_f32(ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
-                              model.model.norm.weight.data_ptr(), float(model.model.norm.eps),
-                              lm.data_ptr(), lm.shape[0] * lm.shape[2], cos_t.data_ptr(),
-                              sin_t.data_ptr(), cos_t.shape[0], flat[0].data_ptr(),
-                              flat[1].data_ptr(), flat[2].data_ptr(), T, last.data_ptr(), B, n,
-                              out.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
-                              stack.qk_eps, stack.scale)
+    lib.sync_threads()
+    rc = lib.ops.greedy_draft.default(stack.layers, stack.conv, stack.dims_arg, emb,
+                                      model.model.norm.weight, float(model.model.norm.eps), lm,
+                                      cos_t, sin_t, flat[0], flat[1], flat[2], last, out,
+                                      stack.eps, stack.qk_eps)
     if rc == -2:
         return None
     if rc:
@@ -285,56 +247,40 @@ def greedy_draft(stack: Stack, model, pending: list[list[int]], slots: list[int]
     return out.T.tolist()
 
 
-class DraftHeads(ctypes.Structure):
-    """The C code's ``draft_heads``: the decoding head a ``block_draft_f32`` call runs
-    after the LM head (DFlash 2's selector or DSpark's Markov head; ``BlockDraftCall``)."""
-
-    _fields_ = [("sel_wq", ctypes.c_void_p), ("sel_table", ctypes.c_void_p),
-                ("sel_scale", ctypes.c_float), ("sel_r", ctypes.c_int64),
-                ("mk_pe", ctypes.c_void_p), ("mk_hid_w", ctypes.c_void_p),
-                ("mk_hid_b", ctypes.c_void_p), ("mk_proj_t", ctypes.c_void_p),
-                ("mk_r", ctypes.c_int64), ("mk_z", ctypes.c_void_p),
-                ("tokens", ctypes.c_void_p)]
-
-
 class BlockDraftCall:
-    """A DFlash-family drafter's whole block forward as one C call (``block_draft_f32``),
-    its fixed arguments bound once: ``stack`` (the drafter's layers), emb [V, H] (the
-    shared embedding), mask_emb [H], cos_t, sin_t [P, D] (the drafter's rotary table,
-    signed sin), norm_w [H] and norm_eps (its final norm), lm_packed (the shared LM head,
-    ``linear_kernel.pack`` of [H, V]). ``of`` returns None where a tensor is not a float32
+    """A DFlash-family drafter's whole block forward as one C call (the ``block_draft``
+    operator, ``block_draft_f32``), its fixed arguments bound once: ``stack`` (the
+    drafter's layers), emb [V, H] (the shared embedding), mask_emb [H], cos_t, sin_t
+    [P, D] (the drafter's rotary table, signed sin), norm_w [H] and norm_eps (its final
+    norm), lm_packed (the shared LM head, ``linear_kernel.pack`` of [H, V]), and the
+    decoding head run in the same call (``csrc/decoder_stack.c``'s ``draft_heads``):
+    selector (wq [r, H], table [V, 3r], scale) or markov (pe [V, r], hid_w [r, H] or None,
+    hid_b [r], proj_t [r, V]). ``of`` returns None where a tensor is not a float32
     contiguous CPU tensor (the caller runs the torch form)."""
 
     def __init__(self, stack: Stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps: float,
                  lm_packed, selector: tuple | None = None, markov: tuple | None = None):
         self.stack = stack
-        self.keep = (emb, mask_emb, cos_t, sin_t, norm_w, lm_packed, selector, markov)
-        # the decoding head run in the same call: selector (wq [r, H], table [V, 3r], scale)
-        # or markov (pe [V, r], hid_w [r, H] or None, hid_b [r], proj_t [r, V])
-        self.heads = None
+        self.sel = (None, None, 0.0)
+        self.mk = (None, None, None, None)
+        self.r = 0
         if selector is not None:
             wq, table, scale = selector
-            self.heads = DraftHeads(sel_wq=wq.data_ptr(), sel_table=table.data_ptr(),
-                                    sel_scale=float(scale), sel_r=wq.shape[0])
+            self.sel = (wq, table, float(scale))
             self.head = "selector"
         elif markov is not None:
-            pe, hw, hb, pt = markov
-            self.heads = DraftHeads(mk_pe=pe.data_ptr(), mk_hid_w=_ptr(hw), mk_hid_b=_ptr(hb),
-                                    mk_proj_t=pt.data_ptr(), mk_r=pe.shape[1])
+            self.mk = tuple(markov)
+            self.r = markov[0].shape[1]
             self.head = "markov"
         else:
             self.head = None
         self.V = lm_packed.shape[0] * lm_packed.shape[2]
         self.P = cos_t.shape[0]
-        H, I, h, kvh, D = stack.dims
-        self.H = H
-        # the call's arguments before the per-call ones (anchors, positions, slots, B, bs)
-        # and after them (the tables, norm, head, outputs, dims)
-        self.args = (ctypes.addressof(stack.layers), stack.n, emb.data_ptr(),
-                     mask_emb.data_ptr())
-        self.tables = (cos_t.data_ptr(), sin_t.data_ptr(), self.P, norm_w.data_ptr(),
-                       float(norm_eps), lm_packed.data_ptr(), self.V)
-        self.dims = (stack.S, stack.L, H, I, h, kvh, D, stack.eps, stack.qk_eps, stack.scale)
+        self.H = stack.dims[0]
+        # the operator's arguments before the per-call ones (anchors, positions, slots, bs)
+        # and between them and the outputs (the tables, the final norm, the LM head)
+        self.args = (stack.layers, stack.conv, stack.dims_arg, emb, mask_emb)
+        self.tables = (cos_t, sin_t, norm_w, float(norm_eps), lm_packed)
 
     @classmethod
     def of(cls, stack: Stack, emb, mask_emb, cos_t, sin_t, norm_w, norm_eps: float,
@@ -365,7 +311,7 @@ class BlockDraftCall:
         lib = load()
         B, n, H, V = len(positions), bs - 1, self.H, self.V
         head = self.head if decode and (self.head != "selector" or top_k > 0) else None
-        r = self.heads.mk_r if head == "markov" else 0
+        r = self.r if head == "markov" else 0
         idx = torch.tensor((anchors, positions, slots), dtype=torch.long)
         ints = torch.empty(B * n * (1 + top_k + (head is not None)), dtype=torch.long)
         flts = torch.empty(B * n * (H + V + top_k + r), dtype=torch.float32)
@@ -374,17 +320,14 @@ class BlockDraftCall:
         top1 = ints[:B * n].view(B, n)
         ki = ints[B * n:B * n * (1 + top_k)].view(B, n, top_k) if top_k else None
         kv = flts[B * n * (H + V):B * n * (H + V + top_k)].view(B, n, top_k) if top_k else None
-        heads = None
-        if head is not None:
-            toks = ints[B * n * (1 + top_k):].view(B, n)
-            zs = flts[B * n * (H + V + top_k):].view(B, n, r) if r else None
-            self.heads.tokens, self.heads.mk_z = toks.data_ptr(), _ptr(zs)
-            heads = ctypes.byref(self.heads)
-        linear_kernel.sync_threads(lib)
-        p0 = idx.data_ptr()
-        rc = lib.block_draft_f32(*self.args, p0, p0 + 8 * B, p0 + 16 * B, B, bs, *self.tables,
-                                 hid.data_ptr(), logits.data_ptr(), top1.data_ptr(), top_k,
-                                 _ptr(ki), _ptr(kv), *self.dims, heads)
+        toks = ints[B * n * (1 + top_k):].view(B, n) if head is not None else None
+        zs = flts[B * n * (H + V + top_k):].view(B, n, r) if r else None
+        sel = self.sel if head == "selector" else (None, None, 0.0)
+        mk = self.mk if head == "markov" else (None, None, None, None)
+        lib.sync_threads()
+        rc = lib.ops.block_draft.default(*self.args, idx[0], idx[1], idx[2], bs, *self.tables,
+                                         hid, logits, top1, top_k, ki, kv, self.stack.eps,
+                                         self.stack.qk_eps, *sel, *mk, zs, toks)
         if rc == -2:
             raise ValueError(f"block draft: an anchor outside 0..{V - 1}, a slot outside "
                              f"0..{self.stack.S - 1} or a block past position "
@@ -412,21 +355,17 @@ def run_stack(stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torc
     lib = load()
     if lib is None:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
-    T = x.shape[0]
-    H, I, h, kvh, D = stack.dims
+    T, H = x.shape[0], stack.dims[0]
     aux, mask = None, 0
     if aux_layers:
         if any(not 0 <= i < min(stack.n, 63) for i in aux_layers):
             raise ValueError(f"decoder stack: aux layers {aux_layers} outside 0..{stack.n - 1}")
         mask = sum(1 << i for i in set(aux_layers))
         aux = torch.empty((T, bin(mask).count("1") * H), dtype=torch.float32)
-    linear_kernel.sync_threads(lib)
-    rc = lib.decoder_stack_f32(ctypes.addressof(stack.layers), stack.n, x.data_ptr(), T,
-                               cos.data_ptr(), sin_signed.data_ptr(), slot.data_ptr(),
-                               pos.data_ptr(), stack.S, stack.L, H, I, h, kvh, D, stack.eps,
-                               stack.qk_eps, stack.scale,
-                               None if aux is None else aux.data_ptr(), mask,
-                               bin(mask).count("1"), _ptr(span))
+    lib.sync_threads()
+    rc = lib.ops.decoder_stack.default(stack.layers, stack.conv, stack.dims_arg, x, cos,
+                                       sin_signed, slot, pos, stack.eps, stack.qk_eps, aux, mask,
+                                       bin(mask).count("1"), span)
     if rc == -2:
         raise ValueError(f"decoder stack: a slot outside 0..{stack.S - 1} or a position "
                          f"outside 0..{stack.L - 1}")
@@ -448,13 +387,11 @@ def context_kv(stack: Stack, aux: torch.Tensor, fc_packed: torch.Tensor, norm_w:
     lib = load()
     if lib is None:
         raise RuntimeError("the decoder stack kernel is not built (see the log)")
-    H, _, h, kvh, D = stack.dims
-    n, A = aux.shape
-    linear_kernel.sync_threads(lib)
-    rc = lib.context_kv_f32(ctypes.addressof(stack.layers), stack.n, aux.data_ptr(), n, A,
-                            fc_packed.data_ptr(), norm_w.data_ptr(), float(eps), cos.data_ptr(),
-                            sin_signed.data_ptr(), slot, start, stack.S, stack.L, H, h, kvh, D,
-                            stack.qk_eps)
+    n = aux.shape[0]
+    lib.sync_threads()
+    rc = lib.ops.context_kv.default(stack.layers, stack.conv, stack.dims_arg, aux, fc_packed,
+                                    norm_w, float(eps), cos, sin_signed, slot, start,
+                                    stack.qk_eps)
     if rc == -2:
         raise ValueError(f"context K/V: slot {slot} outside 0..{stack.S - 1} or positions "
                          f"{start}..{start + n - 1} outside 0..{stack.L - 1}")
@@ -482,9 +419,7 @@ def selector_walk(hd: torch.Tensor, logv: torch.Tensor, cand: torch.Tensor,
     anchors = anchors.to(torch.int64).contiguous()
     B, n, K = cand.shape
     out = torch.empty((B, n), dtype=torch.int64)
-    rc = lib.selector_walk_f32(hd.data_ptr(), logv.data_ptr(), cand.data_ptr(),
-                               anchors.data_ptr(), table.data_ptr(), wq.data_ptr(), float(scale),
-                               B, n, K, hd.shape[-1], wq.shape[0], table.shape[0], out.data_ptr())
+    rc = lib.ops.selector_walk.default(hd, logv, cand, anchors, table, wq, float(scale), out)
     if rc == -2:
         raise ValueError(f"selector walk: a token outside 0..{table.shape[0] - 1}")
     if rc:
@@ -512,10 +447,8 @@ def markov_walk(base: torch.Tensor, zin: torch.Tensor, pe: torch.Tensor, proj_t:
     logits = torch.empty((n, B, V), dtype=torch.float32)
     zs = torch.empty((n, B, r), dtype=torch.float32)
     toks = torch.empty((n, B), dtype=torch.int64)
-    linear_kernel.sync_threads(lib)
-    rc = lib.markov_walk_f32(base.data_ptr(), zin.data_ptr(), pe.data_ptr(), proj_t.data_ptr(),
-                             anchors.data_ptr(), B, n, V, r, logits.data_ptr(), zs.data_ptr(),
-                             toks.data_ptr())
+    lib.sync_threads()
+    rc = lib.ops.markov_walk.default(base, zin, pe, proj_t, anchors, logits, zs, toks)
     if rc:
         raise ValueError(f"markov walk: an anchor outside 0..{V - 1}")
     return toks.T, zs.transpose(0, 1), logits.transpose(0, 1)

@@ -42,13 +42,12 @@ the rows it gets, so the graph holds no row-count guard.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 
 import torch
 
-from actors.engine.kernel_build import (kernel_source, load_kernel, load_kernel_outcome, record,
+from actors.engine.kernel_build import (Kernels, load_kernel_outcome, load_kernels, record,
                                         register_op)
 
 MAX_ROWS = 8        # batches of more rows run on torch.mm (the AVX2 kernel is slower from ~16)
@@ -57,66 +56,20 @@ MAX_ROWS = 8        # batches of more rows run on torch.mm (the AVX2 kernel is s
 MAX_ROWS_WIDE = 1024
 BLOCK = 64          # columns per packed block
 
-SOURCE = kernel_source("linear_bf16.c")
-
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno")
-# with OpenMP first (the products split between torch_threads threads: ``sync_threads``),
-# without where the compiler has no OpenMP
-VARIANTS = (("-fopenmp",), ())
-
-
-def threading(lib: ctypes.CDLL, name: str) -> bool:
-    """Type the library's thread setter (``linear_bf16_set_threads``) and say whether it was
-    built with OpenMP (a thread count other than 1 is taken)."""
-    lib.linear_bf16_set_threads.argtypes = [ctypes.c_int]
-    lib.linear_bf16_set_threads.restype = None
-    lib.linear_bf16_threads.argtypes = []
-    lib.linear_bf16_threads.restype = ctypes.c_int
-    attn = getattr(lib, "flat_attention_set_threads", None)
-    if attn is not None:
-        attn.argtypes = [ctypes.c_int]
-        attn.restype = None
-    lib.linear_bf16_set_threads(2)
-    openmp = lib.linear_bf16_threads() == 2
-    lib.linear_bf16_set_threads(1)
-    lib.specload_threads = 1
-    return openmp
-
-
-def sync_threads(lib: ctypes.CDLL) -> None:
-    """Hand ``torch.get_num_threads()`` to the library (its products, and in the decoder
-    stack's library its attention, then use that many threads where it was built with
-    OpenMP): the kernels honour ``torch_threads``. Called before each call; a ctypes call
-    only when the count changed."""
-    n = torch.get_num_threads()
-    if lib.specload_threads != n:
-        lib.linear_bf16_set_threads(n)
-        attn = getattr(lib, "flat_attention_set_threads", None)
-        if attn is not None:
-            attn(n)
-        lib.specload_threads = n
-
 
 @functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library (built on first use, cached on disk); None (with a
-    warning logged) when it cannot be built or loaded, or ``SPECLOAD_LINEAR_KERNEL=0``."""
+def load() -> Kernels | None:
+    """The built kernels (``kernel_build.load_ops``: built on first use, cached on disk);
+    None (with a warning logged) when they cannot be built or loaded, or
+    ``SPECLOAD_LINEAR_KERNEL=0``."""
     if os.environ.get("SPECLOAD_LINEAR_KERNEL", "1") == "0":
         record("linear_bf16", status="disabled", reason="SPECLOAD_LINEAR_KERNEL=0",
                fallback="float32 mm is used")
         return None
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    lib = load_kernel("linear_bf16", SOURCE, FLAGS, "linear_bf16_f32", [P, I, P, P, I, I, I],
-                      "float32 mm is used", VARIANTS)
+    lib = load_kernels("linear_bf16", "float32 mm is used")
     if lib is not None:
-        lib.specload_openmp = threading(lib, "linear_bf16")
-        lib.linear_bf16_isa.restype = lib.linear_bf16_layout.restype = ctypes.c_int
-        lib.linear_bf16_isa.argtypes = lib.linear_bf16_layout.argtypes = []
-        lib.specload_isa = int(lib.linear_bf16_isa())          # (read per call: kept here)
-        lib.specload_interleaved = bool(lib.linear_bf16_layout())
-        record("linear_bf16", **load_kernel_outcome("linear_bf16"), isa=lib.specload_isa,
-               max_rows=MAX_ROWS_WIDE if lib.specload_isa == 512 else MAX_ROWS,
-               openmp=lib.specload_openmp)
+        record("linear_bf16", **load_kernel_outcome("linear_bf16"), isa=lib.isa,
+               max_rows=MAX_ROWS_WIDE if lib.isa == 512 else MAX_ROWS, openmp=lib.openmp)
     return lib
 
 
@@ -145,14 +98,14 @@ def isa() -> int:
     """The vector width the built kernel uses: 512 (AVX-512), 256 (AVX2 + FMA), 0 (plain C,
     or no kernel)."""
     lib = load()
-    return lib.specload_isa if lib is not None else 0
+    return lib.isa if lib is not None else 0
 
 
 def interleaved() -> bool:
     """Whether ``pack``'s blocks interleave each 32-column half (the AVX-512 code's layout:
     int32 lane i holds columns i and 16 + i, widened without a shuffle)."""
     lib = load()
-    return lib is not None and lib.specload_interleaved
+    return lib is not None and lib.interleaved
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -172,9 +125,9 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     M, N = x.shape[0], nb * BLOCK
     y = torch.empty((M, N), dtype=torch.float32)
-    sync_threads(lib)
+    lib.sync_threads()
     if M:
-        lib.linear_bf16_f32(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), M, K, N)
+        lib.ops.linear_bf16.default(x, packed, y)
     return y
 
 
