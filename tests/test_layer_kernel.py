@@ -170,6 +170,71 @@ def test_out_of_range_slot_or_position_is_refused_before_anything_is_computed():
         assert torch.equal(x, x0) and torch.equal(runner.cache.k[0], k0)
 
 
+def test_the_operators_refuse_a_mistyped_tensor_by_name_before_computing():
+    """The kernels' operators (``csrc/ops.cpp``, typed schemas) check every tensor before
+    a pointer is taken: a wrong dtype, a non-contiguous or too small tensor, a missing
+    layer tensor or a cache of the wrong shape raises ValueError naming the argument, and
+    nothing is written (the activations and the K/V cache are as before)."""
+    model = _bf16_model("qwen3", seed=3, layers=1)
+    runner = ModelRunner(model, 2, 32)
+    stack = runner.stack()
+    lib = layer_kernel.load()
+    ops = lib.ops
+    k0 = runner.cache.k[0].clone()
+    x = model.model.embed_tokens(torch.tensor([5, 6])).detach().contiguous()
+    x0 = x.clone()
+    cos, sin = model.rotary(torch.tensor([0, 1]), torch.float32, signed=True)
+    cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+    slot, pos = torch.tensor([0, 1]), torch.tensor([0, 0])
+    base = (stack.layers, stack.conv, stack.dims_arg)
+    good = dict(x=x, cos=cos, sin=sin, slot=slot, pos=pos)
+
+    def call(layers=stack.layers, dims=stack.dims_arg, **kw):
+        a = {**good, **kw}
+        return ops.decoder_stack.default(layers, stack.conv, dims, a["x"], a["cos"], a["sin"],
+                                         a["slot"], a["pos"], stack.eps, stack.qk_eps, None, 0,
+                                         0, None)
+
+    cases = [
+        (dict(x=x.double()), "x: wants a contiguous Float"),
+        (dict(slot=slot.int()), "slot: wants a contiguous Long"),
+        (dict(pos=pos[:1]), "pos: wants 2 elements"),
+        (dict(cos=torch.zeros(2, 32)[:, ::2]), "cos: .*not contiguous"),
+        (dict(x=torch.zeros(2, 48)), r"x: wants \[T, H = 64\]"),
+        (dict(layers=[None] + stack.layers[1:]), r"layers\[0\]\.w_in: missing"),
+        (dict(layers=stack.layers[:-1]), "16 tensors a layer"),
+        (dict(dims=[64, 128, 4, 4, 16]), "qk_w: wants 128 elements"),   # kvh 4 for the model's 2
+        (dict(layers=stack.layers[:8] + [runner.cache.k[0][:, :, :1].contiguous()]
+              + stack.layers[9:]), "caches"),                 # a cache of 1 K/V head
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call(**kw)
+        assert torch.equal(x, x0) and torch.equal(runner.cache.k[0], k0)
+    # a packed weight of another dtype, by its field's name
+    bad = list(stack.layers)
+    bad[layer_kernel.LAYER_FIELDS.index("qkv")] = bad[4].float()
+    with pytest.raises(ValueError, match="qkv: wants a contiguous BFloat16"):
+        call(layers=bad)
+    # the other operators check theirs the same way
+    with pytest.raises(ValueError, match="packed: wants a contiguous BFloat16"):
+        ops.linear_bf16.default(x, model.model.layers[0].mlp.gate_up_packed.float(),
+                                torch.empty(2, 256))
+    with pytest.raises(ValueError, match="anchors: wants 2 elements"):
+        ops.markov_walk.default(torch.zeros(2, 3, 8), torch.zeros(2, 3, 4), torch.zeros(8, 4),
+                                torch.zeros(4, 8), torch.zeros(1, dtype=torch.long),
+                                torch.empty(2, 3, 8), torch.empty(2, 3, 4),
+                                torch.empty(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="out: wants 6 elements"):
+        ops.selector_walk.default(torch.zeros(2, 3, 64), torch.zeros(2, 3, 4),
+                                  torch.zeros(2, 3, 4, dtype=torch.long),
+                                  torch.zeros(2, dtype=torch.long), torch.zeros(8, 6),
+                                  torch.zeros(2, 64), 1.0, torch.empty(5, dtype=torch.long))
+    # the same call with good arguments runs (the checks refuse only what is wrong)
+    assert call() == 0 and not torch.equal(x, x0)
+    assert base[0] is stack.layers
+
+
 def test_where_the_stack_does_not_apply(monkeypatch):
     """float32 weights (not packable), the kernel turned off, and aux layers over more
     tokens than the stack takes run op by op; a model re-fused gets a fresh stack."""

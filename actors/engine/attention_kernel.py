@@ -20,14 +20,12 @@ softmax's max kept as a 16-lane running max (the scalar max loop was 30% of the 
 and the weighted sum of 4 (64) or 2 (128) queries per V row read. Measured here (one
 thread, h=4, kvh=2, D=64, medians of 5 interleaved, the Python call included): a run of
 8 tokens over 256 / 768 positions 37 / 87 us a call against 68 / 174 on the plain loops
-(1.8x / 2.0x); one token 14 / 33 against 17 / 39. Elsewhere it is plain C (no intrinsics), compiled at first
-use with the machine's C compiler
-(``$CC``, default ``cc``; ``-O3 -march=native``: the compiler vectorises the loops for
-this CPU, as inductor does for its own kernels) from ``csrc/flat_attention.c`` into
-``$SPECLOAD_KERNEL_CACHE`` (default
-``~/.cache/specload/kernels``), named by a hash of source, flags and CPU, and loaded
-with ctypes. Registered as the torch op ``specload::flat_attention`` (this module's import), so
-``torch.compile`` calls it from its graph.
+(1.8x / 2.0x); one token 14 / 33 against 17 / 39. Elsewhere it is plain C (no intrinsics)
+(``-O3 -march=native``: the compiler vectorises the loops for this CPU, as inductor does
+for its own kernels), ``csrc/flat_attention.c``, built at first use with the other kernels
+into one library of typed operators (``kernel_build.load_ops``; its ``flat_attention``
+operator). Registered as the torch op ``specload::flat_attention`` (this module's
+import), so ``torch.compile`` calls it from its graph.
 ``load()`` returns None where no compiler works; the caller keeps the torch form.
 
 Math: softmax(q K^T * scale) V per token and head, float32, keys 0..pos[t] of slot

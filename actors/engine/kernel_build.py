@@ -1,9 +1,16 @@
-"""Build and cache the engine's C kernels (``attention_kernel``, ``linear_kernel``).
+"""Build and cache the engine's C kernels (``attention_kernel``, ``linear_kernel``,
+``layer_kernel``) as typed torch operators.
 
-Each kernel is plain C compiled at first use with the machine's C compiler (``$CC``,
-default ``cc``) into ``$SPECLOAD_KERNEL_CACHE`` (default ``~/.cache/specload/kernels``),
-named by a hash of source, compiler, flags and CPU, and loaded with ctypes. A kernel that
-cannot be built leaves its caller on the torch form.
+The kernels are plain C (``csrc/*.c``); ``csrc/ops.cpp`` includes them and defines one
+operator per entry point with a typed schema (``TORCH_LIBRARY``; every tensor checked for
+dtype, device, layout and size before its pointer is taken, a bad one a ValueError naming
+the argument). ``load_ops`` builds that file at first use with
+``torch.utils.cpp_extension`` (ninja and ``$CXX``, default ``c++``) into
+``$SPECLOAD_KERNEL_CACHE`` (default ``~/.cache/specload/kernels``), named by a hash of
+source, compiler, flags, CPU, torch version and cache directory, and loads it
+(``torch.ops.load_library``): the operators are ``torch.ops.specload_k<hash>``. The three
+kernels are one library. A kernel that cannot be built leaves its caller on the torch
+form.
 
 Every outcome is recorded: ``report()`` gives this process's (per kernel: built, loaded
 from the cache, unavailable with the error and the fallback that runs instead, or

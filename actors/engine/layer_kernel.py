@@ -8,7 +8,7 @@ microseconds of Python and dispatcher (measured here with cProfile, one thread).
 inference engine runs a layer as one native call (llama.cpp's graph, vLLM CPU's fused
 IPEX ops); this module does the same for the flat forward (``ModelRunner.run_flat``) of
 at most ``max_tokens()`` tokens (16; 1024 with the AVX-512 weight kernel): every layer of
-the stack, in C, in one ctypes call.
+the stack, in C, in one call (the ``decoder_stack`` operator, ``kernel_build.load_ops``).
 
 Per layer and token (float32 activations, the math of ``DecoderLayer.forward`` with the
 packed, unfolded weights, ``CausalLM.fuse``):
@@ -26,8 +26,8 @@ forward). The final norm and the LM head stay in torch (only the rows whose logi
 wanted).
 
 The C source is ``csrc/decoder_stack.c``, one translation unit with the two kernels it
-calls (``#include "flat_attention.c"``, ``"linear_bf16.c"``), built by ``kernel_build``
-(the attention kernel's flags); ``load()`` is None where it cannot be built or
+calls (``#include "flat_attention.c"``, ``"linear_bf16.c"``), built with ``csrc/ops.cpp``'s
+typed operators by ``kernel_build.load_ops``; ``load()`` is None where it cannot be built or
 ``SPECLOAD_LAYER_KERNEL=0``, and the runner keeps the op-by-op forward. The same library
 serves the drafters: the DFlash family's (``actors.proposers.dflash.draft_stack``) whole
 draft in one call (``BlockDraftCall``, ``block_draft_f32``: its layers with a ``span``,

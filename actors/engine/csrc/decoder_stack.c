@@ -1,8 +1,8 @@
 /* The decoder stack of a flat batch in one call, the DFlash family's drafter pieces
    (context K/V, DSpark's Markov walk). Design: actors/engine/layer_kernel.py. One
    translation unit with the two kernels it calls (the includes below; kernel_build
-   inlines them, so the cache key covers them): cc -O3 -march=native -fPIC -shared
-   decoder_stack.c (attention_kernel.FLAGS). */
+   inlines them, so the cache key covers them), compiled as part of ops.cpp (the typed
+   operators: kernel_build.load_ops, kernel_build.FLAGS); valid C and C++. */
 #include "flat_attention.c"
 #include "linear_bf16.c"
 #include <math.h>

@@ -1,6 +1,6 @@
 /* specload::flat_attention: the flat forward's attention on a CPU. Design, math and
    measurements: actors/engine/attention_kernel.py. Built by actors/engine/kernel_build.py
-   (cc -O3 -march=native -fPIC -shared; attention_kernel.FLAGS). */
+   (built with ops.cpp: kernel_build.FLAGS). */
 #include <math.h>
 #ifdef SPECLOAD_SIMD_EXPF
 /* glibc's vector expf (libmvec), declared as math.h does under -ffast-math only: the

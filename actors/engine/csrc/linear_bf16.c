@@ -1,6 +1,6 @@
 /* specload::linear_bf16: a few-row linear layer with bfloat16 weights, float32 sums.
    Design, layout and measurements: actors/engine/linear_kernel.py. Built by
-   actors/engine/kernel_build.py (linear_kernel.FLAGS). */
+   actors/engine/kernel_build.py (built with ops.cpp: kernel_build.FLAGS). */
 #include <stdint.h>
 #include <string.h>
 
