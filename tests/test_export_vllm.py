@@ -80,9 +80,17 @@ def test_weights_are_the_drafters_own(exported):
 
 
 def _vllm_source(name: str) -> str | None:
-    venv = REPO / ".venv-vllm" / "lib"
-    hits = sorted(venv.glob(f"python*/site-packages/vllm/model_executor/models/{name}"))
-    return hits[0].read_text() if hits else None
+    """vLLM's model file ``name`` from the venv the other vLLM tests use: the checkout's
+    ``.venv-vllm``, or the one of ``$SPECLOAD_VLLM_PYTHON`` (``<venv>/bin/python``)."""
+    venvs = [REPO / ".venv-vllm"]
+    py = os.environ.get("SPECLOAD_VLLM_PYTHON")
+    if py:
+        venvs.insert(0, Path(py).parent.parent)
+    for venv in venvs:
+        hits = sorted((venv / "lib").glob(f"python*/site-packages/vllm/model_executor/models/{name}"))
+        if hits:
+            return hits[0].read_text()
+    return None
 
 
 def test_weight_names_match_vllm_source(exported):
