@@ -139,3 +139,42 @@ def test_kernel_builds_into_its_cache_dir_per_cpu_and_without_a_compiler_is_none
     finally:
         monkeypatch.undo()
         attention_kernel.load.cache_clear()
+
+
+_LOAD_AND_SAY = """
+import json, sys, time
+from actors.engine import kernel_build
+t = time.monotonic()
+k = kernel_build.load_ops()
+print(json.dumps({"status": k.outcome["status"], "s": time.monotonic() - t,
+                  "n": int(k.ops.build_info()[0])}))
+"""
+
+
+def test_processes_that_start_together_build_the_library_once(tmp_path):
+    """Two processes (as a deployment's replicas, or test workers) that need the kernels
+    at once on an empty cache: one builds, the other waits on the build lock and loads its
+    library (``cached``), and the cache holds one library. Both processes are this test's
+    own, started with Popen and waited for (bounded)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECLOAD_KERNEL_CACHE": str(tmp_path / "k")}
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_AND_SAY], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sorted(o["status"] for o in outs) == ["built", "cached"]
+    assert len(list((tmp_path / "k").glob("kernels-*.so"))) == 1
+    assert outs[0]["n"] == outs[1]["n"]          # the same build's ISA, read by both

@@ -33,6 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+try:
+    import fcntl
+except ImportError:         # (not on Windows: builders there are not serialised)
+    fcntl = None
+
 STATUS_FILE = "status.json"
 _REPORT: dict[str, dict[str, Any]] = {}     # kernel name -> this process's outcome
 
@@ -199,32 +204,19 @@ def load_ops() -> Kernels:
     ns = f"specload_k{key}"
     so = d / f"kernels-{key}.so"
     cached, variant = so.exists(), None
+    if not cached:
+        d.mkdir(parents=True, exist_ok=True)
+        # one builder per key on this machine: processes that start together (a Serve
+        # deployment's replicas, test workers) wait for it and then load its library; the
+        # lock is released by the kernel when its holder exits, killed or not
+        with open(d / f".kernels-{key}.lock", "w") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            cached = so.exists()
+            if not cached:
+                variant = _build(ns, source, d, so)     # (built and loaded)
     if cached:
         torch.ops.load_library(str(so))
-    else:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        d.mkdir(parents=True, exist_ok=True)
-        errors = []
-        with tempfile.TemporaryDirectory(dir=d) as tmp:
-            src = Path(tmp) / SOURCE
-            src.write_text(source)
-            for i, (cflags, ldflags) in enumerate(VARIANTS):
-                out = Path(tmp) / f"v{i}"
-                out.mkdir()
-                try:
-                    built = cpp_extension.load(ns, [str(src)], extra_cflags=[
-                        *FLAGS, *cflags, f"-DSPECLOAD_NS={ns}"], extra_ldflags=list(ldflags),
-                        build_directory=str(out), is_python_module=False, verbose=False)
-                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                    errors.append(exc)
-                    continue
-                os.replace(built, so)      # atomic: another process may be building too
-                variant = [*cflags, *ldflags]
-                break
-            else:
-                raise errors[-1]
     ops = getattr(torch.ops, ns)
     isa, layout, simd, openmp, _ = ops.build_info()
     outcome = {"status": "cached" if cached else "built", "library": so.name, "compiler": cxx,
@@ -234,6 +226,34 @@ def load_ops() -> Kernels:
                 openmp=bool(openmp), outcome=outcome)
     _LOADED[key] = k
     return k
+
+
+def _build(ns: str, source: str, d: Path, so: Path) -> list[str]:
+    """Build ``source`` (``csrc/ops.cpp`` with its includes inlined) into ``so`` with
+    ``torch.utils.cpp_extension`` in a temporary directory of ``d``, the operators in the
+    namespace ``ns``; the first of ``VARIANTS`` that builds wins. Returns its flags;
+    raises the last variant's error when none builds."""
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    errors: list[Exception] = []
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        src = Path(tmp) / SOURCE
+        src.write_text(source)
+        for i, (cflags, ldflags) in enumerate(VARIANTS):
+            out = Path(tmp) / f"v{i}"
+            out.mkdir()
+            try:
+                # (cpp_extension.load also loads it: the caller's load_library is then a no-op)
+                built = cpp_extension.load(ns, [str(src)], extra_cflags=[
+                    *FLAGS, *cflags, f"-DSPECLOAD_NS={ns}"], extra_ldflags=list(ldflags),
+                    build_directory=str(out), is_python_module=False, verbose=False)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                errors.append(exc)
+                continue
+            os.replace(built, so)      # atomic: a reader never sees half a file
+            return [*cflags, *ldflags]
+    raise errors[-1]
 
 
 def load_kernels(name: str, fallback: str) -> Kernels | None:
