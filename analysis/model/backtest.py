@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analysis.model import capacity
+from analysis.model import capacity, machine_speed
 from analysis.data import metrics
 from analysis.data import server as server_data
 from analysis.model import server_fit
@@ -343,6 +343,24 @@ class CellModel:
     k_tps: float
     k_tpot: float
     k_levels: tuple = ()
+    # the machine speed (``analysis.model.machine_speed``) the predictions are made at: the
+    # model is fitted at s = 1 (the profile's machine); 1.0 without a profile
+    speed_ref: float = 1.0
+    # ((users, speed), ...) of this strategy x output class's fitted cells: the speed at a
+    # users level inside them is interpolated in log(users) like the factors (a measured
+    # load is predicted at the speed it was measured at), ``speed_ref`` outside
+    speed_levels: tuple = ()
+
+    def speed_at(self, users) -> np.ndarray:
+        """The machine speed the model predicts at for ``users`` (array ok)."""
+        n = np.asarray(users, float)
+        if len(self.speed_levels) < 1:
+            return np.full_like(n, self.speed_ref, dtype=float)
+        lv = np.log(np.array([k[0] for k in self.speed_levels], float))
+        x = np.log(np.maximum(n, 1e-9))
+        inside = (x >= lv[0] - 1e-9) & (x <= lv[-1] + 1e-9)
+        return np.where(inside, np.interp(x, lv, [k[1] for k in self.speed_levels]),
+                        self.speed_ref)
 
     def factors(self, users) -> tuple[np.ndarray, np.ndarray]:
         """(k_tps, k_tpot) at ``users`` (array ok)."""
@@ -355,14 +373,17 @@ class CellModel:
         return (np.where(inside, np.interp(x, lv, [k[1] for k in self.k_levels]), self.k_tps),
                 np.where(inside, np.interp(x, lv, [k[2] for k in self.k_levels]), self.k_tpot))
 
-    def predict(self, users, gap_ms=None, batch: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def predict(self, users, gap_ms=None, batch: bool = False, speed: float | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """Calibrated (tokens/s, TPOT ms) at ``users`` closed-loop users (``model_point``;
         ``gap_ms`` as there), or with ``batch`` at that many requests in decode
-        (``batch_point``: a replica's queue)."""
+        (``batch_point``: a replica's queue), on a machine of speed ``speed`` (default
+        ``speed_ref``: the strategy's typical speed in the fitted cells; ex-ante)."""
         tps, tpot = (batch_point(self.model, self.workload, users) if batch
                      else model_point(self.model, self.workload, users, gap_ms))
         k_tps, k_tpot = self.factors(users)
-        return k_tps * tps, k_tpot * tpot
+        s = self.speed_at(users) if speed is None or not np.isfinite(speed) else float(speed)
+        return k_tps * tps / s, k_tpot * tpot * s
 
 
 def _measured(cells: pd.DataFrame) -> pd.DataFrame:
@@ -371,17 +392,36 @@ def _measured(cells: pd.DataFrame) -> pd.DataFrame:
     return cells.groupby([mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, mn.REQ_USERS])[cols].mean()
 
 
+def held_in_speeds(steps: pd.DataFrame, profile: dict | None, results=None
+                   ) -> machine_speed.Speeds:
+    """The machine's speed in each cell of ``steps`` (``machine_speed.cell_speeds``; a vLLM
+    backend's strategies have none: specload cannot profile its engine)."""
+    from analysis.model import profiled
+
+    skip = {str(s) for s in steps[mn.STEP_STRATEGY].unique()
+            if results is not None and profiled._is_vllm(results, str(s))} \
+        if not steps.empty else set()
+    return machine_speed.cell_speeds(steps, profile, skip)
+
+
 def fit_cell_models(steps: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFrame,
                     levels: list[int], profile: dict | None = None, results=None
                     ) -> tuple[dict[tuple[str, str], CellModel], dict]:
     """Fit per strategy (step model) and strategy x output class (workload,
     calibration) on the given users ``levels``. With an engine ``profile``
     (``analysis.model.profiled``) the step model is the profile calibrated on those levels'
-    steps, else the step-log fit. Returns (models, step models)."""
+    steps, each cell's steps and figures first brought to the profile's machine speed
+    (``analysis.model.machine_speed``; the models predict at each strategy's median speed
+    over these cells, ``CellModel.speed_ref``), else the step-log fit. Returns (models, step
+    models)."""
     st = steps[steps[mn.REQ_USERS].isin(levels)]
+    speeds = machine_speed.Speeds(pd.DataFrame(columns=["strategy", "output_class", "users",
+                                                        "repeat", "speed", "steps"]))
     if profile is not None:
         from analysis.model import profiled
-        steps_models = profiled.fit_step_models(st, profile, results)
+        speeds = held_in_speeds(st, profile, results)
+        steps_models = profiled.fit_step_models(machine_speed.normalized_steps(st, speeds),
+                                                profile, results)
     else:
         steps_models = stepcost.fit_step_models(st)
     meas = _measured(cells[cells[mn.REQ_USERS].isin(levels)])
@@ -395,33 +435,45 @@ def fit_cell_models(steps: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFr
         if mn.REQ_OUTPUT_CLASS in s_steps and s_steps[mn.REQ_OUTPUT_CLASS].eq(oc).any():
             s_steps = s_steps[s_steps[mn.REQ_OUTPUT_CLASS].eq(oc)]
         w = _workload(s_steps, req, strategy)
-        out[(strategy, oc)] = _calibrated(strategy, oc, model, w, meas, levels)
+        out[(strategy, oc)] = _calibrated(strategy, oc, model, w, meas, levels, speeds)
     return out, steps_models
 
 
-def _calibrated(strategy: str, oc: str, model, w, meas: pd.DataFrame, levels) -> "CellModel":
+def _calibrated(strategy: str, oc: str, model, w, meas: pd.DataFrame, levels,
+                speeds: machine_speed.Speeds | None = None) -> "CellModel":
     """``CellModel`` of one strategy x output class, calibrated per output class: the median
     over the fitted users levels of measured / modelled output tokens/s and TPOT p50 (1.0
-    where no level has both)."""
-    r_tps, r_tpot, per_level = [], [], []
+    where no level has both). With ``speeds`` each level's measured figures are first
+    brought to the profile's machine speed (tokens/s x s, TPOT / s; the cell's own speed,
+    the strategy's reference where it has none), and the model predicts at the strategy's
+    reference speed over these cells."""
+    r_tps, r_tpot, per_level, speed_levels = [], [], [], []
+    has_speed = speeds is not None and not speeds.cells.empty \
+        and speeds.cells["strategy"].eq(strategy).any()
+    ref = speeds.reference(strategy) if has_speed else 1.0
     for users in sorted(levels):
         key = (strategy, oc, users)
         if key not in meas.index:
             continue
         tps, tpot = model_point(model, w, users)
         m = meas.loc[key]
+        sp = speeds.at(strategy, oc, users) if has_speed else 1.0
+        sp = sp if np.isfinite(sp) else ref
         a = b = None
         if np.isfinite(m[metrics.OUTPUT_TOKENS_PER_S]) and tps > 0:
-            a = float(m[metrics.OUTPUT_TOKENS_PER_S] / float(tps))
+            a = float(m[metrics.OUTPUT_TOKENS_PER_S] * sp / float(tps))
             r_tps.append(a)
         if np.isfinite(m["tpot_ms_p50"]) and tpot > 0:
-            b = float(m["tpot_ms_p50"] / float(tpot))
+            b = float(m["tpot_ms_p50"] / sp / float(tpot))
             r_tpot.append(b)
         if a is not None and b is not None:
             per_level.append((float(users), a, b))
+            if has_speed:
+                speed_levels.append((float(users), float(sp)))
     k_levels = tuple(per_level) if model.source == "profiled" else ()
     return CellModel(strategy, oc, model, w, float(np.median(r_tps)) if r_tps else 1.0,
-                     float(np.median(r_tpot)) if r_tpot else 1.0, k_levels)
+                     float(np.median(r_tpot)) if r_tpot else 1.0, k_levels, speed_ref=ref,
+                     speed_levels=tuple(speed_levels) if k_levels else ())
 
 
 def fit_all_levels(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame,
@@ -511,12 +563,16 @@ def fit_server_cell_models(srv: pd.DataFrame, flagged: pd.DataFrame, cells: pd.D
     return out, step_models
 
 
-def predicted_speedup(models: dict, strategy: str, oc: str, users) -> np.ndarray | None:
-    """Calibrated predicted speedup vs autoregressive at ``users`` (None if either is unfitted)."""
+def predicted_speedup(models: dict, strategy: str, oc: str, users, speed_of=None
+                      ) -> np.ndarray | None:
+    """Calibrated predicted speedup vs autoregressive at ``users`` (None if either is
+    unfitted); ``speed_of(strategy, oc, users)``: the machine speed each is predicted at
+    (default: each model's ``speed_ref``)."""
     s, ar = models.get((strategy, oc)), models.get((mn.AUTOREGRESSIVE, oc))
     if s is None or ar is None:
         return None
-    return s.predict(users)[0] / ar.predict(users)[0]
+    sp = (lambda name: speed_of(name, oc, users) if speed_of is not None else None)  # noqa: E731
+    return s.predict(users, speed=sp(strategy))[0] / ar.predict(users, speed=sp(mn.AUTOREGRESSIVE))[0]
 
 
 def predicted_crossover(models: dict, strategy: str, oc: str, max_users: float = 4096.0):
@@ -556,17 +612,19 @@ def measured_crossover_interval(cells: pd.DataFrame) -> pd.DataFrame:
                                        "levels"])
 
 
-def _held_rows(models: dict, meas: pd.DataFrame, users: int, spread: pd.DataFrame | None = None
-               ) -> list[dict]:
-    """Prediction rows at ``users`` for every fitted strategy x output class measured there."""
+def _held_rows(models: dict, meas: pd.DataFrame, users: int, spread: pd.DataFrame | None = None,
+               speed_of=None) -> list[dict]:
+    """Prediction rows at ``users`` for every fitted strategy x output class measured there;
+    ``speed_of(strategy, oc, users)``: the machine speed to predict at (ex-post: the held
+    cell's measured one; default each model's ``speed_ref``: ex-ante)."""
     rows = []
     for (strategy, oc), cm in sorted(models.items()):
         key = (strategy, oc, users)
         if key not in meas.index:
             continue
-        tps, tpot = cm.predict(users)
+        tps, tpot = cm.predict(users, speed=speed_of(strategy, oc, users) if speed_of else None)
         pred = {metrics.OUTPUT_TOKENS_PER_S: float(tps), "tpot_ms_p50": float(tpot)}
-        sp = predicted_speedup(models, strategy, oc, users)
+        sp = predicted_speedup(models, strategy, oc, users, speed_of)
         if strategy != mn.AUTOREGRESSIVE and sp is not None:
             pred[metrics.SPEEDUP] = float(sp)
         for metric, p in pred.items():
@@ -648,28 +706,51 @@ def loo_backtest(results: Results, profile: dict | None | bool = True) -> dict:
         profile, path = profiled.find_profile(results)
     steps = steps_with_users(results.steps, req)
     meas, spread = _measured(cells), _repeat_spread(flagged)
+    speeds = held_in_speeds(steps, profile or None, results)
     rows: list[dict] = []
-    held: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    post: list[dict] = []
+    held: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     for u in levels:
         fit_levels = [v for v in levels if v != u]
         models, step_models = fit_cell_models(steps, flagged, cells, fit_levels, profile or None,
                                               results)
         rows += _held_rows(models, meas, u, spread)
-        hs = steps[steps[mn.REQ_USERS].eq(u)]
-        for strategy, g in hs.groupby(mn.STEP_STRATEGY):
-            m = step_models.get(str(strategy))
-            if m is None:
-                continue
-            f = stepcost.step_features(g)
-            f = f[(f["B"] > 0) | (f["P"] > 0)]
-            pred = np.asarray(m.step_ms(f["B"], f["T"], f["A"], f["P"]), float)
-            held.setdefault(str(strategy), []).append((f["step_ms"].to_numpy(float), pred))
+        if not speeds.cells.empty:
+            post += _held_rows(models, meas, u, spread, speeds.at)
+        _held_steps(steps[steps[mn.REQ_USERS].eq(u)], models, step_models, speeds, held)
     summary, overall = _error_summary(pd.DataFrame(rows))
-    r2 = {s: _r2(np.concatenate([y for y, _ in v]), np.concatenate([p for _, p in v]))
+    r2 = {s: _r2(np.concatenate([y for y, _, _ in v]), np.concatenate([p for _, p, _ in v]))
           for s, v in held.items()}
-    return {"levels": levels, "profile": path if profile else None, "rows": rows,
-            "summary": summary, "overall": overall, "r2_holdout": r2,
-            "r2_ceiling": r2_ceiling(steps)}
+    out = {"levels": levels, "profile": path if profile else None, "rows": rows,
+           "summary": summary, "overall": overall, "r2_holdout": r2,
+           "r2_ceiling": r2_ceiling(steps), "machine_speed": None, "ex_post": None}
+    if post:
+        p_summary, p_overall = _error_summary(pd.DataFrame(post))
+        out["ex_post"] = {"rows": post, "summary": p_summary, "overall": p_overall,
+                          "r2_holdout": {s: _r2(np.concatenate([y for y, _, _ in v]),
+                                                np.concatenate([q for _, _, q in v]))
+                                         for s, v in held.items()}}
+        out["machine_speed"] = {**speeds.spread(), "cells": speeds.cells.to_dict("records")}
+    return out
+
+
+def _held_steps(hs: pd.DataFrame, models: dict, step_models: dict, speeds, held: dict) -> None:
+    """Append to ``held[strategy]`` (measured step ms, predicted ex-ante, predicted ex-post)
+    over the held-out steps ``hs``: the step model (fitted at s = 1 where it has a profile)
+    at the strategy's reference speed, and at each step's cell speed."""
+    for strategy, g in hs.groupby(mn.STEP_STRATEGY):
+        m = step_models.get(str(strategy))
+        if m is None:
+            continue
+        f = stepcost.step_features(g)
+        keep = ((f["B"] > 0) | (f["P"] > 0)).to_numpy()
+        f = f[keep]
+        pred = np.asarray(m.step_ms(f["B"], f["T"], f["A"], f["P"]), float)
+        refs = [cm.speed_ref for (s, _), cm in models.items() if s == strategy]
+        ref = float(refs[0]) if refs else 1.0
+        cell = speeds.of_rows(g)[keep] if not speeds.cells.empty else np.full(len(f), ref)
+        held.setdefault(str(strategy), []).append((f["step_ms"].to_numpy(float), pred * ref,
+                                                   pred * cell))
 
 
 def lro_backtest(results: Results, profile: dict | None | bool = True) -> dict | None:
@@ -707,6 +788,8 @@ def lro_backtest(results: Results, profile: dict | None | bool = True) -> dict |
     s_multi = pd.MultiIndex.from_arrays([steps[mn.STEP_STRATEGY], s_oc,
                                          steps[mn.REQ_USERS]]).isin(multi.index)
     rows: list[dict] = []
+    post: list[dict] = []
+    speeds = held_in_speeds(steps, profile or None, results)
     held_cells = 0
     for j in sorted(flagged.loc[in_multi, mn.REQ_REPEAT].dropna().unique()):
         held = in_multi & flagged[mn.REQ_REPEAT].eq(j).to_numpy()
@@ -716,12 +799,20 @@ def lro_backtest(results: Results, profile: dict | None | bool = True) -> dict |
                                     profile or None, results)
         meas = _measured(metrics.cell_table(flagged[held]))
         held_cells += len(meas)
+        at_j = (lambda s, oc, u, j=j: speeds.at(s, oc, u, repeat=j))  # noqa: E731
         for u in sorted(meas.index.get_level_values(2).unique()):
             for row in _held_rows(models, meas, int(u), spread):
-                row["repeat"] = int(j)
-                rows.append(row)
+                rows.append({**row, "repeat": int(j)})
+            if not speeds.cells.empty:
+                post += [{**r, "repeat": int(j)} for r in _held_rows(models, meas, int(u), spread,
+                                                                      at_j)]
     summary, overall = _error_summary(pd.DataFrame(rows))
-    return {"rows": rows, "summary": summary, "overall": overall, "held_cells": held_cells}
+    out = {"rows": rows, "summary": summary, "overall": overall, "held_cells": held_cells,
+           "ex_post": None}
+    if post:
+        p_summary, p_overall = _error_summary(pd.DataFrame(post))
+        out["ex_post"] = {"rows": post, "summary": p_summary, "overall": p_overall}
+    return out
 
 
 def _error_summary(df: pd.DataFrame) -> tuple[list[dict], dict]:
