@@ -42,9 +42,10 @@ def true_speedup(users) -> np.ndarray:
 
 
 def write_sweep_run(path: Path, levels=(1, 2, 4, 8, 16, 32), requests_per_user: int = 4,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, slow: dict | None = None) -> Path:
     """One run directory: tier ``sweep``, both output classes, every level; step
-    times carry 1% multiplicative noise."""
+    times carry 1% multiplicative noise. ``slow``: {users level: factor} the machine ran
+    that level's cells slower by (every step and request time x factor)."""
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True, exist_ok=True)
     rows, steps = [], []
@@ -53,7 +54,8 @@ def write_sweep_run(path: Path, levels=(1, 2, 4, 8, 16, 32), requests_per_user: 
         k, tau = K[strategy], TAU[strategy]
         for oc, length in OUT_TOKENS.items():
             for n in levels:
-                step = float(true_step_ms(strategy, n))
+                f = float((slow or {}).get(n, 1.0))
+                step = float(true_step_ms(strategy, n)) * f
                 tpot = step / tau
                 e2e = length * tpot
                 for u in range(n):
@@ -73,13 +75,14 @@ def write_sweep_run(path: Path, levels=(1, 2, 4, 8, 16, 32), requests_per_user: 
                             mn.NUM_DRAFTS: drafts, mn.NUM_DRAFT_TOKENS: drafts * k,
                             mn.NUM_ACCEPTED_TOKENS: acc if k else 0})
                 for _ in range(40):
-                    verify = (step - DRAFT_MS[strategy]) * (1.0 + 0.01 * rng.standard_normal())
+                    verify = (step - f * DRAFT_MS[strategy]) * (1.0 + 0.01 * rng.standard_normal())
                     steps.append({
                         mn.STEP_TS: t0 + len(steps) * 1e-3, mn.STEP_STRATEGY: strategy,
                         mn.STEP_REPLICA: "r0", mn.STEP_BATCH_SIZE: n, mn.STEP_PREFILL_TOKENS: 0,
                         mn.STEP_VERIFICATION_TOKENS: n * (k + 1), mn.STEP_DRAFT_TOKENS: n * k,
                         mn.STEP_ACCEPTED_TOKENS: n * (tau - 1), mn.STEP_EMITTED_TOKENS: n * tau,
-                        mn.STEP_MS: verify + DRAFT_MS[strategy], mn.STEP_DRAFT_MS: DRAFT_MS[strategy],
+                        mn.STEP_MS: verify + f * DRAFT_MS[strategy],
+                        mn.STEP_DRAFT_MS: f * DRAFT_MS[strategy],
                         mn.STEP_VERIFY_MS: verify, mn.STEP_QUEUE_DEPTH: 0,
                         mn.STEP_PADDED_TOKENS: n * (k + 1), mn.STEP_CONTEXT_TOKENS: n * 100,
                         mn.REQ_RUN_ID: "synth", mn.REQ_TIER: "sweep", mn.REQ_OUTPUT_CLASS: oc,

@@ -876,7 +876,9 @@ def backtest(results: Results, holdout: int | None = None, profile: dict | None 
     Returns {"holdout_users", "fit_levels", "median_abs_error", "fit_r2": {strategy:
     r² of the whole step on the fit levels}, "rows": [{"strategy", "output_class",
     "metric", "users", "predicted", "measured", "abs_error"}], "models" (not
-    JSON), "crossover": [rows], "step_model": {strategy: profiled | fitted}, "profile" (the
+    JSON), "rows_ex_post" (the same rows at each held cell's own measured machine speed,
+    ``analysis.model.machine_speed``; None without an engine profile), "crossover": [rows],
+    "step_model": {strategy: profiled | fitted}, "profile" (the
     engine profile's path or None), "loo" (``loo_backtest``, None where it cannot run), "lro"
     (``lro_backtest``: leave one repeat out; None without repeats or a step log)}.
     ``profile``: True = look for one (``analysis.model.profiled.find_profile``), None = the
@@ -913,20 +915,28 @@ def backtest(results: Results, holdout: int | None = None, profile: dict | None 
         path = str(profile.get("path") or "given")
     meas = _measured(cells)
     rows = _held_rows(models, meas, top, _repeat_spread(flagged))
+    rows_post = (_ex_post_rows(steps, profile, results, models, meas, top, flagged)
+                 if srv is None else None)
     errs = [r["abs_error"] for r in rows]
-    measured_x = measured_crossover_interval(cells)
-    crossover = []
-    for r in measured_x.to_dict("records"):
-        r["predicted"] = predicted_crossover(models, r["strategy"], r["output_class"])
-        crossover.append(r)
+    crossover = [{**r, "predicted": predicted_crossover(models, r["strategy"], r["output_class"])}
+                 for r in measured_crossover_interval(cells).to_dict("records")]
     return {"holdout_users": int(top), "fit_levels": fit_levels,
             "median_abs_error": float(np.median(errs)) if errs else None,
             "fit_r2": {s: float(m.r2_step) for s, m in step_models.items()},
             "step_model": {s: m.source for s, m in step_models.items()},
             "profile": path if profile else None,
-            "rows": rows, "crossover": crossover, "models": models, "cells": cells,
-            "loo": _loo_or_none(results, profile, path),
+            "rows": rows, "rows_ex_post": rows_post, "crossover": crossover, "models": models,
+            "cells": cells, "loo": _loo_or_none(results, profile, path),
             "lro": lro_backtest(results, profile if profile else None) if srv is None else None}
+
+
+def _ex_post_rows(steps, profile, results, models, meas, users, flagged) -> list[dict] | None:
+    """``_held_rows`` at ``users`` with each held cell at its own measured machine speed;
+    None without an engine profile (no speeds)."""
+    speeds = held_in_speeds(steps, profile or None, results)
+    if speeds.cells.empty:
+        return None
+    return _held_rows(models, meas, users, _repeat_spread(flagged), speeds.at)
 
 
 def _loo_or_none(results: Results, profile, path) -> dict | None:

@@ -73,6 +73,7 @@ class Speeds:
         out = np.ones(len(steps))
         if steps.empty or self.cells.empty:
             return out
+        steps = _with_repeat(steps)
         keys = [k for k in CELL_KEYS if k in steps]
         if len(keys) == len(CELL_KEYS):
             lut = self.cells.rename(columns={"strategy": mn.STEP_STRATEGY,
@@ -106,6 +107,14 @@ class Speeds:
                 "n": int(len(c))}
 
 
+def _with_repeat(steps: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` with a repeat label (0 where the log has none: one pass per cell)."""
+    if mn.REQ_REPEAT in steps and steps[mn.REQ_REPEAT].notna().all():
+        return steps
+    rep = steps[mn.REQ_REPEAT] if mn.REQ_REPEAT in steps else pd.Series(0.0, index=steps.index)
+    return steps.assign(**{mn.REQ_REPEAT: rep.fillna(0.0)})
+
+
 def _profiled_ms(parts, g: pd.DataFrame) -> np.ndarray:
     from analysis.model import stepcost
 
@@ -124,8 +133,9 @@ def cell_speeds(steps: pd.DataFrame, profile: dict | None, skip=()) -> Speeds:
 
     cols = ["strategy", "output_class", "users", "repeat", "speed", "steps"]
     if profile is None or steps is None or steps.empty \
-            or any(k not in steps for k in CELL_KEYS):
+            or any(k not in steps for k in CELL_KEYS if k != mn.REQ_REPEAT):
         return Speeds(pd.DataFrame(columns=cols))
+    steps = _with_repeat(steps)
     rows = []
     dec = steps[(steps[mn.STEP_BATCH_SIZE] > 0) & (steps[mn.STEP_PREFILL_TOKENS].fillna(0) == 0)
                 & steps[mn.REQ_USERS].notna()]
@@ -139,7 +149,7 @@ def cell_speeds(steps: pd.DataFrame, profile: dict | None, skip=()) -> Speeds:
         y = g[mn.STEP_CPU_MS if use_cpu else mn.STEP_MS].to_numpy(float)
         ratio = pd.Series(y / np.maximum(_profiled_ms(parts, g), 1e-9), index=g.index)
         for (oc, users, rep), r in ratio.groupby([g[mn.REQ_OUTPUT_CLASS], g[mn.REQ_USERS],
-                                                 g[mn.REQ_REPEAT].fillna(0)]):
+                                                 g[mn.REQ_REPEAT]]):
             if len(r) >= MIN_STEPS:
                 rows.append((str(strategy), str(oc), float(users), float(rep),
                              float(r.median()), int(len(r))))

@@ -61,9 +61,14 @@ def predict_crossovers(results: Results, flagged: pd.DataFrame, cells: pd.DataFr
     """Per strategy x output class: tau, verification tokens per row v and the predicted
     crossover users, from the step cost model fitted on every users level
     (``analysis.model.backtest.fit_all_levels``, the model ``analysis plan`` uses too)."""
+    from analysis.data.dimensions import primary_sampling
+
     cols = [mn.REQ_STRATEGY, mn.REQ_OUTPUT_CLASS, "tau", "verification_per_request",
             "predicted_crossover_users"]
-    models = bt_mod.fit_all_levels(results, flagged, cells)
+    # one sampling setting (greedy first), as the backtest: acceptance differs by setting, and
+    # a model pooled over greedy and sampled cells at one level predicts neither curve
+    models = bt_mod.fit_all_levels(bt_mod.one_sampling(results), primary_sampling(flagged),
+                                   primary_sampling(cells))
     rows = [(s, oc, m.workload.tau, m.workload.v, bt_mod.predicted_crossover(models, s, oc))
             for (s, oc), m in sorted(models.items()) if s != mn.AUTOREGRESSIVE]
     return pd.DataFrame(rows, columns=cols)
@@ -123,8 +128,8 @@ def prepare(results: Results, slo_ttft_ms: float | None = None, slo_tpot_ms: flo
 
 def crossover_table(results: Results, flagged: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
     """The crossover table: measured per sampling label (speedup and tau); the model's columns
-    are fitted over every label of a strategy x output class (model_tau, verification per
-    request, prediction)."""
+    are fitted on the first label (greedy) of a strategy x output class (model_tau,
+    verification per request, prediction; ``predict_crossovers``)."""
     return metrics.crossover_measured(cells).merge(
         metrics.curve_tau(flagged), on=metrics.CURVE_KEY, how="left").merge(
         predict_crossovers(results, flagged, cells).rename(columns={"tau": "model_tau"}),

@@ -79,6 +79,30 @@ def _loo_tables(loo: dict) -> list[tuple[str, str, list[dict]]]:
                 for r in loo["summary"]]))]
 
 
+def _ex_post_tables(loo: dict) -> list[tuple[str, str, list[dict]]]:
+    """The machine's speed per cell and the leave-one-level-out ex-post summary
+    (``analysis.model.machine_speed``); none without an engine profile."""
+    post, ms = loo.get("ex_post"), loo.get("machine_speed")
+    if not post or not ms:
+        return []
+    ov = "; ".join(f"{m}: median {o['median_abs_error']:.1%}, worst {o['worst_abs_error']:.1%}"
+                   for m, o in post["overall"].items())
+    return [(
+        "Machine speed per cell",
+        "The engine's decode-only steps in each cell against the engine profile of the same "
+        "shapes (median of measured / profiled CPU ms): 1 = the machine as the profile saw it, "
+        f"1.3 = 1.3x slower. Cells lie median {ms['median']:.1%}, worst {ms['worst']:.1%} from "
+        f"their strategy's typical speed (worst: {ms['worst_cell']}). The model is calibrated at "
+        "speed 1 and predicts at the strategy's typical speed (ex-ante, the figures above and "
+        "the plan); this drift is what no forecast of this machine sees.",
+        _clean(ms["cells"])), (
+        "Backtest, leave one users level out, ex-post",
+        "The same backtest with each held level predicted at its own measured machine speed: "
+        f"the model's error with the machine's drift taken out. {ov}.",
+        _clean([{**r, "r2_holdout": post["r2_holdout"].get(r["strategy"])}
+                for r in post["summary"]]))]
+
+
 def capacity_section(results: Results) -> dict:
     """{"tables": [(title, text, rows)], "step_models", "backtest" (or None),
     "notes": [str]}."""
@@ -100,6 +124,7 @@ def capacity_section(results: Results) -> dict:
         else "no prediction could be compared", bt["rows"]))
     if bt.get("loo"):
         out["tables"].extend(_loo_tables(bt["loo"]))
+        out["tables"].extend(_ex_post_tables(bt["loo"]))
     lro = bt.get("lro")
     if lro and lro["summary"]:
         ov = "; ".join(f"{m}: median {o['median_abs_error']:.1%}, worst {o['worst_abs_error']:.1%}"
