@@ -242,7 +242,7 @@ def _client_gaps(req: pd.DataFrame) -> dict[float, float]:
     stop sending), then N = C (e2e + gap) / e2e, gap = e2e (N / C - 1) >= 0, pooled over
     the cell's repeats. The whole cell's wall (first send to last end) instead counts the
     cut's and the tail's empty slots as the client's: 23-174 ms at 16 users on the
-    2026-12-06 main jobs, for 4-13 ms here."""
+    2026-12-06 main jobs, for 1-2 ms here."""
     need = (mn.REQ_SCHEDULED_TS, mn.REQ_END_TS, mn.REQ_USERS)
     if req.empty or any(c not in req for c in need):
         return {}
@@ -345,6 +345,19 @@ def model_point(model: stepcost.StepModel, w: Workload, users, gap_ms=None
     return 1000.0 * n * out / np.maximum(r + gap, 1e-6), np.maximum(tpot, 1e-6)
 
 
+def _inside_levels(levels: tuple, col: int, users, outside: float) -> np.ndarray:
+    """Column ``col`` of ``levels`` ((users, ...) rows, sorted) at ``users`` (array ok):
+    interpolated linearly in log(users) between the levels, ``outside`` beyond them (and
+    everywhere without levels)."""
+    n = np.asarray(users, float)
+    if len(levels) < 1:
+        return np.full_like(n, outside, dtype=float)
+    lv = np.log(np.array([k[0] for k in levels], float))
+    x = np.log(np.maximum(n, 1e-9))
+    inside = (x >= lv[0] - 1e-9) & (x <= lv[-1] + 1e-9)
+    return np.where(inside, np.interp(x, lv, [k[col] for k in levels]), outside)
+
+
 @dataclass(frozen=True)
 class CellModel:
     """A calibrated predictor for one strategy x output class.
@@ -373,25 +386,12 @@ class CellModel:
 
     def speed_at(self, users) -> np.ndarray:
         """The machine speed the model predicts at for ``users`` (array ok)."""
-        n = np.asarray(users, float)
-        if len(self.speed_levels) < 1:
-            return np.full_like(n, self.speed_ref, dtype=float)
-        lv = np.log(np.array([k[0] for k in self.speed_levels], float))
-        x = np.log(np.maximum(n, 1e-9))
-        inside = (x >= lv[0] - 1e-9) & (x <= lv[-1] + 1e-9)
-        return np.where(inside, np.interp(x, lv, [k[1] for k in self.speed_levels]),
-                        self.speed_ref)
+        return _inside_levels(self.speed_levels, 1, users, self.speed_ref)
 
     def factors(self, users) -> tuple[np.ndarray, np.ndarray]:
         """(k_tps, k_tpot) at ``users`` (array ok)."""
-        n = np.asarray(users, float)
-        if len(self.k_levels) < 1:
-            return np.full_like(n, self.k_tps, dtype=float), np.full_like(n, self.k_tpot, dtype=float)
-        lv = np.log(np.array([k[0] for k in self.k_levels], float))
-        x = np.log(np.maximum(n, 1e-9))
-        inside = (x >= lv[0] - 1e-9) & (x <= lv[-1] + 1e-9)
-        return (np.where(inside, np.interp(x, lv, [k[1] for k in self.k_levels]), self.k_tps),
-                np.where(inside, np.interp(x, lv, [k[2] for k in self.k_levels]), self.k_tpot))
+        return (_inside_levels(self.k_levels, 1, users, self.k_tps),
+                _inside_levels(self.k_levels, 2, users, self.k_tpot))
 
     def predict(self, users, gap_ms=None, batch: bool = False, speed: float | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -435,8 +435,7 @@ def fit_cell_models(steps: pd.DataFrame, flagged: pd.DataFrame, cells: pd.DataFr
     over these cells, ``CellModel.speed_ref``), else the step-log fit. Returns (models, step
     models)."""
     st = steps[steps[mn.REQ_USERS].isin(levels)]
-    speeds = machine_speed.Speeds(pd.DataFrame(columns=["strategy", "output_class", "users",
-                                                        "repeat", "speed", "steps"]))
+    speeds = machine_speed.cell_speeds(st, None)          # none without a profile
     if profile is not None:
         from analysis.model import profiled
         speeds = held_in_speeds(st, profile, results)
