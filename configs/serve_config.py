@@ -95,6 +95,7 @@ ENGINE_PROCESS_MIN_CPUS = 2
 # ``stream_batching_interval_ms``, default 50 there). Each chunk costs the replica, the Serve
 # proxy and the client CPU; the load generator's ITL stays per token (``token_ts``).
 DEFAULT_STREAM_INTERVAL_MS = 50.0
+STEP_FLUSH_S = 0.5   # a replica pushes its new step rows to the step-log store this often, seconds
 
 
 def resolve_engine_process(value: bool | str) -> bool:

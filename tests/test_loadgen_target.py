@@ -171,7 +171,7 @@ def test_a_failing_step_log_is_an_error_not_an_empty_log(bare_server):
             service.fetch_step_log(url, "ngram", 0.0)
         console = Console(record=True, width=300)
         st = types.SimpleNamespace(target=url, auth=NO_AUTH, console=console, manifest={},
-                                   fetched={}, steps=[])
+                                   fetched={}, cursors={}, step_totals={}, steps=[])
         _fetch_steps(st, "ngram", 12.5)
     finally:
         srv.shutdown()

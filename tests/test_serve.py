@@ -423,6 +423,24 @@ def test_step_log_route(client):
     assert client.get("/specload/step_log", params={"strategy": "nope"}).status_code == 404
     bad = client.get("/specload/step_log", params={"limit": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    bad = client.get("/specload/step_log", params={"after": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    # paging by arrival: a page's next is the cursor of the rows stored after it
+    page = client.get("/specload/step_log", params={"strategy": "ngram", "since": since}).json()
+    assert page["total"] >= len(page["rows"]) >= len(rows) and page["next"] >= page["total"]
+    assert client.get("/specload/step_log", params={"strategy": "ngram", "after": page["next"]}
+                      ).json()["rows"] == []
+    complete(client, "ngram", PROMPTS[1], max_tokens=4)
+    new = []
+    for _ in range(50):
+        new = client.get("/specload/step_log",
+                         params={"strategy": "ngram", "after": page["next"]}).json()
+        if new["rows"]:
+            break
+        time.sleep(0.1)
+    assert new["rows"] and new["total"] - page["total"] == len(new["rows"])
+    assert not {(r[mn.STEP_REPLICA], r["seq"]) for r in new["rows"]} & {
+        (r[mn.STEP_REPLICA], r["seq"]) for r in page["rows"]}        # no row twice
 
 
 def test_prometheus_spec_decode_counters(service, client):

@@ -15,6 +15,7 @@ import threading
 from actors.serve.async_engine import AsyncLLMEngine
 from actors.serve.deployments import StepLogStore
 from configs import metric_names as mn
+from loadgen.run import service
 
 DURATION_S = 1.5
 
@@ -138,11 +139,11 @@ def test_a_failed_fetch_not_retried_is_named_in_the_manifest_and_the_report(tmp_
 
     console = Console(record=True, width=300)
     st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={}, console=console,
-                               fetched={}, steps=[], cell_windows=[_cell("ngram", 10, 20, 0),
-                                                                   _cell("ngram", 30, 40, 1)])
+                               fetched={}, cursors={}, step_totals={}, steps=[],
+                               cell_windows=[_cell("ngram", 10, 20, 0), _cell("ngram", 30, 40, 1)])
     calls = iter([cli_main.service.StepLogError("GET /specload/step_log answered HTTP 500: "
                                                 "deque mutated during iteration"),
-                  [_row("ngram", 11, 1), _row("ngram", 12, 2)],
+                  service.StepPage([_row("ngram", 11, 1), _row("ngram", 12, 2)]),
                   cli_main.service.StepLogError("HTTP 500 again")])
 
     def fetch(*a, **k):
@@ -151,15 +152,15 @@ def test_a_failed_fetch_not_retried_is_named_in_the_manifest_and_the_report(tmp_
             raise v
         return v
 
-    orig = cli_main.service.fetch_step_log
-    cli_main.service.fetch_step_log = fetch
+    orig = cli_main.service.fetch_step_page
+    cli_main.service.fetch_step_page = fetch
     try:
         st.auth = types.SimpleNamespace(headers={}, insecure=False)
         cli_main._fetch_steps(st, "ngram", 9.0)     # cell 0 fails ...
         cli_main._fetch_steps(st, "ngram", 9.0)     # ... and is fetched again (recovered)
         cli_main._fetch_steps(st, "ngram", 29.0)    # cell 1 fails for good
     finally:
-        cli_main.service.fetch_step_log = orig
+        cli_main.service.fetch_step_page = orig
     cli_main._record_step_loss(st)
     assert [e["recovered"] for e in st.manifest["step_log_errors"]] == [True, False]
     assert [(e["repeat"], e["rows"]) for e in st.manifest["step_log_loss"]] == [(1, 0)]
@@ -171,33 +172,113 @@ def test_a_failed_fetch_not_retried_is_named_in_the_manifest_and_the_report(tmp_
     assert out["tables"][0][2][0]["repeat"] == 1 and "HTTP 500 again" in out["tables"][0][2][0]["reason"]
 
 
+def _paged(store, asked: list):
+    """``service.fetch_step_page`` answered by a real ``StepLogStore`` as the route does."""
+    def fetch(target, strategy, since, after=None, **k):
+        asked.append((since, after))
+        return service.StepPage(**store.page(strategy, None if after is not None else since, after))
+    return fetch
+
+
 def test_rows_pushed_after_a_cells_fetch_are_fetched_with_the_next_cell():
     """A replica pushes its step rows every STEP_FLUSH_S, so the rows of a cell's last steps
-    can reach the store after the fetch that follows the cell. The next fetch of that
-    strategy starts at the newest row already fetched, not at the next cell's start: the
-    late rows land in the run (round 28's suite lost the last 4 requests of a 3-s cell this
-    way, silently). The store here answers like the real one: every row newer than since."""
+    can reach the store after the fetch that follows the cell; two replicas push on their
+    own clocks, so a row of an earlier step can arrive after a later one. The fetches after
+    the first follow the store's arrival cursor (the page's ``next``), not a ts: every late
+    row lands in the run (round 28's suite lost the last 4 requests of a 3-s cell; a ts
+    cursor at the newest row fetched would skip replica B's older row below). The store
+    is the real one."""
     import types
 
     from loadgen.cli import main as cli_main
 
-    store = [_row("ngram", 11.0, 1), _row("ngram", 19.0, 2)]     # pushed by the first fetch
-    late = [_row("ngram", 19.6, 3)]                                # pushed 0.5 s after it
-    asked = []
-
-    def fetch(target, strategy, since, **k):
-        asked.append(since)
-        return [r for r in store if r[mn.STEP_TS] > since]
-
-    st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={}, fetched={}, steps=[],
+    store, asked = StepLogStore.func_or_class(), []
+    store.append([_row("ngram", 5.0, 0)])                            # before the run: not taken
+    store.append([_row("ngram", 11.0, 1), _row("ngram", 19.0, 2)])   # replica A, cell 1
+    st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={}, fetched={}, cursors={},
+                               step_totals={}, steps=[],
                                auth=types.SimpleNamespace(headers={}, insecure=False))
-    orig = cli_main.service.fetch_step_log
-    cli_main.service.fetch_step_log = fetch
+    orig = cli_main.service.fetch_step_page
+    cli_main.service.fetch_step_page = _paged(store, asked)
     try:
         cli_main._fetch_steps(st, "ngram", cli_main._fetch_since(st, "ngram", 10.0))
-        store.extend(late + [_row("ngram", 31.0, 4)])                # the late row, then cell 2
+        late_b = {**_row("ngram", 18.5, 1), mn.STEP_REPLICA: "b"}       # older than A's newest
+        store.append([_row("ngram", 19.6, 3), late_b, _row("ngram", 31.0, 4)])
         cli_main._fetch_steps(st, "ngram", cli_main._fetch_since(st, "ngram", 30.0))
     finally:
-        cli_main.service.fetch_step_log = orig
-    assert asked == [9.0, 19.0]
-    assert [r["seq"] for r in st.steps] == [1, 2, 3, 4]
+        cli_main.service.fetch_step_page = orig
+    assert asked == [(9.0, None), (19.0, 3)]
+    assert [(r[mn.STEP_TS], r["seq"]) for r in st.steps] == [(11.0, 1), (19.0, 2), (19.6, 3),
+                                                             (18.5, 1), (31.0, 4)]
+    assert "step_log_errors" not in st.manifest
+
+
+def test_rows_the_store_evicted_before_their_fetch_are_counted_by_strategy():
+    """The store keeps a bounded ring buffer; rows pushed past its capacity before the load
+    generator fetched them are lost. A page's ``total`` (the strategy's rows ever stored)
+    lets the reader count them, per strategy: the other strategy's evictions are not
+    charged to this one."""
+    import types
+
+    from rich.console import Console
+
+    from loadgen.cli import main as cli_main
+
+    store, asked = StepLogStore.func_or_class(capacity=4), []
+    store.append([_row("ngram", 11.0, 1)])
+    st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={}, fetched={}, cursors={},
+                               step_totals={}, steps=[], console=Console(record=True, width=200),
+                               auth=types.SimpleNamespace(headers={}, insecure=False))
+    orig = cli_main.service.fetch_step_page
+    cli_main.service.fetch_step_page = _paged(store, asked)
+    try:
+        cli_main._fetch_steps(st, "ngram", 10.0)
+        cli_main._fetch_steps(st, "dflash", 10.0)
+        store.append([_row("ngram", 12.0 + i, 2 + i) for i in range(5)]     # 2 of them evicted
+                     + [_row("dflash", 20.0, 1)])
+        cli_main._fetch_steps(st, "ngram", 10.0)
+        cli_main._fetch_steps(st, "dflash", 10.0)
+    finally:
+        cli_main.service.fetch_step_page = orig
+    errors = st.manifest["step_log_errors"]
+    assert [(e["strategy"], e["error"].split()[0]) for e in errors] == [("ngram", "2")]
+    assert [r["seq"] for r in st.steps if r[mn.STEP_MODEL] == "ngram"] == [1, 4, 5, 6]
+    assert [r["seq"] for r in st.steps if r[mn.STEP_MODEL] == "dflash"] == [1]
+
+
+def test_the_run_waits_for_the_last_cells_late_rows():
+    """After the last cell the rows of its last steps reach the store up to a flush period
+    later (CI stop 53 lost dflash2's last 3-s cell's tail this way: 16 % of its prompt
+    tokens). ``_fetch_tail`` fetches once two flush periods have passed since the cell's
+    end, then each period until two fetches in a row bring nothing: a push that lands
+    between fetches is taken, and the loop stops by itself."""
+    import time
+    import types
+
+    from configs.serve_config import STEP_FLUSH_S
+    from loadgen.cli import main as cli_main
+
+    store, asked = StepLogStore.func_or_class(), []
+    now = time.time()
+    store.append([_row("ngram", now - 2.0, 1)])
+    st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={"started_ts": now - 5},
+                               fetched={}, cursors={}, step_totals={}, steps=[],
+                               strategies=["ngram"], cell_windows=[{"t1": now}],
+                               auth=types.SimpleNamespace(headers={}, insecure=False))
+    paged = _paged(store, asked)
+
+    def fetch(*a, **k):
+        page = paged(*a, **k)
+        if len(asked) == 1:                       # a replica's push lands after the 1st fetch
+            store.append([_row("ngram", now - 0.01, 2)])
+        return page
+
+    orig = cli_main.service.fetch_step_page
+    cli_main.service.fetch_step_page = fetch
+    try:
+        cli_main._fetch_tail(st)
+    finally:
+        cli_main.service.fetch_step_page = orig
+    assert [r["seq"] for r in st.steps] == [1, 2]
+    assert len(asked) == 4                         # the row, the late row, two quiet polls
+    assert time.time() - now >= 2 * STEP_FLUSH_S + 3 * STEP_FLUSH_S - 0.05   # waited, not raced

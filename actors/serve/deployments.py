@@ -41,12 +41,11 @@ from actors.serve.openai_response import health_response, model_card, respond
 from actors.serve.protocol import Admitted, Delta, ErrorMessage, Finished, ReplicaMessage
 from configs import metric_names as mn
 from configs.results_schema import StepRow
-from configs.serve_config import (DEFAULT_ENGINE_FACTORY, DEFAULT_STREAM_INTERVAL_MS,
+from configs.serve_config import (DEFAULT_ENGINE_FACTORY, DEFAULT_STREAM_INTERVAL_MS, STEP_FLUSH_S,
                                   resolve_engine_process)
 
 logger = logging.getLogger("ray.serve")
 
-STEP_FLUSH_S = 0.5                 # step-log push period, seconds
 STEP_PUSH_TIMEOUT_S = 10.0         # a push the store does not take within this is dropped
 # Ray refuses ':' in metric names since 2.4x (FutureWarning, then dropped), so
 # the shared "specload:" prefix is exported as "specload_".
@@ -168,6 +167,8 @@ class StepLogStore:
 
     def __init__(self, capacity: int = 100_000):
         self._rows: collections.deque[dict] = collections.deque(maxlen=max(capacity, 1))
+        self._appended = 0   # rows ever appended: the arrival number of the next row
+        self._by_model: collections.Counter[str] = collections.Counter()   # served name -> rows
         # Serve runs these sync methods on a thread pool: a query iterating the deque
         # while a replica's push extends it raised "deque mutated during iteration"
         # (an HTTP 500, a cell's step rows lost). Both hold the lock; a query copies
@@ -178,6 +179,8 @@ class StepLogStore:
         """Add rows (each carries strategy, replica, ts); returns rows held."""
         with self._lock:
             self._rows.extend(rows)
+            self._appended += len(rows)
+            self._by_model.update(str(r.get(mn.STEP_MODEL)) for r in rows)
             return len(self._rows)
 
     def query(self, strategy: str | None = None, since: float | None = None,
@@ -191,6 +194,26 @@ class StepLogStore:
                 if (strategy is None or r.get(mn.STEP_MODEL) == strategy)
                 and (since is None or r.get(mn.STEP_TS, 0.0) > since)]
         return rows[-limit:] if limit else rows
+
+    def page(self, strategy: str | None = None, since: float | None = None,
+             after: int | None = None) -> dict:
+        """Rows by arrival, not by step time: with ``after`` (the ``next`` of an earlier
+        page), every row that arrived since that page, whatever its ``ts`` (replicas push
+        every ``STEP_FLUSH_S`` each on its own clock, so a row of an earlier step can
+        arrive after a later one: a ``since`` cursor skipped it); ``since`` still filters
+        by ts when given. -> ``{"rows": [...], "next": int, "total": int}``: ``next`` is
+        the cursor for the following page; ``total`` the rows of ``strategy`` (of all, when
+        None) the store ever took, so a reader of consecutive pages can count rows evicted
+        (past the capacity) before it fetched them: the growth of ``total`` less the rows."""
+        with self._lock:
+            snapshot, end = list(self._rows), self._appended
+            total = self._appended if strategy is None else self._by_model[strategy]
+        first = end - len(snapshot)             # arrival number of the oldest row held
+        start = first if after is None else min(max(int(after), first), end)
+        rows = [r for r in snapshot[start - first:]
+                if (strategy is None or r.get(mn.STEP_MODEL) == strategy)
+                and (since is None or r.get(mn.STEP_TS, 0.0) > since)]
+        return {"rows": rows, "next": end, "total": total}
 
 
 # A strategy's own HTTP routes: served when the strategy is the ingress of its own

@@ -27,11 +27,15 @@ Routes:
   KV-cache (allocated, bytes per token, tokens held now / at peak) and process
   memory (``LLMEngine.memory``); ``POST /specload/memory/reset_peak`` restarts
   the peak counters (the load generator calls it before each strategy).
-- ``GET /specload/step_log?strategy=&since=&limit=``: ``{"rows": [...]}``, the
-  engine step rows (``configs.metric_names.STEP_LOG_COLUMNS`` + ``seq``) of
-  every replica, from the app-wide ring buffer (``StepLogStore``; rows reach
-  it within ~0.5 s; the oldest are dropped past its capacity). ``since`` is
-  unix seconds (rows with ``ts > since``).
+- ``GET /specload/step_log?strategy=&since=&after=&limit=``: ``{"rows": [...],
+  "next": int, "total": int}``, the engine step rows
+  (``configs.metric_names.STEP_LOG_COLUMNS`` + ``seq``) of every replica, from
+  the app-wide ring buffer (``StepLogStore``; rows reach it within ~0.5 s; the
+  oldest are dropped past its capacity). ``since`` is unix seconds (rows with
+  ``ts > since``); ``after`` is the ``next`` of an earlier answer: every row that
+  arrived since, whatever its ts (``total``: the strategy's rows ever stored, so
+  rows evicted before a reader fetched them can be counted).
+  With ``limit``: the newest ``limit`` rows, ``{"rows": [...]}`` only.
 
 Extensions to OpenAI's body (vLLM does the same for token ids):
 
@@ -282,18 +286,23 @@ class OpenAIIngress:
 
     @api.get("/specload/step_log")
     async def step_log(self, request: Request, strategy: str | None = None, since: float | None = None,
-                       limit: int | None = None):
+                       limit: int | None = None, after: int | None = None):
         if denied := api_key_error(request.headers.get("authorization"), self._api_key):
             return denied
         if strategy is not None and strategy not in self._handles:
             return self._unknown_model(strategy)
         if limit is not None and limit < 0:
             return error_response(400, f"limit must be >= 0, got {limit}", param="limit")
+        if after is not None and after < 0:
+            return error_response(400, f"after must be >= 0 (a page's next), got {after}",
+                                  param="after")
         if since is not None and not math.isfinite(since):
             return error_response(400, f"since must be a finite unix time, got {since}",
                                   param="since")
         if self._store is None:
             return {"rows": []}
+        if limit is None:       # a page: rows by arrival, with the cursor of the next one
+            return await self._store.page.remote(strategy, since, after)
         return {"rows": await self._store.query.remote(strategy, since, limit)}
 
     async def _model_len(self, name: str) -> int | None:

@@ -206,6 +206,8 @@ class _RunState:
     steps: list[dict] = dataclasses.field(default_factory=list)
     cell_windows: list[dict] = dataclasses.field(default_factory=list)
     fetched: dict[str, float] = dataclasses.field(default_factory=dict)  # strategy -> newest step ts
+    cursors: dict[str, int] = dataclasses.field(default_factory=dict)  # strategy -> step-log page's next
+    step_totals: dict[str, int] = dataclasses.field(default_factory=dict)  # strategy -> page's total
     status: str = "finished"
     n_steps: int = 0
     cell_no: int = 0
@@ -431,9 +433,31 @@ def _drive(st: _RunState, runner: Any, progress: "Progress") -> None:
         _fetch_steps(st, spec.strategy, _fetch_since(st, spec.strategy, cell_t0))
     if plan.racing is not None:
         _race(st, runner, progress)
-    for strategy in st.strategies:  # rows pushed after the last fetch (flush lag)
-        _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
+    _fetch_tail(st)
     _memory_reports(st, reset_peak=False)
+
+
+def _fetch_tail(st: _RunState, quiet_polls: int = 2, max_polls: int = 10) -> None:
+    """The rows of the run's last steps, which reach the store up to ``STEP_FLUSH_S`` (plus a
+    push) after the last cell ended: every strategy is fetched once the store has had two
+    flush periods, then again each flush period until ``quiet_polls`` fetches in a row bring
+    nothing new (at most ``max_polls``). Before round 29 one fetch right after the last cell
+    lost its last steps (CI stop 53: dflash2's last 3-s cell, 16 % of its prompt tokens)."""
+    from configs.serve_config import STEP_FLUSH_S
+
+    if not st.cell_windows:
+        return
+    wait = max(st.cell_windows[-1]["t1"] + 2 * STEP_FLUSH_S - time.time(), 0.0)
+    quiet = 0
+    for _ in range(max_polls):
+        time.sleep(wait)
+        before = len(st.steps)
+        for strategy in st.strategies:
+            _fetch_steps(st, strategy, st.fetched.get(strategy, st.manifest["started_ts"]))
+        quiet = quiet + 1 if len(st.steps) == before else 0
+        if quiet >= quiet_polls:
+            return
+        wait = STEP_FLUSH_S
 
 
 def _memory_reports(st: _RunState, reset_peak: bool) -> None:
@@ -756,22 +780,27 @@ def _record_losses(st: _RunState, runner: Any) -> None:
 
 
 def _fetch_since(st: _RunState, strategy: str, cell_t0: float) -> float:
-    """Where the fetch after a cell of ``strategy`` starts: the newest step row already
-    fetched for it, else a second before the cell. A replica pushes its rows every
-    ``STEP_FLUSH_S``, so the rows of a cell's last steps can reach the store after the
-    cell's own fetch; starting the next fetch at the next cell's start (as before round 28)
-    skipped them, and nothing said so (round 28's suite: the last 4 requests of a 3-s cell,
-    18 % of its prompt tokens, had no step rows)."""
+    """Where the fetch after a cell of ``strategy`` starts on a target without step-log
+    cursors (its pages carry no ``next``): the newest step row already fetched for it, else
+    a second before the cell. A replica pushes its rows every ``STEP_FLUSH_S``, so the rows
+    of a cell's last steps can reach the store after the cell's own fetch; starting the next
+    fetch at the next cell's start (as before round 28) skipped them, and nothing said so
+    (round 28's suite: the last 4 requests of a 3-s cell, 18 % of its prompt tokens, had no
+    step rows). On specload's own service the cursor (``_fetch_steps``) replaces it."""
     return st.fetched[strategy] if strategy in st.fetched else cell_t0 - 1.0
 
 
 def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
-    """Append the target's step rows of ``strategy`` (served name) newer than ``since``. A
-    step log that fails to answer is a warning and a manifest entry (``step_log_errors``),
+    """Append the target's step rows of ``strategy`` (served name): the first fetch takes
+    the rows newer than ``since``, each later one every row the store took since the last
+    page (its ``next``: by arrival, so a replica's late push of older steps is not
+    skipped). Rows the store evicted before they were fetched (the growth of the page's
+    ``total`` less its rows), or a step log that fails to answer, are a warning and a manifest entry (``step_log_errors``),
     never a lost run."""
+    after = st.cursors.get(strategy)
     try:
-        rows = service.fetch_step_log(st.target, strategy, since, headers=st.auth.headers,
-                                      insecure=st.auth.insecure)
+        page = service.fetch_step_page(st.target, strategy, since, after, headers=st.auth.headers,
+                                       insecure=st.auth.insecure)
     except service.StepLogError as err:
         st.console.print(f"[yellow]warning[/] step rows of {strategy} since {since:.3f} are "
                          f"missing: {err}", highlight=False, soft_wrap=True)
@@ -779,8 +808,23 @@ def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
             {"strategy": strategy, "since": since, "error": str(err)[:500], "recovered": False})
         return
     for e in st.manifest.get("step_log_errors", []):   # this fetch covered a failed one's range
-        if e.get("strategy") == strategy and since <= e.get("since", 0.0):
+        if e.get("strategy") == strategy and (after is not None or since <= e.get("since", 0.0)):
             e["recovered"] = True
+    held = st.step_totals.get(strategy)
+    evicted = (page.total - held - len(page.rows)
+               if after is not None and held is not None and page.total is not None else 0)
+    if evicted > 0:
+        st.console.print(f"[yellow]warning[/] {evicted} step rows of {strategy} left the "
+                         f"service's step log (its capacity) before they were fetched",
+                         highlight=False, soft_wrap=True)
+        st.manifest.setdefault("step_log_errors", []).append(
+            {"strategy": strategy, "since": st.fetched.get(strategy, since), "recovered": False,
+             "error": f"{evicted} rows evicted from the step-log store before they were fetched"})
+    if page.next is not None:
+        st.cursors[strategy] = page.next
+    if page.total is not None:
+        st.step_totals[strategy] = page.total
+    rows = page.rows
     if rows:
         st.fetched[strategy] = max(st.fetched.get(strategy, 0.0),
                                    max(r.get(M.STEP_TS, 0.0) for r in rows))

@@ -10,6 +10,7 @@ import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 # Starting the local service and checking a Serve config belong to the bring-up layer
@@ -148,28 +149,59 @@ class StepLogError(ServiceError):
     """A target with a step log answered its query with an error (the rows are lost)."""
 
 
-def fetch_step_log(base_url: str, strategy: str, since_ts: float, timeout_s: float = 30.0,
-                   headers: dict[str, str] | None = None, insecure: bool = False) -> list[dict]:
-    """Engine step rows (metric_names STEP_*) since ``since_ts`` (unix s); [] when the target has none.
+@dataclass(frozen=True)
+class StepPage:
+    """One answer of ``GET /specload/step_log``: ``rows`` (step rows), ``next`` (the cursor
+    of the following page) and ``total`` (the strategy's rows the store ever took: its
+    growth between two pages less the second page's rows is what the store evicted before
+    it was fetched). ``next`` and ``total`` are None from a target that pages by ts only."""
+
+    rows: list[dict]
+    next: int | None = None
+    total: int | None = None
+
+
+def fetch_step_page(base_url: str, strategy: str, since_ts: float | None, after: int | None = None,
+                    timeout_s: float = 30.0, headers: dict[str, str] | None = None,
+                    insecure: bool = False) -> StepPage:
+    """Engine step rows (metric_names STEP_*) of ``strategy``: with ``after`` (an earlier
+    page's ``next``) every row the target's store took since that page, whatever its ts;
+    else the rows with ts > ``since_ts`` (unix s). An empty page when the target has none.
 
     Only specload's server has ``/specload/step_log``; a 404 or 405, a connection error
-    or an unexpected body gives [] (other OpenAI-compatible servers). Any other HTTP
-    error (a specload service that failed to answer: 5xx, 401) raises StepLogError with
-    the status and the start of the body, so a caller can say that step rows are missing.
+    or an unexpected body gives an empty page (other OpenAI-compatible servers). Any other
+    HTTP error (a specload service that failed to answer: 5xx, 401) raises StepLogError
+    with the status and the start of the body, so a caller can say that step rows are
+    missing.
     """
-    q = urllib.parse.urlencode({"strategy": strategy, "since": f"{since_ts:.6f}"})
-    url = f"{base_url}/specload/step_log?{q}"
+    q = {"strategy": strategy}
+    if after is not None:
+        q["after"] = str(int(after))
+    elif since_ts is not None:
+        q["since"] = f"{since_ts:.6f}"
+    url = f"{base_url}/specload/step_log?{urllib.parse.urlencode(q)}"
     try:
         data = _get_json(url, timeout_s, headers, insecure)
     except urllib.error.HTTPError as err:
         if err.code in (404, 405):
-            return []
+            return StepPage([])
         body = err.read()[:300].decode("utf-8", errors="replace") if err.fp else ""
         raise StepLogError(f"GET {url} answered HTTP {err.code}: {body}") from None
     except (urllib.error.URLError, OSError, ValueError):
-        return []
-    rows = data.get("rows") if isinstance(data, dict) else None
-    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+        return StepPage([])
+    if not isinstance(data, dict):
+        return StepPage([])
+    rows = data.get("rows")
+    count = lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None  # noqa: E731
+    return StepPage([r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else [],
+                    count(data.get("next")), count(data.get("total")))
+
+
+def fetch_step_log(base_url: str, strategy: str, since_ts: float, timeout_s: float = 30.0,
+                   headers: dict[str, str] | None = None, insecure: bool = False) -> list[dict]:
+    """Engine step rows (metric_names STEP_*) with ts > ``since_ts`` (unix s); [] when the
+    target has none (``fetch_step_page`` without a cursor; its errors)."""
+    return fetch_step_page(base_url, strategy, since_ts, None, timeout_s, headers, insecure).rows
 
 
 def fetch_memory(base_url: str, strategy: str, reset_peak: bool = False, timeout_s: float = 30.0,
