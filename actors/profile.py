@@ -21,6 +21,16 @@ the capacity model (``analysis.model.profiled``) interpolates it and calibrates 
 run's step log. This is the operator profiling of Vidur (Agrawal et al., MLSys 2024,
 section 4) on the engine that serves the run, the verify width K + 1 inside the profiled
 tokens per row as in BLIS (Bhandari et al., 2025).
+
+A strategy served by vLLM's engine (``engine.backend: vllm``) is profiled on that engine,
+in the vLLM venv's python (``python -m actors.engine.vllm_backend`` with phases, one engine
+load; ``_profile_vllm_strategy``): vLLM runs schedule, forward, sampling and its proposer as
+one step and exposes no forward of its own, so its ``forward`` points are whole decode-only
+steps at batch B and context ctx (``tokens_per_row`` 1: the verify width is not profiled
+apart; its ``engine_steps`` carry the measured one), after an untimed warm-up at every
+batch; ``prefill`` is the median prefill step of ``repeats`` one-token requests. The entry
+says ``"backend": "vllm"``; ``analysis.model.profiled.profile_applies`` matches it to a
+run's vLLM-backed strategy only.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ ENGINE_CONTEXTS = (64, 192, 384)
 ENGINE_PREFILL = (16, 64, 256)
 ENGINE_STEP_CONTEXTS = (64, 256)
 PROFILE_KIND = "engine_profile"
+PROFILED_BACKENDS = ("embedded", "vllm")   # engine.backend values this module profiles
+VLLM_TIMEOUT_S = 900.0   # one vLLM strategy's profile: engine load (~60 s on 2 cores) + steps
 
 
 def _prompt_ids(tokenizer, n_tokens: int, n_prompts: int) -> list[list[int]]:
@@ -83,13 +95,14 @@ def _engine_configs(serve_config: Path | None, strategies: list[str] | None) -> 
     for app in cfg.get("applications") or []:
         for e in (app.get("args") or {}).get("strategies") or []:
             eng = dict(e.get("engine") or {})
-            if eng.get("strategy") and (eng.get("backend") or "embedded") == "embedded":
+            if eng.get("strategy") and (eng.get("backend") or "embedded") in PROFILED_BACKENDS:
                 found.setdefault(e.get("name") or eng["strategy"], resolve_engine_config(eng))
     if strategies:
         bad = [s for s in strategies if s not in found]
         if bad:
-            raise ValueError(f"strategies {bad} are not embedded-engine strategies of {path}; "
-                             f"it has {sorted(found)}")
+            raise ValueError(f"strategies {bad} are not strategies of {path} with an engine "
+                             f"this machine runs ({'/'.join(PROFILED_BACKENDS)}); it has "
+                             f"{sorted(found)}")
         found = {s: found[s] for s in strategies}
     return found
 
@@ -197,6 +210,127 @@ def _profile_strategy(name: str, eng_cfg: dict, out: dict, batches, tokens_per_r
     del engine
 
 
+class _HFTokens:
+    """``encode`` of a Hugging Face tokenizer without special tokens (``_prompt_ids``'s API)."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_dir)
+        self._tok.model_max_length = 1 << 30   # the corpus is encoded whole, then cut
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+
+def _vllm_phases(tokens, batches, step_contexts, prefill, max_tokens: int, repeats: int = 3
+                 ) -> list[dict]:
+    """The fixed-batch phases of a vLLM profile, in order: an untimed warm-up at every batch
+    (vLLM's first steps at a new batch shape are its slowest: 15 ms at B = 1 against 5 ms
+    after); per context x batch, B requests of a ctx-token prompt run together to
+    ``max_tokens`` (ignore_eos, greedy); then ``repeats`` requests one after another per
+    prefill length P with one output token (each one prefill step)."""
+    short = min(step_contexts)
+    phases = [{"kind": "warmup", "batch_size": b, "requests": [
+        [f"warmup-{b}-{i}", ids, {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
+        for i, ids in enumerate(_prompt_ids(tokens, short, b))]} for b in batches]
+    for ctx in step_contexts:
+        for b in batches:
+            phases.append({"kind": "steps", "batch_size": b, "context_len": ctx, "requests": [
+                [f"profile-{b}-{ctx}-{i}", ids, {"max_tokens": max_tokens, "temperature": 0.0,
+                                                 "ignore_eos": True}]
+                for i, ids in enumerate(_prompt_ids(tokens, ctx, b))]})
+    prompts = _prompt_ids(tokens, max(prefill), repeats)
+    for p in prefill:
+        phases.append({"kind": "prefill", "batch_size": 1, "prefill_tokens": p, "requests": [
+            [f"profile-prefill-{p}-{i}", ids[:p], {"max_tokens": 1, "temperature": 0.0,
+                                                   "ignore_eos": True}]
+            for i, ids in enumerate(prompts)]})
+    return phases
+
+
+def _vllm_points(phases: list[dict], answered: list[dict]) -> tuple[list, list, list]:
+    """(forward, prefill, engine_steps) points from the vLLM engine's step rows per phase.
+    vLLM runs schedule + forward + sample + the proposer as one step, so a forward point is
+    the whole decode-only step at batch B and context ctx (``tokens_per_row`` 1: the profile
+    does not split the verify width; the run's step log scales it, ``calibrate``); an
+    engine-steps point the same step with its measured tokens per row (``draft_ms`` 0: vLLM
+    does not time its proposer apart)."""
+    fwd, pre, steps = [], [], []
+    for ph, got in zip(phases, answered):
+        rows = got.get("steps") or []
+        if ph["kind"] == "warmup":
+            continue
+        if ph["kind"] == "prefill":
+            done = [r for r in rows if r["prefill_tokens"] >= ph["prefill_tokens"]]
+            if done:
+                pre.append({"prefill_tokens": ph["prefill_tokens"],
+                            "step_ms": statistics.median(r["step_ms"] for r in done),
+                            "cpu_ms": statistics.median(r["cpu_ms"] for r in done)})
+            continue
+        b, ctx = ph["batch_size"], ph["context_len"]
+        dec = [r for r in rows if r["batch_size"] == b and not r["prefill_tokens"]]
+        if not dec:
+            continue
+        med = lambda k: statistics.median(float(r[k] or 0.0) for r in dec)  # noqa: E731
+        fwd.append({"batch_size": b, "tokens_per_row": 1, "context_len": ctx,
+                    "step_ms": med("step_ms"), "cpu_ms": med("cpu_ms"), "batch_tokens": b})
+        steps.append({"batch_size": b, "context_len": ctx,
+                      "tokens_per_row": statistics.median(r["verification_tokens"] / b for r in dec),
+                      "context_per_row": statistics.median(r["context_tokens"] / b for r in dec),
+                      "draft_ms": 0.0, "verify_ms": med("verify_ms"), "step_ms": med("step_ms"),
+                      "overhead_ms": statistics.median(max(0.0, r["step_ms"] - r["verify_ms"])
+                                                       for r in dec),
+                      "cpu_ms": med("cpu_ms"), "steps": len(dec)})
+    return fwd, pre, steps
+
+
+def _profile_vllm_strategy(name: str, eng_cfg: dict, out: dict, batches, prefill, step_contexts,
+                           max_tokens: int, repeats: int, log, timeout_s: float = VLLM_TIMEOUT_S
+                           ) -> None:
+    """One vLLM-backed strategy's profile (``_vllm_phases`` in the vLLM venv's python, one
+    engine load: ``python -m actors.engine.vllm_backend``) under ``out["strategies"][name]``.
+    Raises ValueError when the vLLM python is missing or the engine fails (its stderr's
+    last line)."""
+    import subprocess
+
+    from actors.engine.config import EngineConfig
+    from actors.engine.vllm_backend import REPO_ROOT, default_vllm_python, vllm_env
+
+    t0 = time.perf_counter()
+    python = eng_cfg.get("vllm_python") or default_vllm_python()
+    if not Path(python).is_file():
+        raise ValueError(f"{name}: the vLLM python {python} is missing (engine.vllm_python, "
+                         f"$SPECLOAD_VLLM_PYTHON)")
+    # no prefix cache: the prefill points are prefixes of one prompt
+    cfg = EngineConfig(**{**eng_cfg, "served_model_name": name, "enable_prefix_caching": False,
+                          "max_num_seqs": max(int(eng_cfg.get("max_num_seqs", 1)), max(batches))}
+                       ).model_dump()
+    phases = _vllm_phases(_HFTokens(cfg["model"]), batches, step_contexts, prefill, max_tokens,
+                          repeats)
+    spec = {"config": cfg, "phases": [{"requests": ph["requests"], "batch_size": ph["batch_size"]}
+                                      for ph in phases]}
+    done = subprocess.run([python, "-m", "actors.engine.vllm_backend"], input=json.dumps(spec),
+                          capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT,
+                          env=vllm_env())
+    if done.returncode != 0:
+        tail = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise ValueError(f"{name}: the vLLM engine failed (exit {done.returncode}): {tail[0][:300]}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    fwd, pre, steps = _vllm_points(phases, answer["phases"])
+    out["strategies"][name] = {
+        "strategy": eng_cfg["strategy"], "backend": "vllm",
+        "engine": {k: v for k, v in cfg.items() if isinstance(v, (str, int, float, bool))},
+        "num_speculative_tokens": int(eng_cfg.get("num_speculative_tokens") or 0)
+        if eng_cfg["strategy"] != "autoregressive" else 0,
+        "forward": fwd, "prefill": pre, "engine_steps": steps, "load_s": answer.get("load_s")}
+    log(f"engine profile: {name} in {time.perf_counter() - t0:.1f} s: {len(fwd)} forward, "
+        f"{len(pre)} prefill, {len(steps)} engine-step points (vLLM, engine load "
+        f"{answer.get('load_s') or 0:.0f} s); "
+        + ", ".join(f"B={s['batch_size']}/ctx={s['context_len']}: step {s['step_ms']:.2f} ms"
+                    for s in steps[:4]))
+
+
 def profile_engine(strategies: list[str] | None = None, serve_config: Path | None = None,
                    batches=ENGINE_BATCHES, tokens_per_row=ENGINE_TOKENS_PER_ROW,
                    contexts=ENGINE_CONTEXTS, prefill=ENGINE_PREFILL,
@@ -213,8 +347,14 @@ def profile_engine(strategies: list[str] | None = None, serve_config: Path | Non
                  "threads": torch.get_num_threads(), "repeats": repeats, "random_weights": False,
                  "strategies": {}}
     for name, eng_cfg in configs.items():
+        if (eng_cfg.get("backend") or "embedded") == "vllm":
+            _profile_vllm_strategy(name, eng_cfg, out, batches, prefill, step_contexts,
+                                   max_tokens, repeats, log)
+            continue
         _profile_strategy(name, eng_cfg, out, batches, tokens_per_row, contexts, prefill,
                           step_contexts, repeats, max_tokens, log)
+    if "points" not in out:    # vLLM strategies only: their step grid
+        out["points"] = next(iter(out["strategies"].values()), {}).get("forward", [])
     return out
 
 
@@ -245,14 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m actors.profile [--strategies a,b] [--serve-config F] --out FILE``: exit 0,
     or 2 with the flag named (an unknown strategy, a context beyond the model)."""
     ap = argparse.ArgumentParser(prog="python -m actors.profile",
-                                 description="Profile the embedded engine's step cost per strategy "
-                                             "of a Serve config (decode forward grid, prefill, "
-                                             "whole engine steps); write it beside a run as "
-                                             "RUN_DIR/cost_curve.json.")
+                                 description="Profile the engine's step cost per strategy of a "
+                                             "Serve config (embedded: decode forward grid, "
+                                             "prefill, whole engine steps; vLLM: whole engine "
+                                             "steps at fixed batches, prefill); write it beside "
+                                             "a run as RUN_DIR/cost_curve.json.")
     add_config_flags(ap)
     ap.add_argument("--skip-missing", action="store_true",
-                    help="skip --strategies the config has no embedded engine for (a vLLM "
-                         "backend, a variant) instead of failing")
+                    help="skip --strategies the config has no embedded or vLLM engine for (a "
+                         "variant, another backend) instead of failing")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per point (median; "
                     "default 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -265,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         known = _engine_configs(a.serve_config, None)
         names = [x for x in names if x in known]
         if not names:
-            print("engine profile: none of --strategies has an embedded engine in the config",
+            print("engine profile: none of --strategies has an embedded or vLLM engine in the "
+                  "config",
                   file=sys.stderr)
             return 0
     try:

@@ -757,11 +757,13 @@ def run_requests(engine: SyncEngine, requests: list, batch_size: int = 1) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m actors.engine.vllm_backend`` in the vLLM venv (offline runs, tests):
-    reads ``{"config": EngineConfig dict, "requests": [[id, prompt, SamplingParams
-    fields]], "batch_size": n}`` as JSON on stdin, writes ``{"results": {id: {token_ids,
-    text, finish_reason, stats}}, "steps": [step rows], "memory": {...}, "load_s"}``
-    as JSON on stdout (the last line)."""
+    """``python -m actors.engine.vllm_backend`` in the vLLM venv (offline runs, tests, the
+    engine profile): reads ``{"config": EngineConfig dict, "requests": [[id, prompt,
+    SamplingParams fields]], "batch_size": n}`` as JSON on stdin, writes ``{"results": {id:
+    {token_ids, text, finish_reason, stats}}, "steps": [step rows], "memory": {...},
+    "load_s"}`` as JSON on stdout (the last line). With ``"phases": [{"requests": [...],
+    "batch_size": n}, ...]`` instead of ``requests``, the phases run one after another on the
+    one engine (loaded once) and ``"phases"`` holds each one's ``{"steps", "run_s"}``."""
     import json
     import sys
 
@@ -774,13 +776,22 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_vllm_engine(spec["config"])
     rows: list[dict] = []
     engine.on_step = rows.append
-    reqs = [(rid, p, SamplingParams(**sp)) for rid, p, sp in spec["requests"]]
-    t0 = time.perf_counter()
-    res = run_requests(engine, reqs, int(spec.get("batch_size", 1)))
+    phases = spec.get("phases") or [{"requests": spec.get("requests") or [],
+                                     "batch_size": spec.get("batch_size", 1)}]
+    results: dict = {}
+    done = []
+    for ph in phases:
+        rows.clear()
+        reqs = [(rid, p, SamplingParams(**sp)) for rid, p, sp in ph["requests"]]
+        t0 = time.perf_counter()
+        results.update(run_requests(engine, reqs, int(ph.get("batch_size", 1))))
+        done.append({"steps": list(rows), "run_s": time.perf_counter() - t0})
     out = {"results": {k: {**v, "stats": v["stats"].to_dict() if v["stats"] else None}
-                       for k, v in res.items()},
-           "steps": rows, "memory": engine.memory(), "load_s": engine.load_s,
-           "run_s": time.perf_counter() - t0}
+                       for k, v in results.items()},
+           "steps": [r for ph in done for r in ph["steps"]], "memory": engine.memory(),
+           "load_s": engine.load_s, "run_s": sum(ph["run_s"] for ph in done)}
+    if spec.get("phases"):
+        out["phases"] = done
     sys.stdout.write("\n" + json.dumps(out) + "\n")
     sys.stdout.flush()
     return 0

@@ -414,12 +414,12 @@ def _measured(cells: pd.DataFrame) -> pd.DataFrame:
 
 def held_in_speeds(steps: pd.DataFrame, profile: dict | None, results=None
                    ) -> machine_speed.Speeds:
-    """The machine's speed in each cell of ``steps`` (``machine_speed.cell_speeds``; a vLLM
-    backend's strategies have none: specload cannot profile its engine)."""
+    """The machine's speed in each cell of ``steps`` (``machine_speed.cell_speeds``; none for
+    a strategy the profile timed on another backend than the run's, ``profiled.profile_applies``)."""
     from analysis.model import profiled
 
     skip = {str(s) for s in steps[mn.STEP_STRATEGY].unique()
-            if results is not None and profiled._is_vllm(results, str(s))} \
+            if not profiled.profile_applies(profile, str(s), results)} \
         if not steps.empty else set()
     return machine_speed.cell_speeds(steps, profile, skip)
 

@@ -26,9 +26,11 @@ decode-only overhead is the run's median ``step - draft - verify``. The result i
 ``analysis.model.backtest.model_point`` uses unchanged.
 
 ``find_profile`` looks for ``RUN_DIR/cost_curve.json`` beside each run of the results
-(then ``data/cost_curves/embedded-<device>.json``). A strategy the profile lacks, or
-a run of another backend (vLLM), falls back to the step-log fit, which extrapolates
-beyond the run's own levels (``StepModel.source`` says which).
+(then ``data/cost_curves/embedded-<device>.json``). A vLLM-backed strategy is profiled the
+same way on vLLM's engine (``actors.profile``: whole engine steps at fixed batches, its
+``backend`` "vllm"); a strategy the profile lacks, or one it timed on another backend
+(``profile_applies``), falls back to the step-log fit, which extrapolates beyond the
+run's own levels (``StepModel.source`` says which).
 """
 
 from __future__ import annotations
@@ -266,6 +268,19 @@ def _is_vllm(results, strategy: str) -> bool:
     return False
 
 
+def profile_applies(profile: dict | None, strategy: str, results=None) -> bool:
+    """The profile has ``strategy`` timed on the engine the run served it with: its entry's
+    ``backend`` (``embedded`` unless it says ``vllm``, ``actors.profile``) is the run's
+    (the manifest's memory report; unknown without ``results``: the entry is taken)."""
+    entry = ((profile or {}).get("strategies") or {}).get(strategy)
+    if not entry:
+        return False
+    if results is None:
+        return True
+    run = "vllm" if _is_vllm(results, strategy) else "embedded"
+    return str(entry.get("backend") or "embedded") == run
+
+
 def find_profile(results, explicit: str | Path | None = None) -> tuple[dict | None, str | None]:
     """(engine profile dict, its path) for these results: ``explicit`` when given, else
     ``RUN_DIR/cost_curve.json`` of the first run that has one, else the committed
@@ -306,7 +321,7 @@ def fit_step_models(steps: pd.DataFrame, profile: dict | None, results=None
     for strategy, g in steps.groupby(mn.STEP_STRATEGY, sort=True):
         strategy = str(strategy)
         parts = None
-        if profile is not None and not (results is not None and _is_vllm(results, strategy)):
+        if profile_applies(profile, strategy, results):
             parts = parts_from_profile(profile, strategy)
         try:
             out[strategy] = (calibrate(parts, g, strategy) if parts is not None

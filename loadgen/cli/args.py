@@ -160,7 +160,7 @@ def _add_results_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-profile", default="auto", choices=("auto", "off"),
                    help="after the cells, time the local engines' step cost into "
                         "RUN/cost_curve.json for the capacity model (auto: with the local "
-                        "service; about 8 s per strategy)")
+                        "service; about 8 s per embedded strategy, 1-4 min per vLLM one)")
     g.add_argument("--dry-run", action="store_true",
                    help="print the plan (cells, routes, ETA); send and write nothing")
     g.add_argument("--consistency", type=number(int, ge=0), default=DEFAULT_SAMPLES, metavar="N",

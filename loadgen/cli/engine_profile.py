@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_FILE = "cost_curve.json"    # analysis.model.profiled.PROFILE_FILE
-TIMEOUT_S = 600.0
+TIMEOUT_S = 1800.0   # embedded ~8 s a strategy; vLLM 1-4 min each (its engine load)
 
 
 def wanted(args: Any, status: str) -> str | None:
@@ -34,15 +34,15 @@ def wanted(args: Any, status: str) -> str | None:
 
 def take(run_dir: Path, strategies: list[str], serve_config: str, say, timeout_s: float = TIMEOUT_S
          ) -> dict[str, Any]:
-    """Profile ``strategies`` (those of the Serve config with an embedded engine; the rest are
-    skipped) into ``run_dir/cost_curve.json``. Returns the manifest's record: {"file" (None
+    """Profile ``strategies`` (those of the Serve config with an embedded or a vLLM engine;
+    the rest are skipped) into ``run_dir/cost_curve.json``. Returns the manifest's record: {"file" (None
     on failure), "strategies", "seconds", "error"}."""
     cmd = [sys.executable, "-m", "actors.profile", "--out", str(run_dir / PROFILE_FILE),
            "--strategies", ",".join(strategies), "--skip-missing"]
     if serve_config:
         cmd += ["--serve-config", str(serve_config)]
-    say(f"engine profile: timing the run's embedded engines on this machine for the capacity "
-        f"model (about 8 s per strategy; --engine-profile off skips it)")
+    say(f"engine profile: timing the run's engines on this machine for the capacity model "
+        f"(about 8 s per embedded strategy, 1-4 min per vLLM one; --engine-profile off skips it)")
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -58,5 +58,5 @@ def take(run_dir: Path, strategies: list[str], serve_config: str, say, timeout_s
            if ln.startswith("engine profile: ") and " in " in ln]
     if not (run_dir / PROFILE_FILE).is_file():
         return {"file": None, "strategies": [], "seconds": secs,
-                "error": "no strategy of the run has an embedded engine in the Serve config"}
+                "error": "no strategy of the run has an embedded or vLLM engine in the Serve config"}
     return {"file": PROFILE_FILE, "strategies": got, "seconds": secs, "error": None}
