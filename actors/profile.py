@@ -228,18 +228,22 @@ def _vllm_phases(tokens, batches, step_contexts, prefill, max_tokens: int, repea
     """The fixed-batch phases of a vLLM profile, in order: an untimed warm-up at every batch
     (vLLM's first steps at a new batch shape are its slowest: 15 ms at B = 1 against 5 ms
     after); per context x batch, B requests of a ctx-token prompt run together to
-    ``max_tokens`` (ignore_eos, greedy); then ``repeats`` requests one after another per
-    prefill length P with one output token (each one prefill step)."""
+    ``max_tokens`` (ignore_eos, greedy), the grid twice, the second pass in reverse order (a
+    machine that slows or speeds up during the profile then bends no end of the grid: the
+    main job's profile, taken while its service idled, had every ctx-64 point, the first
+    half, up to 1.7x the ctx-256 ones at B <= 8; alone on the box 0.94-1.14x); then
+    ``repeats`` requests one after another per prefill length P with one output token (each
+    one prefill step)."""
     short = min(step_contexts)
     phases = [{"kind": "warmup", "batch_size": b, "requests": [
         [f"warmup-{b}-{i}", ids, {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}]
         for i, ids in enumerate(_prompt_ids(tokens, short, b))]} for b in batches]
-    for ctx in step_contexts:
-        for b in batches:
-            phases.append({"kind": "steps", "batch_size": b, "context_len": ctx, "requests": [
-                [f"profile-{b}-{ctx}-{i}", ids, {"max_tokens": max_tokens, "temperature": 0.0,
+    grid = [(b, ctx) for ctx in step_contexts for b in batches]
+    for n, (b, ctx) in enumerate(grid + grid[::-1]):     # two passes, the second reversed
+        phases.append({"kind": "steps", "batch_size": b, "context_len": ctx, "requests": [
+            [f"profile-{b}-{ctx}-{i}-{n}", ids, {"max_tokens": max_tokens, "temperature": 0.0,
                                                  "ignore_eos": True}]
-                for i, ids in enumerate(_prompt_ids(tokens, ctx, b))]})
+            for i, ids in enumerate(_prompt_ids(tokens, ctx, b))]})
     prompts = _prompt_ids(tokens, max(prefill), repeats)
     for p in prefill:
         phases.append({"kind": "prefill", "batch_size": 1, "prefill_tokens": p, "requests": [
@@ -257,6 +261,7 @@ def _vllm_points(phases: list[dict], answered: list[dict]) -> tuple[list, list, 
     engine-steps point the same step with its measured tokens per row (``draft_ms`` 0: vLLM
     does not time its proposer apart)."""
     fwd, pre, steps = [], [], []
+    by_point: dict[tuple[int, int], list[dict]] = {}     # (B, ctx) -> decode rows, both passes
     for ph, got in zip(phases, answered):
         rows = got.get("steps") or []
         if ph["kind"] == "warmup":
@@ -269,7 +274,9 @@ def _vllm_points(phases: list[dict], answered: list[dict]) -> tuple[list, list, 
                             "cpu_ms": statistics.median(r["cpu_ms"] for r in done)})
             continue
         b, ctx = ph["batch_size"], ph["context_len"]
-        dec = [r for r in rows if r["batch_size"] == b and not r["prefill_tokens"]]
+        by_point.setdefault((b, ctx), []).extend(
+            r for r in rows if r["batch_size"] == b and not r["prefill_tokens"])
+    for (b, ctx), dec in by_point.items():
         if not dec:
             continue
         med = lambda k: statistics.median(float(r[k] or 0.0) for r in dec)  # noqa: E731

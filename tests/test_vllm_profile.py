@@ -31,11 +31,12 @@ def _cost(b: int, ctx: int) -> float:
     return 3.0 + 0.5 * b + 0.004 * b * ctx
 
 
-def _answer(phases: list[dict]) -> list[dict]:
+def _answer(phases: list[dict], drift: float = 0.0) -> list[dict]:
     """What ``python -m actors.engine.vllm_backend`` answers per phase for the synthetic
     engine: warm-up steps 10x slow (they must not count), a prefill step then decode steps
-    at the phase's batch (one straggler step at a smaller batch that must not count)."""
-    out = []
+    at the phase's batch (one straggler step at a smaller batch that must not count); the
+    machine slows by ``drift`` (a share) with every step phase."""
+    out, n = [], 0
     for ph in phases:
         b = ph["batch_size"]
         if ph["kind"] == "prefill":
@@ -46,7 +47,8 @@ def _answer(phases: list[dict]) -> list[dict]:
                                   for i in range(len(ph["requests"]))]})
             continue
         ctx = ph.get("context_len", 64)
-        slow = 10.0 if ph["kind"] == "warmup" else 1.0
+        slow = 10.0 if ph["kind"] == "warmup" else 1.0 + drift * n
+        n += ph["kind"] == "steps"
         rows = [{"batch_size": 0, "prefill_tokens": b * ctx, "step_ms": 50.0, "cpu_ms": 50.0,
                  "verification_tokens": 0, "context_tokens": 0, "verify_ms": 50.0}]
         rows += [{"batch_size": b, "prefill_tokens": 0, "step_ms": slow * _cost(b, ctx),
@@ -75,9 +77,10 @@ def test_vllm_phase_steps_make_a_full_profile_the_vllm_run_takes_and_the_embedde
     The entry applies to a run that served the strategy on vLLM, not to an embedded one."""
     batches, ctxs, prefill = (1, 2, 8), (64, 256), (16, 64)
     phases = prof_mod._vllm_phases(_Ids(), batches, ctxs, prefill, max_tokens=12, repeats=3)
-    assert [ph["kind"] for ph in phases] == ["warmup"] * 3 + ["steps"] * 6 + ["prefill"] * 2
-    assert [(ph["batch_size"], ph.get("context_len")) for ph in phases if ph["kind"] == "steps"] == [
-        (b, c) for c in ctxs for b in batches]
+    assert [ph["kind"] for ph in phases] == ["warmup"] * 3 + ["steps"] * 12 + ["prefill"] * 2
+    grid = [(b, c) for c in ctxs for b in batches]
+    assert [(ph["batch_size"], ph.get("context_len")) for ph in phases if ph["kind"] == "steps"] == (
+        grid + grid[::-1])                          # the second pass reversed
     for ph in phases:
         assert len(ph["requests"]) == (3 if ph["kind"] == "prefill" else ph["batch_size"])
         n = ph.get("prefill_tokens") or ph.get("context_len") or min(ctxs)
@@ -89,8 +92,12 @@ def test_vllm_phase_steps_make_a_full_profile_the_vllm_run_takes_and_the_embedde
                for p in fwd)
     assert [(p["prefill_tokens"], p["step_ms"]) for p in pre] == [(16, pytest.approx(3.6)),
                                                                  (64, pytest.approx(8.4))]
-    assert all(s["tokens_per_row"] == 1.0 and s["draft_ms"] == 0.0 and s["steps"] == 5
+    assert all(s["tokens_per_row"] == 1.0 and s["draft_ms"] == 0.0 and s["steps"] == 10
                for s in steps)
+    # a machine slowing 5 % a phase: every point pays the same mean drift (1 + 0.05 x 5.5)
+    drifted, _, _ = prof_mod._vllm_points(phases, _answer(phases, drift=0.05))
+    assert all(p["cpu_ms"] == pytest.approx(0.9 * 1.275 * _cost(p["batch_size"], p["context_len"]))
+               for p in drifted)
     name = "vllm-autoregressive"
     prof = {"kind": profiled.PROFILE_KIND, "strategies": {name: {
         "strategy": mn.AUTOREGRESSIVE, "backend": "vllm", "forward": fwd, "prefill": pre,
@@ -128,7 +135,7 @@ def test_vllm_engine_profile_on_the_cpu_build(tmp_path):
     assert all(p["cpu_ms"] > 0 and p["step_ms"] > 0 for p in entry["forward"])
     assert [p["prefill_tokens"] for p in entry["prefill"]] == [16, 64]
     assert {s["batch_size"]: s["tokens_per_row"] for s in entry["engine_steps"]} == {1: 1.0, 4: 1.0}
-    assert all(s["steps"] >= 8 for s in entry["engine_steps"])   # 12 tokens: 11 decode steps
+    assert all(s["steps"] >= 16 for s in entry["engine_steps"])   # 2 passes x 11 decode steps
     assert prof["points"] == entry["forward"]
     assert profiled.parts_from_profile(prof, "vllm-autoregressive") is not None
     with pytest.raises(ValueError, match="nope"):
