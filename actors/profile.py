@@ -226,8 +226,8 @@ class _HFTokens:
 def _vllm_phases(tokens, batches, step_contexts, prefill, max_tokens: int, repeats: int = 3
                  ) -> list[dict]:
     """The fixed-batch phases of a vLLM profile, in order: an untimed warm-up at every batch
-    (vLLM's first steps at a new batch shape are its slowest: 15 ms at B = 1 against 5 ms
-    after); per context x batch, B requests of a ctx-token prompt run together to
+    (the first profile without one: 15.4 ms a step at B = 1, ctx 64, the first point, where
+    B = 2 took 6.3 ms); per context x batch, B requests of a ctx-token prompt run together to
     ``max_tokens`` (ignore_eos, greedy), the grid twice, the second pass in reverse order (a
     machine that slows or speeds up during the profile then bends no end of the grid: the
     main job's profile, taken while its service idled, had every ctx-64 point, the first
