@@ -282,3 +282,33 @@ def test_the_run_waits_for_the_last_cells_late_rows():
     assert [r["seq"] for r in st.steps] == [1, 2]
     assert len(asked) == 4                         # the row, the late row, two quiet polls
     assert time.time() - now >= 2 * STEP_FLUSH_S + 3 * STEP_FLUSH_S - 0.05   # waited, not raced
+
+
+def test_a_restarted_store_answers_an_old_cursor_with_every_row_it_holds():
+    """Serve may replace the store's replica: the new store counts from 0, so a reader's
+    cursor lies past its end. It gets every row the new store holds (not nothing, for the
+    rest of the run), and the smaller ``total`` is no eviction."""
+    import types
+
+    from loadgen.cli import main as cli_main
+
+    old, asked = StepLogStore.func_or_class(), []
+    old.append([_row("ngram", 11.0 + i, 1 + i) for i in range(5)])
+    st = types.SimpleNamespace(target="http://127.0.0.1:9", manifest={}, fetched={}, cursors={},
+                               step_totals={}, steps=[],
+                               auth=types.SimpleNamespace(headers={}, insecure=False))
+    orig = cli_main.service.fetch_step_page
+    try:
+        cli_main.service.fetch_step_page = _paged(old, asked)
+        cli_main._fetch_steps(st, "ngram", 10.0)
+        new = StepLogStore.func_or_class()            # the replacement, after a restart
+        new.append([_row("ngram", 30.0, 1, replica="r2"), _row("ngram", 31.0, 2, replica="r2")])
+        cli_main.service.fetch_step_page = _paged(new, asked)
+        cli_main._fetch_steps(st, "ngram", 10.0)
+        new.append([_row("ngram", 32.0, 3, replica="r2")])
+        cli_main._fetch_steps(st, "ngram", 10.0)
+    finally:
+        cli_main.service.fetch_step_page = orig
+    assert asked == [(10.0, None), (10.0, 5), (10.0, 2)]
+    assert [r[mn.STEP_TS] for r in st.steps] == [11.0, 12.0, 13.0, 14.0, 15.0, 30.0, 31.0, 32.0]
+    assert "step_log_errors" not in st.manifest

@@ -209,7 +209,9 @@ class StepLogStore:
             snapshot, end = list(self._rows), self._appended
             total = self._appended if strategy is None else self._by_model[strategy]
         first = end - len(snapshot)             # arrival number of the oldest row held
-        start = first if after is None else min(max(int(after), first), end)
+        # a cursor past the end is from before this store restarted (Serve replaced it):
+        # every row it holds is new to that reader
+        start = first if after is None or int(after) > end else max(int(after), first)
         rows = [r for r in snapshot[start - first:]
                 if (strategy is None or r.get(mn.STEP_MODEL) == strategy)
                 and (since is None or r.get(mn.STEP_TS, 0.0) > since)]

@@ -794,9 +794,10 @@ def _fetch_steps(st: _RunState, strategy: str, since: float) -> None:
     """Append the target's step rows of ``strategy`` (served name): the first fetch takes
     the rows newer than ``since``, each later one every row the store took since the last
     page (its ``next``: by arrival, so a replica's late push of older steps is not
-    skipped). Rows the store evicted before they were fetched (the growth of the page's
-    ``total`` less its rows), or a step log that fails to answer, are a warning and a manifest entry (``step_log_errors``),
-    never a lost run."""
+    skipped; a store that restarted answers an old cursor with every row it holds). Rows
+    the store evicted before they were fetched (the growth of the page's ``total`` less its
+    rows), or a step log that fails to answer, are a warning and a manifest entry
+    (``step_log_errors``), never a lost run."""
     after = st.cursors.get(strategy)
     try:
         page = service.fetch_step_page(st.target, strategy, since, after, headers=st.auth.headers,
